@@ -1,0 +1,104 @@
+//! Every object path of a job's checkpoint storage, in one place.
+//!
+//! ```text
+//! <job>/checkpoints/chk-<N>/_metadata
+//! <job>/checkpoints/chk-<N>/<uid>/<subtask>.state          operator (non-keyed) state
+//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<seq>.kv    keyed state files, shared by the
+//!                                                          incremental checkpoints that list them
+//! <job>/savepoints/sp-<time>-<N>/_metadata                 self-contained, relocatable
+//! <job>/savepoints/sp-<time>-<N>/<uid>/<subtask>.state|.kv
+//! ```
+//! File references inside `_metadata` are relative to the directory holding `_metadata`
+//! (checkpoints reach shared files with `../shared/...`).
+
+/// Name of the metadata object in a checkpoint or savepoint directory.
+pub const METADATA: &str = "_metadata";
+/// Name of the temporary object metadata is first written to.
+pub const METADATA_TMP: &str = "_metadata.inprogress";
+/// Directory of periodic checkpoints under the job root.
+pub const CHECKPOINTS: &str = "checkpoints";
+/// Directory of shared (incremental) files under the checkpoints directory.
+pub const SHARED: &str = "shared";
+/// Directory of savepoints under the job root.
+pub const SAVEPOINTS: &str = "savepoints";
+
+/// Directory of checkpoint `id`, relative to the job root.
+pub fn checkpoint_dir(id: u64) -> String {
+    format!("{CHECKPOINTS}/chk-{id}")
+}
+
+/// Parses `chk-<N>` (a directory name) into `N`.
+pub fn parse_checkpoint_dir(name: &str) -> Option<u64> {
+    name.strip_prefix("chk-")?.parse().ok()
+}
+
+/// Directory of a savepoint, relative to the job root.
+pub fn savepoint_dir(time_ms: u64, id: u64) -> String {
+    format!("{SAVEPOINTS}/sp-{time_ms}-{id}")
+}
+
+/// Parses `sp-<time>-<N>` into `(time, N)`.
+pub fn parse_savepoint_dir(name: &str) -> Option<(u64, u64)> {
+    let rest = name.strip_prefix("sp-")?;
+    let (time, id) = rest.split_once('-')?;
+    Some((time.parse().ok()?, id.parse().ok()?))
+}
+
+/// Operator state file of one subtask, relative to its checkpoint or savepoint directory.
+pub fn operator_state_file(uid: &str, subtask: u32) -> String {
+    format!("{uid}/{subtask}.state")
+}
+
+/// A shared keyed-state file created by checkpoint `id`, relative to a checkpoint directory.
+pub fn shared_keyed_file(uid: &str, subtask: u32, id: u64, seq: u32) -> String {
+    format!("../{SHARED}/{uid}/{subtask}-{id}-{seq}.kv")
+}
+
+/// A savepoint's keyed-state file, relative to the savepoint directory.
+pub fn savepoint_keyed_file(uid: &str, subtask: u32) -> String {
+    format!("{uid}/{subtask}.kv")
+}
+
+/// The checkpoint id that created a shared file (from its name `<subtask>-<N>-<seq>.kv`).
+pub fn shared_file_creator(file_name: &str) -> Option<u64> {
+    let stem = file_name.strip_suffix(".kv")?;
+    let mut parts = stem.split('-');
+    let _subtask = parts.next()?;
+    parts.next()?.parse().ok()
+}
+
+/// Joins a directory and a relative reference, resolving `..` segments.
+pub fn resolve(dir: &str, relative: &str) -> String {
+    let mut parts: Vec<&str> = dir.split('/').filter(|p| !p.is_empty()).collect();
+    for seg in relative.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            s => parts.push(s),
+        }
+    }
+    parts.join("/")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        assert_eq!(parse_checkpoint_dir(&checkpoint_dir(42)["checkpoints/".len()..]), Some(42));
+        assert_eq!(parse_savepoint_dir("sp-1700-9"), Some((1700, 9)));
+        assert_eq!(shared_file_creator("3-17-0.kv"), Some(17));
+        assert_eq!(parse_checkpoint_dir("chk-x"), None);
+    }
+
+    #[test]
+    fn resolves_shared_references_from_a_checkpoint_dir() {
+        let dir = checkpoint_dir(7);
+        let shared = shared_keyed_file("counts", 1, 5, 0);
+        assert_eq!(resolve(&dir, &shared), "checkpoints/shared/counts/1-5-0.kv");
+        assert_eq!(resolve("savepoints/sp-1-2", "a/0.kv"), "savepoints/sp-1-2/a/0.kv");
+    }
+}

@@ -1,0 +1,199 @@
+//! The versioned, checksummed `_metadata` document of a checkpoint or savepoint.
+//!
+//! On disk: one header line `weir-checkpoint v<version> crc32c=<hex>` followed by the JSON body;
+//! the checksum covers the body bytes. A document that fails the check is never trusted.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Current metadata format version.
+pub const FORMAT_VERSION: u32 = 1;
+const MAGIC: &str = "weir-checkpoint";
+
+/// Checkpoint or savepoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SnapshotKind {
+    /// Periodic; may share files with other checkpoints.
+    Checkpoint,
+    /// Full and self-contained.
+    Savepoint,
+}
+
+/// A reference to one state file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRef {
+    /// Path relative to the directory holding `_metadata`.
+    pub path: String,
+    /// Length in bytes.
+    pub len: u64,
+    /// CRC-32C of the whole file.
+    pub crc32c: u32,
+}
+
+/// What one subtask of one operator contributed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct SubtaskSnapshot {
+    /// Subtask index.
+    pub subtask: u32,
+    /// Key groups `[start, end)` this subtask owned.
+    pub key_groups: (u32, u32),
+    /// Non-keyed state (source positions, pending transactions), if any.
+    pub operator_state: Option<FileRef>,
+    /// Keyed state: a full image first, then increments in order. Empty means no keyed state.
+    pub keyed_state: Vec<FileRef>,
+}
+
+/// What one operator (by uid) contributed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct OperatorSnapshot {
+    /// Parallelism at snapshot time.
+    pub parallelism: u32,
+    /// One entry per subtask, by index.
+    pub subtasks: Vec<SubtaskSnapshot>,
+}
+
+/// The `_metadata` document.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointMetadata {
+    /// Format version of this document.
+    pub format_version: u32,
+    /// Checkpoint id.
+    pub checkpoint_id: u64,
+    /// Checkpoint or savepoint.
+    pub kind: SnapshotKind,
+    /// Job name.
+    pub job_name: String,
+    /// Completion time, ms since the Unix epoch.
+    pub created_at_ms: u64,
+    /// Key groups of the job (fixed at the first run).
+    pub max_parallelism: u32,
+    /// State by operator uid.
+    pub operators: BTreeMap<String, OperatorSnapshot>,
+}
+
+/// Why a metadata document was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MetadataError {
+    /// The header line is missing or malformed.
+    #[error("not a Weir checkpoint metadata document (bad header)")]
+    BadHeader,
+    /// Written by a newer Weir.
+    #[error("metadata format v{0} is newer than this Weir understands (v{FORMAT_VERSION})")]
+    UnsupportedVersion(u32),
+    /// The checksum does not match: the document is corrupt or truncated.
+    #[error("metadata checksum mismatch (expected {expected:08x}, found {found:08x}): corrupt or truncated")]
+    ChecksumMismatch {
+        /// From the header.
+        expected: u32,
+        /// Of the body read.
+        found: u32,
+    },
+    /// The body is not the expected JSON.
+    #[error("metadata body unreadable: {0}")]
+    Body(String),
+}
+
+impl CheckpointMetadata {
+    /// Encodes header + body.
+    pub fn encode(&self) -> Vec<u8> {
+        let body = serde_json::to_vec_pretty(self).expect("metadata serializes");
+        let mut out = format!("{MAGIC} v{} crc32c={:08x}\n", self.format_version, crc32c::crc32c(&body)).into_bytes();
+        out.extend_from_slice(&body);
+        out
+    }
+
+    /// Decodes and verifies a document.
+    pub fn decode(bytes: &[u8]) -> Result<CheckpointMetadata, MetadataError> {
+        let newline = bytes.iter().position(|b| *b == b'\n').ok_or(MetadataError::BadHeader)?;
+        let header = std::str::from_utf8(&bytes[..newline]).map_err(|_| MetadataError::BadHeader)?;
+        let mut parts = header.split(' ');
+        if parts.next() != Some(MAGIC) {
+            return Err(MetadataError::BadHeader);
+        }
+        let version: u32 = parts.next().and_then(|v| v.strip_prefix('v')).and_then(|v| v.parse().ok()).ok_or(MetadataError::BadHeader)?;
+        if version > FORMAT_VERSION {
+            return Err(MetadataError::UnsupportedVersion(version));
+        }
+        let expected = parts
+            .next()
+            .and_then(|c| c.strip_prefix("crc32c="))
+            .and_then(|c| u32::from_str_radix(c, 16).ok())
+            .ok_or(MetadataError::BadHeader)?;
+        let body = &bytes[newline + 1..];
+        let found = crc32c::crc32c(body);
+        if found != expected {
+            return Err(MetadataError::ChecksumMismatch { expected, found });
+        }
+        serde_json::from_slice(body).map_err(|e| MetadataError::Body(e.to_string()))
+    }
+
+    /// Every file the document references, as `(path relative to its directory, ref)`.
+    pub fn files(&self) -> impl Iterator<Item = &FileRef> {
+        self.operators
+            .values()
+            .flat_map(|op| op.subtasks.iter())
+            .flat_map(|s| s.operator_state.iter().chain(s.keyed_state.iter()))
+    }
+
+    /// Total bytes of state referenced.
+    pub fn state_bytes(&self) -> u64 {
+        self.files().map(|f| f.len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> CheckpointMetadata {
+        let mut operators = BTreeMap::new();
+        operators.insert(
+            "counts".to_string(),
+            OperatorSnapshot {
+                parallelism: 1,
+                subtasks: vec![SubtaskSnapshot {
+                    subtask: 0,
+                    key_groups: (0, 128),
+                    operator_state: None,
+                    keyed_state: vec![FileRef { path: "../shared/counts/0-1-0.kv".into(), len: 10, crc32c: 7 }],
+                }],
+            },
+        );
+        CheckpointMetadata {
+            format_version: FORMAT_VERSION,
+            checkpoint_id: 1,
+            kind: SnapshotKind::Checkpoint,
+            job_name: "j".into(),
+            created_at_ms: 5,
+            max_parallelism: 128,
+            operators,
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let m = sample();
+        assert_eq!(CheckpointMetadata::decode(&m.encode()).unwrap(), m);
+        assert_eq!(m.state_bytes(), 10);
+    }
+
+    #[test]
+    fn detects_corruption_and_truncation() {
+        let mut bytes = sample().encode();
+        let last = bytes.len() - 3;
+        bytes[last] ^= 0x20;
+        assert!(matches!(CheckpointMetadata::decode(&bytes), Err(MetadataError::ChecksumMismatch { .. })));
+        let full = sample().encode();
+        assert!(matches!(CheckpointMetadata::decode(&full[..full.len() / 2]), Err(MetadataError::ChecksumMismatch { .. })));
+        assert_eq!(CheckpointMetadata::decode(b"garbage"), Err(MetadataError::BadHeader));
+    }
+
+    #[test]
+    fn refuses_newer_versions() {
+        let mut m = sample();
+        m.format_version = FORMAT_VERSION + 1;
+        assert_eq!(CheckpointMetadata::decode(&m.encode()), Err(MetadataError::UnsupportedVersion(FORMAT_VERSION + 1)));
+    }
+}

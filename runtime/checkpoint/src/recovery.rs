@@ -1,0 +1,138 @@
+//! Finding what to restore from: the newest *valid* retained checkpoint, or a named checkpoint
+//! or savepoint directory. A checkpoint is valid when its metadata passes its checksum and every
+//! file it references exists with the recorded length; the loader then checks each file's
+//! CRC-32C and falls back further when one does not match.
+
+use crate::layout;
+use crate::metadata::CheckpointMetadata;
+use crate::store::{Storage, StorageError};
+
+/// A restorable snapshot: its metadata and the directory references resolve against.
+#[derive(Clone, Debug)]
+pub struct Restorable {
+    /// Directory holding `_metadata`, relative to the storage root it was found in.
+    pub dir: String,
+    /// The verified metadata.
+    pub metadata: CheckpointMetadata,
+}
+
+impl Restorable {
+    /// The storage path (relative to the root) of a file reference.
+    pub fn resolve(&self, relative: &str) -> String {
+        layout::resolve(&self.dir, relative)
+    }
+}
+
+/// The verdict on one checkpoint directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Metadata and files check out.
+    Valid,
+    /// Why it cannot be used.
+    Invalid(String),
+}
+
+/// Checks one snapshot directory (relative to `storage`).
+pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<CheckpointMetadata>), StorageError> {
+    let bytes = match storage.get(&format!("{dir}/{}", layout::METADATA)).await {
+        Ok(b) => b,
+        Err(StorageError::NotFound(_)) => return Ok((Verdict::Invalid("no _metadata (incomplete or aborted)".into()), None)),
+        Err(e) => return Err(e),
+    };
+    let metadata = match CheckpointMetadata::decode(&bytes) {
+        Ok(m) => m,
+        Err(e) => return Ok((Verdict::Invalid(e.to_string()), None)),
+    };
+    let files: Vec<_> = metadata.files().cloned().collect();
+    for f in files {
+        let path = layout::resolve(dir, &f.path);
+        match storage.size(&path).await? {
+            None => return Ok((Verdict::Invalid(format!("missing file {}", f.path)), Some(metadata))),
+            Some(len) if len != f.len => {
+                return Ok((Verdict::Invalid(format!("file {} has {len} bytes, metadata says {}", f.path, f.len)), Some(metadata)))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok((Verdict::Valid, Some(metadata)))
+}
+
+/// Every checkpoint directory of a job root, newest first, with its verdict.
+pub async fn list_checkpoints(storage: &Storage) -> Result<Vec<(u64, Verdict, Option<CheckpointMetadata>)>, StorageError> {
+    let mut ids: Vec<u64> = storage.list_dirs(layout::CHECKPOINTS).await?.iter().filter_map(|n| layout::parse_checkpoint_dir(n)).collect();
+    ids.sort_unstable_by(|a, b| b.cmp(a));
+    let mut out = Vec::new();
+    for id in ids {
+        let (verdict, meta) = inspect(storage, &layout::checkpoint_dir(id)).await?;
+        out.push((id, verdict, meta));
+    }
+    Ok(out)
+}
+
+/// Valid checkpoints of a job root, newest first, with the reasons others were skipped
+/// (`(id, reason)`, only for those newer than the first valid one).
+pub async fn restorable_checkpoints(storage: &Storage) -> Result<(Vec<Restorable>, Vec<(u64, String)>), StorageError> {
+    let mut valid = Vec::new();
+    let mut skipped = Vec::new();
+    for (id, verdict, meta) in list_checkpoints(storage).await? {
+        match (verdict, meta) {
+            (Verdict::Valid, Some(metadata)) => valid.push(Restorable { dir: layout::checkpoint_dir(id), metadata }),
+            (Verdict::Invalid(reason), _) if valid.is_empty() => skipped.push((id, reason)),
+            _ => {}
+        }
+    }
+    Ok((valid, skipped))
+}
+
+/// The highest checkpoint id used so far under a job root (checkpoints and savepoints), so a
+/// new run never reuses an id.
+pub async fn highest_id(storage: &Storage) -> Result<u64, StorageError> {
+    let chk = storage.list_dirs(layout::CHECKPOINTS).await?.iter().filter_map(|n| layout::parse_checkpoint_dir(n)).max().unwrap_or(0);
+    let sp = storage.list_dirs(layout::SAVEPOINTS).await?.iter().filter_map(|n| layout::parse_savepoint_dir(n)).map(|(_, id)| id).max().unwrap_or(0);
+    Ok(chk.max(sp))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metadata::*;
+    use bytes::Bytes;
+    use std::collections::BTreeMap;
+
+    async fn write_checkpoint(s: &Storage, id: u64, file_len: usize) {
+        let dir = layout::checkpoint_dir(id);
+        let rel = layout::shared_keyed_file("op", 0, id, 0);
+        s.put(&layout::resolve(&dir, &rel), Bytes::from(vec![1u8; file_len])).await.unwrap();
+        let mut operators = BTreeMap::new();
+        operators.insert("op".to_string(), OperatorSnapshot {
+            parallelism: 1,
+            subtasks: vec![SubtaskSnapshot { subtask: 0, key_groups: (0, 8), operator_state: None, keyed_state: vec![FileRef { path: rel, len: file_len as u64, crc32c: 0 }] }],
+        });
+        let m = CheckpointMetadata { format_version: FORMAT_VERSION, checkpoint_id: id, kind: SnapshotKind::Checkpoint, job_name: "j".into(), created_at_ms: 0, max_parallelism: 8, operators };
+        s.put(&format!("{dir}/_metadata"), Bytes::from(m.encode())).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn falls_back_past_corrupt_and_incomplete_checkpoints() {
+        let s = Storage::open("memory://").unwrap();
+        write_checkpoint(&s, 1, 4).await;
+        write_checkpoint(&s, 2, 4).await;
+        write_checkpoint(&s, 3, 4).await;
+        // 3: a truncated state file; 4: no metadata at all.
+        s.put("checkpoints/shared/op/0-3-0.kv", Bytes::from_static(b"12")).await.unwrap();
+        s.put("checkpoints/chk-4/op/0.state", Bytes::from_static(b"x")).await.unwrap();
+        // 2: corrupt metadata.
+        let mut meta = s.get("checkpoints/chk-2/_metadata").await.unwrap().to_vec();
+        let n = meta.len();
+        meta[n - 2] ^= 0xff;
+        s.put("checkpoints/chk-2/_metadata", Bytes::from(meta)).await.unwrap();
+
+        let (valid, skipped) = restorable_checkpoints(&s).await.unwrap();
+        assert_eq!(valid.iter().map(|r| r.metadata.checkpoint_id).collect::<Vec<_>>(), vec![1]);
+        let skipped_ids: Vec<u64> = skipped.iter().map(|(id, _)| *id).collect();
+        assert_eq!(skipped_ids, vec![4, 3, 2]);
+        assert!(skipped[1].1.contains("has 2 bytes"), "{:?}", skipped[1]);
+        assert!(skipped[2].1.contains("checksum"), "{:?}", skipped[2]);
+        assert_eq!(highest_id(&s).await.unwrap(), 4);
+    }
+}

@@ -1,0 +1,132 @@
+//! Which checkpoints and shared files to delete: a pure plan, and the I/O that carries it out.
+//!
+//! Keep the newest `retained` complete checkpoints (so the newest is never deleted); delete
+//! older directories (complete, incomplete or corrupt); delete shared files that no kept
+//! checkpoint references, but only those created by a checkpoint no newer than the newest
+//! complete one: newer files may belong to checkpoints still in flight.
+
+use std::collections::BTreeSet;
+
+use crate::layout;
+use crate::metadata::CheckpointMetadata;
+use crate::store::{Storage, StorageError};
+
+/// A checkpoint directory as found in storage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FoundCheckpoint {
+    /// Its id.
+    pub id: u64,
+    /// Resolved paths (relative to the job root) of every file its valid metadata references;
+    /// `None` when it has no readable metadata (in progress, aborted or corrupt).
+    pub references: Option<BTreeSet<String>>,
+}
+
+/// What to delete.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RetentionPlan {
+    /// Checkpoint ids whose directories go.
+    pub delete_checkpoints: Vec<u64>,
+    /// Shared files (relative to the job root) that go.
+    pub delete_shared: Vec<String>,
+}
+
+/// Plans retention. `in_flight_from`: ids at or above it may still be written and are never
+/// touched.
+pub fn plan(found: &[FoundCheckpoint], shared_files: &[String], retained: usize, in_flight_from: u64) -> RetentionPlan {
+    let mut complete: Vec<&FoundCheckpoint> = found.iter().filter(|c| c.references.is_some()).collect();
+    complete.sort_by_key(|c| std::cmp::Reverse(c.id));
+    let kept: Vec<&FoundCheckpoint> = complete.iter().take(retained.max(1)).copied().collect();
+    let Some(oldest_kept) = kept.last().map(|c| c.id) else { return RetentionPlan::default() };
+    let newest_complete = kept[0].id;
+    let kept_ids: BTreeSet<u64> = kept.iter().map(|c| c.id).collect();
+    let delete_checkpoints: Vec<u64> = found
+        .iter()
+        .filter(|c| !kept_ids.contains(&c.id) && c.id < in_flight_from && (c.id < oldest_kept || (c.references.is_none() && c.id < newest_complete)))
+        .map(|c| c.id)
+        .collect();
+    let referenced: BTreeSet<&String> = kept.iter().flat_map(|c| c.references.as_ref().into_iter().flatten()).collect();
+    let delete_shared = shared_files
+        .iter()
+        .filter(|f| !referenced.contains(f))
+        .filter(|f| {
+            let name = f.rsplit('/').next().unwrap_or("");
+            layout::shared_file_creator(name).is_some_and(|creator| creator <= newest_complete && creator < in_flight_from)
+        })
+        .cloned()
+        .collect();
+    RetentionPlan { delete_checkpoints, delete_shared }
+}
+
+/// Reads the checkpoint directories of a job root.
+pub async fn scan(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageError> {
+    let mut out = Vec::new();
+    for name in storage.list_dirs(layout::CHECKPOINTS).await? {
+        let Some(id) = layout::parse_checkpoint_dir(&name) else { continue };
+        let dir = layout::checkpoint_dir(id);
+        let references = match storage.get(&format!("{dir}/{}", layout::METADATA)).await {
+            Ok(bytes) => CheckpointMetadata::decode(&bytes).ok().map(|m| m.files().map(|f| layout::resolve(&dir, &f.path)).collect()),
+            Err(StorageError::NotFound(_)) => None,
+            Err(e) => return Err(e),
+        };
+        out.push(FoundCheckpoint { id, references });
+    }
+    out.sort_by_key(|c| c.id);
+    Ok(out)
+}
+
+/// Applies retention to a job root; returns what was deleted.
+pub async fn apply(storage: &Storage, retained: usize, in_flight_from: u64) -> Result<RetentionPlan, StorageError> {
+    let found = scan(storage).await?;
+    let shared = storage.list(&format!("{}/{}", layout::CHECKPOINTS, layout::SHARED)).await?;
+    let plan = plan(&found, &shared, retained, in_flight_from);
+    for id in &plan.delete_checkpoints {
+        storage.delete_dir(&layout::checkpoint_dir(*id)).await?;
+    }
+    for f in &plan.delete_shared {
+        storage.delete(f).await?;
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chk(id: u64, refs: &[&str]) -> FoundCheckpoint {
+        FoundCheckpoint { id, references: Some(refs.iter().map(|s| s.to_string()).collect()) }
+    }
+
+    fn shared(name: &str) -> String {
+        format!("checkpoints/shared/op/{name}")
+    }
+
+    #[test]
+    fn keeps_the_newest_n_and_their_shared_files() {
+        let found = vec![
+            chk(1, &["checkpoints/shared/op/0-1-0.kv"]),
+            chk(2, &["checkpoints/shared/op/0-1-0.kv", "checkpoints/shared/op/0-2-0.kv"]),
+            chk(3, &["checkpoints/shared/op/0-3-0.kv"]),
+            chk(4, &["checkpoints/shared/op/0-3-0.kv", "checkpoints/shared/op/0-4-0.kv"]),
+        ];
+        let files = vec![shared("0-1-0.kv"), shared("0-2-0.kv"), shared("0-3-0.kv"), shared("0-4-0.kv"), shared("0-5-0.kv")];
+        let p = plan(&found, &files, 2, 5);
+        assert_eq!(p.delete_checkpoints, vec![1, 2]);
+        assert_eq!(p.delete_shared, vec![shared("0-1-0.kv"), shared("0-2-0.kv")], "0-5 belongs to a checkpoint in flight");
+    }
+
+    #[test]
+    fn never_deletes_the_newest_and_skips_incomplete_ones_in_flight() {
+        let found = vec![chk(1, &[]), FoundCheckpoint { id: 2, references: None }, FoundCheckpoint { id: 3, references: None }];
+        let p = plan(&found, &[], 0, 3);
+        assert_eq!(p.delete_checkpoints, Vec::<u64>::new(), "2 is incomplete but newer than the newest complete (1)");
+        let found = vec![FoundCheckpoint { id: 1, references: None }, chk(2, &[]), chk(3, &[])];
+        let p = plan(&found, &[], 1, 4);
+        assert_eq!(p.delete_checkpoints, vec![1, 2]);
+    }
+
+    #[test]
+    fn nothing_is_deleted_without_a_complete_checkpoint() {
+        let found = vec![FoundCheckpoint { id: 1, references: None }];
+        assert_eq!(plan(&found, &[shared("0-1-0.kv")], 3, 2), RetentionPlan::default());
+    }
+}

@@ -1,0 +1,211 @@
+//! Checkpoint storage: one `object_store` root per job, addressed by the paths of
+//! [`crate::layout`]. Local directories by default, `s3://` for real deployments, `memory://`
+//! for tests.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::aws::AmazonS3Builder;
+use object_store::local::LocalFileSystem;
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use object_store::{ObjectStore, PutPayload};
+
+/// Why a storage operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// The URL could not be turned into a store.
+    #[error("storage URL `{url}`: {reason}")]
+    Open {
+        /// The URL given.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// An object was not there.
+    #[error("`{0}` not found")]
+    NotFound(String),
+    /// The store refused or failed an operation.
+    #[error("{op} `{path}`: {source}")]
+    Io {
+        /// Which operation.
+        op: &'static str,
+        /// On which object.
+        path: String,
+        /// The store's error.
+        #[source]
+        source: object_store::Error,
+    },
+}
+
+/// A job's storage root.
+#[derive(Clone, Debug)]
+pub struct Storage {
+    store: Arc<dyn ObjectStore>,
+    prefix: String,
+    url: String,
+}
+
+fn io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(object_store::Error) -> StorageError + 'a {
+    move |source| match source {
+        object_store::Error::NotFound { .. } => StorageError::NotFound(path.to_string()),
+        source => StorageError::Io { op, path: path.to_string(), source },
+    }
+}
+
+impl Storage {
+    /// Opens a storage root from a URL: a local path (created if missing), `file:///abs/path`,
+    /// `s3://bucket/prefix` (credentials, region and endpoint from the usual `AWS_*`
+    /// environment variables), or `memory://` (process-local, for tests).
+    pub fn open(url: &str) -> Result<Storage, StorageError> {
+        let fail = |reason: String| StorageError::Open { url: url.to_string(), reason };
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(fail("needs a bucket: s3://bucket/prefix".into()));
+            }
+            let store = AmazonS3Builder::from_env().with_bucket_name(bucket).build().map_err(|e| fail(e.to_string()))?;
+            return Ok(Storage { store: Arc::new(store), prefix: prefix.trim_matches('/').to_string(), url: url.to_string() });
+        }
+        if let Some(rest) = url.strip_prefix("memory://") {
+            return Ok(Storage { store: Arc::new(InMemory::new()), prefix: rest.trim_matches('/').to_string(), url: url.to_string() });
+        }
+        let path = match url.strip_prefix("file://") {
+            Some(p) => p.to_string(),
+            None if url.contains("://") => return Err(fail("unsupported scheme (use a path, file://, s3:// or memory://)".into())),
+            None => url.to_string(),
+        };
+        std::fs::create_dir_all(&path).map_err(|e| fail(format!("cannot create directory: {e}")))?;
+        let abs = std::fs::canonicalize(&path).map_err(|e| fail(e.to_string()))?;
+        let store = LocalFileSystem::new_with_prefix(&abs).map_err(|e| fail(e.to_string()))?;
+        Ok(Storage { store: Arc::new(store), prefix: String::new(), url: abs.display().to_string() })
+    }
+
+    /// A view of the same store one directory down.
+    pub fn child(&self, dir: &str) -> Storage {
+        let prefix = if self.prefix.is_empty() { dir.trim_matches('/').to_string() } else { format!("{}/{}", self.prefix, dir.trim_matches('/')) };
+        Storage { store: self.store.clone(), prefix, url: format!("{}/{}", self.url.trim_end_matches('/'), dir.trim_matches('/')) }
+    }
+
+    /// The URL (or absolute path) of this root, for messages and status.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The URL of a path under this root.
+    pub fn url_of(&self, rel: &str) -> String {
+        format!("{}/{}", self.url.trim_end_matches('/'), rel)
+    }
+
+    fn full(&self, rel: &str) -> Path {
+        if self.prefix.is_empty() {
+            Path::from(rel)
+        } else {
+            Path::from(format!("{}/{}", self.prefix, rel))
+        }
+    }
+
+    fn strip<'a>(&self, full: &'a str) -> &'a str {
+        if self.prefix.is_empty() {
+            full
+        } else {
+            full.strip_prefix(&self.prefix).map(|s| s.trim_start_matches('/')).unwrap_or(full)
+        }
+    }
+
+    /// Writes an object (atomically: readers see the old object, nothing, or all of the new one).
+    pub async fn put(&self, rel: &str, data: Bytes) -> Result<(), StorageError> {
+        self.store.put(&self.full(rel), PutPayload::from(data)).await.map_err(io("put", rel))?;
+        Ok(())
+    }
+
+    /// Reads a whole object.
+    pub async fn get(&self, rel: &str) -> Result<Bytes, StorageError> {
+        let res = self.store.get(&self.full(rel)).await.map_err(io("get", rel))?;
+        res.bytes().await.map_err(io("read", rel))
+    }
+
+    /// Size of an object, or `None` when it does not exist.
+    pub async fn size(&self, rel: &str) -> Result<Option<u64>, StorageError> {
+        match self.store.head(&self.full(rel)).await {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(source) => Err(StorageError::Io { op: "head", path: rel.to_string(), source }),
+        }
+    }
+
+    /// Renames an object (used to publish `_metadata` and committed output).
+    pub async fn rename(&self, from: &str, to: &str) -> Result<(), StorageError> {
+        self.store.rename(&self.full(from), &self.full(to)).await.map_err(io("rename", from))
+    }
+
+    /// Deletes an object; a missing object is not an error.
+    pub async fn delete(&self, rel: &str) -> Result<(), StorageError> {
+        match self.store.delete(&self.full(rel)).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(source) => Err(StorageError::Io { op: "delete", path: rel.to_string(), source }),
+        }
+    }
+
+    /// Every object under a directory (recursively), as paths relative to this root.
+    pub async fn list(&self, dir: &str) -> Result<Vec<String>, StorageError> {
+        let prefix = self.full(dir);
+        let items: Vec<_> = match self.store.list(Some(&prefix)).try_collect().await {
+            Ok(items) => items,
+            Err(object_store::Error::NotFound { .. }) => return Ok(Vec::new()),
+            Err(source) => return Err(StorageError::Io { op: "list", path: dir.to_string(), source }),
+        };
+        let mut out: Vec<String> = items.into_iter().map(|m| self.strip(m.location.as_ref()).to_string()).collect();
+        out.sort();
+        Ok(out)
+    }
+
+    /// The immediate subdirectory names of a directory.
+    pub async fn list_dirs(&self, dir: &str) -> Result<Vec<String>, StorageError> {
+        let prefix = self.full(dir);
+        let listing = match self.store.list_with_delimiter(Some(&prefix)).await {
+            Ok(l) => l,
+            Err(object_store::Error::NotFound { .. }) => return Ok(Vec::new()),
+            Err(source) => return Err(StorageError::Io { op: "list", path: dir.to_string(), source }),
+        };
+        Ok(listing.common_prefixes.iter().filter_map(|p| p.filename().map(str::to_string)).collect())
+    }
+
+    /// Deletes every object under a directory.
+    pub async fn delete_dir(&self, dir: &str) -> Result<(), StorageError> {
+        for rel in self.list(dir).await? {
+            self.delete(&rel).await?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn local_put_get_list_rename_delete() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Storage::open(dir.path().to_str().unwrap()).unwrap();
+        s.put("a/b/1", Bytes::from_static(b"x")).await.unwrap();
+        s.put("a/c/2", Bytes::from_static(b"yy")).await.unwrap();
+        assert_eq!(s.list("a").await.unwrap(), vec!["a/b/1", "a/c/2"]);
+        assert_eq!(s.list_dirs("a").await.unwrap(), vec!["b", "c"]);
+        assert_eq!(s.size("a/c/2").await.unwrap(), Some(2));
+        s.rename("a/c/2", "a/c/3").await.unwrap();
+        assert_eq!(&s.get("a/c/3").await.unwrap()[..], b"yy");
+        assert!(matches!(s.get("a/c/2").await, Err(StorageError::NotFound(_))));
+        s.delete_dir("a").await.unwrap();
+        assert!(s.list("a").await.unwrap().is_empty());
+        let child = s.child("x/y");
+        child.put("z", Bytes::from_static(b"1")).await.unwrap();
+        assert_eq!(s.list("x").await.unwrap(), vec!["x/y/z"]);
+    }
+
+    #[test]
+    fn refuses_unknown_schemes() {
+        assert!(matches!(Storage::open("ftp://x"), Err(StorageError::Open { .. })));
+    }
+}
