@@ -103,7 +103,8 @@ pub struct CheckpointingSpec {
     /// Write only the keyed state changed since the previous checkpoint.
     #[serde(default = "yes")]
     pub incremental: bool,
-    /// With incremental checkpoints, write a full image after this many increments.
+    /// With incremental checkpoints, every `fullEvery`-th checkpoint writes a full image (the
+    /// others write only the keys changed since the previous one).
     #[serde(default = "default_full_every")]
     pub full_every: u32,
 }

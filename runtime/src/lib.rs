@@ -1,1 +1,76 @@
+//! Weir's stream engine: a job graph of sources, operators and sinks, run as parallel tasks in
+//! one process with bounded channels, checkpointed by asynchronous barrier snapshots, restored
+//! by operator uid, and written out exactly once by two-phase commit.
 
+pub mod control;
+pub mod executor;
+pub mod expr;
+pub mod faults;
+pub mod message;
+pub mod metrics;
+pub mod operator;
+pub mod operators;
+pub mod plan;
+pub mod restore;
+pub mod sinks;
+pub mod sources;
+pub mod state;
+pub mod task;
+pub mod upload;
+pub mod value;
+
+use std::sync::OnceLock;
+
+/// The process-wide runtime for storage I/O (object_store is async); task threads block on it.
+pub fn io() -> &'static tokio::runtime::Runtime {
+    static IO: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    IO.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("weir-io")
+            .enable_all()
+            .build()
+            .expect("the I/O runtime starts")
+    })
+}
+
+/// Parses and validates a job file, naming the field path of every problem, including CEL
+/// expressions that do not compile.
+pub fn load_job(text: &str) -> Result<weir_crds::ValidatedJob, String> {
+    let spec = weir_crds::JobSpec::from_yaml(text).map_err(|e| e.to_string())?;
+    let job = weir_crds::validate(&spec).map_err(|e| e.to_string())?;
+    check_expressions(&job).map_err(|v| v.join("\n"))?;
+    Ok(job)
+}
+
+fn check_expressions(job: &weir_crds::ValidatedJob) -> Result<(), Vec<String>> {
+    use weir_crds::validate::NodeKind;
+    let mut errors = Vec::new();
+    for node in &job.nodes {
+        let input: &[String] = node.inputs.first().map(|&i| job.nodes[i].schema.as_slice()).unwrap_or(&[]);
+        let mut check = |path: String, text: &str| {
+            if let Err(e) = expr::Expr::compile(text, input) {
+                errors.push(format!("{path}: {e}"));
+            }
+        };
+        match &node.kind {
+            NodeKind::Map(m) => {
+                for (name, text) in &m.fields.0 {
+                    check(format!("{}.map.fields.{name}", node.path), text);
+                }
+            }
+            NodeKind::Filter(f) => check(format!("{}.filter.expr", node.path), &f.expr),
+            NodeKind::FlatMap(f) => {
+                if let Some(e) = &f.expr {
+                    check(format!("{}.flatMap.expr", node.path), e);
+                }
+            }
+            _ => {}
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}

@@ -34,7 +34,7 @@ pub enum Verdict {
 
 /// Checks one snapshot directory (relative to `storage`).
 pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<CheckpointMetadata>), StorageError> {
-    let bytes = match storage.get(&format!("{dir}/{}", layout::METADATA)).await {
+    let bytes = match storage.get(&layout::resolve(dir, layout::METADATA)).await {
         Ok(b) => b,
         Err(StorageError::NotFound(_)) => return Ok((Verdict::Invalid("no _metadata (incomplete or aborted)".into()), None)),
         Err(e) => return Err(e),

@@ -45,6 +45,8 @@ pub struct Storage {
     store: Arc<dyn ObjectStore>,
     prefix: String,
     url: String,
+    /// The local directory behind a filesystem store (empty directories are removed by hand).
+    local: Option<std::path::PathBuf>,
 }
 
 fn io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(object_store::Error) -> StorageError + 'a {
@@ -66,10 +68,10 @@ impl Storage {
                 return Err(fail("needs a bucket: s3://bucket/prefix".into()));
             }
             let store = AmazonS3Builder::from_env().with_bucket_name(bucket).build().map_err(|e| fail(e.to_string()))?;
-            return Ok(Storage { store: Arc::new(store), prefix: prefix.trim_matches('/').to_string(), url: url.to_string() });
+            return Ok(Storage { store: Arc::new(store), prefix: prefix.trim_matches('/').to_string(), url: url.to_string(), local: None });
         }
         if let Some(rest) = url.strip_prefix("memory://") {
-            return Ok(Storage { store: Arc::new(InMemory::new()), prefix: rest.trim_matches('/').to_string(), url: url.to_string() });
+            return Ok(Storage { store: Arc::new(InMemory::new()), prefix: rest.trim_matches('/').to_string(), url: url.to_string(), local: None });
         }
         let path = match url.strip_prefix("file://") {
             Some(p) => p.to_string(),
@@ -79,13 +81,18 @@ impl Storage {
         std::fs::create_dir_all(&path).map_err(|e| fail(format!("cannot create directory: {e}")))?;
         let abs = std::fs::canonicalize(&path).map_err(|e| fail(e.to_string()))?;
         let store = LocalFileSystem::new_with_prefix(&abs).map_err(|e| fail(e.to_string()))?;
-        Ok(Storage { store: Arc::new(store), prefix: String::new(), url: abs.display().to_string() })
+        Ok(Storage { store: Arc::new(store), prefix: String::new(), url: abs.display().to_string(), local: Some(abs) })
     }
 
     /// A view of the same store one directory down.
     pub fn child(&self, dir: &str) -> Storage {
         let prefix = if self.prefix.is_empty() { dir.trim_matches('/').to_string() } else { format!("{}/{}", self.prefix, dir.trim_matches('/')) };
-        Storage { store: self.store.clone(), prefix, url: format!("{}/{}", self.url.trim_end_matches('/'), dir.trim_matches('/')) }
+        Storage {
+            store: self.store.clone(),
+            url: format!("{}/{}", self.url.trim_end_matches('/'), dir.trim_matches('/')),
+            local: self.local.clone(),
+            prefix,
+        }
     }
 
     /// The URL (or absolute path) of this root, for messages and status.
@@ -177,6 +184,17 @@ impl Storage {
         for rel in self.list(dir).await? {
             self.delete(&rel).await?;
         }
+        if let Some(local) = &self.local {
+            // A filesystem store leaves the emptied directories behind.
+            let path = local.join(&self.prefix).join(dir.trim_matches('/'));
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(StorageError::Io { op: "rmdir", path: dir.to_string(), source: object_store::Error::Generic { store: "local", source: Box::new(e) } })
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -199,6 +217,7 @@ mod tests {
         assert!(matches!(s.get("a/c/2").await, Err(StorageError::NotFound(_))));
         s.delete_dir("a").await.unwrap();
         assert!(s.list("a").await.unwrap().is_empty());
+        assert!(!dir.path().join("a").exists(), "emptied directories are removed too");
         let child = s.child("x/y");
         child.put("z", Bytes::from_static(b"1")).await.unwrap();
         assert_eq!(s.list("x").await.unwrap(), vec!["x/y/z"]);

@@ -1,0 +1,692 @@
+//! Runs a job: restores state, recovers sinks, starts the tasks, drives the checkpoint
+//! coordinator, and restarts everything from the newest complete checkpoint when a task fails.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
+use weir_checkpoint::protocol::{Action, Coordinator, CoordinatorConfig, TaskId, TriggerKind};
+use weir_checkpoint::{layout, recovery, retention, CheckpointMetadata, OperatorSnapshot, SnapshotKind, Storage};
+use weir_crds::control::{CheckpointInfo, CheckpointKind, CheckpointOutcome, JobState, SavepointStatus};
+use weir_crds::job::{RestartStrategyKind, RetentionOnCancel};
+use weir_crds::validate::{NodeKind, ValidatedJob};
+
+use crate::faults::{Fault, FaultPlan, Faults};
+use crate::message::{Barrier, Event, SnapshotTarget, TaskAck, TaskControl};
+use crate::metrics::JobMetrics;
+use crate::operator::{ChainedOperator, Operator, TaskError};
+use crate::operators::keyed::{AggregateOperator, DedupeOperator, KeyedContext};
+use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
+use crate::operators::window::WindowOperator;
+use crate::plan::{self, Partition, Vertex};
+use crate::restore::{open_path, RestoreError, RestoredState};
+use crate::sinks::file::FileSink;
+use crate::sinks::stdout::{BlackholeSink, StdoutSink};
+use crate::sources::file::FileSource;
+use crate::sources::generator::GeneratorSource;
+use crate::sources::Source;
+use crate::task::{Head, Output, Task, TaskEnd};
+
+/// Capacity of a data channel, in batches: the backpressure window.
+const CHANNEL_CAPACITY: usize = 8;
+/// How often the coordinator wakes up when nothing happens.
+const TICK: Duration = Duration::from_millis(5);
+
+/// What to restore from at start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RestoreRequest {
+    /// The newest valid checkpoint under the job's checkpoint storage (none: start fresh).
+    Latest,
+    /// A checkpoint (`.../checkpoints/chk-N`) or savepoint directory.
+    Path(String),
+}
+
+/// How to run a job.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Storage root of this job's checkpoints and savepoints (overrides the job file).
+    pub checkpoint_dir: Option<String>,
+    /// What to restore from.
+    pub restore: Option<RestoreRequest>,
+    /// Accept a snapshot holding state of uids the job no longer has.
+    pub allow_non_restored_state: bool,
+    /// Test hook.
+    pub faults: Option<FaultPlan>,
+}
+
+/// An instruction from the control API.
+#[derive(Debug)]
+pub enum Request {
+    /// Take a savepoint (and stop the job when `stop`); the request id is sent back.
+    Savepoint {
+        /// Stop after it.
+        stop: bool,
+        /// Flush windows first (with stop).
+        drain: bool,
+        /// Where to send the request id.
+        reply: Sender<u64>,
+    },
+    /// Cancel without a savepoint.
+    Cancel,
+}
+
+/// How a job ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JobOutcome {
+    /// Bounded input ended; everything committed.
+    Finished,
+    /// Stopped with a savepoint at this path.
+    Stopped {
+        /// The savepoint.
+        savepoint: String,
+    },
+    /// Cancelled.
+    Cancelled,
+}
+
+/// Why a job could not run or failed for good.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The checkpoint storage could not be opened.
+    #[error("checkpoint storage: {0}")]
+    Storage(#[from] weir_checkpoint::StorageError),
+    /// The requested snapshot could not be restored.
+    #[error(transparent)]
+    Restore(#[from] RestoreError),
+    /// The job failed and its restart strategy gave up.
+    #[error("job failed after {restarts} restart(s): {reason}")]
+    Failed {
+        /// The last failure.
+        reason: String,
+        /// Restarts made.
+        restarts: u32,
+    },
+}
+
+/// The storage root a job uses: the override, the job file's, or `./.weir/<job>`.
+pub fn storage_url(job: &ValidatedJob, opts: &RunOptions) -> String {
+    opts.checkpoint_dir.clone().or_else(|| job.spec.checkpointing.storage.clone()).unwrap_or_else(|| format!(".weir/{}", job.spec.name))
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+enum AttemptEnd {
+    Done(JobOutcome),
+    Failed(String),
+}
+
+struct Running {
+    tasks: Vec<JoinHandle<()>>,
+    uploaders: Vec<JoinHandle<()>>,
+    controls: Vec<Sender<TaskControl>>,
+    source_tasks: Vec<TaskId>,
+}
+
+impl Running {
+    fn send_all(&self, msg: &TaskControl) {
+        for c in &self.controls {
+            let _ = c.send(msg.clone());
+        }
+    }
+
+    fn send_sources(&self, msg: &TaskControl) {
+        for t in &self.source_tasks {
+            let _ = self.controls[*t as usize].send(msg.clone());
+        }
+    }
+
+    fn stop(self) {
+        self.send_all(&TaskControl::Cancel);
+        drop(self.controls);
+        for t in self.tasks {
+            let _ = t.join();
+        }
+        for u in self.uploaders {
+            let _ = u.join();
+        }
+    }
+}
+
+/// Runs a job to its end.
+pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, requests: Receiver<Request>) -> Result<JobOutcome, JobError> {
+    let storage = Storage::open(&storage_url(job, opts))?;
+    let faults = Faults::new(opts.faults.clone(), metrics.clone());
+    let mut exec = Executor { job, opts, storage, metrics: metrics.clone(), faults, requests, next_id: 1, next_request: 1, savepoint_requests: HashMap::new() };
+    let initial = exec.initial_restore()?;
+    let mut restore = initial.clone();
+    let mut restarts = 0u32;
+    loop {
+        metrics.set_state(JobState::Starting);
+        metrics.board().restored_from = restore.as_ref().map(|r| r.path.clone());
+        let end = exec.attempt(restore.as_ref());
+        match end {
+            AttemptEnd::Done(outcome) => {
+                let state = match &outcome {
+                    JobOutcome::Finished => JobState::Finished,
+                    JobOutcome::Stopped { .. } => JobState::Stopped,
+                    JobOutcome::Cancelled => JobState::Cancelled,
+                };
+                if outcome == JobOutcome::Cancelled && job.spec.checkpointing.retention_on_cancel == RetentionOnCancel::Delete {
+                    crate::io().block_on(exec.storage.delete_dir(layout::CHECKPOINTS))?;
+                }
+                metrics.set_state(state);
+                return Ok(outcome);
+            }
+            AttemptEnd::Failed(reason) => {
+                tracing::warn!(%reason, "job attempt failed");
+                metrics.board().last_error = Some(reason.clone());
+                let r = &job.spec.restart;
+                if r.strategy == RestartStrategyKind::None || restarts >= r.attempts {
+                    metrics.set_state(JobState::Failed);
+                    return Err(JobError::Failed { reason, restarts });
+                }
+                restarts += 1;
+                metrics.restarts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                metrics.set_state(JobState::Restarting);
+                let delay = match r.strategy {
+                    RestartStrategyKind::ExponentialBackoff => {
+                        let ms = r.delay.as_millis() as f64 * r.multiplier.powi(restarts as i32 - 1);
+                        Duration::from_millis((ms as u64).min(r.max_delay.as_millis()))
+                    }
+                    _ => r.delay.0,
+                };
+                if let Ok(Request::Cancel) = exec.requests.recv_timeout(delay) {
+                    metrics.set_state(JobState::Cancelled);
+                    return Ok(JobOutcome::Cancelled);
+                }
+                restore = exec.failover_restore(initial.as_ref())?;
+                tracing::info!(restarts, from = restore.as_ref().map(|r| r.path.as_str()).unwrap_or("scratch"), "restarting job");
+            }
+        }
+    }
+}
+
+struct Executor<'a> {
+    job: &'a ValidatedJob,
+    opts: &'a RunOptions,
+    storage: Storage,
+    metrics: Arc<JobMetrics>,
+    faults: Faults,
+    requests: Receiver<Request>,
+    next_id: u64,
+    next_request: u64,
+    savepoint_requests: HashMap<u64, u64>,
+}
+
+impl Executor<'_> {
+    fn initial_restore(&mut self) -> Result<Option<RestoredState>, JobError> {
+        let restored = match &self.opts.restore {
+            None => None,
+            Some(RestoreRequest::Latest) => self.newest_valid(0)?,
+            Some(RestoreRequest::Path(p)) => {
+                let (storage, found) = crate::io().block_on(open_path(p))?;
+                Some(crate::io().block_on(RestoredState::load(&storage, &found))?)
+            }
+        };
+        if let Some(r) = &restored {
+            self.check_compatible(r)?;
+            tracing::info!(path = %r.path, checkpoint = r.checkpoint_id, bytes = r.bytes, "restoring");
+        }
+        Ok(restored)
+    }
+
+    /// The newest valid checkpoint with an id above `above`, falling back past corrupt ones.
+    fn newest_valid(&self, above: u64) -> Result<Option<RestoredState>, JobError> {
+        let (candidates, skipped) = crate::io().block_on(recovery::restorable_checkpoints(&self.storage))?;
+        for (id, reason) in skipped {
+            tracing::warn!(checkpoint = id, %reason, "skipping checkpoint that cannot be restored");
+        }
+        for found in candidates {
+            if found.metadata.checkpoint_id <= above {
+                break;
+            }
+            match crate::io().block_on(RestoredState::load(&self.storage, &found)) {
+                Ok(r) => return Ok(Some(r)),
+                Err(e) => tracing::warn!(checkpoint = found.metadata.checkpoint_id, error = %e, "falling back past corrupt checkpoint"),
+            }
+        }
+        Ok(None)
+    }
+
+    fn failover_restore(&self, initial: Option<&RestoredState>) -> Result<Option<RestoredState>, JobError> {
+        let floor = initial.map_or(0, |r| r.checkpoint_id);
+        match self.newest_valid(floor)? {
+            Some(r) => Ok(Some(r)),
+            None => Ok(initial.cloned()),
+        }
+    }
+
+    fn check_compatible(&self, r: &RestoredState) -> Result<(), JobError> {
+        let incompatible = |reason: String| JobError::Restore(RestoreError::Incompatible { path: r.path.clone(), reason });
+        if r.max_parallelism != self.job.spec.max_parallelism {
+            return Err(incompatible(format!(
+                "maxParallelism is {} in the snapshot and {} in the job; it cannot change once state exists",
+                r.max_parallelism, self.job.spec.max_parallelism
+            )));
+        }
+        let uids: BTreeSet<&str> = self.job.nodes.iter().filter(|n| n.kind.is_stateful()).filter_map(|n| n.uid.as_deref()).collect();
+        let unmatched: Vec<&str> = r.operators.keys().map(String::as_str).filter(|u| !uids.contains(u)).collect();
+        if !unmatched.is_empty() {
+            if self.opts.allow_non_restored_state {
+                tracing::warn!(uids = ?unmatched, "dropping state of operators the job no longer has (allowNonRestoredState)");
+            } else {
+                return Err(incompatible(format!(
+                    "it holds state of operator uid(s) {} that the job no longer has; restore with allowNonRestoredState to drop it",
+                    unmatched.join(", ")
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn recover_sinks(&self, restored: Option<&RestoredState>) -> Result<(), String> {
+        for node in &self.job.nodes {
+            if let (NodeKind::FileSink(spec), Some(uid)) = (&node.kind, &node.uid) {
+                let storage = Storage::open(&spec.path).map_err(|e| e.to_string())?;
+                let docs = restored.map(|r| r.operator_docs(uid)).unwrap_or_default();
+                let (recommitted, deleted) = crate::io().block_on(FileSink::recover(&storage, uid, &docs, restored.map(|r| r.checkpoint_id)))?;
+                if recommitted + deleted > 0 {
+                    tracing::info!(sink = %uid, recommitted, deleted, "file sink recovered");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn attempt(&mut self, restored: Option<&RestoredState>) -> AttemptEnd {
+        let highest = match crate::io().block_on(recovery::highest_id(&self.storage)) {
+            Ok(h) => h,
+            Err(e) => return AttemptEnd::Failed(format!("listing checkpoints: {e}")),
+        };
+        self.next_id = self.next_id.max(highest + 1).max(restored.map_or(0, |r| r.checkpoint_id + 1));
+        if let Err(e) = self.recover_sinks(restored) {
+            return AttemptEnd::Failed(format!("recovering sinks: {e}"));
+        }
+        let (events_tx, events) = unbounded();
+        let running = match self.start_tasks(restored, events_tx) {
+            Ok(r) => r,
+            Err(e) => return AttemptEnd::Failed(e.to_string()),
+        };
+        self.metrics.set_state(JobState::Running);
+        let end = self.coordinate(&running, &events);
+        running.stop();
+        end
+    }
+
+    fn start_tasks(&self, restored: Option<&RestoredState>, events: Sender<Event>) -> Result<Running, TaskError> {
+        let job = self.job;
+        let spec = &job.spec;
+        let vertices = plan::build(job);
+        // Task ids, in vertex order.
+        let mut first_task = Vec::with_capacity(vertices.len());
+        let mut total = 0u32;
+        for v in &vertices {
+            first_task.push(total);
+            total += v.parallelism;
+        }
+        // Channels per edge.
+        let mut inputs: Vec<Vec<Vec<Receiver<crate::message::Message>>>> = vertices.iter().map(|v| vec![Vec::new(); v.parallelism as usize]).collect();
+        let mut outputs: Vec<Vec<Vec<Output>>> = vertices.iter().map(|v| (0..v.parallelism).map(|_| Vec::new()).collect()).collect();
+        for (to, v) in vertices.iter().enumerate() {
+            for edge in &v.inputs {
+                let from_p = vertices[edge.from].parallelism;
+                if edge.partition == Partition::Forward {
+                    for i in 0..from_p {
+                        let (tx, rx) = bounded(CHANNEL_CAPACITY);
+                        inputs[to][i as usize].push(rx);
+                        outputs[edge.from][i as usize].push(Output::new(vec![tx], Partition::Forward, spec.max_parallelism, i));
+                    }
+                } else {
+                    let mut senders: Vec<Vec<Sender<_>>> = vec![Vec::new(); from_p as usize];
+                    for j in 0..v.parallelism {
+                        for s in senders.iter_mut() {
+                            let (tx, rx) = bounded(CHANNEL_CAPACITY);
+                            s.push(tx);
+                            inputs[to][j as usize].push(rx);
+                        }
+                    }
+                    for (i, s) in senders.into_iter().enumerate() {
+                        outputs[edge.from][i].push(Output::new(s, edge.partition.clone(), spec.max_parallelism, i as u32));
+                    }
+                }
+            }
+        }
+        let mut sink_storage: HashMap<usize, Storage> = HashMap::new();
+        for (i, n) in job.nodes.iter().enumerate() {
+            if let NodeKind::FileSink(f) = &n.kind {
+                let s = Storage::open(&f.path).map_err(|e| TaskError::Commit { what: f.path.clone(), reason: e.to_string() })?;
+                sink_storage.insert(i, s);
+            }
+        }
+        let mut running = Running { tasks: Vec::new(), uploaders: Vec::new(), controls: Vec::new(), source_tasks: Vec::new() };
+        let mut built = Vec::new();
+        for (vi, v) in vertices.iter().enumerate() {
+            let mut vertex_inputs = std::mem::take(&mut inputs[vi]);
+            let mut vertex_outputs = std::mem::take(&mut outputs[vi]);
+            for subtask in 0..v.parallelism {
+                let id = first_task[vi] + subtask;
+                let key_groups = crate::value::key_group_range(subtask, spec.max_parallelism, v.parallelism);
+                let (control_tx, control_rx) = unbounded();
+                let (upload_tx, upload_rx) = unbounded();
+                let mut chains = HashMap::new();
+                let head_node = &job.nodes[v.nodes[0]];
+                let head = if head_node.kind.is_source() {
+                    let uid = head_node.uid.clone().unwrap_or_default();
+                    let docs = restored.map(|r| r.operator_docs(&uid)).unwrap_or_default();
+                    let source: Box<dyn Source> = match &head_node.kind {
+                        NodeKind::Generator(g) => Box::new(GeneratorSource::new(g, spec.max_parallelism, subtask, v.parallelism, &docs)?),
+                        NodeKind::FileSource(f) => Box::new(FileSource::new(&f.path, subtask, v.parallelism, &docs)?),
+                        _ => unreachable!("is_source"),
+                    };
+                    running.source_tasks.push(id);
+                    Head::Source { uid, source }
+                } else {
+                    Head::Inputs(std::mem::take(&mut vertex_inputs[subtask as usize]))
+                };
+                let chain_nodes = if head_node.kind.is_source() { &v.nodes[1..] } else { &v.nodes[..] };
+                let mut chain = Vec::new();
+                for &ni in chain_nodes {
+                    chain.push(self.build_operator(ni, v, subtask, key_groups, restored, &sink_storage, &mut chains)?);
+                }
+                let name = format!("{}[{}/{}]", v.nodes.iter().map(|&n| job.nodes[n].name.as_str()).collect::<Vec<_>>().join("→"), subtask + 1, v.parallelism);
+                let task = Task {
+                    id,
+                    name: name.clone(),
+                    subtask,
+                    parallelism: v.parallelism,
+                    key_groups,
+                    head,
+                    chain,
+                    outputs: std::mem::take(&mut vertex_outputs[subtask as usize]),
+                    control: control_rx,
+                    events: events.clone(),
+                    uploads: upload_tx,
+                    mode: spec.checkpointing.mode,
+                    metrics: self.metrics.clone(),
+                    faults: self.faults.clone(),
+                };
+                running.controls.push(control_tx);
+                built.push((task, upload_rx, chains));
+            }
+        }
+        for (task, upload_rx, chains) in built {
+            let storage = self.storage.clone();
+            let ev = events.clone();
+            let faults = self.faults.clone();
+            running.uploaders.push(
+                std::thread::Builder::new()
+                    .name(format!("upload-{}", task.id))
+                    .spawn(move || crate::upload::run(upload_rx, storage, ev, faults, chains))
+                    .map_err(|e| TaskError::Read { what: "thread".into(), reason: e.to_string() })?,
+            );
+            let ev = events.clone();
+            let name = task.name.clone();
+            running.tasks.push(
+                std::thread::Builder::new()
+                    .name(name.clone())
+                    .spawn(move || {
+                        let id = task.id;
+                        let result = std::panic::catch_unwind(AssertUnwindSafe(move || task.run()));
+                        let event = match result {
+                            Ok(Ok(TaskEnd::Finished)) => Event::TaskFinished { task: id },
+                            Ok(Ok(TaskEnd::Cancelled)) | Ok(Err(TaskError::Shutdown)) => return,
+                            Ok(Err(e)) => Event::TaskFailed { task: id, error: format!("{name}: {e}") },
+                            Err(panic) => {
+                                let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                                Event::TaskFailed { task: id, error: format!("{name} panicked: {msg}") }
+                            }
+                        };
+                        let _ = ev.send(event);
+                    })
+                    .map_err(|e| TaskError::Read { what: "thread".into(), reason: e.to_string() })?,
+            );
+        }
+        Ok(running)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build_operator(
+        &self,
+        ni: usize,
+        v: &Vertex,
+        subtask: u32,
+        key_groups: (u32, u32),
+        restored: Option<&RestoredState>,
+        sink_storage: &HashMap<usize, Storage>,
+        chains: &mut HashMap<String, Vec<weir_checkpoint::FileRef>>,
+    ) -> Result<ChainedOperator, TaskError> {
+        let job = self.job;
+        let node = &job.nodes[ni];
+        let input_schema: &[String] = node.inputs.first().map(|&i| job.nodes[i].schema.as_slice()).unwrap_or(&[]);
+        let uid = node.uid.clone().unwrap_or_default();
+        let keyed = || KeyedContext {
+            uid: uid.clone(),
+            key: node.key.clone(),
+            max_parallelism: job.spec.max_parallelism,
+            key_groups,
+            incremental: job.spec.checkpointing.incremental,
+            full_every: job.spec.checkpointing.full_every,
+        };
+        let keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
+        if let Some(k) = &keyed_restore {
+            if k.continue_chain {
+                chains.insert(uid.clone(), k.chain.clone());
+            }
+        }
+        let op: Box<dyn Operator> = match &node.kind {
+            NodeKind::Map(m) => Box::new(MapOperator::new(m, input_schema, &node.schema)?),
+            NodeKind::Filter(f) => Box::new(FilterOperator::new(&f.expr, input_schema)?),
+            NodeKind::FlatMap(f) => Box::new(FlatMapOperator::new(f, input_schema)?),
+            NodeKind::Window(w) => Box::new(WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?),
+            NodeKind::Aggregate(a) => Box::new(AggregateOperator::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?),
+            NodeKind::Dedupe => Box::new(DedupeOperator::new(keyed(), keyed_restore.as_ref())?),
+            NodeKind::FileSink(_) => Box::new(FileSink::new(&uid, subtask, node.schema.clone(), sink_storage[&ni].clone(), self.metrics.clone())),
+            NodeKind::Stdout => Box::new(StdoutSink::new(node.schema.clone(), self.metrics.clone())),
+            NodeKind::Blackhole => Box::new(BlackholeSink::new(self.metrics.clone())),
+            NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) => unreachable!("not a chain element"),
+        };
+        Ok(ChainedOperator { name: node.name.clone(), uid: node.uid.clone().filter(|_| node.kind.is_stateful()), op })
+    }
+
+    fn coordinate(&mut self, running: &Running, events: &Receiver<Event>) -> AttemptEnd {
+        let c = &self.job.spec.checkpointing;
+        let config = CoordinatorConfig {
+            periodic: c.enabled,
+            interval_ms: c.interval.as_millis(),
+            min_pause_ms: c.min_pause.as_millis(),
+            timeout_ms: c.timeout.as_millis(),
+            max_concurrent: c.max_concurrent,
+            tolerable_failures: c.tolerable_failures,
+        };
+        let task_count = running.controls.len() as u32;
+        let mut coord: Coordinator<TaskAck> = Coordinator::new(config, 0..task_count, self.next_id, now_ms());
+        let mut started: HashMap<u64, (u64, TriggerKind, String)> = HashMap::new();
+        let mut sources_finished = BTreeSet::new();
+        let mut finished = 0u32;
+        let mut outcome: Option<JobOutcome> = None;
+        loop {
+            while let Ok(req) = self.requests.try_recv() {
+                match req {
+                    Request::Cancel => return AttemptEnd::Done(JobOutcome::Cancelled),
+                    Request::Savepoint { stop, drain, reply } => {
+                        let request = self.next_request;
+                        self.next_request += 1;
+                        self.metrics.board().savepoints.insert(request, SavepointStatus { request_id: request, outcome: CheckpointOutcome::InProgress, path: None, failure: None });
+                        coord.request_savepoint(request, stop, drain);
+                        let _ = reply.send(request);
+                    }
+                }
+            }
+            let mut actions = coord.poll(now_ms());
+            match events.recv_timeout(TICK) {
+                Ok(Event::Ack { id, task, ack }) => actions.extend(coord.ack(id, task, ack)),
+                Ok(Event::Decline { id, task, reason }) => actions.extend(coord.decline(id, task, &reason, now_ms())),
+                Ok(Event::SourceFinished { task }) => {
+                    sources_finished.insert(task);
+                    if sources_finished.len() == running.source_tasks.len() {
+                        coord.sources_finished();
+                    }
+                }
+                Ok(Event::TaskFinished { .. }) => {
+                    finished += 1;
+                    if finished == task_count {
+                        return AttemptEnd::Done(outcome.unwrap_or(JobOutcome::Finished));
+                    }
+                }
+                Ok(Event::TaskFailed { error, .. }) => return AttemptEnd::Failed(error),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return AttemptEnd::Failed("all tasks vanished".into()),
+            }
+            // Actions may produce further actions (completion → subsumption).
+            while !actions.is_empty() {
+                let mut next = Vec::new();
+                for action in actions {
+                    match self.apply(action, &mut coord, running, &mut started, &mut outcome) {
+                        Ok(more) => next.extend(more),
+                        Err(end) => return end,
+                    }
+                }
+                actions = next;
+            }
+        }
+    }
+
+    fn apply(
+        &mut self,
+        action: Action<TaskAck>,
+        coord: &mut Coordinator<TaskAck>,
+        running: &Running,
+        started: &mut HashMap<u64, (u64, TriggerKind, String)>,
+        outcome: &mut Option<JobOutcome>,
+    ) -> Result<Vec<Action<TaskAck>>, AttemptEnd> {
+        match action {
+            Action::Trigger { id, kind, is_final } => {
+                self.next_id = self.next_id.max(id + 1);
+                let now = now_ms();
+                let (target, dir, stop, drain) = match kind {
+                    TriggerKind::Savepoint { request, stop, drain } => {
+                        self.savepoint_requests.insert(id, request);
+                        let dir = layout::savepoint_dir(now, id);
+                        (SnapshotTarget::Savepoint { dir: dir.clone() }, dir, stop, drain)
+                    }
+                    TriggerKind::Checkpoint => (SnapshotTarget::Checkpoint, layout::checkpoint_dir(id), is_final, false),
+                };
+                started.insert(id, (now, kind, dir.clone()));
+                self.metrics.record_checkpoint(CheckpointInfo {
+                    id,
+                    kind: if kind.is_savepoint() { CheckpointKind::Savepoint } else { CheckpointKind::Checkpoint },
+                    outcome: CheckpointOutcome::InProgress,
+                    path: self.storage.url_of(&dir),
+                    triggered_at_ms: now,
+                    duration_ms: None,
+                    bytes: 0,
+                    failure: None,
+                });
+                running.send_sources(&TaskControl::Trigger { barrier: Barrier { id, target }, stop, drain });
+                Ok(Vec::new())
+            }
+            Action::Complete { id, kind, is_final, acks } => {
+                let (t0, _, dir) = started.get(&id).cloned().unwrap_or((now_ms(), kind, layout::checkpoint_dir(id)));
+                let bytes: u64 = acks.values().map(|a| a.bytes).sum();
+                let metadata = self.metadata(id, kind, &acks);
+                let write = crate::io().block_on(async {
+                    let tmp = layout::resolve(&dir, layout::METADATA_TMP);
+                    self.storage.put(&tmp, bytes::Bytes::from(metadata.encode())).await?;
+                    self.storage.rename(&tmp, &layout::resolve(&dir, layout::METADATA)).await
+                });
+                if let Err(e) = write {
+                    return Ok(coord.completion_failed(id, &e.to_string(), now_ms()));
+                }
+                let mut more = coord.completed(id, now_ms());
+                let path = self.storage.url_of(&dir);
+                let now = now_ms();
+                self.metrics.record_checkpoint(CheckpointInfo {
+                    id,
+                    kind: if kind.is_savepoint() { CheckpointKind::Savepoint } else { CheckpointKind::Checkpoint },
+                    outcome: CheckpointOutcome::Completed,
+                    path: path.clone(),
+                    triggered_at_ms: t0,
+                    duration_ms: Some(now.saturating_sub(t0)),
+                    bytes,
+                    failure: None,
+                });
+                if let Some(request) = self.savepoint_requests.remove(&id) {
+                    self.metrics.board().savepoints.insert(request, SavepointStatus { request_id: request, outcome: CheckpointOutcome::Completed, path: Some(path.clone()), failure: None });
+                }
+                tracing::debug!(checkpoint = id, bytes, "checkpoint complete");
+                if self.faults.fires(Fault::AbortBeforeCommit) {
+                    tracing::error!(checkpoint = id, "injected fault: aborting the process after checkpoint completion, before commit");
+                    std::process::abort();
+                }
+                if self.faults.fires(Fault::CrashBeforeCommit) {
+                    return Err(AttemptEnd::Failed(format!("injected fault: crash after checkpoint {id} completed, before commit")));
+                }
+                running.send_all(&TaskControl::Complete(id));
+                if !kind.is_savepoint() {
+                    let in_flight_from = coord.pending_ids().first().copied().unwrap_or(coord.next_id());
+                    let retained = self.job.spec.checkpointing.retained as usize;
+                    if let Err(e) = crate::io().block_on(retention::apply(&self.storage, retained, in_flight_from)) {
+                        tracing::warn!(error = %e, "checkpoint retention failed; will retry after the next checkpoint");
+                    }
+                }
+                let stop = matches!(kind, TriggerKind::Savepoint { stop: true, .. });
+                if is_final || stop {
+                    if stop {
+                        self.metrics.set_state(JobState::Stopping);
+                        *outcome = Some(JobOutcome::Stopped { savepoint: path });
+                    }
+                    running.send_sources(&TaskControl::Finish);
+                }
+                more.retain(|a| !matches!(a, Action::Trigger { .. }));
+                Ok(more)
+            }
+            Action::Abort { id, kind, reason } => {
+                tracing::warn!(checkpoint = id, %reason, "checkpoint aborted");
+                let (t0, _, dir) = started.remove(&id).unwrap_or((now_ms(), kind, layout::checkpoint_dir(id)));
+                self.metrics.record_checkpoint(CheckpointInfo {
+                    id,
+                    kind: if kind.is_savepoint() { CheckpointKind::Savepoint } else { CheckpointKind::Checkpoint },
+                    outcome: CheckpointOutcome::Failed,
+                    path: self.storage.url_of(&dir),
+                    triggered_at_ms: t0,
+                    duration_ms: Some(now_ms().saturating_sub(t0)),
+                    bytes: 0,
+                    failure: Some(reason.clone()),
+                });
+                if let Some(request) = self.savepoint_requests.remove(&id) {
+                    self.metrics.board().savepoints.insert(request, SavepointStatus { request_id: request, outcome: CheckpointOutcome::Failed, path: None, failure: Some(reason) });
+                }
+                running.send_all(&TaskControl::Abort(id));
+                Ok(Vec::new())
+            }
+            Action::FailJob { reason } => Err(AttemptEnd::Failed(reason)),
+        }
+    }
+
+    fn metadata(&self, id: u64, kind: TriggerKind, acks: &BTreeMap<TaskId, TaskAck>) -> CheckpointMetadata {
+        let mut operators: BTreeMap<String, OperatorSnapshot> = BTreeMap::new();
+        for ack in acks.values() {
+            for op in &ack.operators {
+                let entry = operators.entry(op.uid.clone()).or_insert_with(|| OperatorSnapshot { parallelism: op.parallelism, subtasks: Vec::new() });
+                entry.subtasks.push(op.snapshot.clone());
+            }
+        }
+        for op in operators.values_mut() {
+            op.subtasks.sort_by_key(|s| s.subtask);
+        }
+        CheckpointMetadata {
+            format_version: weir_checkpoint::metadata::FORMAT_VERSION,
+            checkpoint_id: id,
+            kind: if kind.is_savepoint() { SnapshotKind::Savepoint } else { SnapshotKind::Checkpoint },
+            job_name: self.job.spec.name.clone(),
+            created_at_ms: now_ms(),
+            max_parallelism: self.job.spec.max_parallelism,
+            operators,
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! CEL expressions over a record's fields, compiled once per operator.
+//!
+//! The environment is CEL's standard library plus its `strings`, `lists` and `math` extensions
+//! (`lowerAscii`, `split`, `join`, ...). An expression sees every field of the input record as
+//! a variable of the same name.
+
+use std::sync::{Arc, OnceLock};
+
+use cel::{Context, Env, Program};
+
+use crate::value::{Record, Value};
+
+/// Why an expression could not be compiled or evaluated.
+#[derive(Debug, thiserror::Error)]
+pub enum ExprError {
+    /// Parse or check failure, with the expression's text.
+    #[error("CEL expression `{expr}` does not compile: {reason}")]
+    Compile {
+        /// The expression.
+        expr: String,
+        /// The parser's message.
+        reason: String,
+    },
+    /// A variable that is not a field of the input.
+    #[error("CEL expression `{expr}` uses `{name}`, which is not an input field (fields: {fields})")]
+    UnknownVariable {
+        /// The expression.
+        expr: String,
+        /// The unknown name.
+        name: String,
+        /// The input fields.
+        fields: String,
+    },
+    /// Evaluation failed on a record.
+    #[error("CEL expression `{expr}` failed: {reason}")]
+    Eval {
+        /// The expression.
+        expr: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+fn env() -> Arc<Env> {
+    static ENV: OnceLock<Arc<Env>> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let mut env = Env::stdlib();
+        // The extensions are part of cel; failing to add them is a programming error.
+        env.add_extension(cel::extensions::strings).expect("CEL strings extension");
+        env.add_extension(cel::extensions::lists).expect("CEL lists extension");
+        env.add_extension(cel::extensions::math).expect("CEL math extension");
+        Arc::new(env)
+    })
+    .clone()
+}
+
+/// A compiled expression bound to an input schema.
+pub struct Expr {
+    text: String,
+    program: Program,
+    /// `(field position, variable name)` of the fields the expression reads.
+    inputs: Vec<(usize, String)>,
+    root: Context<'static, 'static>,
+}
+
+impl std::fmt::Debug for Expr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Expr({})", self.text)
+    }
+}
+
+impl Expr {
+    /// Compiles `text` against the fields of `schema`.
+    pub fn compile(text: &str, schema: &[String]) -> Result<Expr, ExprError> {
+        let env = env();
+        let program = env.compile(text).map_err(|e| ExprError::Compile { expr: text.to_string(), reason: e.to_string() })?;
+        let mut inputs = Vec::new();
+        for name in program.references().variables() {
+            match schema.iter().position(|f| f == name) {
+                Some(pos) => inputs.push((pos, name.to_string())),
+                None => {
+                    return Err(ExprError::UnknownVariable { expr: text.to_string(), name: name.to_string(), fields: schema.join(", ") })
+                }
+            }
+        }
+        Ok(Expr { text: text.to_string(), program, inputs, root: Context::with_env(env) })
+    }
+
+    /// Evaluates the expression on a record.
+    pub fn eval(&self, record: &Record) -> Result<cel::Value, ExprError> {
+        let mut scope = self.root.new_inner_scope();
+        for (pos, name) in &self.inputs {
+            scope.add_variable_from_value(name.as_str(), to_cel(&record.fields[*pos]));
+        }
+        self.program.execute(&scope).map_err(|e| ExprError::Eval { expr: self.text.clone(), reason: e.to_string() })
+    }
+
+    /// Evaluates to a field value.
+    pub fn eval_value(&self, record: &Record) -> Result<Value, ExprError> {
+        let v = self.eval(record)?;
+        from_cel(&v).ok_or_else(|| ExprError::Eval { expr: self.text.clone(), reason: format!("result {v:?} is not a scalar") })
+    }
+
+    /// Evaluates a predicate.
+    pub fn eval_bool(&self, record: &Record) -> Result<bool, ExprError> {
+        match self.eval(record)? {
+            cel::Value::Bool(b) => Ok(b),
+            other => Err(ExprError::Eval { expr: self.text.clone(), reason: format!("must be a bool, got {other:?}") }),
+        }
+    }
+
+    /// Evaluates to a list of field values.
+    pub fn eval_list(&self, record: &Record) -> Result<Vec<Value>, ExprError> {
+        match self.eval(record)? {
+            cel::Value::List(items) => items
+                .iter()
+                .map(|v| from_cel(v).ok_or_else(|| ExprError::Eval { expr: self.text.clone(), reason: format!("list element {v:?} is not a scalar") }))
+                .collect(),
+            other => Err(ExprError::Eval { expr: self.text.clone(), reason: format!("must be a list, got {other:?}") }),
+        }
+    }
+}
+
+fn to_cel(v: &Value) -> cel::Value {
+    match v {
+        Value::Null => cel::Value::Null,
+        Value::Bool(b) => cel::Value::Bool(*b),
+        Value::Int(i) => cel::Value::Int(*i),
+        Value::Float(f) => cel::Value::Float(*f),
+        Value::Str(s) => cel::Value::String(Arc::new(s.to_string())),
+    }
+}
+
+fn from_cel(v: &cel::Value) -> Option<Value> {
+    Some(match v {
+        cel::Value::Null => Value::Null,
+        cel::Value::Bool(b) => Value::Bool(*b),
+        cel::Value::Int(i) => Value::Int(*i),
+        cel::Value::UInt(u) => Value::Int(i64::try_from(*u).ok()?),
+        cel::Value::Float(f) => Value::Float(*f),
+        cel::Value::String(s) => Value::str(s),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(fields: Vec<Value>) -> Record {
+        Record { time: 0, fields }
+    }
+
+    #[test]
+    fn evaluates_over_named_fields() {
+        let schema = vec!["word".to_string(), "n".to_string()];
+        let e = Expr::compile("word.lowerAscii() + '-' + string(n * 2)", &schema).unwrap();
+        assert_eq!(e.eval_value(&rec(vec![Value::str("HeLLo"), Value::Int(21)])).unwrap(), Value::str("hello-42"));
+        let p = Expr::compile("n > 10 && word.startsWith('a')", &schema).unwrap();
+        assert!(p.eval_bool(&rec(vec![Value::str("abc"), Value::Int(11)])).unwrap());
+        let l = Expr::compile("word.split(' ')", &schema).unwrap();
+        assert_eq!(l.eval_list(&rec(vec![Value::str("a b"), Value::Int(0)])).unwrap(), vec![Value::str("a"), Value::str("b")]);
+    }
+
+    #[test]
+    fn reports_compile_errors_and_unknown_fields() {
+        let schema = vec!["a".to_string()];
+        assert!(matches!(Expr::compile("a +", &schema), Err(ExprError::Compile { .. })));
+        let err = Expr::compile("b + 1", &schema).unwrap_err().to_string();
+        assert!(err.contains("`b`") && err.contains("fields: a"), "{err}");
+    }
+
+    #[test]
+    fn evaluation_errors_name_the_expression() {
+        let e = Expr::compile("a / 0", &["a".to_string()]).unwrap();
+        let err = e.eval_value(&rec(vec![Value::Int(1)])).unwrap_err().to_string();
+        assert!(err.contains("a / 0"), "{err}");
+    }
+}

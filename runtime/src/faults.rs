@@ -1,0 +1,131 @@
+//! The fault-injection test hook. Off unless a [`FaultPlan`] is given (the CLI reads one from
+//! `WEIR_FAULTS`, e.g. `seed=7,panic=0.002,upload=0.05,commit-crash=0.2,max=20`). Every
+//! injected fault is counted in the job's metrics.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::metrics::JobMetrics;
+use crate::value::mix64;
+
+/// Probabilities of each fault, and a budget.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FaultPlan {
+    /// Seed of the deterministic random stream.
+    pub seed: u64,
+    /// Per processed batch: the task panics.
+    pub task_panic: f64,
+    /// Per state or staged upload: it fails.
+    pub upload_failure: f64,
+    /// Per completed checkpoint: the job fails after `_metadata` is written and before any sink
+    /// commits (in-process restart).
+    pub crash_before_commit: f64,
+    /// Per completed checkpoint: the process aborts at that same point.
+    pub abort_before_commit: f64,
+    /// Per savepoint: it fails (the upload of its state is refused).
+    pub savepoint_failure: f64,
+    /// Most faults injected in total (0 = no limit).
+    pub max_faults: u64,
+}
+
+impl FaultPlan {
+    /// Parses `key=value` pairs separated by commas.
+    pub fn parse(text: &str) -> Result<FaultPlan, String> {
+        let mut plan = FaultPlan::default();
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part.split_once('=').ok_or_else(|| format!("`{part}`: expected key=value"))?;
+            let num = |v: &str| v.parse::<f64>().map_err(|_| format!("`{part}`: not a number"));
+            match k {
+                "seed" => plan.seed = v.parse().map_err(|_| format!("`{part}`: not an integer"))?,
+                "panic" => plan.task_panic = num(v)?,
+                "upload" => plan.upload_failure = num(v)?,
+                "commit-crash" => plan.crash_before_commit = num(v)?,
+                "commit-abort" => plan.abort_before_commit = num(v)?,
+                "savepoint" => plan.savepoint_failure = num(v)?,
+                "max" => plan.max_faults = v.parse().map_err(|_| format!("`{part}`: not an integer"))?,
+                other => return Err(format!("unknown fault `{other}` (panic, upload, commit-crash, commit-abort, savepoint, seed, max)")),
+            }
+        }
+        Ok(plan)
+    }
+}
+
+/// Decides, deterministically per seed, whether a fault fires now.
+#[derive(Clone, Debug)]
+pub struct Faults {
+    plan: Option<Arc<FaultPlan>>,
+    draws: Arc<AtomicU64>,
+    metrics: Arc<JobMetrics>,
+}
+
+/// Kinds of fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// A task panics.
+    TaskPanic,
+    /// An upload fails.
+    Upload,
+    /// The job fails between checkpoint completion and commit.
+    CrashBeforeCommit,
+    /// The process aborts between checkpoint completion and commit.
+    AbortBeforeCommit,
+    /// A savepoint fails.
+    Savepoint,
+}
+
+impl Faults {
+    /// No faults.
+    pub fn none(metrics: Arc<JobMetrics>) -> Self {
+        Faults { plan: None, draws: Arc::new(AtomicU64::new(0)), metrics }
+    }
+
+    /// Faults from a plan.
+    pub fn new(plan: Option<FaultPlan>, metrics: Arc<JobMetrics>) -> Self {
+        Faults { plan: plan.map(Arc::new), draws: Arc::new(AtomicU64::new(0)), metrics }
+    }
+
+    /// Whether `fault` fires now (and counts it when it does).
+    pub fn fires(&self, fault: Fault) -> bool {
+        let Some(plan) = &self.plan else { return false };
+        let p = match fault {
+            Fault::TaskPanic => plan.task_panic,
+            Fault::Upload => plan.upload_failure,
+            Fault::CrashBeforeCommit => plan.crash_before_commit,
+            Fault::AbortBeforeCommit => plan.abort_before_commit,
+            Fault::Savepoint => plan.savepoint_failure,
+        };
+        if p <= 0.0 {
+            return false;
+        }
+        if plan.max_faults > 0 && self.metrics.injected_faults.load(Ordering::Relaxed) >= plan.max_faults {
+            return false;
+        }
+        let draw = self.draws.fetch_add(1, Ordering::Relaxed);
+        let x = (mix64(plan.seed ^ mix64(draw.wrapping_add(fault as u64 * 0x1000_0000))) >> 11) as f64 / (1u64 << 53) as f64;
+        if x < p {
+            self.metrics.injected_faults.fetch_add(1, Ordering::Relaxed);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_respects_the_budget() {
+        let plan = FaultPlan::parse("seed=3, panic=1, max=2").unwrap();
+        assert_eq!(plan.task_panic, 1.0);
+        let m = Arc::new(JobMetrics::new("j", "id"));
+        let f = Faults::new(Some(plan), m.clone());
+        assert!(f.fires(Fault::TaskPanic));
+        assert!(f.fires(Fault::TaskPanic));
+        assert!(!f.fires(Fault::TaskPanic), "budget of 2 spent");
+        assert!(!f.fires(Fault::Upload), "probability 0");
+        assert_eq!(m.injected_faults.load(Ordering::Relaxed), 2);
+        assert!(FaultPlan::parse("boom=1").unwrap_err().contains("unknown fault"));
+    }
+}

@@ -1,0 +1,212 @@
+//! Aggregate accumulators (`count`, `sum`, `min`, `max`, `avg`) shared by windows and running
+//! aggregates.
+
+use weir_checkpoint::format::{Decoder, Encoder, FormatError};
+use weir_crds::job::{AggregateFn, AggregateKind};
+
+use crate::state::StateValue;
+use crate::value::{Record, Value};
+
+/// One aggregate's running value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Acc {
+    /// Record count.
+    Count(i64),
+    /// Integer sum (promoted to float when a float arrives).
+    SumInt(i64),
+    /// Float sum.
+    SumFloat(f64),
+    /// Smallest value (`Null` before the first).
+    Min(Value),
+    /// Largest value.
+    Max(Value),
+    /// Sum and count for the mean.
+    Avg(f64, i64),
+}
+
+/// Aggregates bound to input field positions.
+#[derive(Clone, Debug)]
+pub struct Aggregates {
+    specs: Vec<(AggregateKind, Option<usize>)>,
+}
+
+impl Aggregates {
+    /// Binds aggregate specs to an input schema.
+    pub fn new(specs: &[AggregateFn], input: &[String]) -> Self {
+        Aggregates {
+            specs: specs.iter().map(|a| (a.function, a.field.as_ref().and_then(|f| input.iter().position(|x| x == f)))).collect(),
+        }
+    }
+
+    /// Fresh accumulators.
+    pub fn init(&self) -> Vec<Acc> {
+        self.specs
+            .iter()
+            .map(|(k, _)| match k {
+                AggregateKind::Count => Acc::Count(0),
+                AggregateKind::Sum => Acc::SumInt(0),
+                AggregateKind::Min => Acc::Min(Value::Null),
+                AggregateKind::Max => Acc::Max(Value::Null),
+                AggregateKind::Avg => Acc::Avg(0.0, 0),
+            })
+            .collect()
+    }
+
+    /// Adds one record.
+    #[inline]
+    pub fn add(&self, accs: &mut [Acc], record: &Record) {
+        for (acc, (_, field)) in accs.iter_mut().zip(&self.specs) {
+            let v = field.map(|i| &record.fields[i]);
+            match acc {
+                Acc::Count(n) => *n += 1,
+                Acc::SumInt(s) => match v {
+                    Some(Value::Int(i)) => *s = s.wrapping_add(*i),
+                    Some(Value::Float(f)) => *acc = Acc::SumFloat(*s as f64 + f),
+                    _ => {}
+                },
+                Acc::SumFloat(s) => {
+                    if let Some(x) = v.and_then(Value::as_f64) {
+                        *s += x
+                    }
+                }
+                Acc::Min(m) => {
+                    if let Some(x) = v {
+                        if !matches!(x, Value::Null) && (matches!(m, Value::Null) || x.cmp_total(m).is_lt()) {
+                            *m = x.clone();
+                        }
+                    }
+                }
+                Acc::Max(m) => {
+                    if let Some(x) = v {
+                        if !matches!(x, Value::Null) && (matches!(m, Value::Null) || x.cmp_total(m).is_gt()) {
+                            *m = x.clone();
+                        }
+                    }
+                }
+                Acc::Avg(s, n) => {
+                    if let Some(x) = v.and_then(Value::as_f64) {
+                        *s += x;
+                        *n += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The output values.
+    pub fn results(accs: &[Acc], out: &mut Vec<Value>) {
+        for acc in accs {
+            out.push(match acc {
+                Acc::Count(n) => Value::Int(*n),
+                Acc::SumInt(s) => Value::Int(*s),
+                Acc::SumFloat(s) => Value::Float(*s),
+                Acc::Min(v) | Acc::Max(v) => v.clone(),
+                Acc::Avg(_, 0) => Value::Null,
+                Acc::Avg(s, n) => Value::Float(*s / *n as f64),
+            });
+        }
+    }
+}
+
+impl Acc {
+    /// Binary encoding.
+    pub fn encode(&self, e: &mut Encoder) {
+        match self {
+            Acc::Count(n) => {
+                e.u8(0);
+                e.svarint(*n)
+            }
+            Acc::SumInt(s) => {
+                e.u8(1);
+                e.svarint(*s)
+            }
+            Acc::SumFloat(s) => {
+                e.u8(2);
+                e.f64(*s)
+            }
+            Acc::Min(v) => {
+                e.u8(3);
+                v.encode(e)
+            }
+            Acc::Max(v) => {
+                e.u8(4);
+                v.encode(e)
+            }
+            Acc::Avg(s, n) => {
+                e.u8(5);
+                e.f64(*s);
+                e.svarint(*n)
+            }
+        }
+    }
+
+    /// Reads what [`Acc::encode`] wrote.
+    pub fn decode(d: &mut Decoder<'_>) -> Result<Acc, FormatError> {
+        Ok(match d.u8()? {
+            0 => Acc::Count(d.svarint()?),
+            1 => Acc::SumInt(d.svarint()?),
+            2 => Acc::SumFloat(d.f64()?),
+            3 => Acc::Min(Value::decode(d)?),
+            4 => Acc::Max(Value::decode(d)?),
+            5 => Acc::Avg(d.f64()?, d.svarint()?),
+            _ => return Err(FormatError::Malformed(d.position())),
+        })
+    }
+}
+
+/// Accumulators of one key (running aggregate state).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AccList(pub Vec<Acc>);
+
+impl StateValue for AccList {
+    fn encode(&self, e: &mut Encoder) {
+        e.varint(self.0.len() as u64);
+        for a in &self.0 {
+            a.encode(e);
+        }
+    }
+
+    fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
+        let n = d.varint()? as usize;
+        let mut v = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            v.push(Acc::decode(d)?);
+        }
+        Ok(AccList(v))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_functions() {
+        let specs: Vec<AggregateFn> = [
+            (AggregateKind::Count, None),
+            (AggregateKind::Sum, Some("x")),
+            (AggregateKind::Min, Some("x")),
+            (AggregateKind::Max, Some("x")),
+            (AggregateKind::Avg, Some("x")),
+        ]
+        .into_iter()
+        .enumerate()
+        .map(|(i, (function, field))| AggregateFn { function, field: field.map(str::to_string), output: format!("o{i}") })
+        .collect();
+        let a = Aggregates::new(&specs, &["x".to_string()]);
+        let mut accs = a.init();
+        for x in [3, -1, 10] {
+            a.add(&mut accs, &Record { time: 0, fields: vec![Value::Int(x)] });
+        }
+        let mut out = Vec::new();
+        Aggregates::results(&accs, &mut out);
+        assert_eq!(out, vec![Value::Int(3), Value::Int(12), Value::Int(-1), Value::Int(10), Value::Float(4.0)]);
+        a.add(&mut accs, &Record { time: 0, fields: vec![Value::Float(0.5)] });
+        let mut out = Vec::new();
+        Aggregates::results(&accs, &mut out);
+        assert_eq!(out[1], Value::Float(12.5), "sum promotes to float");
+        let mut e = Encoder::default();
+        AccList(accs.clone()).encode(&mut e);
+        assert_eq!(AccList::decode(&mut Decoder::new(&e.buf)).unwrap().0, accs);
+    }
+}

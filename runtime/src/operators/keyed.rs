@@ -1,0 +1,116 @@
+//! Keyed operators without windows: running `aggregate` and `dedupe`.
+
+use weir_crds::job::AggregateFn;
+
+use crate::message::Barrier;
+use crate::operator::{Operator, StateParts, TaskError};
+use crate::operators::accumulators::{AccList, Aggregates};
+use crate::restore::KeyedRestore;
+use crate::state::{KeyedState, StateValue};
+use crate::value::{Key, Record, Value};
+
+/// Settings every keyed operator needs.
+#[derive(Clone, Debug)]
+pub struct KeyedContext {
+    /// Operator uid (for messages).
+    pub uid: String,
+    /// Key field positions in the input.
+    pub key: Vec<usize>,
+    /// Key groups of the job.
+    pub max_parallelism: u32,
+    /// This subtask's key groups.
+    pub key_groups: (u32, u32),
+    /// Incremental checkpoints on.
+    pub incremental: bool,
+    /// Full image every N checkpoints.
+    pub full_every: u32,
+}
+
+impl KeyedContext {
+    /// Empty state, filled from `restore` when given.
+    pub fn state<V: StateValue>(&self, restore: Option<&KeyedRestore>) -> Result<KeyedState<V>, TaskError> {
+        let mut state = KeyedState::new(self.max_parallelism, self.incremental, self.full_every);
+        if let Some(r) = restore {
+            for file in &r.files {
+                let (_, body) = weir_checkpoint::format::open(file).map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
+                state.restore_file(body, self.key_groups).map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
+            }
+            state.after_restore(r.continue_chain);
+        }
+        Ok(state)
+    }
+}
+
+/// The snapshot parts of keyed state for a barrier.
+pub fn snapshot_keyed<V: StateValue>(state: &mut KeyedState<V>, barrier: &Barrier) -> StateParts {
+    let keyed: Box<dyn crate::state::EncodeSnapshot> =
+        if barrier.is_savepoint() { Box::new(state.snapshot_full_copy()) } else { Box::new(state.snapshot_checkpoint()) };
+    StateParts { keyed: Some(keyed), force_full: (!barrier.is_savepoint()).then(|| state.force_full_flag()), ..StateParts::default() }
+}
+
+/// Running aggregates per key, emitted (key fields + aggregates) on every update.
+pub struct AggregateOperator {
+    ctx: KeyedContext,
+    aggregates: Aggregates,
+    state: KeyedState<AccList>,
+}
+
+impl AggregateOperator {
+    /// Builds the operator, restoring its state when given.
+    pub fn new(ctx: KeyedContext, specs: &[AggregateFn], input: &[String], restore: Option<&KeyedRestore>) -> Result<Self, TaskError> {
+        let state = ctx.state(restore)?;
+        Ok(AggregateOperator { aggregates: Aggregates::new(specs, input), ctx, state })
+    }
+}
+
+impl Operator for AggregateOperator {
+    fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
+        out.reserve(batch.len());
+        for r in batch {
+            let key = Key::of(&r, &self.ctx.key);
+            let aggregates = &self.aggregates;
+            let mut fields: Vec<Value> = Vec::with_capacity(self.ctx.key.len() + 2);
+            fields.extend(key.values().iter().cloned());
+            let accs = self.state.update(key, || AccList(aggregates.init()));
+            aggregates.add(&mut accs.0, &r);
+            Aggregates::results(&accs.0, &mut fields);
+            out.push(Record { time: r.time, fields });
+        }
+        Ok(())
+    }
+
+    fn snapshot(&mut self, barrier: &Barrier) -> Result<StateParts, TaskError> {
+        Ok(snapshot_keyed(&mut self.state, barrier))
+    }
+}
+
+/// Passes the first record of each key, drops the rest.
+pub struct DedupeOperator {
+    ctx: KeyedContext,
+    state: KeyedState<()>,
+}
+
+impl DedupeOperator {
+    /// Builds the operator, restoring its state when given.
+    pub fn new(ctx: KeyedContext, restore: Option<&KeyedRestore>) -> Result<Self, TaskError> {
+        let state = ctx.state(restore)?;
+        Ok(DedupeOperator { ctx, state })
+    }
+}
+
+impl Operator for DedupeOperator {
+    fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
+        for r in batch {
+            let key = Key::of(&r, &self.ctx.key);
+            if self.state.get(&key).is_none() {
+                self.state.update(key, || ());
+                out.push(r);
+            }
+        }
+        Ok(())
+    }
+
+    fn snapshot(&mut self, barrier: &Barrier) -> Result<StateParts, TaskError> {
+        Ok(snapshot_keyed(&mut self.state, barrier))
+    }
+}

@@ -1,0 +1,195 @@
+//! Loading a checkpoint or savepoint for a restore: every referenced file is read and verified
+//! (length and CRC-32C) before any task starts, so a corrupt snapshot is rejected as a whole and
+//! recovery can fall back to an older one.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use weir_checkpoint::recovery::{self, Restorable, Verdict};
+use weir_checkpoint::{FileRef, SnapshotKind, Storage, StorageError};
+
+/// Why a snapshot could not be restored.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// Storage failed.
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// The directory holds no usable snapshot.
+    #[error("{path} cannot be restored: {reason}")]
+    Invalid {
+        /// What was asked for.
+        path: String,
+        /// Why not.
+        reason: String,
+    },
+    /// A state file does not match its metadata.
+    #[error("state file {path} is corrupt: {reason}")]
+    CorruptFile {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The snapshot does not fit the job.
+    #[error("snapshot {path} does not fit this job: {reason}")]
+    Incompatible {
+        /// The snapshot.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Keyed state handed to one operator subtask.
+#[derive(Clone, Debug, Default)]
+pub struct KeyedRestore {
+    /// Verified state files to apply in order (each filtered to the subtask's key groups).
+    pub files: Vec<Bytes>,
+    /// The restored incremental chain continues (same key groups, from a checkpoint).
+    pub continue_chain: bool,
+    /// The chain's file references, when it continues.
+    pub chain: Vec<FileRef>,
+}
+
+/// One restored subtask's state.
+#[derive(Clone, Debug, Default)]
+pub struct RestoredSubtask {
+    /// Key groups it owned.
+    pub key_groups: (u32, u32),
+    /// Its operator-state document.
+    pub operator_doc: Option<Vec<u8>>,
+    /// Its keyed-state chain, verified.
+    pub keyed_files: Vec<Bytes>,
+    /// References of that chain.
+    pub keyed_refs: Vec<FileRef>,
+}
+
+/// One restored operator.
+#[derive(Clone, Debug, Default)]
+pub struct RestoredOperator {
+    /// Parallelism at snapshot time.
+    pub parallelism: u32,
+    /// By subtask index.
+    pub subtasks: Vec<RestoredSubtask>,
+}
+
+/// A loaded, verified snapshot.
+#[derive(Clone, Debug)]
+pub struct RestoredState {
+    /// Its checkpoint id.
+    pub checkpoint_id: u64,
+    /// Checkpoint or savepoint.
+    pub kind: SnapshotKind,
+    /// Where it came from (for status and logs).
+    pub path: String,
+    /// Key groups of the job that wrote it.
+    pub max_parallelism: u32,
+    /// Total bytes read.
+    pub bytes: u64,
+    /// State by uid.
+    pub operators: BTreeMap<String, RestoredOperator>,
+}
+
+impl RestoredState {
+    /// Reads and verifies every file of a snapshot found in `storage`.
+    pub async fn load(storage: &Storage, found: &Restorable) -> Result<RestoredState, RestoreError> {
+        let m = &found.metadata;
+        let mut operators = BTreeMap::new();
+        let mut bytes = 0;
+        for (uid, op) in &m.operators {
+            let mut subtasks = Vec::new();
+            for s in &op.subtasks {
+                let mut sub = RestoredSubtask { key_groups: s.key_groups, keyed_refs: s.keyed_state.clone(), ..Default::default() };
+                if let Some(f) = &s.operator_state {
+                    let data = read_verified(storage, found, f).await?;
+                    bytes += data.len() as u64;
+                    let (_, body) = weir_checkpoint::format::open(&data).map_err(|e| corrupt(storage, found, f, e))?;
+                    let doc = weir_checkpoint::format::operator_document(body).map_err(|e| corrupt(storage, found, f, e))?;
+                    sub.operator_doc = Some(doc.to_vec());
+                }
+                for f in &s.keyed_state {
+                    let data = read_verified(storage, found, f).await?;
+                    bytes += data.len() as u64;
+                    weir_checkpoint::format::open(&data).map_err(|e| corrupt(storage, found, f, e))?;
+                    sub.keyed_files.push(data);
+                }
+                subtasks.push(sub);
+            }
+            subtasks.sort_by_key(|s| s.key_groups.0);
+            operators.insert(uid.clone(), RestoredOperator { parallelism: op.parallelism, subtasks });
+        }
+        Ok(RestoredState {
+            checkpoint_id: m.checkpoint_id,
+            kind: m.kind,
+            path: storage.url_of(&found.dir),
+            max_parallelism: m.max_parallelism,
+            bytes,
+            operators,
+        })
+    }
+
+    /// Every subtask's operator document of `uid` (sources and sinks redistribute the union).
+    pub fn operator_docs(&self, uid: &str) -> Vec<&[u8]> {
+        self.operators.get(uid).map(|op| op.subtasks.iter().filter_map(|s| s.operator_doc.as_deref()).collect()).unwrap_or_default()
+    }
+
+    /// The keyed state for a subtask owning `key_groups` at `parallelism`.
+    pub fn keyed_for(&self, uid: &str, key_groups: (u32, u32), parallelism: u32) -> Option<KeyedRestore> {
+        let op = self.operators.get(uid)?;
+        let overlapping: Vec<&RestoredSubtask> =
+            op.subtasks.iter().filter(|s| s.key_groups.0 < key_groups.1 && key_groups.0 < s.key_groups.1 && !s.keyed_files.is_empty()).collect();
+        let same = op.parallelism == parallelism && overlapping.len() == 1 && overlapping[0].key_groups == key_groups;
+        let continue_chain = same && self.kind == SnapshotKind::Checkpoint;
+        Some(KeyedRestore {
+            files: overlapping.iter().flat_map(|s| s.keyed_files.iter().cloned()).collect(),
+            continue_chain,
+            chain: if continue_chain { overlapping[0].keyed_refs.clone() } else { Vec::new() },
+        })
+    }
+}
+
+fn corrupt(storage: &Storage, found: &Restorable, f: &FileRef, e: impl std::fmt::Display) -> RestoreError {
+    RestoreError::CorruptFile { path: storage.url_of(&found.resolve(&f.path)), reason: e.to_string() }
+}
+
+async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Result<Bytes, RestoreError> {
+    let path = found.resolve(&f.path);
+    let data = match storage.get(&path).await {
+        Ok(d) => d,
+        Err(StorageError::NotFound(_)) => return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() }),
+        Err(e) => return Err(e.into()),
+    };
+    if data.len() as u64 != f.len {
+        return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: format!("{} bytes, metadata says {}", data.len(), f.len) });
+    }
+    let crc = crc32c::crc32c(&data);
+    if crc != f.crc32c {
+        return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: format!("crc32c {crc:08x}, metadata says {:08x}", f.crc32c) });
+    }
+    Ok(data)
+}
+
+/// Opens a snapshot named by path or URL: a `.../checkpoints/chk-<N>` directory (whose shared
+/// files live beside it) or a self-contained savepoint directory.
+pub async fn open_path(path: &str) -> Result<(Storage, Restorable), RestoreError> {
+    let trimmed = path.trim_end_matches('/');
+    let mut parts: Vec<&str> = trimmed.rsplitn(3, '/').collect();
+    parts.reverse();
+    let (root, dir) = match parts.as_slice() {
+        [root, "checkpoints", chk] if weir_checkpoint::layout::parse_checkpoint_dir(chk).is_some() => {
+            let root = if root.is_empty() { "/" } else { root };
+            (root.to_string(), format!("checkpoints/{chk}"))
+        }
+        _ => (trimmed.to_string(), String::new()),
+    };
+    if !root.contains("://") && !std::path::Path::new(&root).exists() {
+        return Err(RestoreError::Invalid { path: path.to_string(), reason: "no such directory".into() });
+    }
+    let storage = Storage::open(&root)?;
+    let (verdict, metadata) = recovery::inspect(&storage, &dir).await?;
+    match (verdict, metadata) {
+        (Verdict::Valid, Some(metadata)) => Ok((storage, Restorable { dir, metadata })),
+        (Verdict::Invalid(reason), _) => Err(RestoreError::Invalid { path: path.to_string(), reason }),
+        (Verdict::Valid, None) => Err(RestoreError::Invalid { path: path.to_string(), reason: "no metadata".into() }),
+    }
+}

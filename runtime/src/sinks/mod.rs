@@ -1,0 +1,4 @@
+//! Sinks: where results leave a job.
+
+pub mod file;
+pub mod stdout;

@@ -1,0 +1,143 @@
+//! The asynchronous part of a snapshot: one uploader thread per task encodes keyed state,
+//! stages sink data, writes state files and acknowledges (or declines) to the coordinator.
+//! Uploads of a task happen in barrier order, so an increment is only written after the file
+//! it builds on; when an upload fails, later increments are declined until a full image has
+//! been written again.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use crossbeam_channel::{Receiver, Sender};
+use weir_checkpoint::format::{FileKind, StateFileWriter};
+use weir_checkpoint::protocol::TaskId;
+use weir_checkpoint::{layout, FileRef, Storage, SubtaskSnapshot};
+
+use crate::faults::{Fault, Faults};
+use crate::message::{Barrier, Event, OperatorAck, SnapshotTarget, TaskAck};
+use crate::operator::StateParts;
+
+/// A snapshot handed from a task to its uploader.
+pub struct UploadJob {
+    /// The barrier it belongs to.
+    pub barrier: Barrier,
+    /// Which task.
+    pub task: TaskId,
+    /// Its subtask index.
+    pub subtask: u32,
+    /// Its parallelism.
+    pub parallelism: u32,
+    /// Its key groups.
+    pub key_groups: (u32, u32),
+    /// Per stateful operator uid.
+    pub parts: Vec<(String, StateParts)>,
+    /// Alignment time.
+    pub alignment_ms: u64,
+}
+
+#[derive(Default)]
+struct Chain {
+    files: Vec<FileRef>,
+    broken: bool,
+}
+
+/// Runs the uploader of one task until its task drops the sender.
+pub fn run(jobs: Receiver<UploadJob>, storage: Storage, events: Sender<Event>, faults: Faults, restored_chains: HashMap<String, Vec<FileRef>>) {
+    let mut chains: HashMap<String, Chain> = restored_chains.into_iter().map(|(uid, files)| (uid, Chain { files, broken: false })).collect();
+    for job in jobs {
+        let id = job.barrier.id;
+        let task = job.task;
+        let result = crate::io().block_on(upload(&storage, &faults, &mut chains, job));
+        let event = match result {
+            Ok(ack) => Event::Ack { id, task, ack },
+            Err(reason) => Event::Decline { id, task, reason },
+        };
+        if events.send(event).is_err() {
+            return;
+        }
+    }
+}
+
+async fn upload(storage: &Storage, faults: &Faults, chains: &mut HashMap<String, Chain>, job: UploadJob) -> Result<TaskAck, String> {
+    let savepoint_dir = match &job.barrier.target {
+        SnapshotTarget::Savepoint { dir } => Some(dir.clone()),
+        SnapshotTarget::Checkpoint => None,
+    };
+    let base = savepoint_dir.clone().unwrap_or_else(|| layout::checkpoint_dir(job.barrier.id));
+    let mut ack = TaskAck { alignment_ms: job.alignment_ms, ..TaskAck::default() };
+    let mut flags = Vec::new();
+    let outcome: Result<(), String> = async {
+        if savepoint_dir.is_some() && faults.fires(Fault::Savepoint) {
+            return Err("injected fault: savepoint upload refused".to_string());
+        }
+        for (uid, parts) in job.parts {
+            if let Some(flag) = &parts.force_full {
+                flags.push((uid.clone(), flag.clone()));
+            }
+            for staged in parts.staged {
+                if faults.fires(Fault::Upload) {
+                    return Err(format!("injected fault: staging {} failed", staged.path));
+                }
+                ack.bytes += staged.data.len() as u64;
+                staged.storage.put(&staged.path, staged.data).await.map_err(|e| format!("staging sink data: {e}"))?;
+            }
+            let mut snap = SubtaskSnapshot { subtask: job.subtask, key_groups: job.key_groups, operator_state: None, keyed_state: Vec::new() };
+            if let Some(doc) = parts.operator_doc {
+                let mut w = StateFileWriter::new(FileKind::OperatorState, doc.len());
+                w.document(&doc);
+                let (data, crc) = w.finish();
+                let rel = layout::operator_state_file(&uid, job.subtask);
+                if faults.fires(Fault::Upload) {
+                    return Err(format!("injected fault: upload of {rel} failed"));
+                }
+                let len = data.len() as u64;
+                storage.put(&layout::resolve(&base, &rel), data).await.map_err(|e| format!("uploading operator state of `{uid}`: {e}"))?;
+                ack.bytes += len;
+                snap.operator_state = Some(FileRef { path: rel, len, crc32c: crc });
+            }
+            if let Some(keyed) = parts.keyed {
+                let kind = keyed.kind();
+                let chain = chains.entry(uid.clone()).or_default();
+                if savepoint_dir.is_none() && kind == FileKind::KeyedIncrement && chain.broken {
+                    return Err(format!("`{uid}`: an earlier increment was lost; waiting for a full image"));
+                }
+                // The uploader's own thread: encoding here keeps it off the task thread.
+                let (data, crc) = keyed.encode();
+                let rel = match &savepoint_dir {
+                    Some(_) => layout::savepoint_keyed_file(&uid, job.subtask),
+                    None => layout::shared_keyed_file(&uid, job.subtask, job.barrier.id, 0),
+                };
+                if faults.fires(Fault::Upload) {
+                    return Err(format!("injected fault: upload of {rel} failed"));
+                }
+                let len = data.len() as u64;
+                storage.put(&layout::resolve(&base, &rel), data).await.map_err(|e| format!("uploading keyed state of `{uid}`: {e}"))?;
+                ack.bytes += len;
+                let file = FileRef { path: rel, len, crc32c: crc };
+                if savepoint_dir.is_some() {
+                    snap.keyed_state = vec![file];
+                } else {
+                    if kind == FileKind::KeyedFull {
+                        chain.files.clear();
+                        chain.broken = false;
+                    }
+                    chain.files.push(file);
+                    snap.keyed_state = chain.files.clone();
+                }
+            }
+            ack.operators.push(OperatorAck { uid, parallelism: job.parallelism, snapshot: snap });
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(reason) = outcome {
+        if savepoint_dir.is_none() {
+            // The lost file may be an increment others build on: the next snapshot is full.
+            for (uid, flag) in flags {
+                flag.store(true, Ordering::Release);
+                chains.entry(uid).or_default().broken = true;
+            }
+        }
+        return Err(reason);
+    }
+    Ok(ack)
+}

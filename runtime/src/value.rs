@@ -1,0 +1,346 @@
+//! Records and their values: a compact typed row (event time + fields in schema order), keys,
+//! a stable key hash for key groups, and the binary encoding used in state files.
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use weir_checkpoint::format::{Decoder, Encoder, FormatError};
+
+/// One field value.
+#[derive(Clone, Debug)]
+pub enum Value {
+    /// Absent.
+    Null,
+    /// Boolean.
+    Bool(bool),
+    /// 64-bit integer.
+    Int(i64),
+    /// 64-bit float.
+    Float(f64),
+    /// Immutable, cheaply cloned string.
+    Str(Arc<str>),
+}
+
+impl PartialEq for Value {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Value::Null, Value::Null) => true,
+            (Value::Bool(a), Value::Bool(b)) => a == b,
+            (Value::Int(a), Value::Int(b)) => a == b,
+            (Value::Float(a), Value::Float(b)) => a.to_bits() == b.to_bits(),
+            (Value::Str(a), Value::Str(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+impl Eq for Value {}
+
+impl Hash for Value {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        match self {
+            Value::Null => state.write_u8(0),
+            Value::Bool(b) => state.write_u8(if *b { 2 } else { 1 }),
+            Value::Int(i) => state.write_i64(*i),
+            Value::Float(f) => state.write_u64(f.to_bits()),
+            Value::Str(s) => state.write(s.as_bytes()),
+        }
+    }
+}
+
+impl fmt::Display for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Value::Null => write!(f, "null"),
+            Value::Bool(b) => write!(f, "{b}"),
+            Value::Int(i) => write!(f, "{i}"),
+            Value::Float(x) => write!(f, "{x}"),
+            Value::Str(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+impl Value {
+    /// A string value.
+    pub fn str(s: &str) -> Value {
+        Value::Str(Arc::from(s))
+    }
+
+    /// Appends the value as JSON.
+    pub fn write_json(&self, out: &mut Vec<u8>) {
+        match self {
+            Value::Null => out.extend_from_slice(b"null"),
+            Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
+            Value::Int(i) => {
+                let mut buf = itoa_buf(*i);
+                out.append(&mut buf);
+            }
+            Value::Float(x) if x.is_finite() => {
+                let s = serde_json::to_string(x).unwrap_or_else(|_| "null".into());
+                out.extend_from_slice(s.as_bytes());
+            }
+            Value::Float(_) => out.extend_from_slice(b"null"),
+            Value::Str(s) => {
+                let s = serde_json::to_string(&**s).unwrap_or_else(|_| "\"\"".into());
+                out.extend_from_slice(s.as_bytes());
+            }
+        }
+    }
+
+    /// Converts to a JSON value.
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            Value::Null => serde_json::Value::Null,
+            Value::Bool(b) => (*b).into(),
+            Value::Int(i) => (*i).into(),
+            Value::Float(f) => serde_json::Number::from_f64(*f).map(serde_json::Value::Number).unwrap_or(serde_json::Value::Null),
+            Value::Str(s) => serde_json::Value::String(s.to_string()),
+        }
+    }
+
+    /// Binary encoding (state files).
+    pub fn encode(&self, e: &mut Encoder) {
+        match self {
+            Value::Null => e.u8(0),
+            Value::Bool(b) => e.u8(if *b { 2 } else { 1 }),
+            Value::Int(i) => {
+                e.u8(3);
+                e.svarint(*i);
+            }
+            Value::Float(f) => {
+                e.u8(4);
+                e.f64(*f);
+            }
+            Value::Str(s) => {
+                e.u8(5);
+                e.bytes(s.as_bytes());
+            }
+        }
+    }
+
+    /// Reads what [`Value::encode`] wrote.
+    pub fn decode(d: &mut Decoder<'_>) -> Result<Value, FormatError> {
+        Ok(match d.u8()? {
+            0 => Value::Null,
+            1 => Value::Bool(false),
+            2 => Value::Bool(true),
+            3 => Value::Int(d.svarint()?),
+            4 => Value::Float(d.f64()?),
+            5 => {
+                let at = d.position();
+                let raw = d.bytes()?;
+                Value::Str(Arc::from(std::str::from_utf8(raw).map_err(|_| FormatError::Malformed(at))?))
+            }
+            _ => return Err(FormatError::Malformed(d.position())),
+        })
+    }
+
+    /// Numeric view.
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            Value::Int(i) => Some(*i as f64),
+            Value::Float(f) => Some(*f),
+            _ => None,
+        }
+    }
+
+    /// Total order used by `min`/`max`: nulls first, then bools, numbers (ints and floats
+    /// compared numerically), strings.
+    pub fn cmp_total(&self, other: &Value) -> std::cmp::Ordering {
+        use std::cmp::Ordering;
+        fn rank(v: &Value) -> u8 {
+            match v {
+                Value::Null => 0,
+                Value::Bool(_) => 1,
+                Value::Int(_) | Value::Float(_) => 2,
+                Value::Str(_) => 3,
+            }
+        }
+        match (self, other) {
+            (Value::Bool(a), Value::Bool(b)) => a.cmp(b),
+            (Value::Int(a), Value::Int(b)) => a.cmp(b),
+            (Value::Str(a), Value::Str(b)) => a.cmp(b),
+            (a, b) if rank(a) == 2 && rank(b) == 2 => a.as_f64().unwrap_or(0.0).total_cmp(&b.as_f64().unwrap_or(0.0)),
+            (a, b) => rank(a).cmp(&rank(b)).then(Ordering::Equal),
+        }
+    }
+}
+
+fn itoa_buf(i: i64) -> Vec<u8> {
+    i.to_string().into_bytes()
+}
+
+/// One record: its event time (ms) and its fields in schema order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Record {
+    /// Event time, milliseconds.
+    pub time: i64,
+    /// Field values, in the order of the producing node's schema.
+    pub fields: Vec<Value>,
+}
+
+/// A key: one or several field values.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Key {
+    /// A single-field key (the common case, no allocation for ints).
+    One(Value),
+    /// A composite key.
+    Many(Arc<[Value]>),
+}
+
+impl Key {
+    /// Extracts the key fields of a record.
+    #[inline]
+    pub fn of(record: &Record, fields: &[usize]) -> Key {
+        if let [one] = fields {
+            Key::One(record.fields[*one].clone())
+        } else {
+            Key::Many(fields.iter().map(|&i| record.fields[i].clone()).collect())
+        }
+    }
+
+    /// The key's values in order.
+    pub fn values(&self) -> &[Value] {
+        match self {
+            Key::One(v) => std::slice::from_ref(v),
+            Key::Many(vs) => vs,
+        }
+    }
+
+    /// Binary encoding.
+    pub fn encode(&self, e: &mut Encoder) {
+        let vs = self.values();
+        e.varint(vs.len() as u64);
+        for v in vs {
+            v.encode(e);
+        }
+    }
+
+    /// Reads what [`Key::encode`] wrote.
+    pub fn decode(d: &mut Decoder<'_>) -> Result<Key, FormatError> {
+        let n = d.varint()? as usize;
+        if n == 1 {
+            return Ok(Key::One(Value::decode(d)?));
+        }
+        let mut vs = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            vs.push(Value::decode(d)?);
+        }
+        Ok(Key::Many(vs.into()))
+    }
+
+    /// A hash that never changes across runs, machines or versions: key groups depend on it.
+    #[inline]
+    pub fn stable_hash(&self) -> u64 {
+        let mut h: u64 = 0x9e37_79b9_7f4a_7c15;
+        for v in self.values() {
+            let x = match v {
+                Value::Null => 0x51,
+                Value::Bool(b) => 0x52 + u64::from(*b),
+                Value::Int(i) => *i as u64,
+                Value::Float(f) => f.to_bits() ^ 0x5bd1_e995,
+                Value::Str(s) => fnv1a(s.as_bytes()),
+            };
+            h = mix64(h ^ mix64(x));
+        }
+        h
+    }
+
+    /// The key group (`0..max_parallelism`) of this key.
+    #[inline]
+    pub fn key_group(&self, max_parallelism: u32) -> u32 {
+        (self.stable_hash() % u64::from(max_parallelism)) as u32
+    }
+}
+
+/// FNV-1a over bytes.
+#[inline]
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// A strong 64-bit mixer (splitmix64's finalizer).
+#[inline]
+pub fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The subtask (of `parallelism`) owning a key group, as in Flink.
+#[inline]
+pub fn subtask_for_key_group(key_group: u32, max_parallelism: u32, parallelism: u32) -> u32 {
+    ((u64::from(key_group) * u64::from(parallelism)) / u64::from(max_parallelism)) as u32
+}
+
+/// The key groups `[start, end)` owned by a subtask: the inverse of [`subtask_for_key_group`].
+pub fn key_group_range(subtask: u32, max_parallelism: u32, parallelism: u32) -> (u32, u32) {
+    let start = (u64::from(subtask) * u64::from(max_parallelism)).div_ceil(u64::from(parallelism));
+    let end = (u64::from(subtask + 1) * u64::from(max_parallelism)).div_ceil(u64::from(parallelism));
+    (start as u32, end as u32)
+}
+
+/// Writes a record as one JSON object line, fields named by `schema`.
+pub fn write_json_line(schema: &[String], record: &Record, out: &mut Vec<u8>) {
+    out.push(b'{');
+    for (i, (name, value)) in schema.iter().zip(record.fields.iter()).enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.push(b'"');
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b"\":");
+        value.write_json(out);
+    }
+    out.extend_from_slice(b"}\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_group_ranges_partition_and_invert() {
+        for (m, p) in [(128u32, 1u32), (128, 3), (128, 2), (10, 7), (7, 7)] {
+            let mut next = 0;
+            for s in 0..p {
+                let (a, b) = key_group_range(s, m, p);
+                assert_eq!(a, next);
+                for kg in a..b {
+                    assert_eq!(subtask_for_key_group(kg, m, p), s, "m={m} p={p} kg={kg}");
+                }
+                next = b;
+            }
+            assert_eq!(next, m);
+        }
+    }
+
+    const PINNED_HELLO: u64 = 0x4ab8_81b8_1b24_373b;
+    const PINNED_42_KG: u32 = 3;
+
+    #[test]
+    fn keys_encode_and_hash_stably() {
+        let k = Key::Many(vec![Value::str("a"), Value::Int(-5), Value::Float(1.5), Value::Null, Value::Bool(true)].into());
+        let mut e = Encoder::default();
+        k.encode(&mut e);
+        let back = Key::decode(&mut Decoder::new(&e.buf)).unwrap();
+        assert_eq!(back, k);
+        // Pinned: changing the hash would move existing state to the wrong key groups.
+        assert_eq!(Key::One(Value::str("hello")).stable_hash(), PINNED_HELLO);
+        assert_eq!(Key::One(Value::Int(42)).key_group(128), PINNED_42_KG);
+    }
+
+    #[test]
+    fn json_lines() {
+        let mut out = Vec::new();
+        write_json_line(&["w".into(), "n".into(), "x".into()], &Record { time: 0, fields: vec![Value::str("a\"b"), Value::Int(3), Value::Float(0.5)] }, &mut out);
+        assert_eq!(String::from_utf8(out).unwrap(), "{\"w\":\"a\\\"b\",\"n\":3,\"x\":0.5}\n");
+    }
+}
