@@ -46,6 +46,7 @@ pub enum TaskError {
 }
 
 /// Data a sink must have durably staged before its checkpoint is acknowledged.
+#[derive(Clone)]
 pub struct StagedWrite {
     /// Where.
     pub storage: Storage,

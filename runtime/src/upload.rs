@@ -2,7 +2,9 @@
 //! stages sink data, writes state files and acknowledges (or declines) to the coordinator.
 //! Uploads of a task happen in barrier order, so an increment is only written after the file
 //! it builds on; when an upload fails, later increments are declined until a full image has
-//! been written again.
+//! been written again. Sink data whose staging failed is kept and staged again before any
+//! later checkpoint of the task is acknowledged: a later checkpoint's state still lists that
+//! transaction as pending, so it must not complete without the data.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -14,7 +16,7 @@ use weir_checkpoint::{layout, FileRef, Storage, SubtaskSnapshot};
 
 use crate::faults::{Fault, Faults};
 use crate::message::{Barrier, Event, OperatorAck, SnapshotTarget, TaskAck};
-use crate::operator::StateParts;
+use crate::operator::{StagedWrite, StateParts};
 
 /// A snapshot handed from a task to its uploader.
 pub struct UploadJob {
@@ -43,10 +45,11 @@ struct Chain {
 /// Runs the uploader of one task until its task drops the sender.
 pub fn run(jobs: Receiver<UploadJob>, storage: Storage, events: Sender<Event>, faults: Faults, restored_chains: HashMap<String, Vec<FileRef>>) {
     let mut chains: HashMap<String, Chain> = restored_chains.into_iter().map(|(uid, files)| (uid, Chain { files, broken: false })).collect();
+    let mut unstaged: Vec<StagedWrite> = Vec::new();
     for job in jobs {
         let id = job.barrier.id;
         let task = job.task;
-        let result = crate::io().block_on(upload(&storage, &faults, &mut chains, job));
+        let result = crate::io().block_on(upload(&storage, &faults, &mut chains, &mut unstaged, job));
         let event = match result {
             Ok(ack) => Event::Ack { id, task, ack },
             Err(reason) => Event::Decline { id, task, reason },
@@ -57,7 +60,7 @@ pub fn run(jobs: Receiver<UploadJob>, storage: Storage, events: Sender<Event>, f
     }
 }
 
-async fn upload(storage: &Storage, faults: &Faults, chains: &mut HashMap<String, Chain>, job: UploadJob) -> Result<TaskAck, String> {
+async fn upload(storage: &Storage, faults: &Faults, chains: &mut HashMap<String, Chain>, unstaged: &mut Vec<StagedWrite>, job: UploadJob) -> Result<TaskAck, String> {
     let savepoint_dir = match &job.barrier.target {
         SnapshotTarget::Savepoint { dir } => Some(dir.clone()),
         SnapshotTarget::Checkpoint => None,
@@ -69,16 +72,20 @@ async fn upload(storage: &Storage, faults: &Faults, chains: &mut HashMap<String,
         if savepoint_dir.is_some() && faults.fires(Fault::Savepoint) {
             return Err("injected fault: savepoint upload refused".to_string());
         }
+        for parts in job.parts.iter() {
+            unstaged.extend(parts.1.staged.iter().cloned());
+        }
+        while let Some(staged) = unstaged.first() {
+            if faults.fires(Fault::Upload) {
+                return Err(format!("injected fault: staging {} failed", staged.path));
+            }
+            ack.bytes += staged.data.len() as u64;
+            staged.storage.put(&staged.path, staged.data.clone()).await.map_err(|e| format!("staging sink data: {e}"))?;
+            unstaged.remove(0);
+        }
         for (uid, parts) in job.parts {
             if let Some(flag) = &parts.force_full {
                 flags.push((uid.clone(), flag.clone()));
-            }
-            for staged in parts.staged {
-                if faults.fires(Fault::Upload) {
-                    return Err(format!("injected fault: staging {} failed", staged.path));
-                }
-                ack.bytes += staged.data.len() as u64;
-                staged.storage.put(&staged.path, staged.data).await.map_err(|e| format!("staging sink data: {e}"))?;
             }
             let mut snap = SubtaskSnapshot { subtask: job.subtask, key_groups: job.key_groups, operator_state: None, keyed_state: Vec::new() };
             if let Some(doc) = parts.operator_doc {

@@ -102,6 +102,9 @@ impl Storage {
 
     /// The URL of a path under this root.
     pub fn url_of(&self, rel: &str) -> String {
+        if rel.is_empty() {
+            return self.url.clone();
+        }
         format!("{}/{}", self.url.trim_end_matches('/'), rel)
     }
 

@@ -1,0 +1,251 @@
+//! Helpers shared by the engine's integration tests: job files, in-process and out-of-process
+//! runs, and record-by-record comparison of committed output.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use weir_runtime::executor::{run_job, JobError, JobOutcome, Request, RunOptions};
+use weir_runtime::metrics::JobMetrics;
+
+/// Settings of the test job.
+#[derive(Clone, Debug)]
+pub struct JobParams {
+    pub name: String,
+    pub parallelism: u32,
+    pub count: u64,
+    pub rate: Option<u64>,
+    pub mode: &'static str,
+    pub tolerable_failures: u32,
+    /// Extra operator YAML appended after the standard ones (list items).
+    pub extra_operators: String,
+    /// Drop the dedupe branch (to test a removed stateful uid).
+    pub without_dedupe: bool,
+}
+
+impl JobParams {
+    pub fn new(name: &str) -> Self {
+        JobParams {
+            name: name.to_string(),
+            parallelism: 2,
+            count: 12_000,
+            rate: None,
+            mode: "exactly-once",
+            tolerable_failures: 2,
+            extra_operators: String::new(),
+            without_dedupe: false,
+        }
+    }
+}
+
+/// The test job: two sources; a running count per user, sliding windows per word with
+/// count/sum/min/max, and a dedupe of ids; three exactly-once file sinks under `out`.
+pub fn job_yaml(p: &JobParams, out: &Path) -> String {
+    let rate = p.rate.map(|r| format!("ratePerSecond: {r}")).unwrap_or_default();
+    let out = out.display();
+    let dedupe_ops = if p.without_dedupe {
+        String::new()
+    } else {
+        "  - { name: by-id, input: ids, keyBy: { fields: [id] } }\n  - { name: unique-ids, uid: unique-ids, dedupe: {} }\n".to_string()
+    };
+    let dedupe_sink = if p.without_dedupe {
+        String::new()
+    } else {
+        format!("  - {{ name: ids-out, input: unique-ids, uid: ids-out, file: {{ path: {out}/ids }} }}\n")
+    };
+    let ids_source = if p.without_dedupe {
+        String::new()
+    } else {
+        format!(
+            "  - name: ids\n    uid: ids\n    generator:\n      count: {}\n      {rate}\n      fields:\n        - {{ name: id, modulo: 3000 }}\n",
+            p.count / 2
+        )
+    };
+    format!(
+        r#"name: {name}
+parallelism: {par}
+maxParallelism: 64
+checkpointing:
+  interval: 100ms
+  timeout: 10s
+  mode: {mode}
+  retained: 3
+  tolerableFailures: {tol}
+  fullEvery: 4
+restart:
+  strategy: fixed-delay
+  attempts: 1000
+  delay: 10ms
+sources:
+  - name: events
+    uid: events
+    generator:
+      count: {count}
+      {rate}
+      timeStep: 1ms
+      fields:
+        - {{ name: seq, sequence: {{}} }}
+        - {{ name: user, modulo: 500 }}
+        - {{ name: word, word: {{ cardinality: 300 }} }}
+        - {{ name: amount, uniform: {{ min: 1, max: 100 }} }}
+{ids_source}operators:
+  - {{ name: by-user, input: events, keyBy: {{ fields: [user] }} }}
+  - name: user-counts
+    uid: user-counts
+    aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }}
+  - {{ name: by-word, input: events, keyBy: {{ fields: [word] }} }}
+  - name: word-windows
+    uid: word-windows
+    window:
+      type: sliding
+      size: 200ms
+      slide: 100ms
+      aggregates:
+        - {{ fn: count, as: n }}
+        - {{ fn: sum, field: amount, as: total }}
+        - {{ fn: min, field: amount, as: lo }}
+        - {{ fn: max, field: amount, as: hi }}
+{dedupe_ops}{extra}sinks:
+  - {{ name: counts-out, input: user-counts, uid: counts-out, file: {{ path: {out}/counts }} }}
+  - {{ name: windows-out, input: word-windows, uid: windows-out, file: {{ path: {out}/windows }} }}
+{dedupe_sink}"#,
+        name = p.name,
+        par = p.parallelism,
+        mode = p.mode,
+        tol = p.tolerable_failures,
+        count = p.count,
+        extra = p.extra_operators,
+    )
+}
+
+/// Every committed line under each sink directory of `out`, sorted.
+pub fn committed(out: &Path) -> BTreeMap<String, Vec<String>> {
+    let mut result = BTreeMap::new();
+    let Ok(dirs) = std::fs::read_dir(out) else { return result };
+    for d in dirs.flatten() {
+        let mut lines = Vec::new();
+        for f in std::fs::read_dir(d.path()).unwrap().flatten() {
+            let name = f.file_name().to_string_lossy().to_string();
+            if name.starts_with('.') || name.starts_with('_') {
+                continue;
+            }
+            lines.extend(std::fs::read_to_string(f.path()).unwrap().lines().map(str::to_string));
+        }
+        lines.sort();
+        result.insert(d.file_name().to_string_lossy().to_string(), lines);
+    }
+    result
+}
+
+/// Asserts two outputs are identical record by record, explaining the difference.
+pub fn assert_same_output(golden: &BTreeMap<String, Vec<String>>, got: &BTreeMap<String, Vec<String>>, what: &str) {
+    assert_eq!(golden.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{what}: sinks differ");
+    for (sink, expected) in golden {
+        let actual = &got[sink];
+        if expected == actual {
+            continue;
+        }
+        let mut counts: BTreeMap<&str, i64> = BTreeMap::new();
+        for l in expected {
+            *counts.entry(l).or_default() += 1;
+        }
+        for l in actual {
+            *counts.entry(l).or_default() -= 1;
+        }
+        let lost: Vec<_> = counts.iter().filter(|(_, c)| **c > 0).take(5).collect();
+        let dup: Vec<_> = counts.iter().filter(|(_, c)| **c < 0).take(5).collect();
+        panic!(
+            "{what}: sink `{sink}` has {} records, golden {}; {} lost (e.g. {lost:?}), {} duplicated or extra (e.g. {dup:?})",
+            actual.len(),
+            expected.len(),
+            counts.values().filter(|c| **c > 0).count(),
+            counts.values().filter(|c| **c < 0).count(),
+        );
+    }
+}
+
+/// Asserts nothing from `golden` is missing in `got` (at-least-once).
+pub fn assert_no_loss(golden: &BTreeMap<String, Vec<String>>, got: &BTreeMap<String, Vec<String>>) {
+    for (sink, expected) in golden {
+        let actual: std::collections::BTreeSet<&String> = got[sink].iter().collect();
+        let missing = expected.iter().filter(|l| !actual.contains(l)).count();
+        assert_eq!(missing, 0, "sink `{sink}` lost {missing} records");
+    }
+}
+
+/// A job run in this process, on its own thread.
+pub struct InProcess {
+    pub metrics: Arc<JobMetrics>,
+    pub requests: Sender<Request>,
+    handle: std::thread::JoinHandle<Result<JobOutcome, JobError>>,
+}
+
+impl InProcess {
+    pub fn start(yaml: &str, opts: RunOptions) -> InProcess {
+        let job = weir_runtime::load_job(yaml).expect("valid test job");
+        let metrics = Arc::new(JobMetrics::new(&job.spec.name, "test"));
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let m = metrics.clone();
+        let handle = std::thread::spawn(move || run_job(&job, &opts, m, rx));
+        InProcess { metrics, requests: tx, handle }
+    }
+
+    /// Waits until `n` checkpoints have completed in this run.
+    pub fn wait_for_checkpoints(&self, n: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.metrics.checkpoints_completed.load(Ordering::Relaxed) < n {
+            assert!(Instant::now() < deadline, "{n} checkpoints not complete within {timeout:?}");
+            assert!(!self.handle.is_finished(), "job ended before {n} checkpoints");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    pub fn join(self) -> (Result<JobOutcome, JobError>, Arc<JobMetrics>) {
+        (self.handle.join().expect("job thread"), self.metrics)
+    }
+}
+
+/// Runs a job to its end in this process.
+pub fn run_to_end(yaml: &str, opts: RunOptions) -> (JobOutcome, Arc<JobMetrics>) {
+    let (r, m) = InProcess::start(yaml, opts).join();
+    (r.expect("job succeeds"), m)
+}
+
+/// A fresh directory for a test.
+pub fn workdir(name: &str) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::Builder::new().prefix(&format!("weir-{name}-")).tempdir().unwrap();
+    let out = dir.path().join("out");
+    let chk = dir.path().join("state");
+    (dir, out, chk)
+}
+
+pub fn opts(chk: &Path) -> RunOptions {
+    RunOptions { checkpoint_dir: Some(chk.display().to_string()), ..RunOptions::default() }
+}
+
+/// Builders on [`RunOptions`].
+pub trait RunOptionsExt {
+    fn with_faults(self, plan: weir_runtime::faults::FaultPlan) -> Self;
+    fn restore_latest(self) -> Self;
+    fn restore_path(self, path: &str) -> Self;
+}
+
+impl RunOptionsExt for RunOptions {
+    fn with_faults(mut self, plan: weir_runtime::faults::FaultPlan) -> Self {
+        self.faults = Some(plan);
+        self
+    }
+    fn restore_latest(mut self) -> Self {
+        self.restore = Some(weir_runtime::executor::RestoreRequest::Latest);
+        self
+    }
+    fn restore_path(mut self, path: &str) -> Self {
+        self.restore = Some(weir_runtime::executor::RestoreRequest::Path(path.to_string()));
+        self
+    }
+}

@@ -1,0 +1,185 @@
+//! Exactly-once, proven by comparison: the same bounded job run uninterrupted and run with
+//! injected failures (task panics, failed uploads, crashes between checkpoint completion and
+//! commit, corrupt checkpoints, killed processes, rescaling) must commit identical output,
+//! record by record.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+use weir_runtime::executor::{JobOutcome, Request};
+use weir_runtime::faults::FaultPlan;
+
+fn golden(p: &JobParams) -> std::collections::BTreeMap<String, Vec<String>> {
+    let (_d, out, chk) = workdir(&format!("{}-golden", p.name));
+    let (outcome, m) = run_to_end(&job_yaml(p, &out), opts(&chk));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert_eq!(m.restarts.load(Ordering::Relaxed), 0);
+    let g = committed(&out);
+    assert!(g.values().all(|v| !v.is_empty()), "every sink wrote something");
+    g
+}
+
+#[test]
+fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
+    let p = JobParams::new("faults");
+    let golden = golden(&p);
+    assert_eq!(golden["counts"].len(), 12_000, "one running count per record");
+    let mut ids = golden["ids"].clone();
+    ids.dedup();
+    assert!(ids.len() == golden["ids"].len() && ids.len() > 2000, "each id once: {} of {}", ids.len(), golden["ids"].len());
+    let mut injected = 0;
+    for seed in 1..=4u64 {
+        let (_d, out, chk) = workdir(&format!("faults-{seed}"));
+        let plan = FaultPlan { seed, task_panic: 0.04, upload_failure: 0.05, crash_before_commit: 0.3, max_faults: 14, ..FaultPlan::default() };
+        let (outcome, m) = run_to_end(&job_yaml(&p, &out), common::RunOptionsExt::with_faults(opts(&chk), plan));
+        assert_eq!(outcome, JobOutcome::Finished);
+        let n = m.injected_faults.load(Ordering::Relaxed);
+        assert!(n >= 5, "seed {seed}: only {n} faults fired");
+        injected += n;
+        assert_same_output(&golden, &committed(&out), &format!("seed {seed} with {n} faults, {} restarts", m.restarts.load(Ordering::Relaxed)));
+    }
+    eprintln!("injected faults in this test: {injected}");
+    record_faults(injected);
+}
+
+#[test]
+fn at_least_once_mode_loses_nothing_under_failures() {
+    let mut p = JobParams::new("alo");
+    p.mode = "at-least-once";
+    let golden = golden(&p);
+    let (_d, out, chk) = workdir("alo-faults");
+    let plan = FaultPlan { seed: 9, task_panic: 0.01, max_faults: 6, ..FaultPlan::default() };
+    let (outcome, m) = run_to_end(&job_yaml(&p, &out), common::RunOptionsExt::with_faults(opts(&chk), plan));
+    assert_eq!(outcome, JobOutcome::Finished);
+    record_faults(m.injected_faults.load(Ordering::Relaxed));
+    assert_no_loss(&golden, &committed(&out));
+}
+
+#[test]
+fn a_corrupt_newest_checkpoint_falls_back_to_the_previous_one() {
+    let mut p = JobParams::new("corrupt");
+    p.rate = Some(8_000);
+    let golden = golden(&JobParams { rate: None, ..p.clone() });
+    let (_d, out, chk) = workdir("corrupt");
+    let yaml = job_yaml(&p, &out);
+    let mut corrupted = 0;
+    for round in 0..3 {
+        let run = InProcess::start(&yaml, RunOptionsExt::restore_latest(opts(&chk)));
+        run.wait_for_checkpoints(4, Duration::from_secs(60));
+        run.requests.send(Request::Cancel).unwrap();
+        let (r, _) = run.join();
+        assert_eq!(r.unwrap(), JobOutcome::Cancelled);
+        // Flip one byte of the newest checkpoint's largest state file (round 0, 2) or metadata.
+        let newest = newest_checkpoint(&chk);
+        let target = if round == 1 { newest.join("_metadata") } else { largest_file_referenced(&chk, &newest) };
+        let mut bytes = std::fs::read(&target).unwrap();
+        let i = bytes.len() / 2;
+        bytes[i] ^= 0x40;
+        std::fs::write(&target, bytes).unwrap();
+        corrupted += 1;
+    }
+    let (outcome, m) = run_to_end(&yaml, RunOptionsExt::restore_latest(opts(&chk)));
+    assert_eq!(outcome, JobOutcome::Finished);
+    let restored_from = m.board().restored_from.clone().unwrap();
+    assert!(!restored_from.is_empty());
+    record_faults(corrupted);
+    assert_same_output(&golden, &committed(&out), "after three corrupted newest checkpoints");
+}
+
+fn newest_checkpoint(chk: &std::path::Path) -> std::path::PathBuf {
+    let mut ids: Vec<u64> = std::fs::read_dir(chk.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("chk-").and_then(|n| n.parse().ok()))
+        .filter(|id| chk.join(format!("checkpoints/chk-{id}/_metadata")).exists())
+        .collect();
+    ids.sort_unstable();
+    chk.join(format!("checkpoints/chk-{}", ids.last().expect("a complete checkpoint")))
+}
+
+fn largest_file_referenced(chk: &std::path::Path, dir: &std::path::Path) -> std::path::PathBuf {
+    let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(dir.join("_metadata")).unwrap()).unwrap();
+    let rel = dir.strip_prefix(chk).unwrap().to_string_lossy().to_string();
+    let f = meta.files().max_by_key(|f| f.len).unwrap();
+    chk.join(weir_checkpoint::layout::resolve(&rel, &f.path))
+}
+
+#[test]
+fn rescaling_through_a_savepoint_two_to_three_and_three_to_two() {
+    for (from, to) in [(2u32, 3u32), (3, 2)] {
+        let mut p = JobParams::new(&format!("rescale-{from}-{to}"));
+        p.rate = Some(10_000);
+        let golden = golden(&JobParams { rate: None, parallelism: 1, ..p.clone() });
+        let (_d, out, chk) = workdir(&p.name);
+        p.parallelism = from;
+        let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));
+        run.wait_for_checkpoints(3, Duration::from_secs(60));
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        run.requests.send(Request::Savepoint { stop: true, drain: false, reply: tx }).unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        let (r, _) = run.join();
+        let JobOutcome::Stopped { savepoint } = r.unwrap() else { panic!("expected a stop with savepoint") };
+        assert!(savepoint.contains("/savepoints/sp-"), "{savepoint}");
+        p.parallelism = to;
+        let (outcome, m) = run_to_end(&job_yaml(&p, &out), RunOptionsExt::restore_path(opts(&chk), &savepoint));
+        assert_eq!(outcome, JobOutcome::Finished);
+        assert_eq!(m.board().restored_from.as_deref(), Some(savepoint.as_str()));
+        assert_same_output(&golden, &committed(&out), &format!("rescale {from} → {to}"));
+    }
+}
+
+#[test]
+fn savepoints_restore_with_an_added_operator_and_refuse_a_vanished_uid() {
+    let mut p = JobParams::new("evolve");
+    p.rate = Some(10_000);
+    let (_d, out, chk) = workdir("evolve");
+    let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));
+    run.wait_for_checkpoints(2, Duration::from_secs(60));
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    run.requests.send(Request::Savepoint { stop: true, drain: false, reply: tx }).unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let JobOutcome::Stopped { savepoint } = run.join().0.unwrap() else { panic!("expected stop") };
+
+    // A new stateful operator (and its sink) is fine: it starts empty.
+    let mut added = p.clone();
+    added.extra_operators = "  - { name: by-word-2, input: events, keyBy: { fields: [word] } }\n  - { name: word-totals, uid: word-totals, aggregate: { aggregates: [ { fn: sum, field: amount, as: total } ] } }\n".into();
+    let added_yaml = job_yaml(&added, &out).replace("sinks:\n", &format!("sinks:\n  - {{ name: totals-out, input: word-totals, uid: totals-out, file: {{ path: {}/totals }} }}\n", out.display()));
+    let (outcome, _) = run_to_end(&added_yaml, RunOptionsExt::restore_path(opts(&chk), &savepoint));
+    assert_eq!(outcome, JobOutcome::Finished);
+
+    // Without the dedupe branch its state has nowhere to go: refused...
+    let mut removed = p.clone();
+    removed.without_dedupe = true;
+    let removed_yaml = job_yaml(&removed, &out);
+    let (r, _) = InProcess::start(&removed_yaml, RunOptionsExt::restore_path(opts(&chk), &savepoint)).join();
+    let err = r.unwrap_err().to_string();
+    assert!(err.contains("unique-ids") && err.contains("allowNonRestoredState"), "{err}");
+    // ...unless allowed.
+    let mut o = RunOptionsExt::restore_path(opts(&chk), &savepoint);
+    o.allow_non_restored_state = true;
+    let (outcome, _) = run_to_end(&removed_yaml, o);
+    assert_eq!(outcome, JobOutcome::Finished);
+}
+
+#[test]
+fn restoring_a_changed_max_parallelism_is_refused() {
+    let mut p = JobParams::new("maxpar");
+    p.count = 2000;
+    let (_d, out, chk) = workdir("maxpar");
+    run_to_end(&job_yaml(&p, &out), opts(&chk));
+    let yaml = job_yaml(&p, &out).replace("maxParallelism: 64", "maxParallelism: 32");
+    let (r, _) = InProcess::start(&yaml, RunOptionsExt::restore_latest(opts(&chk))).join();
+    let err = r.unwrap_err().to_string();
+    assert!(err.contains("maxParallelism is 64 in the snapshot and 32 in the job"), "{err}");
+}
+
+/// Appends to the suite-wide count of injected failures (printed by `fault_count`).
+fn record_faults(n: u64) {
+    let path = std::env::temp_dir().join("weir-injected-faults.log");
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+    writeln!(f, "{n}").unwrap();
+}
