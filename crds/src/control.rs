@@ -114,6 +114,9 @@ pub struct SavepointRequest {
     /// Flush all windows (watermark to the end of time) before the savepoint; only with stop.
     #[serde(default)]
     pub drain: bool,
+    /// Answer only when the savepoint has completed or failed (instead of at once with 202).
+    #[serde(default)]
+    pub wait: bool,
 }
 
 /// Answer to a savepoint or stop request: poll `GET /v1/savepoints/{requestId}`.

@@ -5,7 +5,7 @@
 //! | GET    | `/v1/job`                 | job status                                 |
 //! | GET    | `/v1/checkpoints`         | checkpoint history, newest first           |
 //! | GET    | `/v1/checkpoints/latest`  | the newest completed checkpoint (404 none) |
-//! | POST   | `/v1/savepoints`          | trigger a savepoint → request id           |
+//! | POST   | `/v1/savepoints`          | trigger a savepoint → request id (`{"wait":true}`: answer when done) |
 //! | GET    | `/v1/savepoints/{id}`     | a savepoint request's status               |
 //! | POST   | `/v1/stop`                | stop with a savepoint (`{"drain":true}`)   |
 //! | POST   | `/v1/cancel`              | cancel without a savepoint                 |
@@ -29,8 +29,20 @@ use crate::metrics::JobMetrics;
 pub struct ControlServer {
     server: Arc<tiny_http::Server>,
     thread: Option<std::thread::JoinHandle<()>>,
+    in_flight: Arc<std::sync::atomic::AtomicUsize>,
     /// The bound address.
     pub addr: std::net::SocketAddr,
+}
+
+impl ControlServer {
+    /// Waits (up to `timeout`) for requests being answered, e.g. a `wait: true` stop request
+    /// whose answer is the savepoint the job just stopped with.
+    pub fn drain(&self, timeout: Duration) {
+        let deadline = std::time::Instant::now() + timeout;
+        while self.in_flight.load(Ordering::Acquire) > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 impl Drop for ControlServer {
@@ -58,13 +70,25 @@ pub fn serve(addr: &str, token: Option<String>, metrics: Arc<JobMetrics>, reques
     let server = Arc::new(tiny_http::Server::http(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?);
     let bound = server.server_addr().to_ip().ok_or_else(|| std::io::Error::other("not an IP listener"))?;
     let s = server.clone();
+    let in_flight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = in_flight.clone();
+    let token: Option<Arc<str>> = token.map(Arc::from);
     let thread = std::thread::Builder::new().name("weir-control".into()).spawn(move || {
         for mut req in s.incoming_requests() {
-            let response = handle(&mut req, token.as_deref(), &metrics, &requests);
-            let _ = req.respond(response);
+            // One thread per request: a waiting savepoint request must not block status reads.
+            counter.fetch_add(1, Ordering::AcqRel);
+            let (token, metrics, requests, done) = (token.clone(), metrics.clone(), requests.clone(), counter.clone());
+            let spawned = std::thread::Builder::new().name("weir-control-req".into()).spawn(move || {
+                let response = handle(&mut req, token.as_deref(), &metrics, &requests);
+                let _ = req.respond(response);
+                done.fetch_sub(1, Ordering::AcqRel);
+            });
+            if spawned.is_err() {
+                counter.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     })?;
-    Ok(ControlServer { server, thread: Some(thread), addr: bound })
+    Ok(ControlServer { server, thread: Some(thread), in_flight, addr: bound })
 }
 
 fn authorized(req: &tiny_http::Request, token: Option<&str>) -> bool {
@@ -135,12 +159,20 @@ fn handle(req: &mut tiny_http::Request, token: Option<&str>, metrics: &JobMetric
             if requests.send(Request::Savepoint { stop, drain: parsed.drain, reply: tx }).is_err() {
                 return error(409, "the job is not running");
             }
-            match rx.recv_timeout(Duration::from_secs(30)) {
-                Ok(id) => match metrics.board().savepoints.get(&id) {
-                    Some(s) => json(202, s),
-                    None => error(500, "savepoint request lost"),
-                },
-                Err(_) => error(409, "the job is restarting or ending; try again"),
+            let id = match rx.recv_timeout(Duration::from_secs(30)) {
+                Ok(id) => id,
+                Err(_) => return error(409, "the job is restarting or ending; try again"),
+            };
+            let deadline = std::time::Instant::now() + Duration::from_secs(600);
+            loop {
+                let status = metrics.board().savepoints.get(&id).cloned();
+                match status {
+                    None => return error(500, "savepoint request lost"),
+                    Some(s) if !parsed.wait => return json(202, &s),
+                    Some(s) if s.outcome != weir_crds::control::CheckpointOutcome::InProgress => return json(200, &s),
+                    Some(s) if std::time::Instant::now() > deadline => return json(202, &s),
+                    Some(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
             }
         }
         (Method::Get, p) if p.starts_with("/v1/savepoints/") => {

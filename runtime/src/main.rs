@@ -205,6 +205,10 @@ fn run(path: &str, checkpoint_dir: Option<String>, restore: Option<String>, allo
     let started = Instant::now();
     let result = run_job(&job, &opts, metrics.clone(), req_rx);
     drop(progress);
+    if let Some(server) = &_server {
+        // Let a client waiting for the stop savepoint read its answer before the process ends.
+        server.drain(Duration::from_secs(5));
+    }
     let summary = format!(
         "in {} records, out {}, {} checkpoints ({} failed), {} restarts, {} injected faults, {:.1}s",
         metrics.records_in.load(Ordering::Relaxed),
@@ -269,7 +273,7 @@ fn savepoint(addr: &str, stop: bool, drain: bool, token_file: Option<String>, ti
         Err(code) => return code,
     };
     let path = if stop { "/v1/stop" } else { "/v1/savepoints" };
-    let body = serde_json::json!({ "drain": drain }).to_string();
+    let body = serde_json::json!({ "drain": drain, "wait": true }).to_string();
     let (status, text) = match http(addr, "POST", path, token.as_deref(), &body) {
         Ok(r) => r,
         Err(e) => {
@@ -277,7 +281,7 @@ fn savepoint(addr: &str, stop: bool, drain: bool, token_file: Option<String>, ti
             return ExitCode::FAILURE;
         }
     };
-    if status != 202 {
+    if status != 202 && status != 200 {
         eprintln!("error: {path} answered {status}: {text}");
         return ExitCode::FAILURE;
     }
@@ -285,6 +289,17 @@ fn savepoint(addr: &str, stop: bool, drain: bool, token_file: Option<String>, ti
         eprintln!("error: unexpected answer: {text}");
         return ExitCode::FAILURE;
     };
+    match accepted.outcome {
+        weir_crds::control::CheckpointOutcome::Completed => {
+            println!("{}", accepted.path.unwrap_or_default());
+            return ExitCode::SUCCESS;
+        }
+        weir_crds::control::CheckpointOutcome::Failed => {
+            eprintln!("error: savepoint failed: {}", accepted.failure.unwrap_or_default());
+            return ExitCode::FAILURE;
+        }
+        weir_crds::control::CheckpointOutcome::InProgress => {}
+    }
     let deadline = Instant::now() + Duration::from_secs(timeout_secs);
     while Instant::now() < deadline {
         if let Ok((200, text)) = http(addr, "GET", &format!("/v1/savepoints/{}", accepted.request_id), token.as_deref(), "") {

@@ -1,0 +1,189 @@
+//! The `weir-runtime` binary as users run it: killed with SIGKILL (and aborting itself between
+//! checkpoint completion and commit) and restarted with `--restore latest` until it finishes,
+//! it must commit exactly the golden output. Also: the control API with a token, the
+//! `savepoint` and `checkpoints` commands, and validation errors with field paths.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use weir_runtime::executor::JobOutcome;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_weir-runtime"))
+}
+
+fn wait_with_deadline(child: &mut Child, deadline: Instant) -> Option<std::process::ExitStatus> {
+    while Instant::now() < deadline {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+#[test]
+fn sigkill_and_restart_with_restore_latest_until_done_is_exactly_once() {
+    let mut p = JobParams::new("killed");
+    p.count = 16_000;
+    let golden = {
+        let (_d, out, chk) = workdir("killed-golden");
+        let (outcome, _) = run_to_end(&job_yaml(&p, &out), opts(&chk));
+        assert_eq!(outcome, JobOutcome::Finished);
+        committed(&out)
+    };
+    p.rate = Some(6_000);
+    let (dir, out, chk) = workdir("killed");
+    let job_file = dir.path().join("job.yaml");
+    std::fs::write(&job_file, job_yaml(&p, &out)).unwrap();
+    let mut kills = 0u64;
+    let mut aborts = 0u64;
+    let mut finished = false;
+    for round in 0..60u64 {
+        let mut cmd = bin();
+        cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--restore", "latest", "--quiet"]);
+        // Every third run may also abort itself after a checkpoint completes, before commit.
+        if round % 3 == 1 {
+            cmd.env("WEIR_FAULTS", format!("seed={round},commit-abort=1,max=1"));
+        }
+        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        // Kill at a pseudo-random moment between 200 and 1100 ms.
+        let delay = Duration::from_millis(200 + (weir_runtime::value::mix64(round) % 900));
+        match wait_with_deadline(&mut child, Instant::now() + delay) {
+            Some(status) if status.success() => {
+                finished = true;
+                break;
+            }
+            Some(status) => {
+                let mut err = String::new();
+                child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+                assert!(err.contains("injected fault: aborting"), "run {round} failed with {status}: {err}");
+                aborts += 1;
+            }
+            None => {
+                child.kill().unwrap(); // SIGKILL
+                child.wait().unwrap();
+                kills += 1;
+            }
+        }
+    }
+    assert!(finished, "the job never finished");
+    assert!(kills >= 3, "only {kills} kills: the job was too quick to test anything");
+    eprintln!("SIGKILLs: {kills}, self-aborts before commit: {aborts}");
+    record(kills + aborts);
+    assert_same_output(&golden, &committed(&out), &format!("{kills} SIGKILLs and {aborts} aborts"));
+
+    // The checkpoints command lists what is left and says it is valid.
+    let listing = bin().args(["checkpoints", chk.to_str().unwrap()]).output().unwrap();
+    let text = String::from_utf8_lossy(&listing.stdout);
+    assert!(listing.status.success() && text.contains("yes"), "{text}");
+}
+
+fn record(n: u64) {
+    let path = std::env::temp_dir().join("weir-injected-faults.log");
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+    writeln!(f, "{n}").unwrap();
+}
+
+fn http(addr: &str, method: &str, path: &str, token: Option<&str>) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let status = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, resp.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn control_api_requires_the_token_and_stop_with_savepoint_works() {
+    let mut p = JobParams::new("controlled");
+    p.count = 1_000_000;
+    p.rate = Some(5_000);
+    let (dir, out, chk) = workdir("controlled");
+    let job_file = dir.path().join("job.yaml");
+    std::fs::write(&job_file, job_yaml(&p, &out)).unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret-token\n").unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut child = bin()
+        .args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--control-addr", &addr, "--token-file", token_file.to_str().unwrap(), "--quiet"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Wait for the API and a first checkpoint.
+    loop {
+        assert!(Instant::now() < deadline, "no checkpoint within 30s");
+        if let Ok(mut s) = TcpStream::connect(&addr) {
+            drop(s.write_all(b""));
+            let (status, body) = http(&addr, "GET", "/v1/checkpoints/latest", Some("s3cret-token"));
+            if status == 200 {
+                assert!(body.contains("\"completed\""), "{body}");
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(http(&addr, "GET", "/v1/job", None).0, 401);
+    assert_eq!(http(&addr, "GET", "/v1/job", Some("wrong")).0, 401);
+    let (status, body) = http(&addr, "GET", "/v1/job", Some("s3cret-token"));
+    assert_eq!(status, 200);
+    assert!(body.contains("\"state\": \"running\""), "{body}");
+    let (status, metrics) = http(&addr, "GET", "/metrics", Some("s3cret-token"));
+    assert_eq!(status, 200);
+    assert!(metrics.contains("weir_checkpoints_completed_total{job=\"controlled\"}"), "{metrics}");
+    assert!(!metrics.contains("s3cret"), "no secret in metrics");
+
+    let sp = bin().args(["savepoint", &addr, "--stop", "--token-file", token_file.to_str().unwrap()]).output().unwrap();
+    assert!(sp.status.success(), "{}", String::from_utf8_lossy(&sp.stderr));
+    let savepoint = String::from_utf8_lossy(&sp.stdout).trim().to_string();
+    assert!(savepoint.contains("/savepoints/sp-"), "{savepoint}");
+    let status = wait_with_deadline(&mut child, Instant::now() + Duration::from_secs(20)).expect("stops after the savepoint");
+    assert!(status.success());
+    let mut stdout = String::new();
+    child.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
+    assert_eq!(stdout.trim(), savepoint, "run prints the savepoint it stopped with");
+    assert!(std::path::Path::new(&savepoint).join("_metadata").exists());
+}
+
+#[test]
+fn invalid_job_files_are_refused_with_field_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("name: j\nsources: []\nsinks: []\n", "job.sources: at least one source is required"),
+        (
+            "name: j\nsources: [{name: s, uid: s, generator: {fields: [{name: a, sequence: {}}]}}]\noperators: [{name: k, keyBy: {fields: [a]}}, {name: w, uid: w, window: {type: tumbling, size: 0s, aggregates: [{fn: count, as: n}]}}]\nsinks: [{name: o, stdout: {}}]\n",
+            "job.operators[1].window.size: must be > 0",
+        ),
+        (
+            "name: j\nsources: [{name: s, uid: s, generator: {fields: [{name: a, sequence: {}}]}}]\noperators: [{name: k, keyBy: {fields: [a]}}, {name: c, aggregate: {aggregates: [{fn: count, as: n}]}}]\nsinks: [{name: o, stdout: {}}]\n",
+            "job.operators[1].uid: required",
+        ),
+        (
+            "name: j\nsources: [{name: s, uid: s, generator: {fields: [{name: a, sequence: {}}]}}]\noperators: [{name: f, filter: {expr: \"b > 1\"}}]\nsinks: [{name: o, stdout: {}}]\n",
+            "job.operators[0].filter.expr: CEL expression `b > 1` uses `b`",
+        ),
+        ("name: j\ncheckpointing: {interval: fast}\nsources: []\nsinks: []\n", "job.checkpointing.interval"),
+    ];
+    for (i, (yaml, expected)) in cases.iter().enumerate() {
+        let f = dir.path().join(format!("bad{i}.yaml"));
+        std::fs::write(&f, yaml).unwrap();
+        let o = bin().args(["validate", f.to_str().unwrap()]).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "case {i}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(expected), "case {i}: expected `{expected}` in:\n{err}");
+    }
+    let ok = bin().args(["validate", concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/wordcount.yaml")]).output().unwrap();
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+}
