@@ -586,10 +586,15 @@ impl JobSpec {
     pub fn from_yaml(text: &str) -> Result<JobSpec, ParseError> {
         let de = serde_yaml::Deserializer::from_str(text);
         serde_path_to_error::deserialize(de).map_err(|err| {
-            let path = err.path().to_string();
-            let path = if path == "." { "job".to_string() } else { format!("job.{path}") };
+            let raw = err.path().to_string();
+            let path = if raw == "." { "job".to_string() } else { format!("job.{raw}") };
             let message = err.into_inner().to_string();
-            // serde_yaml appends " at line L column C"; keep it, it helps find the spot.
+            // serde_yaml repeats the path in front of its message and appends " at line L
+            // column C"; drop the former, keep the latter (it helps find the spot).
+            let message = match message.split_once(": ") {
+                Some((head, rest)) if !head.contains(' ') && raw.starts_with(head) => rest.to_string(),
+                _ => message,
+            };
             ParseError { path, message }
         })
     }
