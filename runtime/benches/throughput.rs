@@ -1,1 +1,194 @@
-fn main(){}
+//! Throughput and checkpoint cost, printed as figures (not a timed test).
+//!
+//! `cargo bench -p weir-runtime --bench throughput` runs, on this machine and in this run:
+//! - a baseline: counting the same key stream in a plain hash map on one thread;
+//! - keyed count over 1M keys, checkpoints off vs every 1 s (exactly-once, incremental);
+//! - a sliding-window aggregation, checkpoints off vs every 1 s;
+//! - restoring the newest keyed-count checkpoint.
+//!
+//! Figures are records/s of the job, records per CPU-second (the per-core figure: the job runs
+//! a source thread and an operator thread), checkpoint overhead as a ratio of the two runs,
+//! checkpoint p50/p99 durations and restore seconds per GiB. `WEIR_BENCH_SCALE` (default 1)
+//! multiplies the record counts.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use weir_runtime::executor::{run_job, RunOptions};
+use weir_runtime::metrics::JobMetrics;
+
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields.get(11).and_then(|u| u.parse::<f64>().ok()).unwrap_or(0.0) + fields.get(12).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+    ticks / 100.0
+}
+
+struct Run {
+    records: u64,
+    wall: f64,
+    cpu: f64,
+    durations: Vec<u64>,
+    bytes: Vec<u64>,
+    checkpoints: u64,
+}
+
+impl Run {
+    fn rate(&self) -> f64 {
+        self.records as f64 / self.wall
+    }
+    fn per_cpu(&self) -> f64 {
+        self.records as f64 / self.cpu
+    }
+}
+
+fn percentile(v: &[u64], p: f64) -> u64 {
+    if v.is_empty() {
+        return 0;
+    }
+    let mut s = v.to_vec();
+    s.sort_unstable();
+    s[((s.len() - 1) as f64 * p).round() as usize]
+}
+
+fn run(yaml: &str, dir: &std::path::Path) -> Run {
+    let job = weir_runtime::load_job(yaml).expect("bench job is valid");
+    let metrics = Arc::new(JobMetrics::new(&job.spec.name, "bench"));
+    let (_tx, rx) = crossbeam_channel::unbounded();
+    let opts = RunOptions { checkpoint_dir: Some(dir.display().to_string()), ..RunOptions::default() };
+    let cpu0 = cpu_seconds();
+    let t0 = Instant::now();
+    run_job(&job, &opts, metrics.clone(), rx).expect("bench job runs");
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu0;
+    let board = metrics.board();
+    let done: Vec<_> = board.history.iter().filter(|c| c.outcome == weir_crds::control::CheckpointOutcome::Completed).collect();
+    Run {
+        records: metrics.records_in.load(Ordering::Relaxed),
+        wall,
+        cpu,
+        durations: done.iter().filter_map(|c| c.duration_ms).collect(),
+        bytes: done.iter().map(|c| c.bytes).collect(),
+        checkpoints: metrics.checkpoints_completed.load(Ordering::Relaxed),
+    }
+}
+
+fn keyed_count_job(records: u64, checkpoints: bool) -> String {
+    format!(
+        r#"name: bench-count
+parallelism: 1
+checkpointing: {{ enabled: {checkpoints}, interval: 1s, mode: exactly-once, incremental: true, fullEvery: 10 }}
+sources:
+  - name: src
+    uid: src
+    generator: {{ count: {records}, fields: [ {{ name: key, modulo: 1000000 }} ] }}
+operators:
+  - {{ name: by-key, keyBy: {{ fields: [key] }} }}
+  - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+sinks:
+  - {{ name: out, blackhole: {{}} }}
+"#
+    )
+}
+
+fn window_job(records: u64, checkpoints: bool) -> String {
+    format!(
+        r#"name: bench-window
+parallelism: 1
+checkpointing: {{ enabled: {checkpoints}, interval: 1s, mode: exactly-once, incremental: true, fullEvery: 10 }}
+sources:
+  - name: src
+    uid: src
+    generator:
+      count: {records}
+      timeStep: 1ms
+      fields: [ {{ name: key, modulo: 10000 }}, {{ name: value, uniform: {{ min: 0, max: 1000 }} }} ]
+operators:
+  - {{ name: by-key, keyBy: {{ fields: [key] }} }}
+  - name: windows
+    uid: windows
+    window: {{ type: sliding, size: 10s, slide: 1s, aggregates: [ {{ fn: sum, field: value, as: total }}, {{ fn: max, field: value, as: hi }} ] }}
+sinks:
+  - {{ name: out, blackhole: {{}} }}
+"#
+    )
+}
+
+fn baseline(records: u64) -> (f64, usize) {
+    // The generator's first field uses this salt: the same key stream as the jobs.
+    let salt = weir_runtime::value::mix64(0x2545_f491_4f6c_dd1d);
+    let t0 = Instant::now();
+    let mut map: rustc_hash::FxHashMap<i64, i64> = rustc_hash::FxHashMap::default();
+    for seq in 0..records {
+        let key = (weir_runtime::value::mix64(seq ^ salt) % 1_000_000) as i64;
+        *map.entry(key).or_insert(0) += 1;
+    }
+    let rate = records as f64 / t0.elapsed().as_secs_f64();
+    (rate, std::hint::black_box(map.len()))
+}
+
+fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize) -> (f64, u64) {
+    let storage = weir_checkpoint::Storage::open(&dir.display().to_string()).unwrap();
+    let (valid, _) = weir_runtime::io().block_on(weir_checkpoint::recovery::restorable_checkpoints(&storage)).unwrap();
+    let newest = valid.first().expect("a checkpoint to restore");
+    let t0 = Instant::now();
+    let restored = weir_runtime::io().block_on(weir_runtime::restore::RestoredState::load(&storage, newest)).unwrap();
+    let keyed = restored.keyed_for("counts", (0, 128), 1).expect("counts state");
+    let ctx = weir_runtime::operators::keyed::KeyedContext { uid: "counts".into(), key: vec![0], max_parallelism: 128, key_groups: (0, 128), incremental: true, full_every: 10 };
+    let state: weir_runtime::state::KeyedState<weir_runtime::operators::accumulators::AccList> = ctx.state(Some(&keyed)).unwrap();
+    let secs = t0.elapsed().as_secs_f64();
+    assert_eq!(state.len(), expected_keys, "every key restored");
+    (secs / (restored.bytes as f64 / (1u64 << 30) as f64), restored.bytes)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    // `cargo bench` passes --bench; under `cargo test` this runs as a quick smoke test.
+    let smoke = !std::env::args().any(|a| a == "--bench");
+    let default_scale = if smoke { 0.01 } else { 1.0 };
+    let scale: f64 = std::env::var("WEIR_BENCH_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(default_scale);
+    let count_records = (12_000_000.0 * scale) as u64;
+    let window_records = (6_000_000.0 * scale) as u64;
+    let tmp = tempfile::tempdir().unwrap();
+
+    let (base, distinct_keys) = baseline(count_records);
+    println!("baseline: plain FxHashMap count of the same 1M-key stream, one thread: {:.2}M records/s", base / 1e6);
+
+    let off = run(&keyed_count_job(count_records, false), &tmp.path().join("count-off"));
+    let on = run(&keyed_count_job(count_records, true), &tmp.path().join("count-on"));
+    let (restore_s_per_gib, restore_bytes) = restore_seconds_per_gib(&tmp.path().join("count-on"), distinct_keys);
+    let w_off = run(&window_job(window_records, false), &tmp.path().join("win-off"));
+    let w_on = run(&window_job(window_records, true), &tmp.path().join("win-on"));
+
+    println!();
+    println!("| job | checkpoints | records | records/s | records/CPU-s | vs baseline | checkpoints done | p50 ms | p99 ms | mean KiB |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (name, ck, r) in [("keyed count, 1M keys", "off", &off), ("keyed count, 1M keys", "1 s", &on), ("sliding window 10s/1s, 10K keys", "off", &w_off), ("sliding window 10s/1s, 10K keys", "1 s", &w_on)] {
+        let mean_kib = if r.bytes.is_empty() { 0 } else { r.bytes.iter().sum::<u64>() / r.bytes.len() as u64 / 1024 };
+        println!(
+            "| {name} | {ck} | {} | {:.2}M | {:.2}M | {:.2}× | {} | {} | {} | {} |",
+            r.records,
+            r.rate() / 1e6,
+            r.per_cpu() / 1e6,
+            r.rate() / base,
+            r.checkpoints,
+            percentile(&r.durations, 0.5),
+            percentile(&r.durations, 0.99),
+            mean_kib
+        );
+    }
+    println!();
+    println!("checkpoint overhead, keyed count: {:+.1}% records/s, {:+.1}% records/CPU-s", (1.0 - on.rate() / off.rate()) * 100.0, (1.0 - on.per_cpu() / off.per_cpu()) * 100.0);
+    println!("checkpoint overhead, sliding window: {:+.1}% records/s, {:+.1}% records/CPU-s", (1.0 - w_on.rate() / w_off.rate()) * 100.0, (1.0 - w_on.per_cpu() / w_off.per_cpu()) * 100.0);
+    if smoke {
+        assert_eq!(off.records, count_records);
+        assert_eq!(on.records, count_records);
+        assert!(on.checkpoints >= 1, "at least the final checkpoint");
+        println!("1 passed, 0 failed");
+    }
+    println!("restore: {:.2} s per GiB (newest keyed-count checkpoint, {} MiB, read + verified + rebuilt)", restore_s_per_gib, restore_bytes >> 20);
+}

@@ -156,7 +156,7 @@ impl Running {
 pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, requests: Receiver<Request>) -> Result<JobOutcome, JobError> {
     let storage = Storage::open(&storage_url(job, opts))?;
     let faults = Faults::new(opts.faults.clone(), metrics.clone());
-    let mut exec = Executor { job, opts, storage, metrics: metrics.clone(), faults, requests, next_id: 1, next_request: 1, savepoint_requests: HashMap::new() };
+    let mut exec = Executor { job, opts, storage, metrics: metrics.clone(), faults, requests, next_id: 1, next_request: 1, savepoint_requests: HashMap::new(), retention_running: Arc::default() };
     let initial = exec.initial_restore()?;
     let mut restore = initial.clone();
     let mut restarts = 0u32;
@@ -216,6 +216,7 @@ struct Executor<'a> {
     next_id: u64,
     next_request: u64,
     savepoint_requests: HashMap<u64, u64>,
+    retention_running: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Executor<'_> {
@@ -236,18 +237,30 @@ impl Executor<'_> {
     }
 
     /// The newest valid checkpoint with an id above `above`, falling back past corrupt ones.
+    /// Checkpoints are inspected newest first and only until one loads.
     fn newest_valid(&self, above: u64) -> Result<Option<RestoredState>, JobError> {
-        let (candidates, skipped) = crate::io().block_on(recovery::restorable_checkpoints(&self.storage))?;
-        for (id, reason) in skipped {
-            tracing::warn!(checkpoint = id, %reason, "skipping checkpoint that cannot be restored");
-        }
-        for found in candidates {
-            if found.metadata.checkpoint_id <= above {
-                break;
-            }
-            match crate::io().block_on(RestoredState::load(&self.storage, &found)) {
+        let storage = &self.storage;
+        let mut ids: Vec<u64> = crate::io()
+            .block_on(storage.list_dirs(layout::CHECKPOINTS))?
+            .iter()
+            .filter_map(|n| layout::parse_checkpoint_dir(n))
+            .filter(|id| *id > above)
+            .collect();
+        ids.sort_unstable_by(|a, b| b.cmp(a));
+        for id in ids {
+            let dir = layout::checkpoint_dir(id);
+            let (verdict, metadata) = crate::io().block_on(recovery::inspect(storage, &dir))?;
+            let found = match (verdict, metadata) {
+                (recovery::Verdict::Valid, Some(metadata)) => recovery::Restorable { dir, metadata },
+                (recovery::Verdict::Invalid(reason), _) => {
+                    tracing::warn!(checkpoint = id, %reason, "skipping checkpoint that cannot be restored");
+                    continue;
+                }
+                (recovery::Verdict::Valid, None) => continue,
+            };
+            match crate::io().block_on(RestoredState::load(storage, &found)) {
                 Ok(r) => return Ok(Some(r)),
-                Err(e) => tracing::warn!(checkpoint = found.metadata.checkpoint_id, error = %e, "falling back past corrupt checkpoint"),
+                Err(e) => tracing::warn!(checkpoint = id, error = %e, "falling back past corrupt checkpoint"),
             }
         }
         Ok(None)
@@ -628,11 +641,7 @@ impl Executor<'_> {
                 }
                 running.send_all(&TaskControl::Complete(id));
                 if !kind.is_savepoint() {
-                    let in_flight_from = coord.pending_ids().first().copied().unwrap_or(coord.next_id());
-                    let retained = self.job.spec.checkpointing.retained as usize;
-                    if let Err(e) = crate::io().block_on(retention::apply(&self.storage, retained, in_flight_from)) {
-                        tracing::warn!(error = %e, "checkpoint retention failed; will retry after the next checkpoint");
-                    }
+                    self.spawn_retention(coord.pending_ids().first().copied().unwrap_or(coord.next_id()));
                 }
                 let stop = matches!(kind, TriggerKind::Savepoint { stop: true, .. });
                 if is_final || stop {
@@ -666,6 +675,23 @@ impl Executor<'_> {
             }
             Action::FailJob { reason } => Err(AttemptEnd::Failed(reason)),
         }
+    }
+
+    /// Deletes old checkpoints in the background (one pass at a time; a skipped pass is
+    /// covered by the next one).
+    fn spawn_retention(&self, in_flight_from: u64) {
+        if self.retention_running.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
+        let storage = self.storage.clone();
+        let retained = self.job.spec.checkpointing.retained as usize;
+        let running = self.retention_running.clone();
+        crate::io().spawn(async move {
+            if let Err(e) = retention::apply(&storage, retained, in_flight_from).await {
+                tracing::warn!(error = %e, "checkpoint retention failed; will retry after the next checkpoint");
+            }
+            running.store(false, std::sync::atomic::Ordering::Release);
+        });
     }
 
     fn metadata(&self, id: u64, kind: TriggerKind, acks: &BTreeMap<TaskId, TaskAck>) -> CheckpointMetadata {

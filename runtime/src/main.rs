@@ -81,7 +81,12 @@ fn main() -> ExitCode {
         "error" => tracing::Level::ERROR,
         _ => tracing::Level::INFO,
     };
-    tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr).with_target(false).init();
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
     let cli = Cli::parse();
     match cli.command {
         Command::Run { job, checkpoint_dir, restore, allow_non_restored_state, control_addr, token_file, quiet } => {

@@ -17,6 +17,7 @@ fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_weir-runtime"))
 }
 
+#[allow(dead_code)]
 fn wait_with_deadline(child: &mut Child, deadline: Instant) -> Option<std::process::ExitStatus> {
     while Instant::now() < deadline {
         if let Some(status) = child.try_wait().unwrap() {
@@ -41,40 +42,23 @@ fn sigkill_and_restart_with_restore_latest_until_done_is_exactly_once() {
     let (dir, out, chk) = workdir("killed");
     let job_file = dir.path().join("job.yaml");
     std::fs::write(&job_file, job_yaml(&p, &out)).unwrap();
-    let mut kills = 0u64;
-    let mut aborts = 0u64;
-    let mut finished = false;
-    for round in 0..60u64 {
-        let mut cmd = bin();
-        cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--restore", "latest", "--quiet"]);
-        // Every third run may also abort itself after a checkpoint completes, before commit.
-        if round % 3 == 1 {
-            cmd.env("WEIR_FAULTS", format!("seed={round},commit-abort=1,max=1"));
-        }
-        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-        // Kill at a pseudo-random moment between 200 and 1100 ms.
-        let delay = Duration::from_millis(200 + (weir_runtime::value::mix64(round) % 900));
-        match wait_with_deadline(&mut child, Instant::now() + delay) {
-            Some(status) if status.success() => {
-                finished = true;
-                break;
+    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
+    let report = kill_restart_loop(
+        |round| {
+            let mut cmd = bin();
+            cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--restore", "latest", "--quiet"]);
+            // Some runs abort themselves after a checkpoint completes, before its commit.
+            if round % 3 == 1 {
+                cmd.env("WEIR_FAULTS", format!("seed={round},commit-abort=1,max=1"));
             }
-            Some(status) => {
-                let mut err = String::new();
-                child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-                assert!(err.contains("injected fault: aborting"), "run {round} failed with {status}: {err}");
-                aborts += 1;
-            }
-            None => {
-                child.kill().unwrap(); // SIGKILL
-                child.wait().unwrap();
-                kills += 1;
-            }
-        }
-    }
-    assert!(finished, "the job never finished");
-    assert!(kills >= 3, "only {kills} kills: the job was too quick to test anything");
-    eprintln!("SIGKILLs: {kills}, self-aborts before commit: {aborts}");
+            cmd
+        },
+        || newest_complete(&storage),
+        6,
+    );
+    let (kills, aborts) = (report.kills, report.aborts);
+    eprintln!("SIGKILLs: {kills}, self-aborts before commit: {aborts}, runs: {}", report.runs);
+    assert!(aborts >= 1, "no run aborted between completion and commit");
     record(kills + aborts);
     assert_same_output(&golden, &committed(&out), &format!("{kills} SIGKILLs and {aborts} aborts"));
 

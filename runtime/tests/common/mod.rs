@@ -249,3 +249,69 @@ impl RunOptionsExt for RunOptions {
         self
     }
 }
+
+/// What a kill-and-restart loop did.
+#[derive(Debug, Default)]
+pub struct KillReport {
+    pub kills: u64,
+    pub aborts: u64,
+    pub runs: u64,
+}
+
+/// Runs `make(round)` repeatedly: the first `kills` runs are SIGKILLed at a pseudo-random
+/// moment after they made progress (a new complete checkpoint, read by `newest_complete`);
+/// runs that abort themselves through the fault hook count as aborts; after that, a run must
+/// finish with success.
+pub fn kill_restart_loop(make: impl Fn(u64) -> std::process::Command, newest_complete: impl Fn() -> u64, kills: u64) -> KillReport {
+    use std::io::Read;
+    let mut report = KillReport::default();
+    for round in 0..200u64 {
+        report.runs += 1;
+        let before = newest_complete();
+        let mut child = make(round).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().expect("spawn weir-runtime");
+        let must_finish = report.kills >= kills;
+        let deadline = Instant::now() + Duration::from_secs(if must_finish { 180 } else { 60 });
+        let mut progressed_at: Option<Instant> = None;
+        let extra = Duration::from_millis(weir_runtime::value::mix64(round) % 400);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            assert!(Instant::now() < deadline, "run {round} neither progressed nor ended in time");
+            if !must_finish {
+                match progressed_at {
+                    None if newest_complete() > before => progressed_at = Some(Instant::now()),
+                    Some(t) if t.elapsed() >= extra => break None,
+                    _ => {}
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        match status {
+            Some(s) if s.success() => {
+                assert!(must_finish || report.kills > 0 || report.aborts > 0, "the job finished before any kill: make it slower");
+                return report;
+            }
+            Some(s) => {
+                let mut err = String::new();
+                child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+                assert!(err.contains("injected fault: aborting"), "run {round} failed with {s}: {err}");
+                report.aborts += 1;
+            }
+            None => {
+                child.kill().unwrap(); // SIGKILL
+                child.wait().unwrap();
+                report.kills += 1;
+            }
+        }
+    }
+    panic!("no run finished: {report:?}");
+}
+
+/// The newest complete checkpoint id under a job's storage root (0 when none).
+pub fn newest_complete(storage: &weir_checkpoint::Storage) -> u64 {
+    weir_runtime::io()
+        .block_on(weir_checkpoint::retention::scan(storage))
+        .map(|found| found.iter().filter(|c| c.references.is_some()).map(|c| c.id).max().unwrap_or(0))
+        .unwrap_or(0)
+}

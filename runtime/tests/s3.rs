@@ -1,0 +1,141 @@
+//! Checkpoint storage and the file sink on a real S3-compatible server (`s3s-fs`, installed by
+//! `.ci/install-tools.sh`), started by the tests on a loopback port.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::*;
+use weir_checkpoint::Storage;
+use weir_runtime::executor::JobOutcome;
+
+const BUCKET: &str = "weir-test";
+
+struct S3Server {
+    _child: Child,
+    _root: tempfile::TempDir,
+    endpoint: String,
+}
+
+fn s3s_binary() -> String {
+    if let Ok(b) = std::env::var("WEIR_S3S_BIN") {
+        return b;
+    }
+    let home = std::env::var("HOME").unwrap_or_default();
+    let default = format!("{home}/.cache/weir/tools/bin/s3s-fs");
+    assert!(std::path::Path::new(&default).exists(), "s3s-fs not found: run `bash .ci/install-tools.sh` (or set WEIR_S3S_BIN)");
+    default
+}
+
+/// One server per test process; the AWS_* variables point object_store at it.
+fn server() -> &'static S3Server {
+    static SERVER: OnceLock<S3Server> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir(root.path().join(BUCKET)).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(s3s_binary())
+            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", "weirtest", "--secret-key", "weirtestsecret"])
+            .arg(root.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("s3s-fs starts");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "s3s-fs did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let endpoint = format!("http://127.0.0.1:{port}");
+        for (k, v) in s3_env(&endpoint) {
+            std::env::set_var(k, v);
+        }
+        S3Server { _child: child, _root: root, endpoint }
+    })
+}
+
+fn s3_env(endpoint: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("AWS_ACCESS_KEY_ID", "weirtest".into()),
+        ("AWS_SECRET_ACCESS_KEY", "weirtestsecret".into()),
+        ("AWS_REGION", "us-east-1".into()),
+        ("AWS_ENDPOINT", endpoint.to_string()),
+        ("AWS_ALLOW_HTTP", "true".into()),
+    ]
+}
+
+async fn committed_s3(url: &str) -> Vec<String> {
+    let s = Storage::open(url).unwrap();
+    let mut lines = Vec::new();
+    for path in s.list("").await.unwrap() {
+        let name = path.rsplit('/').next().unwrap();
+        if name.starts_with('.') || name.starts_with('_') {
+            continue;
+        }
+        let data = s.get(&path).await.unwrap();
+        lines.extend(String::from_utf8(data.to_vec()).unwrap().lines().map(str::to_string));
+    }
+    lines.sort();
+    lines
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn storage_operations_on_s3() {
+    server();
+    let s = Storage::open(&format!("s3://{BUCKET}/unit")).unwrap();
+    s.put("checkpoints/chk-1/_metadata.inprogress", Bytes::from_static(b"m")).await.unwrap();
+    s.rename("checkpoints/chk-1/_metadata.inprogress", "checkpoints/chk-1/_metadata").await.unwrap();
+    s.put("checkpoints/chk-2/op/0.state", Bytes::from_static(b"abc")).await.unwrap();
+    assert_eq!(s.list_dirs("checkpoints").await.unwrap(), vec!["chk-1", "chk-2"]);
+    assert_eq!(s.size("checkpoints/chk-2/op/0.state").await.unwrap(), Some(3));
+    assert_eq!(&s.get("checkpoints/chk-1/_metadata").await.unwrap()[..], b"m");
+    assert!(s.size("checkpoints/chk-1/_metadata.inprogress").await.unwrap().is_none());
+    s.delete_dir("checkpoints/chk-2").await.unwrap();
+    assert_eq!(s.list_dirs("checkpoints").await.unwrap(), vec!["chk-1"]);
+    assert_eq!(weir_checkpoint::recovery::highest_id(&s).await.unwrap(), 1);
+}
+
+#[test]
+fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
+    let srv = server();
+    let mut p = JobParams::new("on-s3");
+    p.count = 8_000;
+    let golden = {
+        let (_d, out, chk) = workdir("s3-golden");
+        let (outcome, _) = run_to_end(&job_yaml(&p, &out), opts(&chk));
+        assert_eq!(outcome, JobOutcome::Finished);
+        committed(&out)
+    };
+    p.rate = Some(4_000);
+    let out = format!("s3://{BUCKET}/out-killed");
+    let chk = format!("s3://{BUCKET}/jobs/on-s3");
+    let dir = tempfile::tempdir().unwrap();
+    let job_file = dir.path().join("job.yaml");
+    std::fs::write(&job_file, job_yaml(&p, std::path::Path::new(&out))).unwrap();
+    let storage = Storage::open(&chk).unwrap();
+    let report = kill_restart_loop(
+        |_| {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_weir-runtime"));
+            cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", &chk, "--restore", "latest", "--quiet"]).envs(s3_env(&srv.endpoint));
+            cmd
+        },
+        || newest_complete(&storage),
+        4,
+    );
+    let kills = report.kills;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for sink in ["counts", "windows", "ids"] {
+        let got = rt.block_on(committed_s3(&format!("{out}/{sink}")));
+        let mut g = std::collections::BTreeMap::new();
+        g.insert(sink.to_string(), golden[sink].clone());
+        let mut a = std::collections::BTreeMap::new();
+        a.insert(sink.to_string(), got);
+        assert_same_output(&g, &a, &format!("S3 run with {kills} SIGKILLs"));
+    }
+    let listing = Command::new(env!("CARGO_BIN_EXE_weir-runtime")).args(["checkpoints", &chk]).envs(s3_env(&srv.endpoint)).output().unwrap();
+    let text = String::from_utf8_lossy(&listing.stdout);
+    assert!(listing.status.success() && text.contains("yes"), "{text}{}", String::from_utf8_lossy(&listing.stderr));
+}
