@@ -590,16 +590,7 @@ impl Executor<'_> {
                     TriggerKind::Checkpoint => (SnapshotTarget::Checkpoint, layout::checkpoint_dir(id), is_final, false),
                 };
                 started.insert(id, (now, kind, dir.clone()));
-                self.metrics.record_checkpoint(CheckpointInfo {
-                    id,
-                    kind: if kind.is_savepoint() { CheckpointKind::Savepoint } else { CheckpointKind::Checkpoint },
-                    outcome: CheckpointOutcome::InProgress,
-                    path: self.storage.url_of(&dir),
-                    triggered_at_ms: now,
-                    duration_ms: None,
-                    bytes: 0,
-                    failure: None,
-                });
+                self.record(id, kind, &dir, now, CheckpointOutcome::InProgress, 0, None);
                 running.send_sources(&TaskControl::Trigger { barrier: Barrier { id, target }, stop, drain });
                 Ok(Vec::new())
             }
@@ -617,20 +608,7 @@ impl Executor<'_> {
                 }
                 let mut more = coord.completed(id, now_ms());
                 let path = self.storage.url_of(&dir);
-                let now = now_ms();
-                self.metrics.record_checkpoint(CheckpointInfo {
-                    id,
-                    kind: if kind.is_savepoint() { CheckpointKind::Savepoint } else { CheckpointKind::Checkpoint },
-                    outcome: CheckpointOutcome::Completed,
-                    path: path.clone(),
-                    triggered_at_ms: t0,
-                    duration_ms: Some(now.saturating_sub(t0)),
-                    bytes,
-                    failure: None,
-                });
-                if let Some(request) = self.savepoint_requests.remove(&id) {
-                    self.metrics.board().savepoints.insert(request, SavepointStatus { request_id: request, outcome: CheckpointOutcome::Completed, path: Some(path.clone()), failure: None });
-                }
+                self.record(id, kind, &dir, t0, CheckpointOutcome::Completed, bytes, None);
                 tracing::debug!(checkpoint = id, bytes, "checkpoint complete");
                 if self.faults.fires(Fault::AbortBeforeCommit) {
                     tracing::error!(checkpoint = id, "injected fault: aborting the process after checkpoint completion, before commit");
@@ -657,23 +635,36 @@ impl Executor<'_> {
             Action::Abort { id, kind, reason } => {
                 tracing::warn!(checkpoint = id, %reason, "checkpoint aborted");
                 let (t0, _, dir) = started.remove(&id).unwrap_or((now_ms(), kind, layout::checkpoint_dir(id)));
-                self.metrics.record_checkpoint(CheckpointInfo {
-                    id,
-                    kind: if kind.is_savepoint() { CheckpointKind::Savepoint } else { CheckpointKind::Checkpoint },
-                    outcome: CheckpointOutcome::Failed,
-                    path: self.storage.url_of(&dir),
-                    triggered_at_ms: t0,
-                    duration_ms: Some(now_ms().saturating_sub(t0)),
-                    bytes: 0,
-                    failure: Some(reason.clone()),
-                });
-                if let Some(request) = self.savepoint_requests.remove(&id) {
-                    self.metrics.board().savepoints.insert(request, SavepointStatus { request_id: request, outcome: CheckpointOutcome::Failed, path: None, failure: Some(reason) });
-                }
+                self.record(id, kind, &dir, t0, CheckpointOutcome::Failed, 0, Some(reason));
                 running.send_all(&TaskControl::Abort(id));
                 Ok(Vec::new())
             }
             Action::FailJob { reason } => Err(AttemptEnd::Failed(reason)),
+        }
+    }
+
+    /// Records a checkpoint's progress in the history and, once it ended, in the status of
+    /// the savepoint request that asked for it.
+    #[allow(clippy::too_many_arguments)]
+    fn record(&mut self, id: u64, kind: TriggerKind, dir: &str, t0: u64, outcome: CheckpointOutcome, bytes: u64, failure: Option<String>) {
+        let path = self.storage.url_of(dir);
+        let ended = outcome != CheckpointOutcome::InProgress;
+        self.metrics.record_checkpoint(CheckpointInfo {
+            id,
+            kind: if kind.is_savepoint() { CheckpointKind::Savepoint } else { CheckpointKind::Checkpoint },
+            outcome,
+            path: path.clone(),
+            triggered_at_ms: t0,
+            duration_ms: ended.then(|| now_ms().saturating_sub(t0)),
+            bytes,
+            failure: failure.clone(),
+        });
+        if !ended {
+            return;
+        }
+        if let Some(request) = self.savepoint_requests.remove(&id) {
+            let path = (outcome == CheckpointOutcome::Completed).then_some(path);
+            self.metrics.board().savepoints.insert(request, SavepointStatus { request_id: request, outcome, path, failure });
         }
     }
 

@@ -272,6 +272,21 @@ fn http(addr: &str, method: &str, path: &str, token: Option<&str>, body: &str) -
     Ok((status, body))
 }
 
+/// Prints a finished savepoint's path (or its failure); `None` while it is in progress.
+fn finished_savepoint(s: &weir_crds::control::SavepointStatus) -> Option<ExitCode> {
+    match s.outcome {
+        weir_crds::control::CheckpointOutcome::Completed => {
+            println!("{}", s.path.clone().unwrap_or_default());
+            Some(ExitCode::SUCCESS)
+        }
+        weir_crds::control::CheckpointOutcome::Failed => {
+            eprintln!("error: savepoint failed: {}", s.failure.clone().unwrap_or_default());
+            Some(ExitCode::FAILURE)
+        }
+        weir_crds::control::CheckpointOutcome::InProgress => None,
+    }
+}
+
 fn savepoint(addr: &str, stop: bool, drain: bool, token_file: Option<String>, timeout_secs: u64) -> ExitCode {
     let token = match read_token(token_file) {
         Ok(t) => t,
@@ -294,32 +309,14 @@ fn savepoint(addr: &str, stop: bool, drain: bool, token_file: Option<String>, ti
         eprintln!("error: unexpected answer: {text}");
         return ExitCode::FAILURE;
     };
-    match accepted.outcome {
-        weir_crds::control::CheckpointOutcome::Completed => {
-            println!("{}", accepted.path.unwrap_or_default());
-            return ExitCode::SUCCESS;
-        }
-        weir_crds::control::CheckpointOutcome::Failed => {
-            eprintln!("error: savepoint failed: {}", accepted.failure.unwrap_or_default());
-            return ExitCode::FAILURE;
-        }
-        weir_crds::control::CheckpointOutcome::InProgress => {}
+    if let Some(code) = finished_savepoint(&accepted) {
+        return code;
     }
     let deadline = Instant::now() + Duration::from_secs(timeout_secs);
     while Instant::now() < deadline {
         if let Ok((200, text)) = http(addr, "GET", &format!("/v1/savepoints/{}", accepted.request_id), token.as_deref(), "") {
-            if let Ok(s) = serde_json::from_str::<weir_crds::control::SavepointStatus>(&text) {
-                match s.outcome {
-                    weir_crds::control::CheckpointOutcome::Completed => {
-                        println!("{}", s.path.unwrap_or_default());
-                        return ExitCode::SUCCESS;
-                    }
-                    weir_crds::control::CheckpointOutcome::Failed => {
-                        eprintln!("error: savepoint failed: {}", s.failure.unwrap_or_default());
-                        return ExitCode::FAILURE;
-                    }
-                    weir_crds::control::CheckpointOutcome::InProgress => {}
-                }
+            if let Some(code) = serde_json::from_str(&text).ok().as_ref().and_then(finished_savepoint) {
+                return code;
             }
         }
         std::thread::sleep(Duration::from_millis(100));

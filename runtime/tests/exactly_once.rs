@@ -12,20 +12,11 @@ use common::*;
 use weir_runtime::executor::{JobOutcome, Request};
 use weir_runtime::faults::FaultPlan;
 
-fn golden(p: &JobParams) -> std::collections::BTreeMap<String, Vec<String>> {
-    let (_d, out, chk) = workdir(&format!("{}-golden", p.name));
-    let (outcome, m) = run_to_end(&job_yaml(p, &out), opts(&chk));
-    assert_eq!(outcome, JobOutcome::Finished);
-    assert_eq!(m.restarts.load(Ordering::Relaxed), 0);
-    let g = committed(&out);
-    assert!(g.values().all(|v| !v.is_empty()), "every sink wrote something");
-    g
-}
 
 #[test]
 fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
     let p = JobParams::new("faults");
-    let golden = golden(&p);
+    let golden = golden_output(&p);
     assert_eq!(golden["counts"].len(), 12_000, "one running count per record");
     let mut ids = golden["ids"].clone();
     ids.dedup();
@@ -49,7 +40,7 @@ fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
 fn at_least_once_mode_loses_nothing_under_failures() {
     let mut p = JobParams::new("alo");
     p.mode = "at-least-once";
-    let golden = golden(&p);
+    let golden = golden_output(&p);
     let (_d, out, chk) = workdir("alo-faults");
     let plan = FaultPlan { seed: 9, task_panic: 0.01, max_faults: 6, ..FaultPlan::default() };
     let (outcome, m) = run_to_end(&job_yaml(&p, &out), common::RunOptionsExt::with_faults(opts(&chk), plan));
@@ -62,7 +53,7 @@ fn at_least_once_mode_loses_nothing_under_failures() {
 fn a_corrupt_newest_checkpoint_falls_back_to_the_previous_one() {
     let mut p = JobParams::new("corrupt");
     p.rate = Some(8_000);
-    let golden = golden(&JobParams { rate: None, ..p.clone() });
+    let golden = golden_output(&p);
     let (_d, out, chk) = workdir("corrupt");
     let yaml = job_yaml(&p, &out);
     let mut corrupted = 0;
@@ -112,7 +103,7 @@ fn rescaling_through_a_savepoint_two_to_three_and_three_to_two() {
     for (from, to) in [(2u32, 3u32), (3, 2)] {
         let mut p = JobParams::new(&format!("rescale-{from}-{to}"));
         p.rate = Some(10_000);
-        let golden = golden(&JobParams { rate: None, parallelism: 1, ..p.clone() });
+        let golden = golden_output(&JobParams { parallelism: 1, ..p.clone() });
         let (_d, out, chk) = workdir(&p.name);
         p.parallelism = from;
         let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));

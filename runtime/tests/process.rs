@@ -11,7 +11,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use weir_runtime::executor::JobOutcome;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_weir-runtime"))
@@ -32,12 +31,7 @@ fn wait_with_deadline(child: &mut Child, deadline: Instant) -> Option<std::proce
 fn sigkill_and_restart_with_restore_latest_until_done_is_exactly_once() {
     let mut p = JobParams::new("killed");
     p.count = 16_000;
-    let golden = {
-        let (_d, out, chk) = workdir("killed-golden");
-        let (outcome, _) = run_to_end(&job_yaml(&p, &out), opts(&chk));
-        assert_eq!(outcome, JobOutcome::Finished);
-        committed(&out)
-    };
+    let golden = golden_output(&p);
     p.rate = Some(6_000);
     let (dir, out, chk) = workdir("killed");
     let job_file = dir.path().join("job.yaml");

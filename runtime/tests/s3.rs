@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::*;
 use weir_checkpoint::Storage;
-use weir_runtime::executor::JobOutcome;
 
 const BUCKET: &str = "weir-test";
 
@@ -103,12 +102,7 @@ fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
     let srv = server();
     let mut p = JobParams::new("on-s3");
     p.count = 8_000;
-    let golden = {
-        let (_d, out, chk) = workdir("s3-golden");
-        let (outcome, _) = run_to_end(&job_yaml(&p, &out), opts(&chk));
-        assert_eq!(outcome, JobOutcome::Finished);
-        committed(&out)
-    };
+    let golden = golden_output(&p);
     p.rate = Some(4_000);
     let out = format!("s3://{BUCKET}/out-killed");
     let chk = format!("s3://{BUCKET}/jobs/on-s3");

@@ -315,3 +315,15 @@ pub fn newest_complete(storage: &weir_checkpoint::Storage) -> u64 {
         .map(|found| found.iter().filter(|c| c.references.is_some()).map(|c| c.id).max().unwrap_or(0))
         .unwrap_or(0)
 }
+
+/// The committed output of an uninterrupted run of the test job (no rate limit).
+pub fn golden_output(p: &JobParams) -> BTreeMap<String, Vec<String>> {
+    let p = JobParams { rate: None, ..p.clone() };
+    let (_d, out, chk) = workdir(&format!("{}-golden", p.name));
+    let (outcome, m) = run_to_end(&job_yaml(&p, &out), opts(&chk));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert_eq!(m.restarts.load(Ordering::Relaxed), 0);
+    let g = committed(&out);
+    assert!(g.values().all(|v| !v.is_empty()), "every sink wrote something");
+    g
+}
