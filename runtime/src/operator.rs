@@ -7,7 +7,7 @@ use bytes::Bytes;
 use weir_checkpoint::Storage;
 
 use crate::message::Barrier;
-use crate::state::EncodeSnapshot;
+use crate::state::KeyedSnapshot;
 use crate::value::Record;
 
 /// Why a task failed.
@@ -61,8 +61,8 @@ pub struct StagedWrite {
 pub struct StateParts {
     /// Non-keyed state document (source positions, pending transactions).
     pub operator_doc: Option<Vec<u8>>,
-    /// Keyed state copy.
-    pub keyed: Option<Box<dyn EncodeSnapshot>>,
+    /// Keyed state, encoded.
+    pub keyed: Option<KeyedSnapshot>,
     /// The keyed state's "next snapshot must be full" flag (raised when an upload fails).
     pub force_full: Option<Arc<AtomicBool>>,
     /// Sink data to stage first.

@@ -102,13 +102,12 @@ async fn upload(storage: &Storage, faults: &Faults, chains: &mut HashMap<String,
                 snap.operator_state = Some(FileRef { path: rel, len, crc32c: crc });
             }
             if let Some(keyed) = parts.keyed {
-                let kind = keyed.kind();
+                let kind = keyed.kind;
                 let chain = chains.entry(uid.clone()).or_default();
                 if savepoint_dir.is_none() && kind == FileKind::KeyedIncrement && chain.broken {
                     return Err(format!("`{uid}`: an earlier increment was lost; waiting for a full image"));
                 }
-                // The uploader's own thread: encoding here keeps it off the task thread.
-                let (data, crc) = keyed.encode();
+                let (data, crc) = (keyed.data, keyed.crc32c);
                 let rel = match &savepoint_dir {
                     Some(_) => layout::savepoint_keyed_file(&uid, job.subtask),
                     None => layout::shared_keyed_file(&uid, job.subtask, job.barrier.id, 0),

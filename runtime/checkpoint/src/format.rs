@@ -206,16 +206,38 @@ impl StateFileWriter {
         self.entries += 1;
     }
 
-    /// Direct access for encoding a value in place: call [`Self::put_with`] instead when possible.
+    /// Adds a keyed put whose value is encoded in place by `value`.
     pub fn put_with(&mut self, key_group: u32, key: &[u8], value: impl FnOnce(&mut Encoder)) {
+        self.put_encoded(key_group, |e| e.buf.extend_from_slice(key), value);
+    }
+
+    /// Adds a keyed put whose key and value are encoded in place (no intermediate buffers).
+    #[inline]
+    pub fn put_encoded(&mut self, key_group: u32, key: impl FnOnce(&mut Encoder), value: impl FnOnce(&mut Encoder)) {
         self.enc.varint(u64::from(key_group));
-        self.enc.bytes(key);
+        self.length_prefixed(key);
         self.enc.u8(1);
-        // Reserve a fixed 5-byte varint slot for the length, then patch it.
+        self.length_prefixed(value);
+        self.entries += 1;
+    }
+
+    /// Adds a keyed deletion whose key is encoded in place.
+    #[inline]
+    pub fn delete_encoded(&mut self, key_group: u32, key: impl FnOnce(&mut Encoder)) {
+        self.enc.varint(u64::from(key_group));
+        self.length_prefixed(key);
+        self.enc.u8(0);
+        self.entries += 1;
+    }
+
+    /// Writes what `write` encodes behind a length, as [`Encoder::bytes`] would: a fixed
+    /// 5-byte varint slot is reserved, then patched.
+    #[inline]
+    fn length_prefixed(&mut self, write: impl FnOnce(&mut Encoder)) {
         let len_at = self.enc.buf.len();
         self.enc.buf.extend_from_slice(&[0x80, 0x80, 0x80, 0x80, 0x00]);
         let start = self.enc.buf.len();
-        value(&mut self.enc);
+        write(&mut self.enc);
         let len = (self.enc.buf.len() - start) as u32;
         let slot = &mut self.enc.buf[len_at..len_at + 5];
         slot[0] = (len as u8 & 0x7f) | 0x80;
@@ -223,7 +245,6 @@ impl StateFileWriter {
         slot[2] = ((len >> 14) as u8 & 0x7f) | 0x80;
         slot[3] = ((len >> 21) as u8 & 0x7f) | 0x80;
         slot[4] = (len >> 28) as u8 & 0x7f;
-        self.entries += 1;
     }
 
     /// Sets the operator-state document (for [`FileKind::OperatorState`] files).

@@ -24,6 +24,10 @@ pub enum Acc {
     Avg(f64, i64),
 }
 
+/// The accumulators of one key (or window): inline for a single aggregate, so that the hash
+/// map entry holds them without a second allocation (and a second cache miss).
+pub type Accs = smallvec::SmallVec<[Acc; 1]>;
+
 /// Aggregates bound to input field positions.
 #[derive(Clone, Debug)]
 pub struct Aggregates {
@@ -39,7 +43,7 @@ impl Aggregates {
     }
 
     /// Fresh accumulators.
-    pub fn init(&self) -> Vec<Acc> {
+    pub fn init(&self) -> Accs {
         self.specs
             .iter()
             .map(|(k, _)| match k {
@@ -89,6 +93,38 @@ impl Aggregates {
                         *n += 1;
                     }
                 }
+            }
+        }
+    }
+
+    /// Folds `from` into `into` (accumulators of the same aggregates): the result is what
+    /// adding both inputs' records to one accumulator would give.
+    pub fn merge(into: &mut Accs, from: &Accs) {
+        for (a, b) in into.iter_mut().zip(from.iter()) {
+            match (a, b) {
+                (Acc::Count(x), Acc::Count(y)) => *x += y,
+                (Acc::SumInt(x), Acc::SumInt(y)) => *x = x.wrapping_add(*y),
+                (a @ Acc::SumInt(_), Acc::SumFloat(y)) => {
+                    let Acc::SumInt(x) = *a else { unreachable!() };
+                    *a = Acc::SumFloat(x as f64 + y)
+                }
+                (Acc::SumFloat(x), Acc::SumInt(y)) => *x += *y as f64,
+                (Acc::SumFloat(x), Acc::SumFloat(y)) => *x += y,
+                (Acc::Min(x), Acc::Min(y)) => {
+                    if !matches!(y, Value::Null) && (matches!(x, Value::Null) || y.cmp_total(x).is_lt()) {
+                        *x = y.clone();
+                    }
+                }
+                (Acc::Max(x), Acc::Max(y)) => {
+                    if !matches!(y, Value::Null) && (matches!(x, Value::Null) || y.cmp_total(x).is_gt()) {
+                        *x = y.clone();
+                    }
+                }
+                (Acc::Avg(s, n), Acc::Avg(t, m)) => {
+                    *s += t;
+                    *n += m;
+                }
+                _ => {}
             }
         }
     }
@@ -156,7 +192,7 @@ impl Acc {
 
 /// Accumulators of one key (running aggregate state).
 #[derive(Clone, Debug, PartialEq)]
-pub struct AccList(pub Vec<Acc>);
+pub struct AccList(pub Accs);
 
 impl StateValue for AccList {
     fn encode(&self, e: &mut Encoder) {
@@ -168,7 +204,7 @@ impl StateValue for AccList {
 
     fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
         let n = d.varint()? as usize;
-        let mut v = Vec::with_capacity(n.min(64));
+        let mut v = Accs::with_capacity(n.min(64));
         for _ in 0..n {
             v.push(Acc::decode(d)?);
         }
@@ -205,6 +241,15 @@ mod tests {
         let mut out = Vec::new();
         Aggregates::results(&accs, &mut out);
         assert_eq!(out[1], Value::Float(12.5), "sum promotes to float");
+        // Merging two halves equals aggregating everything at once.
+        let mut left = a.init();
+        let mut right = a.init();
+        for (i, x) in [3i64, -1, 10].into_iter().enumerate() {
+            a.add(if i % 2 == 0 { &mut left } else { &mut right }, &Record { time: 0, fields: vec![Value::Int(x)] });
+        }
+        a.add(&mut right, &Record { time: 0, fields: vec![Value::Float(0.5)] });
+        Aggregates::merge(&mut left, &right);
+        assert_eq!(left, accs);
         let mut e = Encoder::default();
         AccList(accs.clone()).encode(&mut e);
         assert_eq!(AccList::decode(&mut Decoder::new(&e.buf)).unwrap().0, accs);

@@ -43,8 +43,7 @@ impl KeyedContext {
 
 /// The snapshot parts of keyed state for a barrier.
 pub fn snapshot_keyed<V: StateValue>(state: &mut KeyedState<V>, barrier: &Barrier) -> StateParts {
-    let keyed: Box<dyn crate::state::EncodeSnapshot> =
-        if barrier.is_savepoint() { Box::new(state.snapshot_full_copy()) } else { Box::new(state.snapshot_checkpoint()) };
+    let keyed = if barrier.is_savepoint() { state.snapshot_full_copy() } else { state.snapshot_checkpoint() };
     StateParts { keyed: Some(keyed), force_full: (!barrier.is_savepoint()).then(|| state.force_full_flag()), ..StateParts::default() }
 }
 

@@ -1,7 +1,9 @@
-//! Event-time tumbling and sliding windows with aggregates, per key. A window fires when the
-//! watermark reaches its end: it emits key fields, `window_start`, `window_end` and the
-//! aggregates, then its state is dropped. Records behind the watermark (late) are dropped and
-//! counted.
+//! Event-time tumbling and sliding windows with aggregates, per key, computed by slicing:
+//! records are aggregated into panes of `gcd(size, slide)`, so a record costs one accumulator
+//! update however many windows overlap it; a window's result merges its `size / pane` panes
+//! when the watermark reaches its end. It emits key fields, `window_start`, `window_end` and
+//! the aggregates (windows without records emit nothing). Records behind the watermark
+//! (every window containing them has fired) are dropped and counted.
 
 use std::collections::BTreeMap;
 
@@ -10,20 +12,25 @@ use weir_crds::job::{WindowKind, WindowSpec};
 
 use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
-use crate::operators::accumulators::{Acc, Aggregates};
+use crate::operators::accumulators::{Acc, Accs, Aggregates};
 use crate::operators::keyed::{snapshot_keyed, KeyedContext};
 use crate::restore::KeyedRestore;
 use crate::state::{KeyedState, StateValue};
 use crate::value::{Key, Record, Value};
 
-/// Open windows of one key: `(window start, accumulators)`, sorted by start.
+/// The panes of one key and the end of its next window not yet emitted.
 #[derive(Clone, Debug, Default)]
-pub struct KeyWindows(Vec<(i64, Vec<Acc>)>);
+pub struct KeyPanes {
+    next_end: i64,
+    /// `(pane start, accumulators)`, sorted by start.
+    panes: Vec<(i64, Accs)>,
+}
 
-impl StateValue for KeyWindows {
+impl StateValue for KeyPanes {
     fn encode(&self, e: &mut Encoder) {
-        e.varint(self.0.len() as u64);
-        for (start, accs) in &self.0 {
+        e.svarint(self.next_end);
+        e.varint(self.panes.len() as u64);
+        for (start, accs) in &self.panes {
             e.svarint(*start);
             e.varint(accs.len() as u64);
             for a in accs {
@@ -33,18 +40,27 @@ impl StateValue for KeyWindows {
     }
 
     fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
+        let next_end = d.svarint()?;
         let n = d.varint()? as usize;
-        let mut out = Vec::with_capacity(n.min(1024));
+        let mut panes = Vec::with_capacity(n.min(4096));
         for _ in 0..n {
             let start = d.svarint()?;
             let m = d.varint()? as usize;
-            let mut accs = Vec::with_capacity(m.min(64));
+            let mut accs = Accs::with_capacity(m.min(64));
             for _ in 0..m {
                 accs.push(Acc::decode(d)?);
             }
-            out.push((start, accs));
+            panes.push((start, accs));
         }
-        Ok(KeyWindows(out))
+        Ok(KeyPanes { next_end, panes })
+    }
+}
+
+fn gcd(a: i64, b: i64) -> i64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
@@ -53,9 +69,10 @@ pub struct WindowOperator {
     ctx: KeyedContext,
     size: i64,
     slide: i64,
+    pane: i64,
     aggregates: Aggregates,
-    state: KeyedState<KeyWindows>,
-    /// Window end → keys with a window ending there (derived; rebuilt on restore).
+    state: KeyedState<KeyPanes>,
+    /// Window end → keys to look at then (derived; rebuilt on restore; may hold stale entries).
     timers: BTreeMap<i64, Vec<Key>>,
     watermark: i64,
     late_records: u64,
@@ -69,58 +86,119 @@ impl WindowOperator {
             WindowKind::Tumbling => size,
             WindowKind::Sliding => spec.slide.map(|s| s.as_millis() as i64).unwrap_or(size),
         };
-        let state: KeyedState<KeyWindows> = ctx.state(restore)?;
+        let state: KeyedState<KeyPanes> = ctx.state(restore)?;
         let mut timers: BTreeMap<i64, Vec<Key>> = BTreeMap::new();
-        for (key, windows) in state.iter() {
-            for (start, _) in &windows.0 {
-                timers.entry(start + size).or_default().push(key.clone());
-            }
+        for (key, panes) in state.iter() {
+            timers.entry(panes.next_end).or_default().push(key.clone());
         }
-        Ok(WindowOperator { ctx, size, slide, aggregates: Aggregates::new(&spec.aggregates, input), state, timers, watermark: i64::MIN, late_records: 0 })
+        Ok(WindowOperator {
+            ctx,
+            size,
+            slide,
+            pane: gcd(size, slide),
+            aggregates: Aggregates::new(&spec.aggregates, input),
+            state,
+            timers,
+            watermark: i64::MIN,
+            late_records: 0,
+        })
     }
 
     /// Records dropped because they were behind the watermark.
     pub fn late_records(&self) -> u64 {
         self.late_records
     }
+
+    /// The end of the first window containing pane `p`.
+    fn first_end(&self, p: i64) -> i64 {
+        (p - self.size).div_euclid(self.slide) * self.slide + self.slide + self.size
+    }
+
+    /// The first window end after `t`.
+    fn next_end_after(&self, t: i64) -> i64 {
+        if t == i64::MIN {
+            return i64::MIN;
+        }
+        let next = t + 1;
+        next + (self.size - next).rem_euclid(self.slide)
+    }
+
+    /// Emits every window of `key` ending at or before the watermark.
+    fn fire(&mut self, key: Key, out: &mut Vec<Record>) {
+        let (size, slide, watermark) = (self.size, self.slide, self.watermark);
+        let first_end = |p: i64| (p - size).div_euclid(slide) * slide + slide + size;
+        let Some(kp) = self.state.update_existing(&key) else { return };
+        let mut e = kp.next_end;
+        if e > watermark {
+            return; // a stale timer: this key's windows up to here were emitted already
+        }
+        while e <= watermark {
+            let start = e - size;
+            let mut merged: Option<Accs> = None;
+            for (_, accs) in kp.panes.iter().filter(|(p, _)| *p >= start && *p < e) {
+                match &mut merged {
+                    None => merged = Some(accs.clone()),
+                    Some(m) => Aggregates::merge(m, accs),
+                }
+            }
+            if let Some(accs) = merged {
+                let mut fields: Vec<Value> = key.values().to_vec();
+                fields.push(Value::Int(start));
+                fields.push(Value::Int(e));
+                Aggregates::results(&accs, &mut fields);
+                out.push(Record { time: e - 1, fields });
+            }
+            e += slide;
+            // Skip windows that hold no pane.
+            match kp.panes.iter().find(|(p, _)| *p >= e - size) {
+                Some((p, _)) => e = e.max(first_end(*p)),
+                None => break,
+            }
+        }
+        kp.next_end = e;
+        kp.panes.retain(|(p, _)| *p >= e - size);
+        if kp.panes.is_empty() {
+            self.state.remove(&key);
+        } else {
+            self.timers.entry(e).or_default().push(key);
+        }
+    }
 }
 
 impl Operator for WindowOperator {
     fn process(&mut self, batch: Vec<Record>, _out: &mut Vec<Record>) -> Result<(), TaskError> {
         for r in batch {
-            // Windows containing t: starts in (t - size, t], aligned to the slide.
             let t = r.time;
-            let last_start = t - t.rem_euclid(self.slide);
-            let mut start = last_start;
-            let key = Key::of(&r, &self.ctx.key);
-            let mut any = false;
-            while start > t - self.size {
-                if start + self.size > self.watermark {
-                    any = true;
-                }
-                start -= self.slide;
-            }
-            if !any {
+            // The last window containing t starts at the slide boundary at or before t.
+            let last_end = t - t.rem_euclid(self.slide) + self.size;
+            if last_end <= self.watermark {
                 self.late_records += 1;
                 continue;
             }
+            let p = t - t.rem_euclid(self.pane);
+            let first_end = self.first_end(p);
+            let floor = self.next_end_after(self.watermark);
+            let key = Key::of(&r, &self.ctx.key);
             let aggregates = &self.aggregates;
-            let windows = self.state.update(key.clone(), KeyWindows::default);
-            let mut start = last_start;
-            while start > t - self.size {
-                let end = start + self.size;
-                if end > self.watermark {
-                    match windows.0.binary_search_by_key(&start, |(s, _)| *s) {
-                        Ok(i) => aggregates.add(&mut windows.0[i].1, &r),
-                        Err(i) => {
-                            let mut accs = aggregates.init();
-                            aggregates.add(&mut accs, &r);
-                            windows.0.insert(i, (start, accs));
-                            self.timers.entry(end).or_default().push(key.clone());
-                        }
+            let mut new_pane_key = None;
+            let kp = self.state.update(key.clone(), || KeyPanes { next_end: i64::MAX, panes: Vec::new() });
+            match kp.panes.binary_search_by_key(&p, |(s, _)| *s) {
+                Ok(i) => aggregates.add(&mut kp.panes[i].1, &r),
+                Err(i) => {
+                    let mut accs = aggregates.init();
+                    aggregates.add(&mut accs, &r);
+                    kp.panes.insert(i, (p, accs));
+                    // Windows ending at or before the watermark have fired: this record only
+                    // joins the later ones.
+                    let due = first_end.max(floor);
+                    if due < kp.next_end {
+                        kp.next_end = due;
+                        new_pane_key = Some((key, due));
                     }
                 }
-                start -= self.slide;
+            }
+            if let Some((k, due)) = new_pane_key {
+                self.timers.entry(due).or_default().push(k);
             }
         }
         Ok(())
@@ -132,25 +210,11 @@ impl Operator for WindowOperator {
         }
         self.watermark = watermark;
         while let Some(entry) = self.timers.first_entry() {
-            let end = *entry.key();
-            if end > watermark {
+            if *entry.key() > watermark {
                 break;
             }
-            let keys = entry.remove();
-            let start = end - self.size;
-            for key in keys {
-                let Some(windows) = self.state.update_existing(&key) else { continue };
-                let Ok(i) = windows.0.binary_search_by_key(&start, |(s, _)| *s) else { continue };
-                let (_, accs) = windows.0.remove(i);
-                let now_empty = windows.0.is_empty();
-                let mut fields: Vec<Value> = key.values().to_vec();
-                fields.push(Value::Int(start));
-                fields.push(Value::Int(end));
-                Aggregates::results(&accs, &mut fields);
-                out.push(Record { time: end - 1, fields });
-                if now_empty {
-                    self.state.remove(&key);
-                }
+            for key in entry.remove() {
+                self.fire(key, out);
             }
         }
         Ok(())
@@ -172,14 +236,39 @@ mod tests {
             kind,
             size: HumanDuration::from_millis(size),
             slide: slide.map(HumanDuration::from_millis),
-            aggregates: vec![AggregateFn { function: AggregateKind::Count, field: None, output: "n".into() }],
+            aggregates: vec![
+                AggregateFn { function: AggregateKind::Count, field: None, output: "n".into() },
+                AggregateFn { function: AggregateKind::Sum, field: Some("v".into()), output: "s".into() },
+            ],
         };
         let ctx = KeyedContext { uid: "w".into(), key: vec![0], max_parallelism: 8, key_groups: (0, 8), incremental: true, full_every: 5 };
-        WindowOperator::new(ctx, &spec, &["k".to_string()], None).unwrap()
+        WindowOperator::new(ctx, &spec, &["k".to_string(), "v".to_string()], None).unwrap()
     }
 
     fn rec(k: &str, t: i64) -> Record {
-        Record { time: t, fields: vec![Value::str(k)] }
+        Record { time: t, fields: vec![Value::str(k), Value::Int(t)] }
+    }
+
+    fn rows(out: &[Record]) -> Vec<(String, i64, i64, i64, i64)> {
+        let int = |v: &Value| if let Value::Int(i) = v { *i } else { panic!("{v:?}") };
+        let mut r: Vec<_> = out.iter().map(|r| (r.fields[0].to_string(), int(&r.fields[1]), int(&r.fields[2]), int(&r.fields[3]), int(&r.fields[4]))).collect();
+        r.sort();
+        r
+    }
+
+    /// What windows should hold, computed the obvious way.
+    fn brute_force(records: &[(&str, i64)], size: i64, slide: i64) -> Vec<(String, i64, i64, i64, i64)> {
+        let mut m: BTreeMap<(String, i64), (i64, i64)> = BTreeMap::new();
+        for (k, t) in records {
+            let mut s = t - t.rem_euclid(slide);
+            while s > t - size {
+                let e = m.entry((k.to_string(), s)).or_default();
+                e.0 += 1;
+                e.1 += t;
+                s -= slide;
+            }
+        }
+        m.into_iter().map(|((k, s), (n, sum))| (k, s, s + size, n, sum)).collect()
     }
 
     #[test]
@@ -190,26 +279,70 @@ mod tests {
         w.on_watermark(9, &mut out).unwrap();
         assert!(out.is_empty(), "window [0,10) ends at 10");
         w.on_watermark(10, &mut out).unwrap();
-        let mut got: Vec<_> = out.iter().map(|r| (r.fields[0].to_string(), r.fields[1].clone(), r.fields[3].clone())).collect();
-        got.sort_by(|a, b| a.0.cmp(&b.0));
-        assert_eq!(got, vec![("a".into(), Value::Int(0), Value::Int(2)), ("b".into(), Value::Int(0), Value::Int(1))]);
+        assert_eq!(rows(&out), vec![("a".into(), 0, 10, 2, 10), ("b".into(), 0, 10, 1, 5)]);
         // A record behind the watermark is late.
         w.process(vec![rec("a", 3)], &mut out).unwrap();
         assert_eq!(w.late_records(), 1);
         out.clear();
         w.on_watermark(i64::MAX, &mut out).unwrap();
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].fields[3], Value::Int(1));
-        assert!(w.state.is_empty());
+        assert_eq!(rows(&out), vec![("a".into(), 10, 20, 1, 10)]);
+        assert!(w.state.is_empty(), "fired windows leave no state");
     }
 
     #[test]
-    fn sliding_windows_count_each_record_size_over_slide_times() {
+    fn sliding_windows_match_brute_force_with_gaps_and_out_of_order_panes() {
+        for (size, slide) in [(10, 5), (10, 3), (6, 6), (12, 4)] {
+            let mut w = op(WindowKind::Sliding, size as u64, Some(slide as u64));
+            let records = [("a", 7), ("a", 1), ("b", 40), ("a", 33), ("a", 2), ("b", 41), ("a", 90), ("a", 60)];
+            let mut out = Vec::new();
+            // Feed in chunks with watermarks that never make a record late.
+            w.process(records[..5].iter().map(|(k, t)| rec(k, *t)).collect(), &mut out).unwrap();
+            w.on_watermark(0, &mut out).unwrap();
+            w.process(records[5..].iter().map(|(k, t)| rec(k, *t)).collect(), &mut out).unwrap();
+            w.on_watermark(35, &mut out).unwrap();
+            w.on_watermark(i64::MAX, &mut out).unwrap();
+            assert_eq!(w.late_records(), 0);
+            assert_eq!(rows(&out), brute_force(&records, size, slide), "size {size} slide {slide}");
+        }
+    }
+
+    #[test]
+    fn a_record_after_some_of_its_windows_fired_joins_only_the_later_ones() {
+        let mut w = op(WindowKind::Sliding, 10, Some(2));
+        let mut out = Vec::new();
+        w.process(vec![rec("a", 1)], &mut out).unwrap();
+        w.on_watermark(12, &mut out).unwrap();
+        w.process(vec![rec("a", 9)], &mut out).unwrap();
+        w.on_watermark(i64::MAX, &mut out).unwrap();
+        let mut expected: Vec<_> = (-8..=0).step_by(2).map(|s| ("a".to_string(), s, s + 10, 1, 1)).collect();
+        expected.extend([4, 6, 8].map(|s| ("a".to_string(), s, s + 10, 1, 9)));
+        expected.sort();
+        assert_eq!(rows(&out), expected, "no window is emitted twice");
+    }
+
+    #[test]
+    fn state_survives_a_snapshot_and_restore() {
         let mut w = op(WindowKind::Sliding, 10, Some(5));
         let mut out = Vec::new();
-        w.process(vec![rec("a", 7)], &mut out).unwrap();
-        w.on_watermark(i64::MAX, &mut out).unwrap();
-        let starts: Vec<_> = out.iter().map(|r| r.fields[1].clone()).collect();
-        assert_eq!(starts, vec![Value::Int(0), Value::Int(5)]);
+        w.process(vec![rec("a", 7), rec("a", 12)], &mut out).unwrap();
+        w.on_watermark(10, &mut out).unwrap();
+        let snap = w.snapshot(&Barrier { id: 1, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
+        let restore = KeyedRestore { files: vec![snap.keyed.unwrap().data], continue_chain: true, chain: vec![] };
+        let ctx = KeyedContext { uid: "w".into(), key: vec![0], max_parallelism: 8, key_groups: (0, 8), incremental: true, full_every: 5 };
+        let spec = WindowSpec {
+            kind: WindowKind::Sliding,
+            size: HumanDuration::from_millis(10),
+            slide: Some(HumanDuration::from_millis(5)),
+            aggregates: vec![
+                AggregateFn { function: AggregateKind::Count, field: None, output: "n".into() },
+                AggregateFn { function: AggregateKind::Sum, field: Some("v".into()), output: "s".into() },
+            ],
+        };
+        let mut r = WindowOperator::new(ctx, &spec, &["k".to_string(), "v".to_string()], Some(&restore)).unwrap();
+        let mut rest = Vec::new();
+        r.on_watermark(i64::MAX, &mut rest).unwrap();
+        let mut all = out.clone();
+        all.extend(rest);
+        assert_eq!(rows(&all), brute_force(&[("a", 7), ("a", 12)], 10, 5));
     }
 }
