@@ -174,3 +174,89 @@ fn record_faults(n: u64) {
     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
     writeln!(f, "{n}").unwrap();
 }
+
+#[test]
+fn restoring_an_older_savepoint_rolls_output_back_to_it_and_replays_exactly_once() {
+    let mut p = JobParams::new("rewind");
+    p.rate = Some(10_000);
+    let golden = golden_output(&p);
+    let (_d, out, chk) = workdir("rewind");
+    let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));
+    run.wait_for_checkpoints(2, Duration::from_secs(60));
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    run.requests.send(Request::Savepoint { stop: false, drain: false, reply: tx }).unwrap();
+    let request = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    // The job keeps running after a plain savepoint, and finishes.
+    let (r, m) = run.join();
+    assert_eq!(r.unwrap(), JobOutcome::Finished);
+    let status = m.board().savepoints.get(&request).cloned().expect("request recorded");
+    assert_eq!(status.outcome, weir_crds::control::CheckpointOutcome::Completed, "{status:?}");
+    let savepoint = status.path.unwrap();
+    assert_same_output(&golden, &committed(&out), "run with a savepoint in the middle");
+    // Going back to the savepoint: output published after it is withdrawn, then written again.
+    let (outcome, _) = run_to_end(&job_yaml(&p, &out), RunOptionsExt::restore_path(opts(&chk), &savepoint));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert_same_output(&golden, &committed(&out), "after rewinding to the savepoint");
+}
+
+#[test]
+fn retention_on_cancel_delete_removes_checkpoints() {
+    let mut p = JobParams::new("cancel-delete");
+    p.rate = Some(5_000);
+    let (_d, out, chk) = workdir("cancel-delete");
+    let yaml = job_yaml(&p, &out).replace("  retained: 3\n", "  retained: 3\n  retentionOnCancel: delete\n");
+    let run = InProcess::start(&yaml, opts(&chk));
+    run.wait_for_checkpoints(2, Duration::from_secs(60));
+    assert!(chk.join("checkpoints").exists());
+    run.requests.send(Request::Cancel).unwrap();
+    assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+    assert!(!chk.join("checkpoints").exists(), "checkpoints deleted on cancel");
+}
+
+#[test]
+fn file_source_with_cel_map_filter_and_dedupe_is_exactly_once_under_failures() {
+    let (d, _, _) = workdir("files-in");
+    let input = d.path().join("input");
+    std::fs::create_dir(&input).unwrap();
+    for f in 0..5 {
+        let text: String = (0..2000).map(|i| format!("User{} bought item{} x{}\n", (i * 7 + f) % 97, (i * 13 + f) % 50, i % 5)).collect();
+        std::fs::write(input.join(format!("part-{f}.txt")), text).unwrap();
+    }
+    let job = |out: &std::path::Path| {
+        format!(
+            r#"name: files
+parallelism: 2
+maxParallelism: 32
+checkpointing: {{ interval: 50ms, tolerableFailures: 3 }}
+restart: {{ attempts: 100, delay: 10ms }}
+sources:
+  - {{ name: lines, uid: lines, file: {{ path: {input} }} }}
+operators:
+  - name: parsed
+    map: {{ fields: {{ user: "line.split(' ')[0].lowerAscii()", item: "line.split(' ')[2]", qty: "int(line.split(' ')[3].substring(1))" }} }}
+  - {{ name: nonzero, filter: {{ expr: "qty > 0" }} }}
+  - {{ name: by-user-item, keyBy: {{ fields: [user, item] }} }}
+  - {{ name: first-purchase, uid: first-purchase, dedupe: {{}} }}
+  - {{ name: pairs, map: {{ fields: {{ user: user, item: item }} }} }}
+sinks:
+  - {{ name: out, uid: out, file: {{ path: {out}/pairs }} }}
+"#,
+            input = input.display(),
+            out = out.display()
+        )
+    };
+    let golden = {
+        let (_d, out, chk) = workdir("files-golden");
+        let (outcome, _) = run_to_end(&job(&out), opts(&chk));
+        assert_eq!(outcome, JobOutcome::Finished);
+        committed(&out)
+    };
+    assert!(golden["pairs"].len() > 1000, "{}", golden["pairs"].len());
+    assert!(golden["pairs"][0].starts_with("{\"user\":\"user"), "{}", golden["pairs"][0]);
+    let (_d2, out, chk) = workdir("files-faults");
+    let plan = FaultPlan { seed: 5, task_panic: 0.05, crash_before_commit: 0.3, max_faults: 8, ..FaultPlan::default() };
+    let (outcome, m) = run_to_end(&job(&out), RunOptionsExt::with_faults(opts(&chk), plan));
+    assert_eq!(outcome, JobOutcome::Finished);
+    record_faults(m.injected_faults.load(Ordering::Relaxed));
+    assert_same_output(&golden, &committed(&out), "file source under failures");
+}
