@@ -171,8 +171,13 @@ pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, 
                     JobOutcome::Stopped { .. } => JobState::Stopped,
                     JobOutcome::Cancelled => JobState::Cancelled,
                 };
+                exec.wait_for_retention();
                 if outcome == JobOutcome::Cancelled && job.spec.checkpointing.retention_on_cancel == RetentionOnCancel::Delete {
                     crate::io().block_on(exec.storage.delete_dir(layout::CHECKPOINTS))?;
+                } else {
+                    // Leave storage as retention says, not as the last background pass got to.
+                    let in_flight_from = exec.next_id;
+                    crate::io().block_on(retention::apply(&exec.storage, job.spec.checkpointing.retained as usize, in_flight_from))?;
                 }
                 metrics.set_state(state);
                 return Ok(outcome);
@@ -665,6 +670,13 @@ impl Executor<'_> {
         if let Some(request) = self.savepoint_requests.remove(&id) {
             let path = (outcome == CheckpointOutcome::Completed).then_some(path);
             self.metrics.board().savepoints.insert(request, SavepointStatus { request_id: request, outcome, path, failure });
+        }
+    }
+
+    /// Waits for a background retention pass to end.
+    fn wait_for_retention(&self) {
+        while self.retention_running.load(std::sync::atomic::Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 

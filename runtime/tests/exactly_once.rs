@@ -31,6 +31,7 @@ fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
         assert!(n >= 5, "seed {seed}: only {n} faults fired");
         injected += n;
         assert_same_output(&golden, &committed(&out), &format!("seed {seed} with {n} faults, {} restarts", m.restarts.load(Ordering::Relaxed)));
+        assert_retention(&chk, 3);
     }
     eprintln!("injected faults in this test: {injected}");
     record_faults(injected);
@@ -259,4 +260,42 @@ sinks:
     assert_eq!(outcome, JobOutcome::Finished);
     record_faults(m.injected_faults.load(Ordering::Relaxed));
     assert_same_output(&golden, &committed(&out), "file source under failures");
+}
+
+/// At most `retained` checkpoint directories remain, all complete, and every shared file is
+/// referenced by one of them.
+fn assert_retention(chk: &std::path::Path, retained: usize) {
+    let dirs: Vec<_> = std::fs::read_dir(chk.join("checkpoints")).unwrap().flatten().map(|e| e.file_name().to_string_lossy().to_string()).filter(|n| n.starts_with("chk-")).collect();
+    assert!(dirs.len() <= retained, "{} checkpoint directories left: {dirs:?}", dirs.len());
+    let mut referenced = std::collections::BTreeSet::new();
+    for d in &dirs {
+        let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(chk.join("checkpoints").join(d).join("_metadata")).unwrap()).expect("complete and valid");
+        for f in meta.files() {
+            referenced.insert(weir_checkpoint::layout::resolve(&format!("checkpoints/{d}"), &f.path));
+        }
+    }
+    let shared = chk.join("checkpoints/shared");
+    for uid in std::fs::read_dir(&shared).unwrap().flatten() {
+        for f in std::fs::read_dir(uid.path()).unwrap().flatten() {
+            let rel = format!("checkpoints/shared/{}/{}", uid.file_name().to_string_lossy(), f.file_name().to_string_lossy());
+            assert!(referenced.contains(&rel), "unreferenced shared file {rel} left behind");
+        }
+    }
+}
+
+#[test]
+fn restore_from_an_explicit_checkpoint_path() {
+    let mut p = JobParams::new("by-path");
+    p.rate = Some(8_000);
+    let golden = golden_output(&p);
+    let (_d, out, chk) = workdir("by-path");
+    let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));
+    run.wait_for_checkpoints(3, Duration::from_secs(60));
+    run.requests.send(Request::Cancel).unwrap();
+    assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+    let path = newest_checkpoint(&chk);
+    let (outcome, m) = run_to_end(&job_yaml(&p, &out), RunOptionsExt::restore_path(opts(&chk), path.to_str().unwrap()));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert_eq!(m.board().restored_from.as_deref(), Some(path.to_str().unwrap()));
+    assert_same_output(&golden, &committed(&out), "restored from an explicit checkpoint path");
 }
