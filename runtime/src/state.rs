@@ -38,7 +38,10 @@ struct Slot<V> {
 /// Keyed state of one operator subtask.
 pub struct KeyedState<V> {
     map: FxHashMap<Key, Slot<V>>,
+    /// Keys changed since the last snapshot, while few; once more than a quarter of the keys
+    /// changed, the next snapshot scans the dirty flags instead and the list stops growing.
     changed: Vec<Key>,
+    scan: bool,
     deleted: Vec<(u32, Key)>,
     max_parallelism: u32,
     incremental: bool,
@@ -66,6 +69,7 @@ impl<V: StateValue> KeyedState<V> {
         KeyedState {
             map: FxHashMap::default(),
             changed: Vec::new(),
+            scan: false,
             deleted: Vec::new(),
             max_parallelism,
             incremental,
@@ -106,10 +110,12 @@ impl<V: StateValue> KeyedState<V> {
     #[inline]
     pub fn update(&mut self, key: Key, init: impl FnOnce() -> V) -> &mut V {
         use std::collections::hash_map::Entry;
+        let len = self.map.len();
         match self.map.entry(key) {
             Entry::Occupied(o) => {
-                if !o.get().dirty {
+                if !o.get().dirty && !self.scan {
                     self.changed.push(o.key().clone());
+                    self.scan = self.changed.len() * 4 > len;
                 }
                 let slot = o.into_mut();
                 slot.dirty = true;
@@ -117,7 +123,9 @@ impl<V: StateValue> KeyedState<V> {
             }
             Entry::Vacant(v) => {
                 let key_group = v.key().key_group(self.max_parallelism);
-                self.changed.push(v.key().clone());
+                if !self.scan {
+                    self.changed.push(v.key().clone());
+                }
                 &mut v.insert(Slot { value: init(), key_group, dirty: true }).value
             }
         }
@@ -125,11 +133,13 @@ impl<V: StateValue> KeyedState<V> {
 
     /// Like [`Self::update`] for an existing key; `None` when absent.
     pub fn update_existing(&mut self, key: &Key) -> Option<&mut V> {
-        let changed = &mut self.changed;
+        let (changed, scan) = (&mut self.changed, self.scan);
         self.map.get_mut(key).map(|slot| {
             if !slot.dirty {
                 slot.dirty = true;
-                changed.push(key.clone());
+                if !scan {
+                    changed.push(key.clone());
+                }
             }
             &mut slot.value
         })
@@ -152,6 +162,7 @@ impl<V: StateValue> KeyedState<V> {
     /// (a sequential scan replaces per-key lookups when most keys changed).
     pub fn snapshot_checkpoint(&mut self) -> KeyedSnapshot {
         let full = !self.incremental || self.force_full.swap(false, Ordering::AcqRel) || self.increments_since_full + 1 >= self.full_every;
+        let scan = std::mem::take(&mut self.scan) || self.changed.len() * 4 > self.map.len();
         if full {
             self.increments_since_full = 0;
             self.changed.clear();
@@ -165,7 +176,7 @@ impl<V: StateValue> KeyedState<V> {
         }
         self.increments_since_full += 1;
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.changed.len() * 16 + self.deleted.len() * 12);
-        if self.changed.len() * 4 > self.map.len() {
+        if scan {
             for (k, s) in self.map.iter_mut().filter(|(_, s)| s.dirty) {
                 s.dirty = false;
                 w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
@@ -221,6 +232,7 @@ impl<V: StateValue> KeyedState<V> {
     /// new one with a full image.
     pub fn after_restore(&mut self, continue_chain: bool) {
         self.changed.clear();
+        self.scan = false;
         self.deleted.clear();
         self.force_full.store(!continue_chain, Ordering::Release);
     }

@@ -36,7 +36,12 @@ fn server() -> &'static S3Server {
         let root = tempfile::tempdir().unwrap();
         std::fs::create_dir(root.path().join(BUCKET)).unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new(s3s_binary())
+        // A shell watches this test process and stops the server when it is gone (statics are
+        // never dropped, so nothing else would).
+        let watchdog = r#"parent=$1; shift; "$@" & server=$!; while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; kill "$server""#;
+        let child = Command::new("sh")
+            .args(["-c", watchdog, "sh", &std::process::id().to_string()])
+            .arg(s3s_binary())
             .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", "weirtest", "--secret-key", "weirtestsecret"])
             .arg(root.path())
             .stdout(Stdio::null())

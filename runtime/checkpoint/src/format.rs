@@ -175,6 +175,7 @@ impl<'a> Decoder<'a> {
 #[derive(Debug)]
 pub struct StateFileWriter {
     enc: Encoder,
+    scratch: Encoder,
     entries: u64,
 }
 
@@ -184,7 +185,7 @@ impl StateFileWriter {
         let mut enc = Encoder::with_capacity(capacity + 16);
         enc.buf.extend_from_slice(MAGIC);
         enc.u8(kind as u8);
-        StateFileWriter { enc, entries: 0 }
+        StateFileWriter { enc, scratch: Encoder::with_capacity(64), entries: 0 }
     }
 
     /// Adds a keyed put.
@@ -230,21 +231,13 @@ impl StateFileWriter {
         self.entries += 1;
     }
 
-    /// Writes what `write` encodes behind a length, as [`Encoder::bytes`] would: a fixed
-    /// 5-byte varint slot is reserved, then patched.
+    /// Writes what `write` encodes behind its exact length, as [`Encoder::bytes`] would (the
+    /// bytes go through a scratch buffer; keys and values are small).
     #[inline]
     fn length_prefixed(&mut self, write: impl FnOnce(&mut Encoder)) {
-        let len_at = self.enc.buf.len();
-        self.enc.buf.extend_from_slice(&[0x80, 0x80, 0x80, 0x80, 0x00]);
-        let start = self.enc.buf.len();
-        write(&mut self.enc);
-        let len = (self.enc.buf.len() - start) as u32;
-        let slot = &mut self.enc.buf[len_at..len_at + 5];
-        slot[0] = (len as u8 & 0x7f) | 0x80;
-        slot[1] = ((len >> 7) as u8 & 0x7f) | 0x80;
-        slot[2] = ((len >> 14) as u8 & 0x7f) | 0x80;
-        slot[3] = ((len >> 21) as u8 & 0x7f) | 0x80;
-        slot[4] = (len >> 28) as u8 & 0x7f;
+        self.scratch.buf.clear();
+        write(&mut self.scratch);
+        self.enc.bytes(&self.scratch.buf);
     }
 
     /// Sets the operator-state document (for [`FileKind::OperatorState`] files).
