@@ -299,3 +299,38 @@ fn restore_from_an_explicit_checkpoint_path() {
     assert_eq!(m.board().restored_from.as_deref(), Some(path.to_str().unwrap()));
     assert_same_output(&golden, &committed(&out), "restored from an explicit checkpoint path");
 }
+
+#[test]
+fn stop_with_drain_flushes_every_open_window_into_the_savepoint_commit() {
+    let (_d, out, chk) = workdir("drain");
+    let yaml = format!(
+        r#"name: drain
+parallelism: 2
+checkpointing: {{ interval: 100ms }}
+sources:
+  - name: events
+    uid: events
+    generator: {{ ratePerSecond: 20000, fields: [ {{ name: k, modulo: 50 }} ] }}
+operators:
+  - {{ name: by-k, keyBy: {{ fields: [k] }} }}
+  - {{ name: per-second, uid: per-second, window: {{ type: tumbling, size: 1s, aggregates: [ {{ fn: count, as: n }} ] }} }}
+sinks:
+  - {{ name: out, uid: out, file: {{ path: {} }} }}
+"#,
+        out.join("windows").display()
+    );
+    let run = InProcess::start(&yaml, opts(&chk));
+    run.wait_for_checkpoints(3, Duration::from_secs(60));
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    run.requests.send(Request::Savepoint { stop: true, drain: true, reply: tx }).unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let (r, m) = run.join();
+    assert!(matches!(r.unwrap(), JobOutcome::Stopped { .. }));
+    let counted: i64 = committed(&out)["windows"]
+        .iter()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap()["n"].as_i64().unwrap())
+        .sum();
+    let read = m.records_in.load(Ordering::Relaxed) as i64;
+    assert!(read > 0);
+    assert_eq!(counted, read, "every record read before the stop is in a committed window");
+}
