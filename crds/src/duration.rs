@@ -83,6 +83,24 @@ impl fmt::Display for HumanDuration {
     }
 }
 
+impl schemars::JsonSchema for HumanDuration {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "HumanDuration".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "pattern": "^(0|([0-9]+(ms|s|m|h))+)$",
+            "description": "A duration such as 500ms, 1s, 1m30s or 2h."
+        })
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+}
+
 impl Serialize for HumanDuration {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(self)

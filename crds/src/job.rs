@@ -3,12 +3,13 @@
 //! The same document is `StreamJob.spec.job` in Kubernetes and the file given to
 //! `weir-runtime run job.yaml`. Parsing only checks shapes; [`crate::validate`] checks meaning.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::duration::HumanDuration;
 
 /// A whole job: its name, parallelism, checkpointing, restart strategy and dataflow graph.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct JobSpec {
     /// Job name: names checkpoint directories and output files. Letters, digits, `-`, `_`, `.`.
@@ -44,7 +45,7 @@ fn default_max_parallelism() -> u32 {
 }
 
 /// Checkpoint consistency mode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum CheckpointMode {
     /// Barriers are aligned: a task with several inputs waits for barrier N on all of them.
@@ -55,7 +56,7 @@ pub enum CheckpointMode {
 }
 
 /// What to do with retained checkpoints when the job is cancelled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum RetentionOnCancel {
     /// Keep them: the job can be resumed from the newest one.
@@ -66,7 +67,7 @@ pub enum RetentionOnCancel {
 }
 
 /// Checkpointing settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CheckpointingSpec {
     /// Turn periodic checkpoints off (a final checkpoint is still taken when bounded input ends).
@@ -148,7 +149,7 @@ impl Default for CheckpointingSpec {
 }
 
 /// Restart strategy kinds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum RestartStrategyKind {
     /// Wait `delay` between attempts.
@@ -162,7 +163,7 @@ pub enum RestartStrategyKind {
 
 /// In-process restart after a task failure: the whole job restarts from the newest complete
 /// checkpoint.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RestartSpec {
     /// `fixed-delay`, `exponential-backoff` or `none`.
@@ -207,28 +208,18 @@ impl Default for RestartSpec {
     }
 }
 
-/// One or several input names.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum Inputs {
-    /// A single upstream node.
-    One(String),
-    /// Several upstream nodes, unioned.
-    Many(Vec<String>),
-}
-
-impl Inputs {
-    /// The input names as a list.
-    pub fn names(&self) -> Vec<&str> {
-        match self {
-            Inputs::One(name) => vec![name.as_str()],
-            Inputs::Many(names) => names.iter().map(String::as_str).collect(),
-        }
+/// The upstream node names of an operator or sink: `input` (one) or `inputs` (several, unioned).
+pub fn input_names<'a>(input: &'a Option<String>, inputs: &'a Option<Vec<String>>) -> Option<Vec<&'a str>> {
+    match (input, inputs) {
+        (None, None) => None,
+        (Some(one), None) => Some(vec![one.as_str()]),
+        (None, Some(many)) => Some(many.iter().map(String::as_str).collect()),
+        (Some(one), Some(many)) => Some(std::iter::once(one.as_str()).chain(many.iter().map(String::as_str)).collect()),
     }
 }
 
 /// A source node. Exactly one of `generator` or `file` is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SourceSpec {
     /// Name other nodes use in `input`.
@@ -249,7 +240,7 @@ pub struct SourceSpec {
 
 /// The deterministic generator: every field and the event time derive from the sequence number,
 /// so a replay produces the very same records.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GeneratorSpec {
     /// Number of records; absent means unbounded.
@@ -277,7 +268,7 @@ fn default_time_step() -> HumanDuration {
 }
 
 /// One generated field. Exactly one kind is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GeneratorField {
     /// Field name.
@@ -300,12 +291,12 @@ pub struct GeneratorField {
 }
 
 /// An empty mapping (`{}`), used for options that take no settings.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Empty {}
 
 /// Settings of a `word` field.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WordField {
     /// How many distinct words.
@@ -313,7 +304,7 @@ pub struct WordField {
 }
 
 /// Settings of a `text` field.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct TextField {
     /// Words per line.
@@ -323,7 +314,7 @@ pub struct TextField {
 }
 
 /// Settings of a `uniform` field.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct UniformField {
     /// Smallest value.
@@ -334,7 +325,7 @@ pub struct UniformField {
 
 /// Reads text lines; each record has one string field `line`, and its event time is the line's
 /// number within its file.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FileSourceSpec {
     /// A file, or a directory whose regular files (sorted by name) are read.
@@ -343,14 +334,17 @@ pub struct FileSourceSpec {
 
 /// An operator node. Exactly one kind (`map`, `filter`, `flatMap`, `keyBy`, `window`,
 /// `aggregate`, `dedupe`) is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct OperatorSpec {
     /// Name other nodes use in `input`.
     pub name: String,
-    /// Upstream node(s); default: the previous operator, or the only source for the first one.
+    /// Upstream node; default: the previous operator, or the only source for the first one.
     #[serde(default)]
-    pub input: Option<Inputs>,
+    pub input: Option<String>,
+    /// Several upstream nodes whose records are unioned (instead of `input`).
+    #[serde(default)]
+    pub inputs: Option<Vec<String>>,
     /// Stable id of this operator's state; required on stateful operators (window, aggregate,
     /// dedupe), because savepoint compatibility depends on it.
     #[serde(default)]
@@ -382,7 +376,7 @@ pub struct OperatorSpec {
 }
 
 /// `map` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MapSpec {
     /// Output fields in order: name → CEL expression over the input fields.
@@ -395,6 +389,24 @@ pub struct MapSpec {
 /// An ordered mapping of names to expressions (YAML mapping order is kept).
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct NamedExprs(pub Vec<(String, String)>);
+
+impl JsonSchema for NamedExprs {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "NamedExprs".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "object",
+            "description": "Field name → CEL expression, in output order.",
+            "additionalProperties": { "type": "string" }
+        })
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+}
 
 impl Serialize for NamedExprs {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -428,7 +440,7 @@ impl<'de> Deserialize<'de> for NamedExprs {
 }
 
 /// `filter` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FilterSpec {
     /// A CEL expression that must be true for the record to pass.
@@ -436,7 +448,7 @@ pub struct FilterSpec {
 }
 
 /// `flatMap` settings. Exactly one of `split` or `expr` is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FlatMapSpec {
     /// Built-in: split a string field on whitespace into one record per token.
@@ -451,7 +463,7 @@ pub struct FlatMapSpec {
 }
 
 /// The built-in whitespace split.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SplitSpec {
     /// The string field to split.
@@ -464,7 +476,7 @@ pub struct SplitSpec {
 }
 
 /// `keyBy` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KeyBySpec {
     /// The fields forming the key.
@@ -472,7 +484,7 @@ pub struct KeyBySpec {
 }
 
 /// Window kinds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum WindowKind {
     /// Fixed, non-overlapping windows of `size`.
@@ -482,7 +494,7 @@ pub enum WindowKind {
 }
 
 /// `window` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WindowSpec {
     /// `tumbling` or `sliding`.
@@ -498,7 +510,7 @@ pub struct WindowSpec {
 }
 
 /// `aggregate` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AggregateSpec {
     /// The aggregates computed per key.
@@ -506,7 +518,7 @@ pub struct AggregateSpec {
 }
 
 /// Aggregate function kinds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum AggregateKind {
     /// Number of records.
@@ -522,7 +534,7 @@ pub enum AggregateKind {
 }
 
 /// One aggregate: a function, its input field (all but `count`) and its output name.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AggregateFn {
     /// `count`, `sum`, `min`, `max` or `avg`.
@@ -537,14 +549,17 @@ pub struct AggregateFn {
 }
 
 /// A sink node. Exactly one of `file`, `stdout`, `blackhole` is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SinkSpec {
     /// Name of this node.
     pub name: String,
-    /// Upstream node(s); default: the last operator (or the only source).
+    /// Upstream node; default: the last operator (or the only source).
     #[serde(default)]
-    pub input: Option<Inputs>,
+    pub input: Option<String>,
+    /// Several upstream nodes whose records are unioned (instead of `input`).
+    #[serde(default)]
+    pub inputs: Option<Vec<String>>,
     /// Stable id of this sink's state (its pending transactions); required for `file`.
     #[serde(default)]
     pub uid: Option<String>,
@@ -563,7 +578,7 @@ pub struct SinkSpec {
 }
 
 /// `file` sink settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FileSinkSpec {
     /// Output directory: a local path, `file:///...` or `s3://bucket/prefix`. Committed files are

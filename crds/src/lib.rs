@@ -1,11 +1,14 @@
 //! Weir's public API types: the job graph model a user writes, its pure validation, and the
-//! requests and responses of the runtime's control API. No I/O lives here.
+//! requests and responses of the runtime's control API, and the `StreamJob` custom resource.
+//! No I/O lives here.
 
 pub mod control;
 pub mod duration;
 pub mod job;
+pub mod streamjob;
 pub mod validate;
 
 pub use duration::HumanDuration;
 pub use job::JobSpec;
+pub use streamjob::{StreamJob, StreamJobSpec, StreamJobStatus};
 pub use validate::{validate, ValidatedJob, ValidationErrors};

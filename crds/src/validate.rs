@@ -286,7 +286,10 @@ impl Validator {
         let mut previous: Option<String> = default_first_input.clone();
         for (i, o) in spec.operators.iter().enumerate() {
             let path = format!("job.operators[{i}]");
-            let inputs = self.inputs(&path, o.input.as_ref(), previous.as_deref(), &by_name, "a source or an earlier operator");
+            if o.input.is_some() && o.inputs.is_some() {
+                self.err(format!("{path}.inputs"), "set input or inputs, not both");
+            }
+            let inputs = self.inputs(&path, input_names(&o.input, &o.inputs), previous.as_deref(), &by_name, "a source or an earlier operator");
             previous = Some(o.name.clone());
             let set: Vec<&str> = [
                 ("map", o.map.is_some()),
@@ -339,7 +342,10 @@ impl Validator {
 
         for (i, s) in spec.sinks.iter().enumerate() {
             let path = format!("job.sinks[{i}]");
-            let inputs = self.inputs(&path, s.input.as_ref(), previous.as_deref(), &by_name, "a source or an operator");
+            if s.input.is_some() && s.inputs.is_some() {
+                self.err(format!("{path}.inputs"), "set input or inputs, not both");
+            }
+            let inputs = self.inputs(&path, input_names(&s.input, &s.inputs), previous.as_deref(), &by_name, "a source or an operator");
             let set = [s.file.is_some(), s.stdout.is_some(), s.blackhole.is_some()].iter().filter(|x| **x).count();
             if set != 1 {
                 self.err(path.clone(), "set exactly one of: file, stdout, blackhole");
@@ -410,9 +416,9 @@ impl Validator {
         nodes.push(node);
     }
 
-    fn inputs(&mut self, path: &str, inputs: Option<&Inputs>, previous: Option<&str>, by_name: &HashMap<String, usize>, what: &str) -> Option<Vec<usize>> {
+    fn inputs(&mut self, path: &str, inputs: Option<Vec<&str>>, previous: Option<&str>, by_name: &HashMap<String, usize>, what: &str) -> Option<Vec<usize>> {
         let names: Vec<String> = match inputs {
-            Some(i) => i.names().into_iter().map(str::to_string).collect(),
+            Some(i) => i.into_iter().map(str::to_string).collect(),
             None => match previous {
                 Some(p) => vec![p.to_string()],
                 None => {

@@ -1,0 +1,418 @@
+//! The `StreamJob` custom resource (`weir.dev/v1alpha1`, short name `sj`): what a user applies
+//! to run a job on Kubernetes. Every field's doc comment is its `kubectl explain` text; rules
+//! that span fields are CEL validations, so a bad manifest is refused at apply time.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{LocalObjectReference, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::duration::HumanDuration;
+use crate::job::{CheckpointMode, OperatorSpec, RetentionOnCancel, SinkSpec, SourceSpec};
+
+/// A stream-processing job run by Weir: its dataflow graph, parallelism, checkpointing and
+/// lifecycle.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "weir.dev",
+    version = "v1alpha1",
+    kind = "StreamJob",
+    namespaced,
+    shortname = "sj",
+    status = "StreamJobStatus",
+    doc = "A stream-processing job run by Weir, with exactly-once checkpoints, savepoints before upgrades and relaunch from the newest valid checkpoint.",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Parallelism", type_ = "integer", json_path = ".spec.parallelism"),
+    printcolumn(name = "Checkpoint", type_ = "date", json_path = ".status.latestCheckpoint.completedAt", description = "When the newest checkpoint completed"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[x_kube(validation = Rule::new("!has(self.maxParallelism) || self.maxParallelism >= self.parallelism").message("maxParallelism must be >= parallelism"))]
+#[serde(rename_all = "camelCase")]
+pub struct StreamJobSpec {
+    /// Container image of the Weir runtime (it must contain `weir-runtime`).
+    pub image: String,
+    /// Image pull policy of the runtime container (Always, IfNotPresent, Never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self in ['Always', 'IfNotPresent', 'Never']").message("must be Always, IfNotPresent or Never"))]
+    pub image_pull_policy: Option<String>,
+    /// Parallel subtasks of every operator (nodes of the job may set their own).
+    #[schemars(range(min = 1, max = 32768))]
+    pub parallelism: u32,
+    /// Key groups keyed state is split into: the upper bound of parallelism. Fixed once the job
+    /// has state (default 128).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 32768))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("maxParallelism cannot change: state is partitioned by it"))]
+    pub max_parallelism: Option<u32>,
+    /// The dataflow graph: inline, or in a ConfigMap.
+    pub job: JobSource,
+    /// Desired lifecycle state: running, suspended (stopped with a savepoint, resumable) or
+    /// cancelled.
+    #[serde(default)]
+    pub state: DesiredState,
+    /// How a spec change reaches the running job: savepoint (stop with a savepoint, restore
+    /// from it), last-state (restore from the newest checkpoint) or stateless (start fresh).
+    #[serde(default)]
+    pub upgrade_mode: UpgradeMode,
+    /// Checkpointing settings.
+    #[serde(default)]
+    pub checkpointing: CheckpointSettings,
+    /// Savepoint settings.
+    #[serde(default)]
+    pub savepoint: SavepointSettings,
+    /// Change this value to restart the job once (from its newest checkpoint).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_nonce: Option<i64>,
+    /// Start the first run from this savepoint (or checkpoint) path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial_savepoint: Option<String>,
+    /// Accept a savepoint holding state of operators the job no longer has.
+    #[serde(default)]
+    pub allow_non_restored_state: bool,
+    /// What to do when the job fails.
+    #[serde(default)]
+    pub relaunch: RelaunchPolicy,
+    /// CPU and memory of each runtime pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Overrides for the runtime pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_template: Option<PodOverrides>,
+}
+
+/// Where the dataflow graph comes from: exactly one of `inline` or `configMapRef`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(validation = Rule::new("has(self.inline) != has(self.configMapRef)").message("set exactly one of inline or configMapRef"))]
+#[serde(rename_all = "camelCase")]
+pub struct JobSource {
+    /// The graph, written as in a job file (sources, operators, sinks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inline: Option<JobGraph>,
+    /// A ConfigMap key holding a job file (its sources, operators and sinks are used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map_ref: Option<ConfigMapKeyRef>,
+}
+
+/// The graph part of a job file.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct JobGraph {
+    /// Where records come from.
+    pub sources: Vec<SourceSpec>,
+    /// Transformations, in order.
+    #[serde(default)]
+    pub operators: Vec<OperatorSpec>,
+    /// Where results go.
+    pub sinks: Vec<SinkSpec>,
+}
+
+/// A key of a ConfigMap in the job's namespace.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigMapKeyRef {
+    /// ConfigMap name.
+    pub name: String,
+    /// Key within it (default `job.yaml`).
+    #[serde(default = "default_job_key")]
+    pub key: String,
+}
+
+fn default_job_key() -> String {
+    "job.yaml".into()
+}
+
+/// Desired lifecycle state.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum DesiredState {
+    /// Run the job.
+    #[default]
+    Running,
+    /// Stop it with a savepoint; setting running again resumes from it.
+    Suspended,
+    /// Stop it for good (with a savepoint when one can be taken).
+    Cancelled,
+}
+
+/// How spec changes are applied.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum UpgradeMode {
+    /// Stop with a savepoint, then restore the new spec from it.
+    #[default]
+    Savepoint,
+    /// Stop, then restore the new spec from the newest checkpoint.
+    LastState,
+    /// Stop and start the new spec without state.
+    Stateless,
+}
+
+/// Checkpointing settings of a StreamJob.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = Rule::new("!has(self.storage) || self.storage.matches('^(s3|gs|az)://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?$|^file:///.+|^/.+')").message("storage must be s3://bucket[/prefix], gs://, az://, file:///path or an absolute path"))]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointSettings {
+    /// Time between the starts of two checkpoints.
+    #[serde(default = "default_interval")]
+    #[x_kube(validation = Rule::new("self != '0' && !self.matches('^(0+(ms|s|m|h))+$')").message("must be > 0"))]
+    pub interval: HumanDuration,
+    /// exactly-once (aligned barriers) or at-least-once.
+    #[serde(default)]
+    pub mode: CheckpointMode,
+    /// A checkpoint not complete after this long is aborted.
+    #[serde(default = "default_timeout")]
+    pub timeout: HumanDuration,
+    /// Least time between the end of one checkpoint and the start of the next.
+    #[serde(default)]
+    pub min_pause: HumanDuration,
+    /// Checkpoints in flight at once.
+    #[serde(default = "one")]
+    #[schemars(range(min = 1, max = 16))]
+    pub max_concurrent: u32,
+    /// Consecutive failed checkpoints tolerated before the job restarts.
+    #[serde(default)]
+    pub tolerable_failures: u32,
+    /// Complete checkpoints kept (the newest is never deleted).
+    #[serde(default = "default_retained")]
+    #[schemars(range(min = 1, max = 100))]
+    pub retained: u32,
+    /// retain or delete the checkpoints when the job is cancelled.
+    #[serde(default)]
+    pub retention_on_cancel: RetentionOnCancel,
+    /// Storage root for checkpoints and savepoints; the job's files go under
+    /// `<storage>/<namespace>/<name>/`. Default: the operator's configured storage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<String>,
+    /// Secret whose keys become the runtime's environment (e.g. AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT). Values are never logged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret: Option<LocalObjectReference>,
+}
+
+fn default_interval() -> HumanDuration {
+    HumanDuration::from_secs(10)
+}
+fn default_timeout() -> HumanDuration {
+    HumanDuration::from_secs(600)
+}
+fn one() -> u32 {
+    1
+}
+fn default_retained() -> u32 {
+    3
+}
+
+impl Default for CheckpointSettings {
+    fn default() -> Self {
+        CheckpointSettings {
+            interval: default_interval(),
+            mode: CheckpointMode::default(),
+            timeout: default_timeout(),
+            min_pause: HumanDuration::default(),
+            max_concurrent: 1,
+            tolerable_failures: 0,
+            retained: default_retained(),
+            retention_on_cancel: RetentionOnCancel::default(),
+            storage: None,
+            credentials_secret: None,
+        }
+    }
+}
+
+/// What to do when a savepoint on cancel or suspend fails or times out.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnSavepointFailure {
+    /// Kill the pods at once (grace period 0); the newest retained checkpoint is the recovery
+    /// point, named in status.
+    #[default]
+    Kill,
+    /// Leave the job running and report the failure.
+    KeepRunning,
+}
+
+/// Savepoint settings of a StreamJob.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SavepointSettings {
+    /// How long a savepoint may take before it counts as failed.
+    #[serde(default = "default_savepoint_timeout")]
+    pub timeout: HumanDuration,
+    /// What happens when the savepoint of a cancel or suspend fails or times out.
+    #[serde(default)]
+    pub on_cancel_failure: OnSavepointFailure,
+    /// Take a savepoint this often while running (absent: never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub periodic_interval: Option<HumanDuration>,
+    /// Savepoints remembered in status (older ones are forgotten and deleted).
+    #[serde(default = "default_history")]
+    #[schemars(range(min = 1, max = 100))]
+    pub history_max_count: u32,
+    /// Forget and delete savepoints older than this (absent: by count only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history_max_age: Option<HumanDuration>,
+    /// Change this value to take one savepoint now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger_nonce: Option<i64>,
+}
+
+fn default_savepoint_timeout() -> HumanDuration {
+    HumanDuration::from_secs(300)
+}
+fn default_history() -> u32 {
+    10
+}
+
+impl Default for SavepointSettings {
+    fn default() -> Self {
+        SavepointSettings {
+            timeout: default_savepoint_timeout(),
+            on_cancel_failure: OnSavepointFailure::default(),
+            periodic_interval: None,
+            history_max_count: default_history(),
+            history_max_age: None,
+            trigger_nonce: None,
+        }
+    }
+}
+
+/// Relaunch after a failure, from the newest valid retained checkpoint.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RelaunchPolicy {
+    /// Wait before the first relaunch; doubled after each failed one.
+    #[serde(default = "default_backoff")]
+    pub backoff: HumanDuration,
+    /// Upper bound of the wait.
+    #[serde(default = "default_max_backoff")]
+    pub max_backoff: HumanDuration,
+    /// Relaunches allowed before the job is marked Failed (0: never relaunch).
+    #[serde(default = "default_limit")]
+    pub limit: u32,
+    /// Do not relaunch from a checkpoint older than this (the job is marked Degraded and waits
+    /// for a person instead of silently reprocessing a long stretch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_checkpoint_age: Option<HumanDuration>,
+}
+
+fn default_backoff() -> HumanDuration {
+    HumanDuration::from_secs(10)
+}
+fn default_max_backoff() -> HumanDuration {
+    HumanDuration::from_secs(300)
+}
+fn default_limit() -> u32 {
+    10
+}
+
+impl Default for RelaunchPolicy {
+    fn default() -> Self {
+        RelaunchPolicy { backoff: default_backoff(), max_backoff: default_max_backoff(), limit: default_limit(), max_checkpoint_age: None }
+    }
+}
+
+/// Overrides applied to the runtime pods.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PodOverrides {
+    /// Extra labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Extra annotations.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    /// Node selector.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Service account of the pods (default: the namespace's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+    /// Image pull secrets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+}
+
+/// Observed state of a StreamJob, written only by the operator.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamJobStatus {
+    /// The spec generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// One word for `kubectl get`: Deploying, Running, Upgrading, Suspending, Suspended,
+    /// Cancelling, Cancelled, Relaunching, Finished, Failed, Degraded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    /// Ready, Progressing and Degraded conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Id of the current run of the runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<String>,
+    /// The newest complete checkpoint known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latest_checkpoint: Option<SnapshotRef>,
+    /// The newest savepoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latest_savepoint: Option<SnapshotRef>,
+    /// Savepoints taken, newest first (bounded by savepoint.historyMaxCount/MaxAge).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub savepoint_history: Vec<SnapshotRef>,
+    /// Relaunches after failures so far.
+    #[serde(default)]
+    pub relaunch_count: u32,
+    /// Where the job resumes from when it is started again (set when it was stopped or killed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery_point: Option<SnapshotRef>,
+    /// A spec change being applied, recorded before anything is deleted (write-ahead).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_upgrade: Option<PendingUpgrade>,
+    /// Last handled restartNonce.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_restart_nonce: Option<i64>,
+    /// Last handled savepoint.triggerNonce.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_savepoint_nonce: Option<i64>,
+    /// The last error, without secrets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// A checkpoint or savepoint.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotRef {
+    /// Checkpoint id.
+    pub id: u64,
+    /// Storage path to restore from.
+    pub path: String,
+    /// When it completed (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<String>,
+}
+
+/// A spec change in progress.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingUpgrade {
+    /// The generation being deployed.
+    pub target_generation: i64,
+    /// Hash of the spec being deployed.
+    pub target_spec_hash: String,
+    /// The savepoint (or checkpoint) the new spec restores from; absent for stateless.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_from: Option<SnapshotRef>,
+}
+
+/// The CRD as YAML, with the header `crdgen` writes (the committed `crds/streamjob.yaml`).
+pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
+    use kube::CustomResourceExt;
+    let body = serde_yaml::to_string(&StreamJob::crd())?;
+    Ok(format!("# Generated by `cargo run -p weir-crds --bin crdgen -- --write`; do not edit.\n{body}"))
+}

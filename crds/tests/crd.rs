@@ -1,0 +1,63 @@
+//! The committed CRD matches the Rust types, and its schema is one the API server accepts.
+
+use kube::CustomResourceExt;
+use weir_crds::StreamJob;
+
+#[test]
+fn committed_crd_matches_the_rust_types() {
+    let committed = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/streamjob.yaml")).expect("crds/streamjob.yaml exists");
+    let generated = weir_crds::streamjob::crd_yaml().unwrap();
+    assert!(committed == generated, "crds/streamjob.yaml is stale: run `cargo run -p weir-crds --bin crdgen -- --write` and commit it");
+}
+
+fn walk<'a>(v: &'a serde_json::Value, path: String, out: &mut Vec<(String, &'a serde_json::Value)>) {
+    out.push((path.clone(), v));
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, x) in m {
+                walk(x, format!("{path}.{k}"), out);
+            }
+        }
+        serde_json::Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                walk(x, format!("{path}[{i}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn schema_is_structural_and_documented() {
+    let crd = serde_json::to_value(StreamJob::crd()).unwrap();
+    let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    let mut nodes = Vec::new();
+    walk(schema, "schema".into(), &mut nodes);
+    for (path, node) in &nodes {
+        let Some(obj) = node.as_object() else { continue };
+        // Structural schemas: no $ref, and anyOf/oneOf may not introduce types.
+        assert!(!obj.contains_key("$ref"), "{path}: $ref is not allowed in a CRD schema");
+        for key in ["anyOf", "oneOf", "allOf"] {
+            if let Some(alts) = obj.get(key) {
+                for alt in alts.as_array().unwrap() {
+                    assert!(alt.get("type").is_none(), "{path}.{key}: alternatives may not set a type");
+                }
+            }
+        }
+        // Every property of our own types carries a description (`kubectl explain`).
+        if let Some(props) = obj.get("properties").and_then(|p| p.as_object()) {
+            if path.contains("resources") || path.contains("tolerations") || path.contains("conditions") || path.starts_with("schema.properties.metadata") {
+                continue;
+            }
+            for (name, p) in props {
+                assert!(p.get("description").is_some(), "{path}.properties.{name} has no description");
+            }
+        }
+    }
+    let text = serde_json::to_string(schema).unwrap();
+    for rule in ["self.maxParallelism >= self.parallelism", "self == oldSelf", "has(self.inline) != has(self.configMapRef)"] {
+        assert!(text.contains(rule), "CEL rule `{rule}` missing");
+    }
+    assert_eq!(crd["spec"]["names"]["shortNames"][0], "sj");
+    assert!(crd["spec"]["versions"][0]["subresources"]["status"].is_object(), "status subresource");
+}
