@@ -385,7 +385,7 @@ pub struct StreamJobStatus {
 }
 
 /// A checkpoint or savepoint.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct SnapshotRef {
     /// Checkpoint id.
@@ -398,7 +398,7 @@ pub struct SnapshotRef {
 }
 
 /// A spec change in progress.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct PendingUpgrade {
     /// The generation being deployed.

@@ -71,7 +71,7 @@ mkdir -p "$bin" "$mod" "$GOCACHE"
 gorun() { nice -n "$NICE" go "$@"; }
 
 start=$(date +%s)
-if [[ ! -s "$mod/go.sum" ]] || ! grep -q "^require k8s.io/kubernetes $K8S_VERSION\$" "$mod/go.mod" 2>/dev/null; then
+if [[ ! -s "$mod/go.sum" ]] || [[ "$(cat "$mod/.resolved" 2>/dev/null)" != "$K8S_VERSION" ]]; then
   log "downloading k8s.io/kubernetes@$K8S_VERSION (module proxy)"
   kgomod="$(cd "$root" && gorun mod download -json "k8s.io/kubernetes@$K8S_VERSION" \
     | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')"
@@ -111,9 +111,10 @@ if [[ ! -s "$mod/go.sum" ]] || ! grep -q "^require k8s.io/kubernetes $K8S_VERSIO
     echo "	go.etcd.io/etcd/server/v3"
     echo ")"
   } > "$mod/go.mod"
-  rm -f "$mod/go.sum"
+  rm -f "$mod/go.sum" "$mod/.resolved"
   log "resolving dependencies (go mod tidy; $(grep -c '=>' <<<"$replaces") staging replaces at $staging_version, etcd $etcd_version)"
   (cd "$mod" && gorun mod tidy) || die "go mod tidy failed in $mod"
+  echo "$K8S_VERSION" > "$mod/.resolved"
   log "dependencies resolved in $(( $(date +%s) - start ))s"
 fi
 

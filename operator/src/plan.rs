@@ -1,0 +1,726 @@
+//! The lifecycle planner: a pure function of (spec, status, observations) that decides the
+//! next step of a StreamJob. The reconciler observes (pods, the runtime's control API,
+//! checkpoint storage), calls [`plan`], and carries out the returned actions; status changes are
+//! returned too, so that every transition is unit-tested without a cluster.
+//!
+//! Long operations (a savepoint before an upgrade, suspend or cancel) are remembered in status
+//! (`operation`), and an upgrade's target and restore point are written to status *before*
+//! any pod is deleted (`pending_upgrade`), so an operator restarted at any point resumes the
+//! same transition.
+
+use weir_crds::streamjob::{DesiredState, OnSavepointFailure, PendingUpgrade, SnapshotRef, StreamJobSpec, UpgradeMode};
+
+/// What the job's runtime pods look like.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodsPhase {
+    /// No pod exists.
+    Absent,
+    /// Pods exist but are not all running yet.
+    Starting,
+    /// All pods run.
+    Running,
+    /// A pod failed or was lost (reason).
+    Failed(String),
+    /// The runtime exited successfully (bounded input finished).
+    Succeeded,
+    /// Pods are being deleted.
+    Terminating,
+}
+
+/// A checkpoint found in storage, newest first in [`Observation::checkpoints`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FoundCheckpoint {
+    /// Id and path.
+    pub snapshot: SnapshotRef,
+    /// Completion time, ms since the epoch.
+    pub completed_at_ms: u64,
+    /// `None` when valid, else why it cannot be restored.
+    pub invalid: Option<String>,
+}
+
+/// The state of a savepoint the operator asked the runtime for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SavepointProgress {
+    /// Still being taken.
+    InProgress,
+    /// Done: restore from here.
+    Completed(SnapshotRef),
+    /// The runtime reported a failure (or the request could not be made).
+    Failed(String),
+}
+
+/// Why the operator is taking a savepoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OperationKind {
+    /// Stop-with-savepoint before deploying a new spec.
+    Upgrade,
+    /// Stop-with-savepoint for `state: suspended`.
+    Suspend,
+    /// Stop-with-savepoint for `state: cancelled` (or deletion).
+    Cancel,
+    /// A savepoint while running (trigger nonce or periodic).
+    Savepoint,
+}
+
+/// A savepoint operation in flight, as recorded in status.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Operation {
+    /// What it is for.
+    pub kind: OperationKind,
+    /// When it started, ms since the epoch.
+    pub started_at_ms: u64,
+    /// The generation that asked for it.
+    pub generation: i64,
+}
+
+/// What the reconciler observed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Observation {
+    /// Now, ms since the epoch.
+    pub now_ms: u64,
+    /// The runtime pods.
+    pub pods: PodsPhase,
+    /// Spec hash label of the existing pods.
+    pub pods_spec_hash: Option<String>,
+    /// Progress of the savepoint of the operation in status, if any.
+    pub savepoint: Option<SavepointProgress>,
+    /// Checkpoints in storage, newest first.
+    pub checkpoints: Vec<FoundCheckpoint>,
+}
+
+/// The parts of status the planner reads and writes.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct PlanState {
+    /// Phase shown by `kubectl get`.
+    pub phase: Option<Phase>,
+    /// Savepoint operation in flight.
+    pub operation: Option<Operation>,
+    /// Write-ahead record of an upgrade in progress.
+    pub pending_upgrade: Option<PendingUpgrade>,
+    /// Where a stopped job resumes from.
+    pub recovery_point: Option<SnapshotRef>,
+    /// Relaunches so far.
+    pub relaunch_count: u32,
+    /// When the last relaunch happened.
+    pub last_relaunch_ms: Option<u64>,
+    /// Last handled restart nonce.
+    pub observed_restart_nonce: Option<i64>,
+    /// Last handled savepoint nonce.
+    pub observed_savepoint_nonce: Option<i64>,
+    /// The newest savepoint.
+    pub latest_savepoint: Option<SnapshotRef>,
+    /// When the last savepoint was taken.
+    pub last_savepoint_ms: Option<u64>,
+}
+
+/// Lifecycle phases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Pods being created.
+    Deploying,
+    /// Processing.
+    Running,
+    /// A spec change is being applied.
+    Upgrading,
+    /// Stopping with a savepoint to suspend.
+    Suspending,
+    /// Stopped; resumable.
+    Suspended,
+    /// Stopping for good.
+    Cancelling,
+    /// Stopped for good.
+    Cancelled,
+    /// Waiting to relaunch after a failure.
+    Relaunching,
+    /// Bounded input ended.
+    Finished,
+    /// Relaunch limit reached.
+    Failed,
+    /// Needs a person (e.g. the newest checkpoint is too old to relaunch from).
+    Degraded,
+}
+
+impl Phase {
+    /// The word shown in status.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Phase::Deploying => "Deploying",
+            Phase::Running => "Running",
+            Phase::Upgrading => "Upgrading",
+            Phase::Suspending => "Suspending",
+            Phase::Suspended => "Suspended",
+            Phase::Cancelling => "Cancelling",
+            Phase::Cancelled => "Cancelled",
+            Phase::Relaunching => "Relaunching",
+            Phase::Finished => "Finished",
+            Phase::Failed => "Failed",
+            Phase::Degraded => "Degraded",
+        }
+    }
+}
+
+/// A step for the reconciler to carry out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Create the pods (and their Service and ConfigMap) for the desired spec.
+    Deploy {
+        /// Restore from this snapshot.
+        restore_from: Option<SnapshotRef>,
+    },
+    /// Ask the runtime for a savepoint; `stop` ends the job after it.
+    RequestSavepoint {
+        /// Stop with the savepoint.
+        stop: bool,
+    },
+    /// Delete the pods; `grace_seconds: Some(0)` kills them at once.
+    DeletePods {
+        /// Termination grace period override.
+        grace_seconds: Option<i64>,
+    },
+}
+
+/// An event to record on the StreamJob.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedEvent {
+    /// Warning (true) or Normal.
+    pub warning: bool,
+    /// CamelCase reason.
+    pub reason: &'static str,
+    /// What happened and why.
+    pub message: String,
+}
+
+/// The planner's decision.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Plan {
+    /// Steps, in order.
+    pub actions: Vec<Action>,
+    /// The status to write.
+    pub state: PlanState,
+    /// Events to record.
+    pub events: Vec<PlannedEvent>,
+    /// Message for the Degraded condition, when degraded.
+    pub degraded: Option<String>,
+    /// Reconcile again after this long (ms) even without a change.
+    pub requeue_after_ms: Option<u64>,
+}
+
+impl Plan {
+    fn event(&mut self, warning: bool, reason: &'static str, message: impl Into<String>) {
+        self.events.push(PlannedEvent { warning, reason, message: message.into() });
+    }
+}
+
+/// The desired spec with its identity. The spec hash covers every field whose change needs a
+/// redeploy, `restartNonce` included: changing the nonce redeploys through `upgradeMode` like
+/// any other change.
+#[derive(Clone, Debug)]
+pub struct Desired<'a> {
+    /// The spec.
+    pub spec: &'a StreamJobSpec,
+    /// metadata.generation.
+    pub generation: i64,
+    /// Hash of the spec parts that need a redeploy when they change.
+    pub spec_hash: &'a str,
+}
+
+const POLL_MS: u64 = 2_000;
+
+fn newest_valid(obs: &Observation) -> Option<&FoundCheckpoint> {
+    obs.checkpoints.iter().find(|c| c.invalid.is_none())
+}
+
+/// Decides the next step.
+pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Plan {
+    let mut p = Plan { state: current.clone(), ..Plan::default() };
+    let spec = desired.spec;
+    let pods_exist = !matches!(obs.pods, PodsPhase::Absent);
+
+    // 1. A savepoint operation in flight decides everything until it ends.
+    if let Some(op) = current.operation.clone() {
+        return continue_operation(desired, current, obs, op, p);
+    }
+
+    // 2. Stop requests.
+    if spec.state != DesiredState::Running {
+        let (stopping, stopped, kind) = match spec.state {
+            DesiredState::Suspended => (Phase::Suspending, Phase::Suspended, OperationKind::Suspend),
+            _ => (Phase::Cancelling, Phase::Cancelled, OperationKind::Cancel),
+        };
+        if matches!(obs.pods, PodsPhase::Running) {
+            p.actions.push(Action::RequestSavepoint { stop: true });
+            p.state.operation = Some(Operation { kind, started_at_ms: obs.now_ms, generation: desired.generation });
+            p.state.phase = Some(stopping);
+            p.event(false, "SavepointRequested", format!("taking a savepoint to {}", if kind == OperationKind::Suspend { "suspend" } else { "cancel" }));
+            p.requeue_after_ms = Some(POLL_MS);
+        } else if pods_exist {
+            // Not running (starting or failed): nothing to save; the newest checkpoint is the
+            // recovery point.
+            p.actions.push(Action::DeletePods { grace_seconds: None });
+            p.state.recovery_point = newest_valid(obs).map(|c| c.snapshot.clone()).or(current.recovery_point.clone());
+            p.state.phase = Some(stopping);
+            p.requeue_after_ms = Some(POLL_MS);
+        } else {
+            p.state.phase = Some(stopped);
+        }
+        return p;
+    }
+
+    // 3. A write-ahead upgrade resumes wherever it stopped.
+    if let Some(up) = current.pending_upgrade.clone() {
+        let old_pods = pods_exist && obs.pods_spec_hash.as_deref() != Some(up.target_spec_hash.as_str());
+        p.state.phase = Some(Phase::Upgrading);
+        if old_pods {
+            p.actions.push(Action::DeletePods { grace_seconds: None });
+            p.requeue_after_ms = Some(POLL_MS);
+        } else if !pods_exist {
+            p.actions.push(Action::Deploy { restore_from: up.restore_from.clone() });
+            p.event(false, "Deploying", format!("deploying generation {} from {}", up.target_generation, describe(&up.restore_from)));
+            p.requeue_after_ms = Some(POLL_MS);
+        } else if matches!(obs.pods, PodsPhase::Running) {
+            p.state.pending_upgrade = None;
+            p.state.phase = Some(Phase::Running);
+            p.event(false, "Upgraded", format!("generation {} is running", up.target_generation));
+        } else {
+            p.requeue_after_ms = Some(POLL_MS);
+        }
+        return p;
+    }
+
+    let hash_differs = pods_exist && obs.pods_spec_hash.as_deref() != Some(desired.spec_hash);
+    match &obs.pods {
+        PodsPhase::Absent => {
+            // First deploy, resume after suspend/cancel, or after a kill.
+            let restore = match current.phase {
+                None => spec.initial_savepoint.clone().map(|path| SnapshotRef { id: 0, path, completed_at: None }),
+                Some(Phase::Finished) => return p,
+                _ => current.recovery_point.clone().or_else(|| newest_valid(obs).map(|c| c.snapshot.clone())),
+            };
+            p.actions.push(Action::Deploy { restore_from: restore.clone() });
+            p.state.phase = Some(Phase::Deploying);
+            p.state.recovery_point = None;
+            p.event(false, "Deploying", format!("deploying from {}", describe(&restore)));
+            p.requeue_after_ms = Some(POLL_MS);
+        }
+        PodsPhase::Succeeded => {
+            p.state.phase = Some(Phase::Finished);
+        }
+        PodsPhase::Failed(reason) => relaunch(desired, current, obs, reason, &mut p),
+        PodsPhase::Starting | PodsPhase::Terminating => {
+            p.requeue_after_ms = Some(POLL_MS);
+        }
+        PodsPhase::Running if hash_differs => start_upgrade(desired, obs, &mut p),
+        PodsPhase::Running => {
+            p.state.phase = Some(Phase::Running);
+            p.state.observed_restart_nonce = spec.restart_nonce;
+            let nonce_changed = spec.savepoint.trigger_nonce.is_some() && spec.savepoint.trigger_nonce != current.observed_savepoint_nonce;
+            let periodic_due = spec.savepoint.periodic_interval.is_some_and(|i| {
+                current.last_savepoint_ms.is_none_or(|t| obs.now_ms.saturating_sub(t) >= i.as_millis())
+            });
+            if nonce_changed || periodic_due {
+                p.state.observed_savepoint_nonce = spec.savepoint.trigger_nonce;
+                p.state.operation = Some(Operation { kind: OperationKind::Savepoint, started_at_ms: obs.now_ms, generation: desired.generation });
+                p.actions.push(Action::RequestSavepoint { stop: false });
+                p.event(false, "SavepointRequested", if nonce_changed { "savepoint.triggerNonce changed" } else { "periodic savepoint due" });
+                p.requeue_after_ms = Some(POLL_MS);
+            } else if let Some(i) = spec.savepoint.periodic_interval {
+                let since = current.last_savepoint_ms.map_or(0, |t| obs.now_ms.saturating_sub(t));
+                p.requeue_after_ms = Some(i.as_millis().saturating_sub(since).max(1_000));
+            }
+            p.state.relaunch_count = current.relaunch_count;
+        }
+    }
+    p
+}
+
+fn describe(s: &Option<SnapshotRef>) -> String {
+    match s {
+        Some(s) => s.path.clone(),
+        None => "no state".to_string(),
+    }
+}
+
+fn start_upgrade(desired: &Desired<'_>, obs: &Observation, p: &mut Plan) {
+    p.state.phase = Some(Phase::Upgrading);
+    match desired.spec.upgrade_mode {
+        UpgradeMode::Savepoint => {
+            p.actions.push(Action::RequestSavepoint { stop: true });
+            p.state.operation = Some(Operation { kind: OperationKind::Upgrade, started_at_ms: obs.now_ms, generation: desired.generation });
+            p.event(false, "SavepointRequested", format!("spec changed (generation {}): stopping with a savepoint", desired.generation));
+            p.requeue_after_ms = Some(POLL_MS);
+        }
+        UpgradeMode::LastState | UpgradeMode::Stateless => {
+            let from = if desired.spec.upgrade_mode == UpgradeMode::LastState { newest_valid(obs).map(|c| c.snapshot.clone()) } else { None };
+            // Write-ahead: the next reconcile deletes the pods.
+            p.state.pending_upgrade = Some(PendingUpgrade { target_generation: desired.generation, target_spec_hash: desired.spec_hash.to_string(), restore_from: from });
+            p.event(false, "Upgrading", format!("spec changed (generation {}): redeploying ({:?})", desired.generation, desired.spec.upgrade_mode));
+            p.requeue_after_ms = Some(0);
+        }
+    }
+}
+
+fn relaunch(desired: &Desired<'_>, current: &PlanState, obs: &Observation, reason: &str, p: &mut Plan) {
+    let policy = &desired.spec.relaunch;
+    if current.relaunch_count >= policy.limit {
+        p.state.phase = Some(Phase::Failed);
+        p.degraded = Some(format!("the job failed ({reason}) and the relaunch limit ({}) is reached", policy.limit));
+        if current.phase != Some(Phase::Failed) {
+            p.event(true, "RelaunchLimitReached", p.degraded.clone().unwrap_or_default());
+        }
+        return;
+    }
+    let newest = newest_valid(obs);
+    if let (Some(max_age), Some(c)) = (desired.spec.relaunch.max_checkpoint_age, newest) {
+        let age = obs.now_ms.saturating_sub(c.completed_at_ms);
+        if age > max_age.as_millis() {
+            p.state.phase = Some(Phase::Degraded);
+            p.degraded = Some(format!(
+                "the job failed ({reason}); its newest valid checkpoint {} is {}s old, older than relaunch.maxCheckpointAge {max_age}: not relaunching",
+                c.snapshot.id,
+                age / 1000
+            ));
+            if current.phase != Some(Phase::Degraded) {
+                p.event(true, "CheckpointTooOld", p.degraded.clone().unwrap_or_default());
+            }
+            return;
+        }
+    }
+    let backoff = policy.backoff.as_millis().saturating_mul(1u64 << current.relaunch_count.min(20)).min(policy.max_backoff.as_millis());
+    if let Some(last) = current.last_relaunch_ms {
+        let wait = (last + backoff).saturating_sub(obs.now_ms);
+        if wait > 0 && current.relaunch_count > 0 {
+            p.state.phase = Some(Phase::Relaunching);
+            p.requeue_after_ms = Some(wait);
+            return;
+        }
+    }
+    let skipped: Vec<String> = obs.checkpoints.iter().take_while(|c| c.invalid.is_some()).map(|c| format!("{} ({})", c.snapshot.id, c.invalid.as_deref().unwrap_or(""))).collect();
+    let from = newest.map(|c| c.snapshot.clone()).or_else(|| current.recovery_point.clone());
+    p.actions.push(Action::DeletePods { grace_seconds: Some(0) });
+    p.state.pending_upgrade = Some(PendingUpgrade { target_generation: desired.generation, target_spec_hash: desired.spec_hash.to_string(), restore_from: from.clone() });
+    p.state.relaunch_count = current.relaunch_count + 1;
+    p.state.last_relaunch_ms = Some(obs.now_ms);
+    p.state.phase = Some(Phase::Relaunching);
+    let mut msg = format!("the job failed ({reason}): relaunching from {}", describe(&from));
+    if !skipped.is_empty() {
+        msg.push_str(&format!(", skipping invalid checkpoint(s) {}", skipped.join(", ")));
+    }
+    p.event(true, "Relaunching", msg);
+    p.requeue_after_ms = Some(0);
+}
+
+fn continue_operation(desired: &Desired<'_>, current: &PlanState, obs: &Observation, op: Operation, mut p: Plan) -> Plan {
+    let spec = desired.spec;
+    let timed_out = obs.now_ms.saturating_sub(op.started_at_ms) > spec.savepoint.timeout.as_millis();
+    let progress = obs.savepoint.clone().unwrap_or(SavepointProgress::InProgress);
+    let failure = match (&progress, timed_out) {
+        (SavepointProgress::Failed(r), _) => Some(r.clone()),
+        (SavepointProgress::InProgress, true) => Some(format!("no savepoint after savepoint.timeout {}", spec.savepoint.timeout)),
+        _ => None,
+    };
+    match (op.kind, progress, failure) {
+        (_, SavepointProgress::Completed(sp), _) => {
+            p.state.operation = None;
+            p.state.latest_savepoint = Some(sp.clone());
+            p.state.last_savepoint_ms = Some(obs.now_ms);
+            p.event(false, "SavepointCompleted", format!("savepoint {} taken", sp.path));
+            match op.kind {
+                OperationKind::Savepoint => {}
+                OperationKind::Upgrade => {
+                    // Write-ahead: record where the new spec restores from before deleting.
+                    p.state.pending_upgrade = Some(PendingUpgrade { target_generation: desired.generation, target_spec_hash: desired.spec_hash.to_string(), restore_from: Some(sp) });
+                    p.state.phase = Some(Phase::Upgrading);
+                    p.requeue_after_ms = Some(0);
+                }
+                OperationKind::Suspend | OperationKind::Cancel => {
+                    p.state.recovery_point = Some(sp);
+                    p.actions.push(Action::DeletePods { grace_seconds: None });
+                    p.state.phase = Some(if op.kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
+                    p.requeue_after_ms = Some(POLL_MS);
+                }
+            }
+        }
+        (kind, _, Some(reason)) => {
+            p.state.operation = None;
+            match kind {
+                OperationKind::Suspend | OperationKind::Cancel if spec.savepoint.on_cancel_failure == OnSavepointFailure::Kill => {
+                    let recovery = newest_valid(obs).map(|c| c.snapshot.clone());
+                    p.actions.push(Action::DeletePods { grace_seconds: Some(0) });
+                    p.state.recovery_point = recovery.clone();
+                    p.state.phase = Some(if kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
+                    p.event(true, "SavepointFailedPodsKilled", format!("savepoint failed ({reason}): pods killed; the job resumes from {}", describe(&recovery)));
+                    p.requeue_after_ms = Some(POLL_MS);
+                }
+                OperationKind::Upgrade => {
+                    p.state.phase = Some(Phase::Degraded);
+                    p.degraded = Some(format!("upgrade to generation {} not applied: savepoint failed ({reason}); the previous spec keeps running", desired.generation));
+                    p.event(true, "UpgradeSavepointFailed", p.degraded.clone().unwrap_or_default());
+                }
+                _ => {
+                    p.state.phase = Some(Phase::Running);
+                    p.event(true, "SavepointFailed", format!("savepoint failed: {reason}"));
+                }
+            }
+        }
+        (_, SavepointProgress::InProgress, None) | (_, SavepointProgress::Failed(_), None) => {
+            p.requeue_after_ms = Some(POLL_MS);
+            let _ = current;
+        }
+    }
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weir_crds::streamjob::{JobSource, StreamJobSpec};
+    use weir_crds::HumanDuration;
+
+    fn spec() -> StreamJobSpec {
+        StreamJobSpec {
+            image: "weir:dev".into(),
+            image_pull_policy: None,
+            parallelism: 2,
+            max_parallelism: None,
+            job: JobSource::default(),
+            state: DesiredState::Running,
+            upgrade_mode: UpgradeMode::Savepoint,
+            checkpointing: Default::default(),
+            savepoint: Default::default(),
+            restart_nonce: None,
+            initial_savepoint: None,
+            allow_non_restored_state: false,
+            relaunch: Default::default(),
+            resources: None,
+            pod_template: None,
+        }
+    }
+
+    fn snap(id: u64) -> SnapshotRef {
+        SnapshotRef { id, path: format!("s3://b/ns/j/checkpoints/chk-{id}"), completed_at: None }
+    }
+
+    fn chk(id: u64, at: u64, invalid: Option<&str>) -> FoundCheckpoint {
+        FoundCheckpoint { snapshot: snap(id), completed_at_ms: at, invalid: invalid.map(str::to_string) }
+    }
+
+    fn obs(pods: PodsPhase, hash: Option<&str>) -> Observation {
+        Observation { now_ms: 1_000_000, pods, pods_spec_hash: hash.map(str::to_string), savepoint: None, checkpoints: vec![] }
+    }
+
+    fn running(hash: &str) -> Observation {
+        obs(PodsPhase::Running, Some(hash))
+    }
+
+    fn desired<'a>(s: &'a StreamJobSpec, hash: &'a str) -> Desired<'a> {
+        Desired { spec: s, generation: 2, spec_hash: hash }
+    }
+
+    fn state(phase: Phase) -> PlanState {
+        PlanState { phase: Some(phase), ..PlanState::default() }
+    }
+
+    #[test]
+    fn first_deploy_restores_the_initial_savepoint() {
+        let mut s = spec();
+        s.initial_savepoint = Some("s3://b/sp".into());
+        let p = plan(&desired(&s, "h1"), &PlanState::default(), &obs(PodsPhase::Absent, None));
+        assert_eq!(p.actions, vec![Action::Deploy { restore_from: Some(SnapshotRef { id: 0, path: "s3://b/sp".into(), completed_at: None }) }]);
+        assert_eq!(p.state.phase, Some(Phase::Deploying));
+    }
+
+    #[test]
+    fn steady_running_does_nothing() {
+        let s = spec();
+        let p = plan(&desired(&s, "h1"), &state(Phase::Running), &running("h1"));
+        assert!(p.actions.is_empty());
+        assert_eq!(p.state.phase, Some(Phase::Running));
+    }
+
+    #[test]
+    fn savepoint_upgrade_writes_ahead_then_deletes_then_deploys() {
+        let s = spec();
+        let d = desired(&s, "h2");
+        // Spec changed: stop with a savepoint.
+        let p1 = plan(&d, &state(Phase::Running), &running("h1"));
+        assert_eq!(p1.actions, vec![Action::RequestSavepoint { stop: true }]);
+        assert_eq!(p1.state.operation.as_ref().unwrap().kind, OperationKind::Upgrade);
+        // Savepoint done: only status changes (write-ahead), nothing deleted yet.
+        let mut o = running("h1");
+        o.savepoint = Some(SavepointProgress::Completed(snap(7)));
+        let p2 = plan(&d, &p1.state, &o);
+        assert!(p2.actions.is_empty(), "{:?}", p2.actions);
+        assert_eq!(p2.state.pending_upgrade.as_ref().unwrap().restore_from, Some(snap(7)));
+        // Next: old pods are deleted, then the new spec deployed from the savepoint.
+        let p3 = plan(&d, &p2.state, &running("h1"));
+        assert_eq!(p3.actions, vec![Action::DeletePods { grace_seconds: None }]);
+        let p4 = plan(&d, &p3.state, &obs(PodsPhase::Absent, None));
+        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(snap(7)) }]);
+        let p5 = plan(&d, &p4.state, &running("h2"));
+        assert!(p5.state.pending_upgrade.is_none());
+        assert_eq!(p5.state.phase, Some(Phase::Running));
+    }
+
+    #[test]
+    fn operator_restarted_mid_upgrade_resumes_from_the_write_ahead_status() {
+        let s = spec();
+        let d = desired(&s, "h2");
+        // The status says: upgrade to h2 from savepoint 7; pods were already deleted.
+        let st = PlanState {
+            phase: Some(Phase::Upgrading),
+            pending_upgrade: Some(PendingUpgrade { target_generation: 2, target_spec_hash: "h2".into(), restore_from: Some(snap(7)) }),
+            ..PlanState::default()
+        };
+        assert_eq!(plan(&d, &st, &obs(PodsPhase::Absent, None)).actions, vec![Action::Deploy { restore_from: Some(snap(7)) }]);
+        // Or the old pods are still there: delete them, never take a second savepoint.
+        assert_eq!(plan(&d, &st, &running("h1")).actions, vec![Action::DeletePods { grace_seconds: None }]);
+    }
+
+    #[test]
+    fn last_state_and_stateless_upgrades() {
+        let mut s = spec();
+        s.upgrade_mode = UpgradeMode::LastState;
+        let mut o = running("h1");
+        o.checkpoints = vec![chk(9, 999_000, None)];
+        let p = plan(&desired(&s, "h2"), &state(Phase::Running), &o);
+        assert_eq!(p.state.pending_upgrade.unwrap().restore_from, Some(snap(9)));
+        s.upgrade_mode = UpgradeMode::Stateless;
+        let p = plan(&desired(&s, "h2"), &state(Phase::Running), &o);
+        assert_eq!(p.state.pending_upgrade.unwrap().restore_from, None);
+    }
+
+    #[test]
+    fn suspend_takes_a_savepoint_then_deletes_and_resume_restores_it() {
+        let mut s = spec();
+        s.state = DesiredState::Suspended;
+        let d = desired(&s, "h1");
+        let p1 = plan(&d, &state(Phase::Running), &running("h1"));
+        assert_eq!(p1.actions, vec![Action::RequestSavepoint { stop: true }]);
+        let mut o = running("h1");
+        o.savepoint = Some(SavepointProgress::Completed(snap(4)));
+        let p2 = plan(&d, &p1.state, &o);
+        assert_eq!(p2.actions, vec![Action::DeletePods { grace_seconds: None }]);
+        assert_eq!(p2.state.recovery_point, Some(snap(4)));
+        let p3 = plan(&d, &p2.state, &obs(PodsPhase::Absent, None));
+        assert_eq!(p3.state.phase, Some(Phase::Suspended));
+        s.state = DesiredState::Running;
+        let p4 = plan(&desired(&s, "h1"), &p3.state, &obs(PodsPhase::Absent, None));
+        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(snap(4)) }]);
+    }
+
+    #[test]
+    fn cancel_whose_savepoint_times_out_kills_the_pods_and_names_the_recovery_checkpoint() {
+        let mut s = spec();
+        s.state = DesiredState::Cancelled;
+        s.savepoint.timeout = HumanDuration::from_secs(30);
+        let d = desired(&s, "h1");
+        let p1 = plan(&d, &state(Phase::Running), &running("h1"));
+        let mut o = running("h1");
+        o.now_ms += 31_000;
+        o.checkpoints = vec![chk(12, 1_000_000, Some("checksum mismatch")), chk(11, 990_000, None)];
+        let p2 = plan(&d, &p1.state, &o);
+        assert_eq!(p2.actions, vec![Action::DeletePods { grace_seconds: Some(0) }]);
+        assert_eq!(p2.state.recovery_point, Some(snap(11)), "the newest *valid* checkpoint");
+        assert!(p2.events.iter().any(|e| e.reason == "SavepointFailedPodsKilled" && e.message.contains("chk-11")), "{:?}", p2.events);
+        // Before the timeout, it waits.
+        let mut early = running("h1");
+        early.now_ms += 10_000;
+        assert!(plan(&d, &p1.state, &early).actions.is_empty());
+        // A reported failure kills at once too.
+        let mut failed = running("h1");
+        failed.savepoint = Some(SavepointProgress::Failed("storage unwritable".into()));
+        assert_eq!(plan(&d, &p1.state, &failed).actions, vec![Action::DeletePods { grace_seconds: Some(0) }]);
+    }
+
+    #[test]
+    fn failure_relaunches_from_the_newest_valid_checkpoint_past_corrupt_ones() {
+        let s = spec();
+        let mut o = obs(PodsPhase::Failed("OOMKilled".into()), Some("h1"));
+        o.checkpoints = vec![chk(8, 999_000, Some("missing file")), chk(7, 998_000, None)];
+        let p = plan(&desired(&s, "h1"), &state(Phase::Running), &o);
+        assert_eq!(p.actions, vec![Action::DeletePods { grace_seconds: Some(0) }]);
+        assert_eq!(p.state.pending_upgrade.unwrap().restore_from, Some(snap(7)));
+        assert_eq!(p.state.relaunch_count, 1);
+        assert!(p.events[0].message.contains("skipping invalid checkpoint(s) 8 (missing file)"), "{}", p.events[0].message);
+    }
+
+    #[test]
+    fn too_old_checkpoint_means_no_relaunch_and_a_degraded_message() {
+        let mut s = spec();
+        s.relaunch.max_checkpoint_age = Some(HumanDuration::from_secs(60));
+        let mut o = obs(PodsPhase::Failed("Error".into()), Some("h1"));
+        o.checkpoints = vec![chk(3, 1_000_000 - 120_000, None)];
+        let p = plan(&desired(&s, "h1"), &state(Phase::Running), &o);
+        assert!(p.actions.is_empty());
+        assert_eq!(p.state.phase, Some(Phase::Degraded));
+        assert!(p.degraded.unwrap().contains("120s old, older than relaunch.maxCheckpointAge 1m"));
+    }
+
+    #[test]
+    fn relaunch_backs_off_and_stops_at_the_limit() {
+        let mut s = spec();
+        s.relaunch.backoff = HumanDuration::from_secs(10);
+        s.relaunch.limit = 2;
+        let o = obs(PodsPhase::Failed("Error".into()), Some("h1"));
+        let st = PlanState { phase: Some(Phase::Running), relaunch_count: 1, last_relaunch_ms: Some(o.now_ms - 5_000), ..PlanState::default() };
+        let p = plan(&desired(&s, "h1"), &st, &o);
+        assert!(p.actions.is_empty(), "backoff is 20s after one relaunch");
+        assert_eq!(p.requeue_after_ms, Some(15_000));
+        let st = PlanState { relaunch_count: 2, ..st };
+        let p = plan(&desired(&s, "h1"), &st, &o);
+        assert_eq!(p.state.phase, Some(Phase::Failed));
+        assert!(p.actions.is_empty());
+    }
+
+    #[test]
+    fn savepoint_nonce_and_restart_nonce() {
+        let mut s = spec();
+        s.savepoint.trigger_nonce = Some(1);
+        let p = plan(&desired(&s, "h1"), &state(Phase::Running), &running("h1"));
+        assert_eq!(p.actions, vec![Action::RequestSavepoint { stop: false }]);
+        assert_eq!(p.state.observed_savepoint_nonce, Some(1));
+        let mut done = running("h1");
+        done.savepoint = Some(SavepointProgress::Completed(snap(5)));
+        let p2 = plan(&desired(&s, "h1"), &p.state, &done);
+        assert_eq!(p2.state.latest_savepoint, Some(snap(5)));
+        assert!(plan(&desired(&s, "h1"), &p2.state, &running("h1")).actions.is_empty(), "same nonce: nothing");
+        // A new restartNonce changes the spec hash: the job restarts through its upgrade mode.
+        s.restart_nonce = Some(3);
+        let p3 = plan(&desired(&s, "h1-restart-3"), &p2.state, &running("h1"));
+        assert_eq!(p3.actions, vec![Action::RequestSavepoint { stop: true }]);
+        assert_eq!(p3.state.observed_restart_nonce, None, "recorded once the new pods run");
+    }
+
+    #[test]
+    fn periodic_savepoints() {
+        let mut s = spec();
+        s.savepoint.periodic_interval = Some(HumanDuration::from_secs(60));
+        let st = PlanState { phase: Some(Phase::Running), last_savepoint_ms: Some(1_000_000 - 30_000), ..PlanState::default() };
+        let p = plan(&desired(&s, "h1"), &st, &running("h1"));
+        assert!(p.actions.is_empty());
+        assert_eq!(p.requeue_after_ms, Some(30_000));
+        let st = PlanState { last_savepoint_ms: Some(1_000_000 - 61_000), ..st };
+        assert_eq!(plan(&desired(&s, "h1"), &st, &running("h1")).actions, vec![Action::RequestSavepoint { stop: false }]);
+    }
+
+    #[test]
+    fn a_failed_upgrade_savepoint_keeps_the_old_job_and_degrades() {
+        let s = spec();
+        let d = desired(&s, "h2");
+        let p1 = plan(&d, &state(Phase::Running), &running("h1"));
+        let mut o = running("h1");
+        o.savepoint = Some(SavepointProgress::Failed("disk full".into()));
+        let p2 = plan(&d, &p1.state, &o);
+        assert!(p2.actions.is_empty(), "nothing is deleted");
+        assert!(p2.degraded.unwrap().contains("disk full"));
+    }
+
+    #[test]
+    fn finished_jobs_stay_finished() {
+        let s = spec();
+        let p = plan(&desired(&s, "h1"), &state(Phase::Running), &obs(PodsPhase::Succeeded, Some("h1")));
+        assert_eq!(p.state.phase, Some(Phase::Finished));
+        let p2 = plan(&desired(&s, "h1"), &p.state, &obs(PodsPhase::Absent, None));
+        assert!(p2.actions.is_empty(), "a finished job is not redeployed");
+    }
+}
