@@ -379,9 +379,34 @@ pub struct StreamJobStatus {
     /// Last handled savepoint.triggerNonce.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_savepoint_nonce: Option<i64>,
+    /// A savepoint the operator is waiting for (before an upgrade, suspend or cancel, or on
+    /// request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation: Option<OperationStatus>,
+    /// When the job was last relaunched after a failure (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_relaunch_time: Option<String>,
+    /// When the newest savepoint completed (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_savepoint_time: Option<String>,
     /// The last error, without secrets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+}
+
+/// A savepoint operation in flight.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct OperationStatus {
+    /// upgrade, suspend, cancel or savepoint.
+    pub kind: String,
+    /// The runtime's savepoint request id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<u64>,
+    /// When it started (RFC 3339).
+    pub started_at: String,
+    /// The generation that asked for it.
+    pub generation: i64,
 }
 
 /// A checkpoint or savepoint.

@@ -1,0 +1,312 @@
+//! The Kubernetes objects a StreamJob owns, built as plain values (no client): the job file
+//! ConfigMap, the control API Service and the runtime Pod. Pods run under the restricted Pod
+//! Security profile: non-root, no privilege escalation, all capabilities dropped, seccomp
+//! RuntimeDefault and a read-only root filesystem.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, HTTPGetAction, Pod,
+    PodSecurityContext, PodSpec, Probe, SeccompProfile, SecretEnvSource, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec,
+    Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::Resource;
+use weir_crds::job::{CheckpointingSpec, JobSpec, RestartSpec, RestartStrategyKind};
+use weir_crds::streamjob::{JobGraph, SnapshotRef, StreamJob};
+
+/// Port of the runtime's control API and metrics.
+pub const CONTROL_PORT: i32 = 8081;
+/// Label naming the job a pod belongs to.
+pub const JOB_LABEL: &str = "weir.dev/job";
+/// Label holding the spec hash the pod was built from.
+pub const SPEC_HASH_LABEL: &str = "weir.dev/spec-hash";
+/// Where the job file is mounted.
+const JOB_DIR: &str = "/etc/weir/job";
+/// Where the control token is mounted.
+const TOKEN_DIR: &str = "/var/run/weir/token";
+/// Non-root user of the runtime container.
+const RUNTIME_UID: i64 = 65532;
+
+/// Why children could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The StreamJob lacks a name, namespace or uid (not read from the API server).
+    #[error("StreamJob has no {0}")]
+    MissingMetadata(&'static str),
+    /// The job graph could not be rendered.
+    #[error("rendering the job file: {0}")]
+    Render(String),
+}
+
+/// Names of a job's children.
+pub fn config_map_name(job: &str) -> String {
+    format!("{job}-job")
+}
+/// Name of the control Service.
+pub fn service_name(job: &str) -> String {
+    format!("{job}-control")
+}
+/// Name of the runtime pod.
+pub fn pod_name(job: &str) -> String {
+    format!("{job}-runtime-0")
+}
+/// Name of the Secret holding the control API token.
+pub fn token_secret_name(job: &str) -> String {
+    format!("{job}-control-token")
+}
+
+/// The job's storage root: `<storage>/<namespace>/<name>`.
+pub fn storage_root(storage: &str, namespace: &str, name: &str) -> String {
+    format!("{}/{namespace}/{name}", storage.trim_end_matches('/'))
+}
+
+/// Labels every child carries.
+pub fn labels(name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".to_string(), "weir-runtime".to_string()),
+        ("app.kubernetes.io/instance".to_string(), name.to_string()),
+        ("app.kubernetes.io/managed-by".to_string(), "weir-operator".to_string()),
+        (JOB_LABEL.to_string(), name.to_string()),
+    ])
+}
+
+/// A stable hash of everything in the spec whose change needs a redeploy (the job, image,
+/// parallelism, checkpointing, resources, pod overrides and the restart nonce), as hex.
+pub fn spec_hash(sj: &StreamJob) -> String {
+    let s = &sj.spec;
+    let relevant = serde_json::json!({
+        "image": s.image, "pull": s.image_pull_policy, "p": s.parallelism, "maxp": s.max_parallelism, "job": s.job,
+        "ck": s.checkpointing, "restart": s.restart_nonce, "res": s.resources, "pod": s.pod_template,
+    });
+    let text = serde_json::to_string(&relevant).unwrap_or_default();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// The runtime job file for a StreamJob and its graph (inline, or read from the ConfigMap).
+pub fn job_file(sj: &StreamJob, graph: &JobGraph, storage_root: &str) -> Result<String, BuildError> {
+    let s = &sj.spec;
+    let c = &s.checkpointing;
+    let job = JobSpec {
+        name: sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?,
+        parallelism: s.parallelism,
+        max_parallelism: s.max_parallelism.unwrap_or(128),
+        checkpointing: CheckpointingSpec {
+            enabled: true,
+            interval: c.interval,
+            mode: c.mode,
+            timeout: c.timeout,
+            min_pause: c.min_pause,
+            max_concurrent: c.max_concurrent,
+            tolerable_failures: c.tolerable_failures,
+            retained: c.retained,
+            retention_on_cancel: c.retention_on_cancel,
+            storage: Some(storage_root.to_string()),
+            ..CheckpointingSpec::default()
+        },
+        // In-process restarts first; the operator relaunches when they are used up.
+        restart: RestartSpec { strategy: RestartStrategyKind::ExponentialBackoff, ..RestartSpec::default() },
+        sources: graph.sources.clone(),
+        operators: graph.operators.clone(),
+        sinks: graph.sinks.clone(),
+    };
+    serde_yaml::to_string(&job).map_err(|e| BuildError::Render(e.to_string()))
+}
+
+fn meta(sj: &StreamJob, name: String, extra_labels: BTreeMap<String, String>) -> Result<ObjectMeta, BuildError> {
+    let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
+    let namespace = sj.metadata.namespace.clone().ok_or(BuildError::MissingMetadata("namespace"))?;
+    let owner = sj.controller_owner_ref(&()).ok_or(BuildError::MissingMetadata("uid"))?;
+    let mut l = labels(&job);
+    l.extend(extra_labels);
+    Ok(ObjectMeta { name: Some(name), namespace: Some(namespace), labels: Some(l), owner_references: Some(vec![owner]), ..ObjectMeta::default() })
+}
+
+/// The ConfigMap holding the job file.
+pub fn config_map(sj: &StreamJob, job_yaml: String) -> Result<ConfigMap, BuildError> {
+    let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
+    Ok(ConfigMap { metadata: meta(sj, config_map_name(&job), BTreeMap::new())?, data: Some(BTreeMap::from([("job.yaml".to_string(), job_yaml)])), ..ConfigMap::default() })
+}
+
+/// The Service in front of the control API.
+pub fn service(sj: &StreamJob) -> Result<Service, BuildError> {
+    let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
+    Ok(Service {
+        metadata: meta(sj, service_name(&job), BTreeMap::new())?,
+        spec: Some(ServiceSpec {
+            selector: Some(BTreeMap::from([(JOB_LABEL.to_string(), job.clone())])),
+            ports: Some(vec![ServicePort { name: Some("control".into()), port: CONTROL_PORT, target_port: Some(IntOrString::Int(CONTROL_PORT)), ..ServicePort::default() }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    })
+}
+
+/// The runtime pod, restoring from `restore_from` (or the newest valid checkpoint when absent).
+pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Option<&SnapshotRef>) -> Result<Pod, BuildError> {
+    let s = &sj.spec;
+    let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
+    let overrides = s.pod_template.clone().unwrap_or_default();
+    let mut extra = overrides.labels.clone();
+    extra.insert(SPEC_HASH_LABEL.to_string(), spec_hash.to_string());
+    let mut metadata = meta(sj, pod_name(&job), extra)?;
+    if !overrides.annotations.is_empty() {
+        metadata.annotations = Some(overrides.annotations.clone());
+    }
+    let restore = restore_from.map(|r| r.path.clone()).unwrap_or_else(|| "latest".to_string());
+    let mut args = vec![
+        "run".to_string(),
+        format!("{JOB_DIR}/job.yaml"),
+        "--checkpoint-dir".into(),
+        storage_root.to_string(),
+        "--restore".into(),
+        restore,
+        "--control-addr".into(),
+        format!("0.0.0.0:{CONTROL_PORT}"),
+        "--token-file".into(),
+        format!("{TOKEN_DIR}/token"),
+        "--quiet".into(),
+    ];
+    if s.allow_non_restored_state {
+        args.push("--allow-non-restored-state".into());
+    }
+    let container = Container {
+        name: "runtime".into(),
+        image: Some(s.image.clone()),
+        image_pull_policy: s.image_pull_policy.clone(),
+        command: Some(vec!["weir-runtime".into()]),
+        args: Some(args),
+        ports: Some(vec![ContainerPort { name: Some("control".into()), container_port: CONTROL_PORT, ..ContainerPort::default() }]),
+        env_from: s.checkpointing.credentials_secret.as_ref().map(|r| vec![EnvFromSource { secret_ref: Some(SecretEnvSource { name: r.name.clone(), optional: Some(false) }), ..EnvFromSource::default() }]),
+        resources: s.resources.clone(),
+        readiness_probe: Some(Probe {
+            http_get: Some(HTTPGetAction { path: Some("/healthz".into()), port: IntOrString::Int(CONTROL_PORT), ..HTTPGetAction::default() }),
+            period_seconds: Some(5),
+            ..Probe::default()
+        }),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(true),
+            capabilities: Some(Capabilities { drop: Some(vec!["ALL".into()]), ..Capabilities::default() }),
+            seccomp_profile: Some(SeccompProfile { type_: "RuntimeDefault".into(), ..SeccompProfile::default() }),
+            ..SecurityContext::default()
+        }),
+        volume_mounts: Some(vec![
+            VolumeMount { name: "job".into(), mount_path: JOB_DIR.into(), read_only: Some(true), ..VolumeMount::default() },
+            VolumeMount { name: "token".into(), mount_path: TOKEN_DIR.into(), read_only: Some(true), ..VolumeMount::default() },
+            VolumeMount { name: "scratch".into(), mount_path: "/tmp".into(), ..VolumeMount::default() },
+        ]),
+        working_dir: Some("/tmp".into()),
+        ..Container::default()
+    };
+    Ok(Pod {
+        metadata,
+        spec: Some(PodSpec {
+            containers: vec![container],
+            // The operator decides about relaunches (from the newest *valid* checkpoint).
+            restart_policy: Some("Never".into()),
+            service_account_name: overrides.service_account_name.clone(),
+            automount_service_account_token: Some(false),
+            node_selector: (!overrides.node_selector.is_empty()).then(|| overrides.node_selector.clone()),
+            tolerations: (!overrides.tolerations.is_empty()).then(|| overrides.tolerations.clone()),
+            image_pull_secrets: (!overrides.image_pull_secrets.is_empty()).then(|| overrides.image_pull_secrets.clone()),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(RUNTIME_UID),
+                run_as_group: Some(RUNTIME_UID),
+                fs_group: Some(RUNTIME_UID),
+                seccomp_profile: Some(SeccompProfile { type_: "RuntimeDefault".into(), ..SeccompProfile::default() }),
+                ..PodSecurityContext::default()
+            }),
+            volumes: Some(vec![
+                Volume { name: "job".into(), config_map: Some(ConfigMapVolumeSource { name: config_map_name(&job), ..ConfigMapVolumeSource::default() }), ..Volume::default() },
+                Volume { name: "token".into(), secret: Some(SecretVolumeSource { secret_name: Some(token_secret_name(&job)), ..SecretVolumeSource::default() }), ..Volume::default() },
+                Volume { name: "scratch".into(), empty_dir: Some(EmptyDirVolumeSource::default()), ..Volume::default() },
+            ]),
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weir_crds::streamjob::{JobSource, StreamJobSpec};
+
+    fn sj() -> StreamJob {
+        let spec: StreamJobSpec = serde_yaml::from_str(
+            r#"
+image: weir:dev
+parallelism: 2
+job:
+  inline:
+    sources: [ { name: s, uid: s, generator: { fields: [ { name: a, sequence: {} } ] } } ]
+    sinks: [ { name: o, stdout: {} } ]
+checkpointing: { interval: 5s, credentialsSecret: { name: s3-creds } }
+"#,
+        )
+        .unwrap();
+        let mut sj = StreamJob::new("orders", spec);
+        sj.metadata.namespace = Some("shop".into());
+        sj.metadata.uid = Some("1234".into());
+        sj
+    }
+
+    #[test]
+    fn pod_is_restricted_owned_labelled_and_restores() {
+        let sj = sj();
+        let root = storage_root("s3://bucket/weir/", "shop", "orders");
+        assert_eq!(root, "s3://bucket/weir/shop/orders");
+        let p = pod(&sj, "abc", &root, Some(&SnapshotRef { id: 3, path: "s3://bucket/weir/shop/orders/savepoints/sp-1-3".into(), completed_at: None })).unwrap();
+        let labels = p.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels[SPEC_HASH_LABEL], "abc");
+        assert_eq!(labels[JOB_LABEL], "orders");
+        assert_eq!(p.metadata.owner_references.as_ref().unwrap()[0].uid, "1234");
+        let spec = p.spec.unwrap();
+        let c = &spec.containers[0];
+        let sc = c.security_context.as_ref().unwrap();
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.capabilities.as_ref().unwrap().drop.as_ref().unwrap(), &vec!["ALL".to_string()]);
+        assert_eq!(spec.security_context.as_ref().unwrap().run_as_non_root, Some(true));
+        let args = c.args.as_ref().unwrap().join(" ");
+        assert!(args.contains("--restore s3://bucket/weir/shop/orders/savepoints/sp-1-3"), "{args}");
+        assert!(args.contains("--checkpoint-dir s3://bucket/weir/shop/orders"), "{args}");
+        assert_eq!(c.env_from.as_ref().unwrap()[0].secret_ref.as_ref().unwrap().name, "s3-creds");
+        assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+        let latest = pod(&sj, "abc", &root, None).unwrap();
+        assert!(latest.spec.unwrap().containers[0].args.as_ref().unwrap().join(" ").contains("--restore latest"));
+    }
+
+    #[test]
+    fn job_file_is_a_valid_runtime_job() {
+        let sj = sj();
+        let JobSource { inline: Some(graph), .. } = &sj.spec.job else { panic!() };
+        let text = job_file(&sj, graph, "s3://b/shop/orders").unwrap();
+        let job = weir_crds::JobSpec::from_yaml(&text).unwrap();
+        weir_crds::validate(&job).unwrap();
+        assert_eq!(job.name, "orders");
+        assert_eq!(job.checkpointing.interval.as_millis(), 5000);
+        assert_eq!(job.checkpointing.storage.as_deref(), Some("s3://b/shop/orders"));
+    }
+
+    #[test]
+    fn spec_hash_changes_with_the_restart_nonce_but_not_with_the_desired_state() {
+        let a = sj();
+        let mut b = sj();
+        b.spec.state = weir_crds::streamjob::DesiredState::Suspended;
+        assert_eq!(spec_hash(&a), spec_hash(&b));
+        b.spec.restart_nonce = Some(1);
+        assert_ne!(spec_hash(&a), spec_hash(&b));
+        assert_eq!(service(&a).unwrap().spec.unwrap().ports.unwrap()[0].port, CONTROL_PORT);
+        assert!(config_map(&a, "x".into()).unwrap().data.unwrap().contains_key("job.yaml"));
+    }
+}
