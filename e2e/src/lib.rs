@@ -1,4 +1,5 @@
-//! Weir's end-to-end scenario suite, run against a real cluster.
-//!
-//! This crate holds no scenarios yet: they arrive with the end-to-end issue, after the
-//! operator.
+//! Weir's end-to-end tooling: a real kube-apiserver and etcd (built from the Kubernetes Go
+//! modules by `e2e/tools/build-k8s.sh`) started on loopback for tests, and the scenario suite
+//! that will run against a real cluster.
+
+pub mod apiserver;

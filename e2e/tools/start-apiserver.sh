@@ -128,35 +128,42 @@ EOF
 }
 
 verify() {
-  local api="https://127.0.0.1:$api_port"
-  set -x
-  kcurl "$api/readyz?verbose" | tail -3
-  kcurl "$api/version"
-  kcurl -X POST -H 'Content-Type: application/json' "$api/api/v1/namespaces" \
-    -d '{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"weir-verify"}}' -o /dev/null -w '%{http_code}\n'
-  kcurl -X POST -H 'Content-Type: application/json' \
-    "$api/apis/apiextensions.k8s.io/v1/customresourcedefinitions" -o /dev/null -w '%{http_code}\n' -d '{
+  local api="https://127.0.0.1:$api_port" code ns="weir-verify-$(date +%s)-$$"
+  log "GET /readyz: $(kcurl "$api/readyz")"
+  log "GET /version: $(kcurl "$api/version" | tr -d ' \n' | cut -c1-120)..."
+  # A fresh namespace each run, never deleted: without kube-controller-manager (its namespace
+  # controller) a deleted namespace stays Terminating forever and refuses new objects.
+  code="$(kcurl -X POST -H 'Content-Type: application/json' -o /dev/null -w '%{http_code}' \
+    "$api/api/v1/namespaces" -d '{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"'"$ns"'"}}')"
+  log "POST namespace $ns: HTTP $code"
+  # 409: the CRD was left by an earlier run.
+  code="$(curl -sS --cacert "$dir/certs/apiserver.crt" -H "Authorization: Bearer $(cat "$dir/token")" -X POST -H 'Content-Type: application/json' -o /dev/null -w '%{http_code}' \
+    "$api/apis/apiextensions.k8s.io/v1/customresourcedefinitions" -d '{
     "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
     "metadata": {"name": "widgets.verify.weir.dev"},
     "spec": {"group": "verify.weir.dev", "scope": "Namespaced",
       "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
       "versions": [{"name": "v1", "served": true, "storage": true,
         "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-          "spec": {"type": "object", "properties": {"size": {"type": "integer"}}}}}}}]}}'
+          "spec": {"type": "object", "properties": {"size": {"type": "integer"}}}}}}}]}}')"
+  [[ "$code" == 201 || "$code" == 409 ]] || die "creating CRD: HTTP $code"
+  log "POST CRD widgets.verify.weir.dev: HTTP $code"
   # The new resource is served once the CRD reports Established.
-  for _ in $(seq 50); do
+  local i
+  for i in $(seq 50); do
     kcurl "$api/apis/apiextensions.k8s.io/v1/customresourcedefinitions/widgets.verify.weir.dev" \
       | grep -q '"type": "Established"' && break
+    (( i < 50 )) || die "CRD not Established after 10s"
     sleep 0.2
   done
-  kcurl -X POST -H 'Content-Type: application/json' \
-    "$api/apis/verify.weir.dev/v1/namespaces/weir-verify/widgets" -o /dev/null -w '%{http_code}\n' \
-    -d '{"apiVersion":"verify.weir.dev/v1","kind":"Widget","metadata":{"name":"w1"},"spec":{"size":3}}'
-  kcurl "$api/apis/verify.weir.dev/v1/namespaces/weir-verify/widgets/w1" | grep -E '"(name|size|uid)"'
-  set +x
-  # Clean up so that verify can run again.
-  kcurl -X DELETE "$api/apis/apiextensions.k8s.io/v1/customresourcedefinitions/widgets.verify.weir.dev" -o /dev/null
-  kcurl -X DELETE "$api/api/v1/namespaces/weir-verify" -o /dev/null
+  log "CRD Established"
+  code="$(kcurl -X POST -H 'Content-Type: application/json' -o /dev/null -w '%{http_code}' \
+    "$api/apis/verify.weir.dev/v1/namespaces/$ns/widgets" \
+    -d '{"apiVersion":"verify.weir.dev/v1","kind":"Widget","metadata":{"name":"w1"},"spec":{"size":3}}')"
+  log "POST widgets/w1: HTTP $code"
+  log "GET widgets/w1: $(kcurl "$api/apis/verify.weir.dev/v1/namespaces/$ns/widgets/w1" \
+    | grep -E '"(name|namespace|size)"' | tr -d ' \n')"
+  # The CRD is kept (a deleted CRD stays Terminating for a moment and a rerun would race it).
   log "verify: OK"
 }
 

@@ -1,0 +1,93 @@
+//! The generated CRD on a real kube-apiserver + etcd: a valid StreamJob is stored, and invalid
+//! manifests are refused at apply time with the field path and the reason.
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ApiResource, DynamicObject, PostParams};
+use weir_crds::StreamJob;
+use weir_e2e::apiserver::TestApiServer;
+
+const VALID: &str = r#"
+apiVersion: weir.dev/v1alpha1
+kind: StreamJob
+metadata: { name: NAME }
+spec:
+  image: weir-runtime:dev
+  parallelism: 2
+  maxParallelism: 64
+  job:
+    inline:
+      sources: [ { name: s, uid: s, generator: { fields: [ { name: a, sequence: {} } ] } } ]
+      operators:
+        - { name: k, keyBy: { fields: [a] } }
+        - { name: w, uid: w, window: { type: tumbling, size: 1s, aggregates: [ { fn: count, as: n } ] } }
+      sinks: [ { name: o, stdout: {} } ]
+  checkpointing: { interval: 5s, retained: 3, storage: "s3://weir-bucket/jobs" }
+  savepoint: { timeout: 2m }
+  relaunch: { backoff: 10s, limit: 3 }
+"#;
+
+fn manifest(name: &str, from: &str, to: &str) -> DynamicObject {
+    let base = VALID.replace("NAME", name);
+    assert!(from.is_empty() || base.contains(from), "fixture lacks `{from}`");
+    let text = if from.is_empty() { base } else { base.replacen(from, to, 1) };
+    serde_yaml::from_str(&text).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn invalid_manifests_are_refused_with_field_and_reason() {
+    let server = TestApiServer::start().expect("API server starts");
+    let client = server.client().await.unwrap();
+    server.install_crd(&client).await.unwrap();
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_yaml::from_str("metadata: { name: crd-validation }").unwrap();
+    namespaces.create(&PostParams::default(), &ns).await.unwrap();
+    let ar = ApiResource::erase::<StreamJob>(&());
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), "crd-validation", &ar);
+
+    // The valid one is accepted and reads back as a typed StreamJob.
+    api.create(&PostParams::default(), &manifest("ok", "", "")).await.expect("valid manifest accepted");
+    let typed: Api<StreamJob> = Api::namespaced(client.clone(), "crd-validation");
+    let got = typed.get("ok").await.unwrap();
+    assert_eq!(got.spec.parallelism, 2);
+    assert_eq!(got.spec.checkpointing.retained, 3);
+
+    let cases: Vec<(&str, &str, &str)> = vec![
+        ("interval: 5s", "interval: -1s", "spec.checkpointing.interval"),
+        ("interval: 5s", "interval: 0s", "must be > 0"),
+        ("retained: 3", "retained: 0", "spec.checkpointing.retained"),
+        ("parallelism: 2", "parallelism: 0", "spec.parallelism"),
+        ("maxParallelism: 64", "maxParallelism: 1", "maxParallelism must be >= parallelism"),
+        ("storage: \"s3://weir-bucket/jobs\"", "storage: \"ftp://host/x\"", "storage must be s3://bucket"),
+        ("storage: \"s3://weir-bucket/jobs\"", "storage: \"s3://\"", "storage must be s3://bucket"),
+        ("  savepoint: { timeout: 2m }", "  savepoint: { timeout: soon }", "spec.savepoint.timeout"),
+        ("relaunch: { backoff: 10s", "relaunch: { backoff: 10", "spec.relaunch.backoff"),
+        ("  parallelism: 2\n", "  parallelism: 2\n  upgradeMode: yolo\n", "spec.upgradeMode"),
+        ("  parallelism: 2\n", "  parallelism: 2\n  state: paused\n", "spec.state"),
+        ("  parallelism: 2\n", "  parallelism: 2\n  imagePullPolicy: Sometimes\n", "must be Always, IfNotPresent or Never"),
+        ("  image: weir-runtime:dev\n", "", "spec.image"),
+        ("  job:\n    inline:", "  job:\n    configMapRef: { name: jobs }\n    inline:", "set exactly one of inline or configMapRef"),
+        ("checkpointing: { interval: 5s,", "checkpointing: { mode: twice, interval: 5s,", "spec.checkpointing.mode"),
+        ("checkpointing: { interval: 5s,", "checkpointing: { maxConcurrent: 0, interval: 5s,", "spec.checkpointing.maxConcurrent"),
+        ("type: tumbling", "type: hopping", "spec.job.inline.operators[1].window.type"),
+        ("{ fn: count, as: n }", "{ fn: median, as: n }", "fn"),
+    ];
+    assert!(cases.len() >= 15);
+    for (i, (from, to, expected)) in cases.iter().enumerate() {
+        let name = format!("bad-{i}");
+        match api.create(&PostParams::default(), &manifest(&name, from, to)).await {
+            Err(kube::Error::Api(e)) => {
+                assert_eq!(e.code, 422, "case {i}: {}", e.message);
+                assert!(e.message.contains(expected), "case {i}: expected `{expected}` in: {}", e.message);
+            }
+            other => panic!("case {i} (`{to}`) was not refused: {other:?}"),
+        }
+    }
+
+    // maxParallelism is immutable once set.
+    let mut changed = api.get("ok").await.unwrap();
+    changed.data["spec"]["maxParallelism"] = serde_json::json!(32);
+    match api.replace("ok", &PostParams::default(), &changed).await {
+        Err(kube::Error::Api(e)) => assert!(e.message.contains("maxParallelism cannot change"), "{}", e.message),
+        other => panic!("maxParallelism change accepted: {other:?}"),
+    }
+}
