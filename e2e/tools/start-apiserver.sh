@@ -120,6 +120,7 @@ contexts:
   context: {cluster: weir, user: weir-admin}
 current-context: weir
 EOF
+  echo "$api_port" > "$dir/apiserver.port"
   log "ready in ${SECONDS}s; stop with: $0 stop $dir"
   echo "KUBECONFIG=$dir/kubeconfig"
   echo "WEIR_APISERVER=https://127.0.0.1:$api_port"
@@ -128,6 +129,7 @@ EOF
 }
 
 verify() {
+  [[ -f "$dir/apiserver.port" ]] && api_port="$(cat "$dir/apiserver.port")"
   local api="https://127.0.0.1:$api_port" code ns="weir-verify-$(date +%s)-$$"
   log "GET /readyz: $(kcurl "$api/readyz")"
   log "GET /version: $(kcurl "$api/version" | tr -d ' \n' | cut -c1-120)..."

@@ -1,0 +1,113 @@
+//! Turning what the cluster and storage show into the planner's [`Observation`] inputs: the
+//! phase of a job's pods, and the checkpoints in its storage with a verdict on each (so that
+//! a relaunch uses the newest *valid* one even when the runtime is gone).
+
+use k8s_openapi::api::core::v1::Pod;
+use weir_checkpoint::recovery::{self, Verdict};
+use weir_checkpoint::{layout, Storage, StorageError};
+use weir_crds::streamjob::SnapshotRef;
+
+use crate::children::SPEC_HASH_LABEL;
+use crate::plan::{FoundCheckpoint, PodsPhase};
+
+/// The phase of a job's runtime pods and the spec hash they were built from.
+pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
+    if pods.is_empty() {
+        return (PodsPhase::Absent, None);
+    }
+    let hash = pods.iter().find_map(|p| p.metadata.labels.as_ref().and_then(|l| l.get(SPEC_HASH_LABEL).cloned()));
+    if pods.iter().any(|p| p.metadata.deletion_timestamp.is_some()) {
+        return (PodsPhase::Terminating, hash);
+    }
+    let mut all_running = true;
+    let mut all_succeeded = true;
+    for p in pods {
+        let status = p.status.clone().unwrap_or_default();
+        let phase = status.phase.as_deref().unwrap_or("Pending");
+        let terminated = status
+            .container_statuses
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|c| c.state.and_then(|s| s.terminated))
+            .find(|t| t.exit_code != 0);
+        if phase == "Failed" || terminated.is_some() {
+            let reason = terminated
+                .map(|t| format!("container exited {}{}", t.exit_code, t.reason.map(|r| format!(" ({r})")).unwrap_or_default()))
+                .or(status.reason)
+                .unwrap_or_else(|| "pod failed".into());
+            let name = p.metadata.name.clone().unwrap_or_default();
+            return (PodsPhase::Failed(format!("{name}: {reason}")), hash);
+        }
+        all_running &= phase == "Running";
+        all_succeeded &= phase == "Succeeded";
+    }
+    let phase = if all_succeeded {
+        PodsPhase::Succeeded
+    } else if all_running {
+        PodsPhase::Running
+    } else {
+        PodsPhase::Starting
+    };
+    (phase, hash)
+}
+
+/// The checkpoints under a job's storage root, newest first, each with its verdict.
+pub async fn checkpoints(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageError> {
+    let mut out = Vec::new();
+    for (id, verdict, metadata) in recovery::list_checkpoints(storage).await? {
+        let path = storage.url_of(&layout::checkpoint_dir(id));
+        let completed_at_ms = metadata.as_ref().map_or(0, |m| m.created_at_ms);
+        out.push(FoundCheckpoint {
+            snapshot: SnapshotRef { id, path, completed_at: None },
+            completed_at_ms,
+            invalid: match verdict {
+                Verdict::Valid => None,
+                Verdict::Invalid(why) => Some(why),
+            },
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use std::collections::BTreeMap;
+    use weir_checkpoint::metadata::{CheckpointMetadata, SnapshotKind, FORMAT_VERSION};
+
+    fn pod(phase: &str, hash: &str, exit: Option<i32>) -> Pod {
+        let mut p: Pod = serde_yaml::from_str(&format!("metadata: {{ name: p, labels: {{ {SPEC_HASH_LABEL}: {hash} }} }}\nstatus: {{ phase: {phase} }}")).unwrap();
+        if let Some(code) = exit {
+            let cs: k8s_openapi::api::core::v1::ContainerStatus =
+                serde_yaml::from_str(&format!("{{ name: runtime, image: x, imageID: x, ready: false, restartCount: 0, state: {{ terminated: {{ exitCode: {code}, reason: OOMKilled }} }} }}")).unwrap();
+            p.status.as_mut().unwrap().container_statuses = Some(vec![cs]);
+        }
+        p
+    }
+
+    #[test]
+    fn pod_phases() {
+        assert_eq!(pods_phase(&[]), (PodsPhase::Absent, None));
+        assert_eq!(pods_phase(&[pod("Running", "h1", None)]), (PodsPhase::Running, Some("h1".into())));
+        assert_eq!(pods_phase(&[pod("Pending", "h1", None)]).0, PodsPhase::Starting);
+        assert_eq!(pods_phase(&[pod("Succeeded", "h1", None)]).0, PodsPhase::Succeeded);
+        let (failed, _) = pods_phase(&[pod("Running", "h1", Some(137))]);
+        assert_eq!(failed, PodsPhase::Failed("p: container exited 137 (OOMKilled)".into()));
+    }
+
+    #[tokio::test]
+    async fn checkpoints_carry_verdicts_newest_first() {
+        let s = Storage::open("memory://").unwrap();
+        for id in [1u64, 2] {
+            let m = CheckpointMetadata { format_version: FORMAT_VERSION, checkpoint_id: id, kind: SnapshotKind::Checkpoint, job_name: "j".into(), created_at_ms: id * 1000, max_parallelism: 8, operators: BTreeMap::new() };
+            s.put(&format!("checkpoints/chk-{id}/_metadata"), Bytes::from(m.encode())).await.unwrap();
+        }
+        s.put("checkpoints/chk-3/op/0.state", Bytes::from_static(b"x")).await.unwrap();
+        let found = checkpoints(&s).await.unwrap();
+        assert_eq!(found.iter().map(|c| c.snapshot.id).collect::<Vec<_>>(), vec![3, 2, 1]);
+        assert!(found[0].invalid.as_deref().unwrap().contains("no _metadata"));
+        assert_eq!(found[1].invalid, None);
+        assert_eq!(found[1].completed_at_ms, 2000);
+    }
+}
