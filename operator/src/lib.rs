@@ -8,5 +8,7 @@
 //! operator issue.
 
 pub mod children;
+pub mod control_client;
+pub mod controller;
 pub mod observe;
 pub mod plan;

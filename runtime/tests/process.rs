@@ -68,14 +68,19 @@ fn record(n: u64) {
     writeln!(f, "{n}").unwrap();
 }
 
-fn http(addr: &str, method: &str, path: &str, token: Option<&str>) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
+fn try_http(addr: &str, method: &str, path: &str, token: Option<&str>) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 0\r\nConnection: close\r\n\r\n")?;
     let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let status = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, resp.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default())
+    s.read_to_string(&mut resp)?;
+    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| std::io::Error::other(format!("malformed response: {resp:?}")))?;
+    Ok((status, resp.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()))
+}
+
+fn http(addr: &str, method: &str, path: &str, token: Option<&str>) -> (u16, String) {
+    try_http(addr, method, path, token).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
 }
 
 fn free_port() -> u16 {
@@ -103,13 +108,10 @@ fn control_api_requires_the_token_and_stop_with_savepoint_works() {
     // Wait for the API and a first checkpoint.
     loop {
         assert!(Instant::now() < deadline, "no checkpoint within 30s");
-        if let Ok(mut s) = TcpStream::connect(&addr) {
-            drop(s.write_all(b""));
-            let (status, body) = http(&addr, "GET", "/v1/checkpoints/latest", Some("s3cret-token"));
-            if status == 200 {
-                assert!(body.contains("\"completed\""), "{body}");
-                break;
-            }
+        // While the process starts, connections may be refused or cut: keep asking.
+        if let Ok((200, body)) = try_http(&addr, "GET", "/v1/checkpoints/latest", Some("s3cret-token")) {
+            assert!(body.contains("\"completed\""), "{body}");
+            break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }

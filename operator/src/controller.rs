@@ -1,0 +1,410 @@
+//! The StreamJob controller: for each job, observe (pods, the runtime's savepoint progress,
+//! checkpoint storage) → validate (the job graph) → plan (pure, [`crate::plan`]) → apply
+//! (children by server-side apply, deletions, savepoint requests) → status (server-side apply
+//! of the status subresource), with an event for every transition.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action as Requeue, Controller};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use weir_checkpoint::Storage;
+use weir_crds::control::CheckpointOutcome;
+use weir_crds::streamjob::{DesiredState, JobGraph, OperationStatus, StreamJob, StreamJobStatus};
+
+use crate::children::{self, JOB_LABEL};
+use crate::control_client;
+use crate::observe;
+use crate::plan::{self, Action, Desired, Observation, Operation, OperationKind, Phase, Plan, PlanState, SavepointProgress};
+
+/// The field manager of everything the operator applies.
+pub const FIELD_MANAGER: &str = "weir-operator";
+/// Annotation overriding a job's control API URL (for an operator running outside the cluster).
+pub const CONTROL_URL_ANNOTATION: &str = "weir.dev/control-url";
+
+/// Operator-wide settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Storage root used when a job names none (e.g. `s3://weir-state` or a local path).
+    pub default_storage: String,
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    /// API client.
+    pub client: kube::Client,
+    /// Settings.
+    pub settings: Settings,
+    /// Event recorder.
+    pub recorder: Recorder,
+}
+
+/// Why a reconcile failed; the category names Event reasons and metric labels.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// The object lacks metadata the API server always sets.
+    #[error("StreamJob has no {0}")]
+    Metadata(&'static str),
+    /// Reading the job graph from its ConfigMap failed.
+    #[error("reading job graph from ConfigMap {name}: {reason}")]
+    JobConfigMap {
+        /// ConfigMap name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// Building children failed.
+    #[error(transparent)]
+    Build(#[from] children::BuildError),
+    /// An API call failed.
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// Checkpoint storage could not be read.
+    #[error("checkpoint storage: {0}")]
+    Storage(#[from] weir_checkpoint::StorageError),
+}
+
+impl ReconcileError {
+    /// Short category for events and metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ReconcileError::Metadata(_) => "metadata",
+            ReconcileError::JobConfigMap { .. } => "job-configmap",
+            ReconcileError::Build(_) => "build",
+            ReconcileError::Kube(_) => "kube-api",
+            ReconcileError::Storage(_) => "storage",
+        }
+    }
+}
+
+fn ms_to_rfc3339(ms: u64) -> Option<String> {
+    Timestamp::from_millisecond(ms as i64).ok().map(|t| t.to_string())
+}
+
+fn rfc3339_to_ms(s: &Option<String>) -> Option<u64> {
+    s.as_ref().and_then(|t| t.parse::<Timestamp>().ok()).map(|t| t.as_millisecond() as u64)
+}
+
+fn now_ms() -> u64 {
+    Timestamp::now().as_millisecond() as u64
+}
+
+fn kind_name(k: OperationKind) -> &'static str {
+    match k {
+        OperationKind::Upgrade => "upgrade",
+        OperationKind::Suspend => "suspend",
+        OperationKind::Cancel => "cancel",
+        OperationKind::Savepoint => "savepoint",
+    }
+}
+
+fn kind_of(s: &str) -> OperationKind {
+    match s {
+        "upgrade" => OperationKind::Upgrade,
+        "suspend" => OperationKind::Suspend,
+        "cancel" => OperationKind::Cancel,
+        _ => OperationKind::Savepoint,
+    }
+}
+
+fn phase_of(s: &Option<String>) -> Option<Phase> {
+    use Phase::*;
+    let all = [Deploying, Running, Upgrading, Suspending, Suspended, Cancelling, Cancelled, Relaunching, Finished, Failed, Degraded];
+    s.as_deref().and_then(|s| all.into_iter().find(|p| p.as_str() == s))
+}
+
+/// Status → the planner's view.
+pub fn plan_state(status: &StreamJobStatus) -> PlanState {
+    PlanState {
+        phase: phase_of(&status.phase),
+        operation: status.operation.as_ref().map(|o| Operation {
+            kind: kind_of(&o.kind),
+            started_at_ms: rfc3339_to_ms(&Some(o.started_at.clone())).unwrap_or(0),
+            generation: o.generation,
+        }),
+        pending_upgrade: status.pending_upgrade.clone(),
+        recovery_point: status.recovery_point.clone(),
+        relaunch_count: status.relaunch_count,
+        last_relaunch_ms: rfc3339_to_ms(&status.last_relaunch_time),
+        observed_restart_nonce: status.observed_restart_nonce,
+        observed_savepoint_nonce: status.observed_savepoint_nonce,
+        latest_savepoint: status.latest_savepoint.clone(),
+        last_savepoint_ms: rfc3339_to_ms(&status.last_savepoint_time),
+    }
+}
+
+fn token_of(secret: &Secret) -> Option<String> {
+    secret.data.as_ref()?.get("token").map(|b| String::from_utf8_lossy(&b.0).to_string())
+}
+
+fn random_token() -> String {
+    let mut buf = [0u8; 24];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut buf);
+    }
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Reconciles one StreamJob.
+pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, ReconcileError> {
+    let name = sj.metadata.name.clone().ok_or(ReconcileError::Metadata("name"))?;
+    let ns = sj.metadata.namespace.clone().ok_or(ReconcileError::Metadata("namespace"))?;
+    let generation = sj.metadata.generation.unwrap_or(0);
+    let client = ctx.client.clone();
+    let status = sj.status.clone().unwrap_or_default();
+    let storage_url = sj.spec.checkpointing.storage.clone().unwrap_or_else(|| ctx.settings.default_storage.clone());
+    let root = children::storage_root(&storage_url, &ns, &name);
+
+    // Observe.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let listed = pods.list(&ListParams::default().labels(&format!("{JOB_LABEL}={name}"))).await?;
+    let (pods_phase, pods_hash) = observe::pods_phase(&listed.items);
+    let storage = Storage::open(&root)?;
+    let checkpoints = observe::checkpoints(&storage).await?;
+    let token = ensure_token(&client, &sj, &ns, &name).await?;
+    let control_url = sj.annotations().get(CONTROL_URL_ANNOTATION).cloned().unwrap_or_else(|| format!("http://{}.{ns}.svc:{}", children::service_name(&name), children::CONTROL_PORT));
+    let savepoint = match status.operation.as_ref().and_then(|o| o.request_id) {
+        None => None,
+        Some(id) => Some(match control_client::savepoint_status(&control_url, &token, id).await {
+            Ok(s) => match s.outcome {
+                CheckpointOutcome::InProgress => SavepointProgress::InProgress,
+                CheckpointOutcome::Completed => SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef {
+                    id: s.path.as_deref().and_then(|p| p.rsplit('-').next()).and_then(|n| n.parse().ok()).unwrap_or(0),
+                    path: s.path.unwrap_or_default(),
+                    completed_at: ms_to_rfc3339(now_ms()),
+                }),
+                CheckpointOutcome::Failed => SavepointProgress::Failed(s.failure.unwrap_or_default()),
+            },
+            // A runtime that stopped answering has not produced the savepoint.
+            Err(e) if matches!(pods_phase, plan::PodsPhase::Running) => {
+                tracing::debug!(job = %name, error = %e, "savepoint status not readable yet");
+                SavepointProgress::InProgress
+            }
+            Err(e) => SavepointProgress::Failed(e.to_string()),
+        }),
+    };
+    let obs = Observation { now_ms: now_ms(), pods: pods_phase, pods_spec_hash: pods_hash, savepoint, checkpoints };
+
+    // Validate: a job graph the runtime would refuse is reported, not deployed.
+    let graph = job_graph(&client, &sj, &ns).await?;
+    let job_yaml = children::job_file(&sj, &graph, &root)?;
+    let invalid = match weir_crds::JobSpec::from_yaml(&job_yaml) {
+        Ok(spec) => weir_crds::validate(&spec).err().map(|e| e.to_string()),
+        Err(e) => Some(e.to_string()),
+    };
+
+    // Plan.
+    let hash = children::spec_hash(&sj);
+    let desired = Desired { spec: &sj.spec, generation, spec_hash: &hash };
+    let current = plan_state(&status);
+    let mut p = if let (Some(reason), true) = (&invalid, sj.spec.state == DesiredState::Running) {
+        Plan { state: current.clone(), degraded: Some(format!("the job graph is invalid: {reason}")), ..Plan::default() }
+    } else {
+        plan::plan(&desired, &current, &obs)
+    };
+
+    // Apply.
+    let mut request_id = status.operation.as_ref().and_then(|o| o.request_id);
+    for action in p.actions.clone() {
+        match action {
+            Action::Deploy { restore_from } => {
+                let pp = PatchParams::apply(FIELD_MANAGER).force();
+                let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+                cms.patch(&children::config_map_name(&name), &pp, &Patch::Apply(children::config_map(&sj, job_yaml.clone())?)).await?;
+                let svcs: Api<Service> = Api::namespaced(client.clone(), &ns);
+                svcs.patch(&children::service_name(&name), &pp, &Patch::Apply(children::service(&sj)?)).await?;
+                let pod = children::pod(&sj, &hash, &root, restore_from.as_ref())?;
+                pods.patch(&children::pod_name(&name), &pp, &Patch::Apply(pod)).await?;
+            }
+            Action::DeletePods { grace_seconds } => {
+                let dp = DeleteParams { grace_period_seconds: grace_seconds.map(|g| g as u32), ..DeleteParams::default() };
+                for pod in &listed.items {
+                    match pods.delete(&pod.name_any(), &dp).await {
+                        Ok(_) => {}
+                        Err(kube::Error::Api(s)) if s.code == 404 => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+            Action::RequestSavepoint { stop } => match control_client::request_savepoint(&control_url, &token, stop).await {
+                Ok(s) => request_id = Some(s.request_id),
+                Err(e) => {
+                    // The savepoint cannot even start: plan again with that failure (e.g. kill).
+                    let failed = Observation { savepoint: Some(SavepointProgress::Failed(e.to_string())), ..obs.clone() };
+                    let mut retry = plan::plan(&desired, &p.state, &failed);
+                    retry.events.splice(0..0, p.events.drain(..));
+                    for a in &retry.actions {
+                        if let Action::DeletePods { grace_seconds } = a {
+                            let dp = DeleteParams { grace_period_seconds: grace_seconds.map(|g| g as u32), ..DeleteParams::default() };
+                            for pod in &listed.items {
+                                let _ = pods.delete(&pod.name_any(), &dp).await;
+                            }
+                        }
+                    }
+                    request_id = None;
+                    p = retry;
+                    break;
+                }
+            },
+        }
+    }
+
+    // Status.
+    for e in &p.events {
+        let ev = KubeEvent {
+            type_: if e.warning { EventType::Warning } else { EventType::Normal },
+            reason: e.reason.to_string(),
+            note: Some(e.message.chars().take(1000).collect()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(err) = ctx.recorder.publish(&ev, &sj.object_ref(&())).await {
+            tracing::warn!(job = %name, error = %err, "could not record event");
+        }
+    }
+    let new_status = status_from(&status, &p, generation, request_id, invalid.is_some());
+    if new_status != status {
+        let api: Api<StreamJob> = Api::namespaced(client.clone(), &ns);
+        let patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new_status });
+        api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await?;
+    }
+    Ok(match p.requeue_after_ms {
+        Some(ms) => Requeue::requeue(Duration::from_millis(ms.max(200))),
+        None => Requeue::requeue(Duration::from_secs(60)),
+    })
+}
+
+async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &str) -> Result<String, ReconcileError> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let secret_name = children::token_secret_name(name);
+    if let Some(existing) = secrets.get_opt(&secret_name).await? {
+        if let Some(t) = token_of(&existing) {
+            return Ok(t);
+        }
+    }
+    let token = random_token();
+    let mut secret = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(secret_name.clone()),
+            namespace: Some(ns.to_string()),
+            labels: Some(children::labels(name)),
+            owner_references: sj.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        ..Secret::default()
+    };
+    secret.string_data = Some(BTreeMap::from([("token".to_string(), token.clone())]));
+    match secrets.create(&PostParams::default(), &secret).await {
+        Ok(_) => Ok(token),
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            let s = secrets.get(&secret_name).await?;
+            Ok(token_of(&s).unwrap_or(token))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn job_graph(client: &kube::Client, sj: &StreamJob, ns: &str) -> Result<JobGraph, ReconcileError> {
+    if let Some(inline) = &sj.spec.job.inline {
+        return Ok(inline.clone());
+    }
+    let r = sj.spec.job.config_map_ref.clone().unwrap_or_default();
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    let cm = cms.get(&r.name).await.map_err(|e| ReconcileError::JobConfigMap { name: r.name.clone(), reason: e.to_string() })?;
+    let text = cm.data.and_then(|d| d.get(&r.key).cloned()).ok_or_else(|| ReconcileError::JobConfigMap { name: r.name.clone(), reason: format!("no key `{}`", r.key) })?;
+    let spec = weir_crds::JobSpec::from_yaml(&text).map_err(|e| ReconcileError::JobConfigMap { name: r.name.clone(), reason: e.to_string() })?;
+    Ok(JobGraph { sources: spec.sources, operators: spec.operators, sinks: spec.sinks })
+}
+
+fn condition(type_: &str, on: bool, reason: &str, message: String, generation: i64, previous: &[Condition]) -> Condition {
+    let status = if on { "True" } else { "False" }.to_string();
+    let since = previous.iter().find(|c| c.type_ == type_ && c.status == status).map(|c| c.last_transition_time.clone());
+    Condition {
+        type_: type_.to_string(),
+        status,
+        reason: reason.to_string(),
+        message,
+        observed_generation: Some(generation),
+        last_transition_time: since.unwrap_or_else(|| Time(Timestamp::now())),
+    }
+}
+
+/// The status to write after a plan.
+pub fn status_from(old: &StreamJobStatus, p: &Plan, generation: i64, request_id: Option<u64>, invalid: bool) -> StreamJobStatus {
+    let s = &p.state;
+    let phase = s.phase.unwrap_or(Phase::Deploying);
+    let phase = if p.degraded.is_some() && !matches!(phase, Phase::Failed) { Phase::Degraded } else { phase };
+    let ready = phase == Phase::Running;
+    let progressing = matches!(phase, Phase::Deploying | Phase::Upgrading | Phase::Suspending | Phase::Cancelling | Phase::Relaunching);
+    let degraded_msg = p.degraded.clone().unwrap_or_default();
+    let conditions = vec![
+        condition("Ready", ready, phase.as_str(), format!("the job is {}", phase.as_str().to_lowercase()), generation, &old.conditions),
+        condition("Progressing", progressing, phase.as_str(), if progressing { format!("{} in progress", phase.as_str()) } else { "no transition in progress".into() }, generation, &old.conditions),
+        condition(
+            "Degraded",
+            p.degraded.is_some(),
+            if invalid { "InvalidJob" } else if p.degraded.is_some() { "NeedsAttention" } else { "AsExpected" },
+            if degraded_msg.is_empty() { "no problem".into() } else { degraded_msg.clone() },
+            generation,
+            &old.conditions,
+        ),
+    ];
+    StreamJobStatus {
+        observed_generation: Some(generation),
+        phase: Some(phase.as_str().to_string()),
+        conditions,
+        job_id: old.job_id.clone(),
+        latest_checkpoint: old.latest_checkpoint.clone(),
+        latest_savepoint: s.latest_savepoint.clone(),
+        savepoint_history: old.savepoint_history.clone(),
+        relaunch_count: s.relaunch_count,
+        recovery_point: s.recovery_point.clone(),
+        pending_upgrade: s.pending_upgrade.clone(),
+        observed_restart_nonce: s.observed_restart_nonce,
+        observed_savepoint_nonce: s.observed_savepoint_nonce,
+        operation: s.operation.as_ref().map(|o| OperationStatus {
+            kind: kind_name(o.kind).to_string(),
+            request_id,
+            started_at: ms_to_rfc3339(o.started_at_ms).unwrap_or_default(),
+            generation: o.generation,
+        }),
+        last_relaunch_time: s.last_relaunch_ms.and_then(ms_to_rfc3339),
+        last_savepoint_time: s.last_savepoint_ms.and_then(ms_to_rfc3339),
+        last_error: if degraded_msg.is_empty() { old.last_error.clone() } else { Some(degraded_msg) },
+    }
+}
+
+fn error_policy(sj: Arc<StreamJob>, error: &ReconcileError, _ctx: Arc<Context>) -> Requeue {
+    tracing::warn!(job = %sj.name_any(), category = error.category(), %error, "reconcile failed");
+    // Transient API or storage trouble retries soon; a broken job graph ConfigMap waits longer.
+    match error {
+        ReconcileError::JobConfigMap { .. } | ReconcileError::Metadata(_) | ReconcileError::Build(_) => Requeue::requeue(Duration::from_secs(60)),
+        _ => Requeue::requeue(Duration::from_secs(5)),
+    }
+}
+
+/// Runs the controller until the stream ends (shutdown).
+pub async fn run(client: kube::Client, settings: Settings) {
+    let jobs: Api<StreamJob> = Api::all(client.clone());
+    let recorder = Recorder::new(client.clone(), Reporter { controller: FIELD_MANAGER.into(), instance: std::env::var("POD_NAME").ok() });
+    let ctx = Arc::new(Context { client: client.clone(), settings, recorder });
+    Controller::new(jobs, watcher::Config::default())
+        .owns(Api::<Pod>::all(client.clone()), watcher::Config::default().labels(JOB_LABEL))
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "controller event");
+            }
+        })
+        .await;
+}

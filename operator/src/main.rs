@@ -1,0 +1,61 @@
+//! `weir-operator`: runs the StreamJob controller in or out of a cluster.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::Api;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::CustomResourceExt;
+use weir_crds::StreamJob;
+use weir_operator::controller::{run, Settings};
+
+#[derive(Parser)]
+#[command(name = "weir-operator", version, about = "Runs Weir StreamJobs on Kubernetes")]
+struct Args {
+    /// Kubeconfig to use (default: in-cluster config, else the current context).
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<String>,
+    /// Storage root for jobs that name none: s3://bucket/prefix (credentials from the
+    /// operator's environment) or a path.
+    #[arg(long, env = "WEIR_DEFAULT_STORAGE")]
+    default_storage: String,
+    /// How long to wait for the StreamJob CRD to be established at start.
+    #[arg(long, default_value_t = 60)]
+    crd_wait_secs: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_target(false).init();
+    let args = Args::parse();
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {path}"))?;
+            kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?
+        }
+        None => kube::Config::infer().await?,
+    };
+    let client = kube::Client::try_from(config)?;
+    wait_for_crd(&client, Duration::from_secs(args.crd_wait_secs)).await?;
+    tracing::info!(default_storage = %args.default_storage, "weir-operator running");
+    run(client, Settings { default_storage: args.default_storage }).await;
+    tracing::info!("weir-operator stopped");
+    Ok(())
+}
+
+async fn wait_for_crd(client: &kube::Client, timeout: Duration) -> anyhow::Result<()> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let name = StreamJob::crd_name();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(crd) = api.get_opt(name).await? {
+            if crd.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established" && c.status == "True") {
+                return Ok(());
+            }
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "CRD {name} not established after {timeout:?}: apply crds/streamjob.yaml first");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}

@@ -1,0 +1,121 @@
+//! The controller against a real kube-apiserver + etcd: deploy, running, suspend whose
+//! savepoint cannot be taken (pods killed, status and event say so), resume, and a stateless
+//! upgrade. There is no kubelet: the test sets pod phases through the pods' status.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use weir_crds::StreamJob;
+use weir_e2e::apiserver::TestApiServer;
+use weir_operator::controller::{run, Settings};
+
+const JOB: &str = r#"
+apiVersion: weir.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: orders
+  annotations: { weir.dev/control-url: "http://127.0.0.1:1" }
+spec:
+  image: weir-runtime:dev
+  parallelism: 1
+  upgradeMode: stateless
+  job:
+    inline:
+      sources: [ { name: s, uid: s, generator: { fields: [ { name: a, sequence: {} } ] } } ]
+      sinks: [ { name: o, stdout: {} } ]
+  savepoint: { timeout: 5s }
+"#;
+
+async fn eventually<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn set_pod_phase(pods: &Api<Pod>, name: &str, phase: &str) {
+    let patch = serde_json::json!({ "status": { "phase": phase } });
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lifecycle_against_a_real_api_server() {
+    let server = TestApiServer::start().expect("API server starts");
+    let client = server.client().await.unwrap();
+    server.install_crd(&client).await.unwrap();
+    let ns = "lifecycle";
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces.create(&PostParams::default(), &serde_yaml::from_str(&format!("metadata: {{ name: {ns} }}")).unwrap()).await.unwrap();
+    // No controller-manager here: create the default service account pods are admitted with.
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
+    sas.create(&PostParams::default(), &serde_yaml::from_str("metadata: { name: default }").unwrap()).await.unwrap();
+    let storage = tempfile::tempdir().unwrap();
+    let controller = tokio::spawn(run(client.clone(), Settings { default_storage: storage.path().display().to_string() }));
+
+    let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    jobs.create(&PostParams::default(), &serde_yaml::from_str(JOB).unwrap()).await.unwrap();
+
+    // Deploy: children exist, owned, restricted.
+    let pod = eventually("runtime pod", || async { pods.get_opt("orders-runtime-0").await.unwrap() }).await;
+    let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
+    assert_eq!((owner.kind.as_str(), owner.name.as_str(), owner.controller), ("StreamJob", "orders", Some(true)));
+    let spec = pod.spec.as_ref().unwrap();
+    assert_eq!(spec.security_context.as_ref().unwrap().run_as_non_root, Some(true));
+    let args = spec.containers[0].args.as_ref().unwrap().join(" ");
+    assert!(args.contains(&format!("--checkpoint-dir {}/lifecycle/orders", storage.path().display())), "{args}");
+    assert!(Api::<ConfigMap>::namespaced(client.clone(), ns).get_opt("orders-job").await.unwrap().is_some());
+    assert!(Api::<Service>::namespaced(client.clone(), ns).get_opt("orders-control").await.unwrap().is_some());
+    let token = Api::<Secret>::namespaced(client.clone(), ns).get("orders-control-token").await.unwrap();
+    assert!(token.data.unwrap()["token"].0.len() >= 32, "a random per-job token");
+    let first_hash = pod.metadata.labels.as_ref().unwrap()["weir.dev/spec-hash"].clone();
+
+    // Running once the pod runs.
+    set_pod_phase(&pods, "orders-runtime-0", "Running").await;
+    eventually("phase Running with Ready=True", || async {
+        let s = jobs.get("orders").await.unwrap().status?;
+        (s.phase.as_deref() == Some("Running") && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True")).then_some(())
+    })
+    .await;
+
+    // Suspend while the savepoint cannot be taken (the control URL is unreachable): killed.
+    jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "state": "suspended" } }))).await.unwrap();
+    eventually("pod killed", || async { pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(()) }).await;
+    eventually("phase Suspended", || async { (jobs.get("orders").await.unwrap().status?.phase.as_deref() == Some("Suspended")).then_some(()) }).await;
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let evs = events.list(&ListParams::default()).await.unwrap();
+    let killed = evs.items.iter().find(|e| e.reason.as_deref() == Some("SavepointFailedPodsKilled")).expect("a SavepointFailedPodsKilled event");
+    assert!(killed.note.as_deref().unwrap_or("").contains("pods killed"), "{:?}", killed.note);
+
+    // Resume: deployed again.
+    jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "state": "running" } }))).await.unwrap();
+    eventually("pod again", || async { pods.get_opt("orders-runtime-0").await.unwrap() }).await;
+    set_pod_phase(&pods, "orders-runtime-0", "Running").await;
+    eventually("Running again", || async { (jobs.get("orders").await.unwrap().status?.phase.as_deref() == Some("Running")).then_some(()) }).await;
+
+    // Stateless upgrade: a new spec hash replaces the pod.
+    jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "parallelism": 2 } }))).await.unwrap();
+    let upgraded = eventually("pod with the new spec hash", || async {
+        let p = pods.get_opt("orders-runtime-0").await.unwrap()?;
+        (p.metadata.labels.as_ref()?["weir.dev/spec-hash"] != first_hash).then_some(p)
+    })
+    .await;
+    assert_eq!(upgraded.metadata.deletion_timestamp, None);
+    set_pod_phase(&pods, "orders-runtime-0", "Running").await;
+    eventually("upgrade finished", || async {
+        let s = jobs.get("orders").await.unwrap().status?;
+        (s.phase.as_deref() == Some("Running") && s.pending_upgrade.is_none() && s.observed_generation == Some(4)).then_some(())
+    })
+    .await;
+    controller.abort();
+}
