@@ -3,3 +3,4 @@
 //! that will run against a real cluster.
 
 pub mod apiserver;
+pub mod local_pods;

@@ -172,6 +172,8 @@ pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Op
         "--token-file".into(),
         format!("{TOKEN_DIR}/token"),
         "--quiet".into(),
+        "--termination-log".into(),
+        "/dev/termination-log".into(),
     ];
     if s.allow_non_restored_state {
         args.push("--allow-non-restored-state".into());

@@ -141,6 +141,11 @@ pub fn plan_state(status: &StreamJobStatus) -> PlanState {
     }
 }
 
+/// The checkpoint id in a savepoint path (`.../sp-<time>-<id>`).
+fn savepoint_id(path: &str) -> u64 {
+    path.trim_end_matches('/').rsplit('-').next().and_then(|n| n.parse().ok()).unwrap_or(0)
+}
+
 fn token_of(secret: &Secret) -> Option<String> {
     secret.data.as_ref()?.get("token").map(|b| String::from_utf8_lossy(&b.0).to_string())
 }
@@ -172,16 +177,21 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
     let checkpoints = observe::checkpoints(&storage).await?;
     let token = ensure_token(&client, &sj, &ns, &name).await?;
     let control_url = sj.annotations().get(CONTROL_URL_ANNOTATION).cloned().unwrap_or_else(|| format!("http://{}.{ns}.svc:{}", children::service_name(&name), children::CONTROL_PORT));
+    let stopped_with = observe::stopped_with_savepoint(&listed.items);
     let savepoint = match status.operation.as_ref().and_then(|o| o.request_id) {
         None => None,
+        // The runtime already exited after the stop: its termination message names the savepoint.
+        Some(_) if stopped_with.is_some() => {
+            let path = stopped_with.unwrap_or_default();
+            Some(SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef { id: savepoint_id(&path), path, completed_at: ms_to_rfc3339(now_ms()) }))
+        }
         Some(id) => Some(match control_client::savepoint_status(&control_url, &token, id).await {
             Ok(s) => match s.outcome {
                 CheckpointOutcome::InProgress => SavepointProgress::InProgress,
-                CheckpointOutcome::Completed => SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef {
-                    id: s.path.as_deref().and_then(|p| p.rsplit('-').next()).and_then(|n| n.parse().ok()).unwrap_or(0),
-                    path: s.path.unwrap_or_default(),
-                    completed_at: ms_to_rfc3339(now_ms()),
-                }),
+                CheckpointOutcome::Completed => {
+                    let path = s.path.unwrap_or_default();
+                    SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef { id: savepoint_id(&path), path, completed_at: ms_to_rfc3339(now_ms()) })
+                }
                 CheckpointOutcome::Failed => SavepointProgress::Failed(s.failure.unwrap_or_default()),
             },
             // A runtime that stopped answering has not produced the savepoint.

@@ -51,6 +51,16 @@ pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
     (phase, hash)
 }
 
+/// The savepoint a stopped runtime reported in its termination message (`savepoint=<path>`).
+pub fn stopped_with_savepoint(pods: &[Pod]) -> Option<String> {
+    pods.iter()
+        .filter_map(|p| p.status.as_ref()?.container_statuses.as_ref())
+        .flatten()
+        .filter_map(|c| c.state.as_ref()?.terminated.as_ref())
+        .filter(|t| t.exit_code == 0)
+        .find_map(|t| t.message.as_deref()?.lines().find_map(|l| l.strip_prefix("savepoint=").map(|p| p.trim().to_string())))
+}
+
 /// The checkpoints under a job's storage root, newest first, each with its verdict.
 pub async fn checkpoints(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageError> {
     let mut out = Vec::new();
@@ -94,6 +104,15 @@ mod tests {
         assert_eq!(pods_phase(&[pod("Succeeded", "h1", None)]).0, PodsPhase::Succeeded);
         let (failed, _) = pods_phase(&[pod("Running", "h1", Some(137))]);
         assert_eq!(failed, PodsPhase::Failed("p: container exited 137 (OOMKilled)".into()));
+    }
+
+    #[test]
+    fn a_stopped_runtime_reports_its_savepoint() {
+        let mut p = pod("Succeeded", "h1", Some(0));
+        let cs = &mut p.status.as_mut().unwrap().container_statuses.as_mut().unwrap()[0];
+        cs.state.as_mut().unwrap().terminated.as_mut().unwrap().message = Some("savepoint=s3://b/ns/j/savepoints/sp-1-9\n".into());
+        assert_eq!(stopped_with_savepoint(&[p]), Some("s3://b/ns/j/savepoints/sp-1-9".into()));
+        assert_eq!(stopped_with_savepoint(&[pod("Running", "h1", None)]), None);
     }
 
     #[tokio::test]

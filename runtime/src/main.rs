@@ -43,6 +43,11 @@ enum Command {
         /// No progress lines.
         #[arg(long)]
         quiet: bool,
+        /// File to write how the job ended into (Kubernetes' termination message,
+        /// `/dev/termination-log`): `savepoint=<path>` after a stop with savepoint, the error
+        /// when it failed.
+        #[arg(long, env = "WEIR_TERMINATION_LOG")]
+        termination_log: Option<String>,
     },
     /// Check a job file and print its execution plan.
     Validate {
@@ -89,8 +94,8 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Run { job, checkpoint_dir, restore, allow_non_restored_state, control_addr, token_file, quiet } => {
-            run(&job, checkpoint_dir, restore, allow_non_restored_state, control_addr, token_file, quiet)
+        Command::Run { job, checkpoint_dir, restore, allow_non_restored_state, control_addr, token_file, quiet, termination_log } => {
+            run(&job, checkpoint_dir, restore, allow_non_restored_state, control_addr, token_file, quiet, termination_log.as_deref())
         }
         Command::Validate { job } => validate(&job),
         Command::Savepoint { addr, stop, drain, token_file, timeout_secs } => savepoint(&addr, stop, drain, token_file, timeout_secs),
@@ -133,7 +138,16 @@ fn human(n: f64) -> String {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run(path: &str, checkpoint_dir: Option<String>, restore: Option<String>, allow: bool, control_addr: Option<String>, token_file: Option<String>, quiet: bool) -> ExitCode {
+fn run(
+    path: &str,
+    checkpoint_dir: Option<String>,
+    restore: Option<String>,
+    allow: bool,
+    control_addr: Option<String>,
+    token_file: Option<String>,
+    quiet: bool,
+    termination_log: Option<&str>,
+) -> ExitCode {
     let job = match read_job(path) {
         Ok(j) => j,
         Err(code) => return code,
@@ -224,6 +238,17 @@ fn run(path: &str, checkpoint_dir: Option<String>, restore: Option<String>, allo
         metrics.injected_faults.load(Ordering::Relaxed),
         started.elapsed().as_secs_f64()
     );
+    if let Some(log) = termination_log {
+        let message = match &result {
+            Ok(JobOutcome::Stopped { savepoint }) => format!("savepoint={savepoint}\n"),
+            Ok(JobOutcome::Finished) => "finished\n".to_string(),
+            Ok(JobOutcome::Cancelled) => "cancelled\n".to_string(),
+            Err(e) => format!("failed: {e}\n"),
+        };
+        if let Err(e) = std::fs::write(log, message) {
+            eprintln!("warning: cannot write the termination log {log}: {e}");
+        }
+    }
     match result {
         Ok(JobOutcome::Finished) => {
             eprintln!("weir: job `{}` finished: {summary}", job.spec.name);
