@@ -116,6 +116,11 @@ impl LocalPod {
         Ok(Some(code))
     }
 
+    /// Kills the process (SIGKILL), as a lost node or an OOM kill would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+    }
+
     /// The runtime's log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("runtime.log")).unwrap_or_default()

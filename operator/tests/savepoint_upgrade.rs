@@ -4,7 +4,6 @@
 //! committed output across the upgrade is checked record by record: every running count of
 //! every key exactly once.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
@@ -12,39 +11,10 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
 use weir_e2e::local_pods::{runtime_binary, LocalPod};
-use weir_operator::controller::{run, Settings, CONTROL_URL_ANNOTATION};
+use weir_operator::controller::{run, Settings};
 
-async fn eventually<T, F, Fut>(what: &str, secs: u64, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Waits for a local runtime process to exit (reporting it in its pod's status).
-async fn wait_exit(pod: &mut LocalPod, what: &str, secs: u64) -> i32 {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(code) = pod.reap().await.unwrap() {
-            return code;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}; log:\n{}", pod.log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn point_operator_at(jobs: &Api<StreamJob>, url: &str) {
-    let patch = serde_json::json!({ "metadata": { "annotations": { CONTROL_URL_ANNOTATION: url } } });
-    jobs.patch("counter", &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
-}
+mod common;
+use common::*;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
@@ -88,7 +58,7 @@ spec:
     let first = eventually("first pod", 30, || async { pods.get_opt("counter-runtime-0").await.unwrap() }).await;
     let first_hash = first.metadata.labels.as_ref().unwrap()["weir.dev/spec-hash"].clone();
     let mut local = LocalPod::start(&client, &first, &binary).await.unwrap();
-    point_operator_at(&jobs, &local.control_url).await;
+    point_operator_at(&jobs, "counter", &local.control_url).await;
     eventually("Running", 30, || async { (jobs.get("counter").await.unwrap().status?.phase.as_deref() == Some("Running")).then_some(()) }).await;
     let chk_dir = state.path().join("upgrade/counter/checkpoints");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
@@ -114,30 +84,12 @@ spec:
     assert!(args.contains(&format!("--restore {savepoint}")), "new pod restores from the savepoint: {args}");
 
     let mut local2 = LocalPod::start(&client, &second, &binary).await.unwrap();
-    point_operator_at(&jobs, &local2.control_url).await;
+    point_operator_at(&jobs, "counter", &local2.control_url).await;
     let code = wait_exit(&mut local2, "the new runtime to finish", 90).await;
     assert_eq!(code, 0, "new runtime log:\n{}", local2.log());
     eventually("Finished", 30, || async { (jobs.get("counter").await.unwrap().status?.phase.as_deref() == Some("Finished")).then_some(()) }).await;
 
     // Every running count of every key, exactly once, across the upgrade.
-    let mut per_key: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
-    let mut total = 0;
-    for f in std::fs::read_dir(out.path()).unwrap().flatten() {
-        let name = f.file_name().to_string_lossy().to_string();
-        if name.starts_with('.') || name.starts_with('_') {
-            continue;
-        }
-        for line in std::fs::read_to_string(f.path()).unwrap().lines() {
-            let v: serde_json::Value = serde_json::from_str(line).unwrap();
-            per_key.entry(v["k"].as_i64().unwrap()).or_default().push(v["n"].as_i64().unwrap());
-            total += 1;
-        }
-    }
-    assert_eq!(total, 24_000, "one output per input record");
-    for (k, mut counts) in per_key {
-        counts.sort_unstable();
-        let expected: Vec<i64> = (1..=counts.len() as i64).collect();
-        assert_eq!(counts, expected, "key {k}: a count lost or duplicated across the upgrade");
-    }
+    assert_eq!(assert_running_counts_exactly_once(out.path()), 24_000, "one output per input record");
     controller.abort();
 }

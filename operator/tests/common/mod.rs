@@ -1,0 +1,68 @@
+//! Helpers for the operator's tests against a real API server.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kube::api::{Api, Patch, PatchParams};
+use weir_crds::StreamJob;
+use weir_e2e::local_pods::LocalPod;
+use weir_operator::controller::CONTROL_URL_ANNOTATION;
+
+pub async fn eventually<T, F, Fut>(what: &str, secs: u64, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits for a local runtime process to exit (reporting it in its pod's status).
+pub async fn wait_exit(pod: &mut LocalPod, what: &str, secs: u64) -> i32 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(code) = pod.reap().await.unwrap() {
+            return code;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}; log:\n{}", pod.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+pub async fn point_operator_at(jobs: &Api<StreamJob>, name: &str, url: &str) {
+    let patch = serde_json::json!({ "metadata": { "annotations": { CONTROL_URL_ANNOTATION: url } } });
+    jobs.patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
+}
+
+
+/// Reads a file sink directory of running counts (`{"k":..,"n":..}`) and checks that every
+/// count of every key is there exactly once; returns the number of records.
+pub fn assert_running_counts_exactly_once(dir: &std::path::Path) -> usize {
+    let mut per_key: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
+    let mut total = 0;
+    for f in std::fs::read_dir(dir).unwrap().flatten() {
+        let name = f.file_name().to_string_lossy().to_string();
+        if name.starts_with('.') || name.starts_with('_') {
+            continue;
+        }
+        for line in std::fs::read_to_string(f.path()).unwrap().lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            per_key.entry(v["k"].as_i64().unwrap()).or_default().push(v["n"].as_i64().unwrap());
+            total += 1;
+        }
+    }
+    for (k, mut counts) in per_key {
+        counts.sort_unstable();
+        let expected: Vec<i64> = (1..=counts.len() as i64).collect();
+        assert_eq!(counts, expected, "key {k}: a count lost or duplicated");
+    }
+    total
+}

@@ -1,0 +1,100 @@
+//! A runtime killed with SIGKILL is relaunched by the operator from the newest *valid*
+//! checkpoint in storage (the newest one is corrupted while the job is down), against a real
+//! API server and the real runtime run as a local process; the output stays exactly once.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use kube::api::{Api, PostParams};
+use weir_crds::StreamJob;
+use weir_e2e::apiserver::TestApiServer;
+use weir_e2e::local_pods::{runtime_binary, LocalPod};
+use weir_operator::controller::{run, Settings};
+
+mod common;
+use common::*;
+
+fn newest_complete(chk: &std::path::Path) -> Option<u64> {
+    std::fs::read_dir(chk)
+        .ok()?
+        .flatten()
+        .filter(|e| e.path().join("_metadata").exists())
+        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("chk-").and_then(|n| n.parse().ok()))
+        .max()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
+    let binary = runtime_binary();
+    assert!(binary.exists(), "{} missing: build it with `cargo build -p weir-runtime`", binary.display());
+    let server = TestApiServer::start().expect("API server starts");
+    let client = server.client().await.unwrap();
+    server.install_crd(&client).await.unwrap();
+    let ns = "relaunch";
+    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &serde_yaml::from_str(&format!("metadata: {{ name: {ns} }}")).unwrap()).await.unwrap();
+    Api::<ServiceAccount>::namespaced(client.clone(), ns).create(&PostParams::default(), &serde_yaml::from_str("metadata: { name: default }").unwrap()).await.unwrap();
+    let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let controller = tokio::spawn(run(client.clone(), Settings { default_storage: state.path().display().to_string() }));
+    let manifest = format!(
+        r#"
+apiVersion: weir.dev/v1alpha1
+kind: StreamJob
+metadata: {{ name: counter }}
+spec:
+  image: weir-runtime:dev
+  parallelism: 1
+  checkpointing: {{ interval: 200ms, retained: 3 }}
+  relaunch: {{ backoff: 1s, limit: 3 }}
+  job:
+    inline:
+      sources: [ {{ name: events, uid: events, generator: {{ count: 20000, ratePerSecond: 4000, fields: [ {{ name: k, modulo: 40 }} ] }} }} ]
+      operators:
+        - {{ name: by-k, keyBy: {{ fields: [k] }} }}
+        - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+      sinks: [ {{ name: out, uid: out, file: {{ path: {} }} }} ]
+"#,
+        out.path().display()
+    );
+    let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    jobs.create(&PostParams::default(), &serde_yaml::from_str(&manifest).unwrap()).await.unwrap();
+    let first = eventually("first pod", 30, || async { pods.get_opt("counter-runtime-0").await.unwrap() }).await;
+    let first_uid = first.metadata.uid.clone();
+    let mut local = LocalPod::start(&client, &first, &binary).await.unwrap();
+    point_operator_at(&jobs, "counter", &local.control_url).await;
+
+    // Let a few checkpoints complete, then kill the runtime and corrupt its newest checkpoint.
+    let chk = state.path().join("relaunch/counter/checkpoints");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while newest_complete(&chk).unwrap_or(0) < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "no checkpoints; log:\n{}", local.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    local.kill();
+    let newest = newest_complete(&chk).unwrap();
+    let metadata = chk.join(format!("chk-{newest}/_metadata"));
+    let mut bytes = std::fs::read(&metadata).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x20;
+    std::fs::write(&metadata, bytes).unwrap();
+    assert_eq!(wait_exit(&mut local, "the killed runtime", 10).await, 137);
+
+    // The operator relaunches from the previous checkpoint.
+    let second = eventually("a relaunched pod", 60, || async {
+        let p = pods.get_opt("counter-runtime-0").await.unwrap()?;
+        (p.metadata.uid != first_uid).then_some(p)
+    })
+    .await;
+    let args = second.spec.as_ref().unwrap().containers[0].args.as_ref().unwrap().join(" ");
+    assert!(args.contains("--restore ") && args.contains("/checkpoints/chk-"), "{args}");
+    assert!(!args.contains(&format!("/checkpoints/chk-{newest} ")) && !args.ends_with(&format!("/checkpoints/chk-{newest}")), "the corrupt checkpoint {newest} is skipped: {args}");
+    let status = jobs.get("counter").await.unwrap().status.unwrap();
+    assert_eq!(status.relaunch_count, 1);
+    let mut local2 = LocalPod::start(&client, &second, &binary).await.unwrap();
+    point_operator_at(&jobs, "counter", &local2.control_url).await;
+    assert_eq!(wait_exit(&mut local2, "the relaunched runtime to finish", 90).await, 0, "{}", local2.log());
+    eventually("Finished", 30, || async { (jobs.get("counter").await.unwrap().status?.phase.as_deref() == Some("Finished")).then_some(()) }).await;
+    assert_eq!(assert_running_counts_exactly_once(out.path()), 20_000);
+    controller.abort();
+}
