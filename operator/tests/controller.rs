@@ -117,5 +117,21 @@ async fn lifecycle_against_a_real_api_server() {
         (s.phase.as_deref() == Some("Running") && s.pending_upgrade.is_none() && s.observed_generation == Some(4)).then_some(())
     })
     .await;
+
+    // A job graph the runtime would refuse (a stateful operator without uid) is reported as a
+    // Degraded condition naming the field, and nothing is deployed.
+    let broken = JOB.replace("name: orders", "name: broken").replace(
+        "sinks: [ { name: o, stdout: {} } ]",
+        "operators: [ { name: k, keyBy: { fields: [a] } }, { name: c, aggregate: { aggregates: [ { fn: count, as: n } ] } } ]\n      sinks: [ { name: o, stdout: {} } ]",
+    );
+    jobs.create(&PostParams::default(), &serde_yaml::from_str(&broken).unwrap()).await.unwrap();
+    let degraded = eventually("Degraded condition", || async {
+        let s = jobs.get("broken").await.unwrap().status?;
+        s.conditions.into_iter().find(|c| c.type_ == "Degraded" && c.status == "True")
+    })
+    .await;
+    assert_eq!(degraded.reason, "InvalidJob");
+    assert!(degraded.message.contains("job.operators[1].uid: required"), "{}", degraded.message);
+    assert!(pods.get_opt("broken-runtime-0").await.unwrap().is_none(), "an invalid job is not deployed");
     controller.abort();
 }
