@@ -27,6 +27,8 @@ use crate::plan::{self, Action, Desired, Observation, Operation, OperationKind, 
 
 /// The field manager of everything the operator applies.
 pub const FIELD_MANAGER: &str = "weir-operator";
+/// Finalizer that lets a deleted StreamJob stop with a savepoint (or be killed) first.
+pub const FINALIZER: &str = "weir.dev/stop-with-savepoint";
 /// Annotation overriding a job's control API URL (for an operator running outside the cluster).
 pub const CONTROL_URL_ANNOTATION: &str = "weir.dev/control-url";
 
@@ -166,6 +168,22 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
     let generation = sj.metadata.generation.unwrap_or(0);
     let client = ctx.client.clone();
     let status = sj.status.clone().unwrap_or_default();
+    let jobs_api: Api<StreamJob> = Api::namespaced(client.clone(), &ns);
+    let deleting = sj.metadata.deletion_timestamp.is_some();
+    let finalizers = sj.finalizers().to_vec();
+    if !deleting && !finalizers.iter().any(|f| f == FINALIZER) {
+        let mut with = finalizers.clone();
+        with.push(FINALIZER.to_string());
+        jobs_api.patch(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": with } }))).await?;
+    }
+    if deleting && !finalizers.iter().any(|f| f == FINALIZER) {
+        return Ok(Requeue::await_change());
+    }
+    // A deleted job is cancelled first (savepoint, or kill when that fails).
+    let mut effective = sj.spec.clone();
+    if deleting {
+        effective.state = DesiredState::Cancelled;
+    }
     let storage_url = sj.spec.checkpointing.storage.clone().unwrap_or_else(|| ctx.settings.default_storage.clone());
     let root = children::storage_root(&storage_url, &ns, &name);
 
@@ -214,9 +232,9 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
 
     // Plan.
     let hash = children::spec_hash(&sj);
-    let desired = Desired { spec: &sj.spec, generation, spec_hash: &hash };
+    let desired = Desired { spec: &effective, generation, spec_hash: &hash };
     let current = plan_state(&status);
-    let mut p = if let (Some(reason), true) = (&invalid, sj.spec.state == DesiredState::Running) {
+    let mut p = if let (Some(reason), true) = (&invalid, effective.state == DesiredState::Running) {
         Plan { state: current.clone(), degraded: Some(format!("the job graph is invalid: {reason}")), ..Plan::default() }
     } else {
         plan::plan(&desired, &current, &obs)
@@ -283,9 +301,14 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
     }
     let new_status = status_from(&status, &p, generation, request_id, invalid.is_some());
     if new_status != status {
-        let api: Api<StreamJob> = Api::namespaced(client.clone(), &ns);
         let patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new_status });
-        api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await?;
+        jobs_api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await?;
+    }
+    if deleting && p.actions.is_empty() && p.state.phase == Some(Phase::Cancelled) {
+        // Stopped (with a savepoint, or killed): let the deletion proceed.
+        let rest: Vec<String> = finalizers.into_iter().filter(|f| f != FINALIZER).collect();
+        jobs_api.patch(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": rest } }))).await?;
+        return Ok(Requeue::await_change());
     }
     Ok(match p.requeue_after_ms {
         Some(ms) => Requeue::requeue(Duration::from_millis(ms.max(200))),

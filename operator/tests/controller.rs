@@ -133,5 +133,12 @@ async fn lifecycle_against_a_real_api_server() {
     assert_eq!(degraded.reason, "InvalidJob");
     assert!(degraded.message.contains("job.operators[1].uid: required"), "{}", degraded.message);
     assert!(pods.get_opt("broken-runtime-0").await.unwrap().is_none(), "an invalid job is not deployed");
+
+    // Deleting a running job: the finalizer holds it until it is stopped; the savepoint cannot
+    // be taken here, so the pods are killed, then the StreamJob goes away.
+    assert!(jobs.get("orders").await.unwrap().metadata.finalizers.unwrap_or_default().contains(&"weir.dev/stop-with-savepoint".to_string()));
+    jobs.delete("orders", &Default::default()).await.unwrap();
+    eventually("pod killed on delete", || async { pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(()) }).await;
+    eventually("StreamJob deleted", || async { jobs.get_opt("orders").await.unwrap().is_none().then_some(()) }).await;
     controller.abort();
 }
