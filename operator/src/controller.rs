@@ -47,6 +47,8 @@ pub struct Context {
     pub settings: Settings,
     /// Event recorder.
     pub recorder: Recorder,
+    /// Metrics.
+    pub metrics: Arc<crate::metrics::OperatorMetrics>,
 }
 
 /// Why a reconcile failed; the category names Event reasons and metric labels.
@@ -161,8 +163,19 @@ fn random_token() -> String {
     buf.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Reconciles one StreamJob.
+/// Reconciles one StreamJob, counting it in the metrics.
 pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, ReconcileError> {
+    let started = std::time::Instant::now();
+    let result = reconcile_inner(sj, ctx.clone()).await;
+    ctx.metrics.reconciles.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    ctx.metrics.reconcile_micros.fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+    if let Err(e) = &result {
+        ctx.metrics.error(e.category());
+    }
+    result
+}
+
+async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, ReconcileError> {
     let name = sj.metadata.name.clone().ok_or(ReconcileError::Metadata("name"))?;
     let ns = sj.metadata.namespace.clone().ok_or(ReconcileError::Metadata("namespace"))?;
     let generation = sj.metadata.generation.unwrap_or(0);
@@ -288,6 +301,18 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
 
     // Status.
     for e in &p.events {
+        match e.reason {
+            "SavepointCompleted" => ctx.metrics.savepoint("completed"),
+            "SavepointFailedPodsKilled" => {
+                ctx.metrics.savepoint("failed");
+                ctx.metrics.kills.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            "SavepointFailed" | "UpgradeSavepointFailed" => ctx.metrics.savepoint("failed"),
+            "Relaunching" => {
+                ctx.metrics.relaunches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            _ => {}
+        }
         let ev = KubeEvent {
             type_: if e.warning { EventType::Warning } else { EventType::Normal },
             reason: e.reason.to_string(),
@@ -300,6 +325,7 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
         }
     }
     let new_status = status_from(&status, &p, generation, request_id, invalid.is_some());
+    ctx.metrics.phase(format!("{ns}/{name}"), if deleting { None } else { new_status.phase.clone() });
     if new_status != status {
         let patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new_status });
         jobs_api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await?;
@@ -427,9 +453,15 @@ fn error_policy(sj: Arc<StreamJob>, error: &ReconcileError, _ctx: Arc<Context>) 
 
 /// Runs the controller until the stream ends (shutdown).
 pub async fn run(client: kube::Client, settings: Settings) {
+    run_with_metrics(client, settings, crate::metrics::OperatorMetrics::shared()).await
+}
+
+/// Runs the controller, recording into `metrics`.
+pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics: Arc<crate::metrics::OperatorMetrics>) {
     let jobs: Api<StreamJob> = Api::all(client.clone());
     let recorder = Recorder::new(client.clone(), Reporter { controller: FIELD_MANAGER.into(), instance: std::env::var("POD_NAME").ok() });
-    let ctx = Arc::new(Context { client: client.clone(), settings, recorder });
+    metrics.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+    let ctx = Arc::new(Context { client: client.clone(), settings, recorder, metrics: metrics.clone() });
     Controller::new(jobs, watcher::Config::default())
         .owns(Api::<Pod>::all(client.clone()), watcher::Config::default().labels(JOB_LABEL))
         .shutdown_on_signal()
@@ -440,4 +472,5 @@ pub async fn run(client: kube::Client, settings: Settings) {
             }
         })
         .await;
+    metrics.ready.store(false, std::sync::atomic::Ordering::Relaxed);
 }

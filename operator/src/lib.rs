@@ -10,5 +10,6 @@
 pub mod children;
 pub mod control_client;
 pub mod controller;
+pub mod metrics;
 pub mod observe;
 pub mod plan;

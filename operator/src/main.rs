@@ -9,7 +9,8 @@ use kube::api::Api;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::CustomResourceExt;
 use weir_crds::StreamJob;
-use weir_operator::controller::{run, Settings};
+use weir_operator::controller::{run_with_metrics, Settings};
+use weir_operator::metrics::{serve, OperatorMetrics};
 
 #[derive(Parser)]
 #[command(name = "weir-operator", version, about = "Runs Weir StreamJobs on Kubernetes")]
@@ -21,6 +22,9 @@ struct Args {
     /// operator's environment) or a path.
     #[arg(long, env = "WEIR_DEFAULT_STORAGE")]
     default_storage: String,
+    /// Serve /metrics, /healthz and /readyz on this address.
+    #[arg(long, env = "WEIR_OPERATOR_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: String,
     /// How long to wait for the StreamJob CRD to be established at start.
     #[arg(long, default_value_t = 60)]
     crd_wait_secs: u64,
@@ -38,9 +42,12 @@ async fn main() -> anyhow::Result<()> {
         None => kube::Config::infer().await?,
     };
     let client = kube::Client::try_from(config)?;
+    let metrics = OperatorMetrics::shared();
+    let http = serve(&args.http_addr, metrics.clone()).with_context(|| format!("serving metrics on {}", args.http_addr))?;
+    tracing::info!(%http, "metrics and health endpoints listening");
     wait_for_crd(&client, Duration::from_secs(args.crd_wait_secs)).await?;
     tracing::info!(default_storage = %args.default_storage, "weir-operator running");
-    run(client, Settings { default_storage: args.default_storage }).await;
+    run_with_metrics(client, Settings { default_storage: args.default_storage }, metrics).await;
     tracing::info!("weir-operator stopped");
     Ok(())
 }

@@ -9,7 +9,8 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
-use weir_operator::controller::{run, Settings};
+use weir_operator::controller::{run_with_metrics, Settings};
+use weir_operator::metrics::OperatorMetrics;
 
 const JOB: &str = r#"
 apiVersion: weir.dev/v1alpha1
@@ -60,7 +61,8 @@ async fn lifecycle_against_a_real_api_server() {
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
     sas.create(&PostParams::default(), &serde_yaml::from_str("metadata: { name: default }").unwrap()).await.unwrap();
     let storage = tempfile::tempdir().unwrap();
-    let controller = tokio::spawn(run(client.clone(), Settings { default_storage: storage.path().display().to_string() }));
+    let metrics = OperatorMetrics::shared();
+    let controller = tokio::spawn(run_with_metrics(client.clone(), Settings { default_storage: storage.path().display().to_string() }, metrics.clone()));
 
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -140,5 +142,8 @@ async fn lifecycle_against_a_real_api_server() {
     jobs.delete("orders", &Default::default()).await.unwrap();
     eventually("pod killed on delete", || async { pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(()) }).await;
     eventually("StreamJob deleted", || async { jobs.get_opt("orders").await.unwrap().is_none().then_some(()) }).await;
+    let text = metrics.render();
+    assert!(text.contains("weir_operator_pod_kills_total 2"), "suspend and delete both killed:\n{text}");
+    assert!(text.contains("weir_operator_jobs{phase=\"Degraded\"} 1"), "{text}");
     controller.abort();
 }
