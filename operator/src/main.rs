@@ -10,6 +10,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::CustomResourceExt;
 use weir_crds::StreamJob;
 use weir_operator::controller::{run_with_metrics, Settings};
+use weir_operator::leader::LeaderElection;
 use weir_operator::metrics::{serve, OperatorMetrics};
 
 #[derive(Parser)]
@@ -25,6 +26,12 @@ struct Args {
     /// Serve /metrics, /healthz and /readyz on this address.
     #[arg(long, env = "WEIR_OPERATOR_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: String,
+    /// Namespace of the leader-election Lease (default: the pod's namespace, else `default`).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// This replica's identity in the Lease (default: the pod name, else the host name).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
     /// How long to wait for the StreamJob CRD to be established at start.
     #[arg(long, default_value_t = 60)]
     crd_wait_secs: u64,
@@ -46,8 +53,15 @@ async fn main() -> anyhow::Result<()> {
     let http = serve(&args.http_addr, metrics.clone()).with_context(|| format!("serving metrics on {}", args.http_addr))?;
     tracing::info!(%http, "metrics and health endpoints listening");
     wait_for_crd(&client, Duration::from_secs(args.crd_wait_secs)).await?;
-    tracing::info!(default_storage = %args.default_storage, "weir-operator running");
-    run_with_metrics(client, Settings { default_storage: args.default_storage }, metrics).await;
+    let identity = args.identity.clone().unwrap_or_else(|| std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| format!("weir-operator-{}", std::process::id())));
+    let election = LeaderElection::new(client.clone(), &args.lease_namespace, "weir-operator", &identity, Duration::from_secs(15));
+    tracing::info!(%identity, "waiting for the leader lease");
+    election.acquire().await?;
+    tracing::info!(default_storage = %args.default_storage, %identity, "leader: weir-operator running");
+    tokio::select! {
+        () = run_with_metrics(client, Settings { default_storage: args.default_storage }, metrics) => {}
+        lost = election.keep() => anyhow::bail!("stopping: {lost}"),
+    }
     tracing::info!("weir-operator stopped");
     Ok(())
 }
