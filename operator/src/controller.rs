@@ -141,6 +141,7 @@ pub fn plan_state(status: &StreamJobStatus) -> PlanState {
         observed_restart_nonce: status.observed_restart_nonce,
         observed_savepoint_nonce: status.observed_savepoint_nonce,
         latest_savepoint: status.latest_savepoint.clone(),
+        savepoint_history: status.savepoint_history.iter().map(|s| (s.clone(), rfc3339_to_ms(&s.completed_at).unwrap_or(0))).collect(),
         last_savepoint_ms: rfc3339_to_ms(&status.last_savepoint_time),
     }
 }
@@ -274,6 +275,13 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
                         Err(kube::Error::Api(s)) if s.code == 404 => {}
                         Err(e) => return Err(e.into()),
                     }
+                }
+            }
+            Action::DeleteSavepoint { path } => {
+                // Savepoints live under the job's storage root; anything else is left alone.
+                match path.strip_prefix(storage.url()).map(|rel| rel.trim_start_matches('/').to_string()) {
+                    Some(rel) if rel.starts_with(weir_checkpoint::layout::SAVEPOINTS) => storage.delete_dir(&rel).await?,
+                    _ => tracing::warn!(job = %name, %path, "not deleting a savepoint outside the job's storage root"),
                 }
             }
             Action::RequestSavepoint { stop } => match control_client::request_savepoint(&control_url, &token, stop).await {
@@ -424,7 +432,7 @@ pub fn status_from(old: &StreamJobStatus, p: &Plan, generation: i64, request_id:
         job_id: old.job_id.clone(),
         latest_checkpoint: old.latest_checkpoint.clone(),
         latest_savepoint: s.latest_savepoint.clone(),
-        savepoint_history: old.savepoint_history.clone(),
+        savepoint_history: s.savepoint_history.iter().map(|(sp, at)| weir_crds::streamjob::SnapshotRef { completed_at: ms_to_rfc3339(*at), ..sp.clone() }).collect(),
         relaunch_count: s.relaunch_count,
         recovery_point: s.recovery_point.clone(),
         pending_upgrade: s.pending_upgrade.clone(),

@@ -109,6 +109,8 @@ pub struct PlanState {
     pub observed_savepoint_nonce: Option<i64>,
     /// The newest savepoint.
     pub latest_savepoint: Option<SnapshotRef>,
+    /// Savepoints taken, newest first, with their completion times (ms).
+    pub savepoint_history: Vec<(SnapshotRef, u64)>,
     /// When the last savepoint was taken.
     pub last_savepoint_ms: Option<u64>,
 }
@@ -176,6 +178,11 @@ pub enum Action {
     DeletePods {
         /// Termination grace period override.
         grace_seconds: Option<i64>,
+    },
+    /// Delete a savepoint that left the history (by count or age).
+    DeleteSavepoint {
+        /// Its path.
+        path: String,
     },
 }
 
@@ -333,6 +340,25 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
     p
 }
 
+/// Drops savepoints beyond `historyMaxCount` or older than `historyMaxAge` from the history
+/// and deletes them; the savepoint a stopped job resumes from is never deleted.
+fn trim_history(spec: &StreamJobSpec, now_ms: u64, p: &mut Plan) {
+    let max_count = spec.savepoint.history_max_count.max(1) as usize;
+    let max_age = spec.savepoint.history_max_age.map(|a| a.as_millis());
+    let keep_path = p.state.recovery_point.as_ref().map(|r| r.path.clone());
+    let mut kept = Vec::new();
+    for (i, (sp, at)) in std::mem::take(&mut p.state.savepoint_history).into_iter().enumerate() {
+        let too_many = i >= max_count;
+        let too_old = i > 0 && max_age.is_some_and(|a| now_ms.saturating_sub(at) > a);
+        if (too_many || too_old) && keep_path.as_deref() != Some(sp.path.as_str()) {
+            p.actions.push(Action::DeleteSavepoint { path: sp.path.clone() });
+        } else {
+            kept.push((sp, at));
+        }
+    }
+    p.state.savepoint_history = kept;
+}
+
 fn describe(s: &Option<SnapshotRef>) -> String {
     match s {
         Some(s) => s.path.clone(),
@@ -423,6 +449,8 @@ fn continue_operation(desired: &Desired<'_>, current: &PlanState, obs: &Observat
             p.state.operation = None;
             p.state.latest_savepoint = Some(sp.clone());
             p.state.last_savepoint_ms = Some(obs.now_ms);
+            p.state.savepoint_history.insert(0, (sp.clone(), obs.now_ms));
+            trim_history(spec, obs.now_ms, &mut p);
             p.event(false, "SavepointCompleted", format!("savepoint {} taken", sp.path));
             match op.kind {
                 OperationKind::Savepoint => {}
@@ -689,6 +717,24 @@ mod tests {
         let p3 = plan(&desired(&s, "h1-restart-3"), &p2.state, &running("h1"));
         assert_eq!(p3.actions, vec![Action::RequestSavepoint { stop: true }]);
         assert_eq!(p3.state.observed_restart_nonce, None, "recorded once the new pods run");
+    }
+
+    #[test]
+    fn savepoint_history_is_trimmed_by_count_and_age() {
+        let mut s = spec();
+        s.savepoint.history_max_count = 2;
+        s.savepoint.history_max_age = Some(HumanDuration::from_secs(100));
+        let st = PlanState {
+            phase: Some(Phase::Running),
+            operation: Some(Operation { kind: OperationKind::Savepoint, started_at_ms: 999_000, generation: 2 }),
+            savepoint_history: vec![(snap(3), 990_000), (snap(2), 800_000)],
+            ..PlanState::default()
+        };
+        let mut o = running("h1");
+        o.savepoint = Some(SavepointProgress::Completed(snap(4)));
+        let p = plan(&desired(&s, "h1"), &st, &o);
+        assert_eq!(p.state.savepoint_history.iter().map(|(s, _)| s.id).collect::<Vec<_>>(), vec![4, 3]);
+        assert_eq!(p.actions, vec![Action::DeleteSavepoint { path: snap(2).path }], "beyond the count (and too old)");
     }
 
     #[test]
