@@ -168,8 +168,7 @@ fn random_token() -> String {
 pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, ReconcileError> {
     let started = std::time::Instant::now();
     let result = reconcile_inner(sj, ctx.clone()).await;
-    ctx.metrics.reconciles.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    ctx.metrics.reconcile_micros.fetch_add(started.elapsed().as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+    ctx.metrics.observe_reconcile(started.elapsed().as_micros() as u64);
     if let Err(e) = &result {
         ctx.metrics.error(e.category());
     }

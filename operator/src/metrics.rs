@@ -25,6 +25,8 @@ pub struct OperatorMetrics {
     pub kills: AtomicU64,
     /// The controller is running (readiness).
     pub ready: AtomicBool,
+    /// The most recent reconcile durations in microseconds (bounded), for percentiles.
+    pub recent_micros: Mutex<std::collections::VecDeque<u64>>,
 }
 
 impl OperatorMetrics {
@@ -35,6 +37,27 @@ impl OperatorMetrics {
 
     fn bump(map: &Mutex<BTreeMap<&'static str, u64>>, key: &'static str) {
         *map.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_default() += 1;
+    }
+
+    /// Records one reconcile's duration.
+    pub fn observe_reconcile(&self, micros: u64) {
+        self.reconciles.fetch_add(1, Ordering::Relaxed);
+        self.reconcile_micros.fetch_add(micros, Ordering::Relaxed);
+        let mut recent = self.recent_micros.lock().unwrap_or_else(|e| e.into_inner());
+        if recent.len() >= 10_000 {
+            recent.pop_front();
+        }
+        recent.push_back(micros);
+    }
+
+    /// The `q` quantile (0..=1) of recent reconcile durations, microseconds.
+    pub fn reconcile_quantile(&self, q: f64) -> u64 {
+        let mut v: Vec<u64> = self.recent_micros.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect();
+        if v.is_empty() {
+            return 0;
+        }
+        v.sort_unstable();
+        v[((v.len() - 1) as f64 * q).round() as usize]
     }
 
     /// Counts a failed reconcile.
