@@ -104,6 +104,21 @@ impl TestApiServer {
         kube::Client::try_from(config).map_err(|e| ApiServerError::Client(e.to_string()))
     }
 
+    /// Starts a server with the StreamJob CRD installed and namespace `ns` ready for pods (with
+    /// the `default` ServiceAccount a controller-manager would create).
+    pub async fn with_namespace(ns: &str) -> Result<(TestApiServer, kube::Client), ApiServerError> {
+        use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+        let server = TestApiServer::start()?;
+        let client = server.client().await?;
+        server.install_crd(&client).await?;
+        let create = |e: kube::Error| ApiServerError::Client(e.to_string());
+        let namespace = Namespace { metadata: kube::api::ObjectMeta { name: Some(ns.to_string()), ..Default::default() }, ..Default::default() };
+        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &namespace).await.map_err(create)?;
+        let sa = ServiceAccount { metadata: kube::api::ObjectMeta { name: Some("default".into()), ..Default::default() }, ..Default::default() };
+        Api::<ServiceAccount>::namespaced(client.clone(), ns).create(&PostParams::default(), &sa).await.map_err(create)?;
+        Ok((server, client))
+    }
+
     /// Creates the StreamJob CRD from `crds/streamjob.yaml` and waits until it is established.
     pub async fn install_crd(&self, client: &kube::Client) -> Result<(), ApiServerError> {
         let text = std::fs::read_to_string(repo_root().join("crds/streamjob.yaml")).map_err(|e| ApiServerError::Crd(e.to_string()))?;

@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
@@ -43,12 +43,8 @@ async fn main() {
     }
     let smoke = !std::env::args().any(|a| a == "--bench");
     let n: usize = std::env::var("WEIR_BENCH_JOBS").ok().and_then(|v| v.parse().ok()).unwrap_or(if smoke { 20 } else { 1000 });
-    let server = TestApiServer::start().expect("API server starts");
-    let client = server.client().await.unwrap();
-    server.install_crd(&client).await.unwrap();
     let ns = "bench";
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &serde_yaml::from_str(&format!("metadata: {{ name: {ns} }}")).unwrap()).await.unwrap();
-    Api::<ServiceAccount>::namespaced(client.clone(), ns).create(&PostParams::default(), &serde_yaml::from_str("metadata: { name: default }").unwrap()).await.unwrap();
+    let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
     let storage = tempfile::tempdir().unwrap();
     let metrics = OperatorMetrics::shared();
     let rss_before = rss_mib();

@@ -231,7 +231,10 @@ pub struct Desired<'a> {
     pub spec_hash: &'a str,
 }
 
+/// Re-check interval while waiting on something that sends no watch event (a savepoint).
 const POLL_MS: u64 = 2_000;
+/// Fallback re-check while waiting on pods: pod changes wake the controller through its watch.
+const WATCH_MS: u64 = 30_000;
 
 fn newest_valid(obs: &Observation) -> Option<&FoundCheckpoint> {
     obs.checkpoints.iter().find(|c| c.invalid.is_none())
@@ -266,7 +269,7 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             p.actions.push(Action::DeletePods { grace_seconds: None });
             p.state.recovery_point = newest_valid(obs).map(|c| c.snapshot.clone()).or(current.recovery_point.clone());
             p.state.phase = Some(stopping);
-            p.requeue_after_ms = Some(POLL_MS);
+            p.requeue_after_ms = Some(WATCH_MS);
         } else {
             p.state.phase = Some(stopped);
         }
@@ -279,17 +282,17 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
         p.state.phase = Some(Phase::Upgrading);
         if old_pods {
             p.actions.push(Action::DeletePods { grace_seconds: None });
-            p.requeue_after_ms = Some(POLL_MS);
+            p.requeue_after_ms = Some(WATCH_MS);
         } else if !pods_exist {
             p.actions.push(Action::Deploy { restore_from: up.restore_from.clone() });
             p.event(false, "Deploying", format!("deploying generation {} from {}", up.target_generation, describe(&up.restore_from)));
-            p.requeue_after_ms = Some(POLL_MS);
+            p.requeue_after_ms = Some(WATCH_MS);
         } else if matches!(obs.pods, PodsPhase::Running) {
             p.state.pending_upgrade = None;
             p.state.phase = Some(Phase::Running);
             p.event(false, "Upgraded", format!("generation {} is running", up.target_generation));
         } else {
-            p.requeue_after_ms = Some(POLL_MS);
+            p.requeue_after_ms = Some(WATCH_MS);
         }
         return p;
     }
@@ -307,14 +310,14 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             p.state.phase = Some(Phase::Deploying);
             p.state.recovery_point = None;
             p.event(false, "Deploying", format!("deploying from {}", describe(&restore)));
-            p.requeue_after_ms = Some(POLL_MS);
+            p.requeue_after_ms = Some(WATCH_MS);
         }
         PodsPhase::Succeeded => {
             p.state.phase = Some(Phase::Finished);
         }
         PodsPhase::Failed(reason) => relaunch(desired, current, obs, reason, &mut p),
         PodsPhase::Starting | PodsPhase::Terminating => {
-            p.requeue_after_ms = Some(POLL_MS);
+            p.requeue_after_ms = Some(WATCH_MS);
         }
         PodsPhase::Running if hash_differs => start_upgrade(desired, obs, &mut p),
         PodsPhase::Running => {
@@ -464,7 +467,7 @@ fn continue_operation(desired: &Desired<'_>, current: &PlanState, obs: &Observat
                     p.state.recovery_point = Some(sp);
                     p.actions.push(Action::DeletePods { grace_seconds: None });
                     p.state.phase = Some(if op.kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
-                    p.requeue_after_ms = Some(POLL_MS);
+                    p.requeue_after_ms = Some(WATCH_MS);
                 }
             }
         }
@@ -477,7 +480,7 @@ fn continue_operation(desired: &Desired<'_>, current: &PlanState, obs: &Observat
                     p.state.recovery_point = recovery.clone();
                     p.state.phase = Some(if kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
                     p.event(true, "SavepointFailedPodsKilled", format!("savepoint failed ({reason}): pods killed; the job resumes from {}", describe(&recovery)));
-                    p.requeue_after_ms = Some(POLL_MS);
+                    p.requeue_after_ms = Some(WATCH_MS);
                 }
                 OperationKind::Upgrade => {
                     p.state.phase = Some(Phase::Degraded);

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use weir_crds::StreamJob;
@@ -51,15 +51,8 @@ async fn set_pod_phase(pods: &Api<Pod>, name: &str, phase: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn lifecycle_against_a_real_api_server() {
-    let server = TestApiServer::start().expect("API server starts");
-    let client = server.client().await.unwrap();
-    server.install_crd(&client).await.unwrap();
     let ns = "lifecycle";
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces.create(&PostParams::default(), &serde_yaml::from_str(&format!("metadata: {{ name: {ns} }}")).unwrap()).await.unwrap();
-    // No controller-manager here: create the default service account pods are admitted with.
-    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-    sas.create(&PostParams::default(), &serde_yaml::from_str("metadata: { name: default }").unwrap()).await.unwrap();
+    let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
     let storage = tempfile::tempdir().unwrap();
     let metrics = OperatorMetrics::shared();
     let controller = tokio::spawn(run_with_metrics(client.clone(), Settings { default_storage: storage.path().display().to_string() }, metrics.clone()));

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
@@ -27,12 +27,8 @@ fn newest_complete(chk: &std::path::Path) -> Option<u64> {
 async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     let binary = runtime_binary();
     assert!(binary.exists(), "{} missing: build it with `cargo build -p weir-runtime`", binary.display());
-    let server = TestApiServer::start().expect("API server starts");
-    let client = server.client().await.unwrap();
-    server.install_crd(&client).await.unwrap();
     let ns = "relaunch";
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &serde_yaml::from_str(&format!("metadata: {{ name: {ns} }}")).unwrap()).await.unwrap();
-    Api::<ServiceAccount>::namespaced(client.clone(), ns).create(&PostParams::default(), &serde_yaml::from_str("metadata: { name: default }").unwrap()).await.unwrap();
+    let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
     let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let controller = tokio::spawn(run(client.clone(), Settings { default_storage: state.path().display().to_string() }));

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
@@ -20,12 +20,8 @@ use common::*;
 async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
     let binary = runtime_binary();
     assert!(binary.exists(), "{} missing: build it with `cargo build -p weir-runtime` (cargo test --workspace does)", binary.display());
-    let server = TestApiServer::start().expect("API server starts");
-    let client = server.client().await.unwrap();
-    server.install_crd(&client).await.unwrap();
     let ns = "upgrade";
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &serde_yaml::from_str(&format!("metadata: {{ name: {ns} }}")).unwrap()).await.unwrap();
-    Api::<ServiceAccount>::namespaced(client.clone(), ns).create(&PostParams::default(), &serde_yaml::from_str("metadata: { name: default }").unwrap()).await.unwrap();
+    let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
     // Shared by the operator and the "pod" process, so not under /tmp (the pod's scratch mount).
     let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
