@@ -39,6 +39,19 @@ pub enum StorageError {
     },
 }
 
+/// Whether the environment names S3 credentials: static keys, web identity (EKS IRSA), a
+/// container credentials endpoint (ECS/EKS pod identity), or an explicit opt-in to the instance
+/// metadata service. Without one of them object_store would fall back to instance metadata on
+/// its own, reaching out to a link-local address on machines that have none.
+pub fn s3_credentials_configured(var: impl Fn(&str) -> Option<String>) -> bool {
+    let set = |k: &str| var(k).is_some_and(|v| !v.is_empty());
+    (set("AWS_ACCESS_KEY_ID") && set("AWS_SECRET_ACCESS_KEY"))
+        || set("AWS_WEB_IDENTITY_TOKEN_FILE")
+        || set("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+        || set("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+        || var("WEIR_S3_INSTANCE_METADATA").as_deref() == Some("true")
+}
+
 /// A job's storage root.
 #[derive(Clone, Debug)]
 pub struct Storage {
@@ -66,6 +79,13 @@ impl Storage {
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
             if bucket.is_empty() {
                 return Err(fail("needs a bucket: s3://bucket/prefix".into()));
+            }
+            if !s3_credentials_configured(|k| std::env::var(k).ok()) {
+                return Err(fail(
+                    "no S3 credentials in the environment (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, use web identity, \
+                     or set WEIR_S3_INSTANCE_METADATA=true to use the instance metadata service)"
+                        .into(),
+                ));
             }
             let store = AmazonS3Builder::from_env().with_bucket_name(bucket).build().map_err(|e| fail(e.to_string()))?;
             return Ok(Storage { store: Arc::new(store), prefix: prefix.trim_matches('/').to_string(), url: url.to_string(), local: None });
@@ -224,6 +244,16 @@ mod tests {
         let child = s.child("x/y");
         child.put("z", Bytes::from_static(b"1")).await.unwrap();
         assert_eq!(s.list("x").await.unwrap(), vec!["x/y/z"]);
+    }
+
+    #[test]
+    fn s3_needs_credentials_from_the_environment() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+        assert!(!s3_credentials_configured(env(&[])));
+        assert!(!s3_credentials_configured(env(&[("AWS_ACCESS_KEY_ID", "a")])));
+        assert!(s3_credentials_configured(env(&[("AWS_ACCESS_KEY_ID", "a"), ("AWS_SECRET_ACCESS_KEY", "b")])));
+        assert!(s3_credentials_configured(env(&[("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/token")])));
+        assert!(s3_credentials_configured(env(&[("WEIR_S3_INSTANCE_METADATA", "true")])));
     }
 
     #[test]
