@@ -113,7 +113,7 @@ pub struct CheckpointingSpec {
 fn yes() -> bool {
     true
 }
-fn one() -> u32 {
+pub(crate) fn one() -> u32 {
     1
 }
 fn default_interval() -> HumanDuration {
@@ -122,7 +122,7 @@ fn default_interval() -> HumanDuration {
 fn default_timeout() -> HumanDuration {
     HumanDuration::from_secs(60)
 }
-fn default_retained() -> u32 {
+pub(crate) fn default_retained() -> u32 {
     3
 }
 fn default_full_every() -> u32 {

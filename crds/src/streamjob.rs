@@ -11,7 +11,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::duration::HumanDuration;
-use crate::job::{CheckpointMode, OperatorSpec, RetentionOnCancel, SinkSpec, SourceSpec};
+use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionOnCancel, SinkSpec, SourceSpec};
 
 /// A stream-processing job run by Weir: its dataflow graph, parallelism, checkpointing and
 /// lifecycle.
@@ -197,12 +197,6 @@ fn default_interval() -> HumanDuration {
 }
 fn default_timeout() -> HumanDuration {
     HumanDuration::from_secs(600)
-}
-fn one() -> u32 {
-    1
-}
-fn default_retained() -> u32 {
-    3
 }
 
 impl Default for CheckpointSettings {

@@ -32,29 +32,9 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let controller = tokio::spawn(run(client.clone(), Settings { default_storage: state.path().display().to_string() }));
-    let manifest = format!(
-        r#"
-apiVersion: weir.dev/v1alpha1
-kind: StreamJob
-metadata: {{ name: counter }}
-spec:
-  image: weir-runtime:dev
-  parallelism: 1
-  checkpointing: {{ interval: 200ms, retained: 3 }}
-  relaunch: {{ backoff: 1s, limit: 3 }}
-  job:
-    inline:
-      sources: [ {{ name: events, uid: events, generator: {{ count: 20000, ratePerSecond: 4000, fields: [ {{ name: k, modulo: 40 }} ] }} }} ]
-      operators:
-        - {{ name: by-k, keyBy: {{ fields: [k] }} }}
-        - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
-      sinks: [ {{ name: out, uid: out, file: {{ path: {} }} }} ]
-"#,
-        out.path().display()
-    );
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    jobs.create(&PostParams::default(), &serde_yaml::from_str(&manifest).unwrap()).await.unwrap();
+    jobs.create(&PostParams::default(), &counter_job(20000, out.path(), "  checkpointing: { interval: 200ms, retained: 3 }\n  relaunch: { backoff: 1s, limit: 3 }")).await.unwrap();
     let first = eventually("first pod", 30, || async { pods.get_opt("counter-runtime-0").await.unwrap() }).await;
     let first_uid = first.metadata.uid.clone();
     let mut local = LocalPod::start(&client, &first, &binary).await.unwrap();

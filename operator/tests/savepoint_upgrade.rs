@@ -27,29 +27,9 @@ async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
     let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let controller = tokio::spawn(run(client.clone(), Settings { default_storage: state.path().display().to_string() }));
 
-    let manifest = format!(
-        r#"
-apiVersion: weir.dev/v1alpha1
-kind: StreamJob
-metadata: {{ name: counter }}
-spec:
-  image: weir-runtime:dev
-  parallelism: 1
-  upgradeMode: savepoint
-  checkpointing: {{ interval: 300ms }}
-  job:
-    inline:
-      sources: [ {{ name: events, uid: events, generator: {{ count: 24000, ratePerSecond: 4000, fields: [ {{ name: k, modulo: 40 }} ] }} }} ]
-      operators:
-        - {{ name: by-k, keyBy: {{ fields: [k] }} }}
-        - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
-      sinks: [ {{ name: out, uid: out, file: {{ path: {} }} }} ]
-"#,
-        out.path().display()
-    );
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    jobs.create(&PostParams::default(), &serde_yaml::from_str(&manifest).unwrap()).await.unwrap();
+    jobs.create(&PostParams::default(), &counter_job(24000, out.path(), "  upgradeMode: savepoint\n  checkpointing: { interval: 300ms }")).await.unwrap();
 
     let first = eventually("first pod", 30, || async { pods.get_opt("counter-runtime-0").await.unwrap() }).await;
     let first_hash = first.metadata.labels.as_ref().unwrap()["weir.dev/spec-hash"].clone();

@@ -508,7 +508,7 @@ impl Executor<'_> {
             NodeKind::Blackhole => Box::new(BlackholeSink::new(self.metrics.clone())),
             NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) => unreachable!("not a chain element"),
         };
-        Ok(ChainedOperator { name: node.name.clone(), uid: node.uid.clone().filter(|_| node.kind.is_stateful()), op })
+        Ok(ChainedOperator { uid: node.uid.clone().filter(|_| node.kind.is_stateful()), op })
     }
 
     fn coordinate(&mut self, running: &Running, events: &Receiver<Event>) -> AttemptEnd {

@@ -97,8 +97,6 @@ pub trait Operator: Send {
 
 /// A chain element with its identity.
 pub struct ChainedOperator {
-    /// Node name (for messages).
-    pub name: String,
     /// State uid (stateful operators).
     pub uid: Option<String>,
     /// The operator.

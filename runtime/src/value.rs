@@ -72,10 +72,7 @@ impl Value {
         match self {
             Value::Null => out.extend_from_slice(b"null"),
             Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
-            Value::Int(i) => {
-                let mut buf = itoa_buf(*i);
-                out.append(&mut buf);
-            }
+            Value::Int(i) => out.extend_from_slice(i.to_string().as_bytes()),
             Value::Float(x) if x.is_finite() => {
                 let s = serde_json::to_string(x).unwrap_or_else(|_| "null".into());
                 out.extend_from_slice(s.as_bytes());
@@ -165,10 +162,6 @@ impl Value {
             (a, b) => rank(a).cmp(&rank(b)).then(Ordering::Equal),
         }
     }
-}
-
-fn itoa_buf(i: i64) -> Vec<u8> {
-    i.to_string().into_bytes()
 }
 
 /// One record: its event time (ms) and its fields in schema order.

@@ -109,9 +109,7 @@ fn rescaling_through_a_savepoint_two_to_three_and_three_to_two() {
         p.parallelism = from;
         let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));
         run.wait_for_checkpoints(3, Duration::from_secs(60));
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        run.requests.send(Request::Savepoint { stop: true, drain: false, reply: tx }).unwrap();
-        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        run.request_savepoint(true, false);
         let (r, _) = run.join();
         let JobOutcome::Stopped { savepoint } = r.unwrap() else { panic!("expected a stop with savepoint") };
         assert!(savepoint.contains("/savepoints/sp-"), "{savepoint}");
@@ -130,9 +128,7 @@ fn savepoints_restore_with_an_added_operator_and_refuse_a_vanished_uid() {
     let (_d, out, chk) = workdir("evolve");
     let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));
     run.wait_for_checkpoints(2, Duration::from_secs(60));
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    run.requests.send(Request::Savepoint { stop: true, drain: false, reply: tx }).unwrap();
-    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    run.request_savepoint(true, false);
     let JobOutcome::Stopped { savepoint } = run.join().0.unwrap() else { panic!("expected stop") };
 
     // A new stateful operator (and its sink) is fine: it starts empty.
@@ -184,9 +180,7 @@ fn restoring_an_older_savepoint_rolls_output_back_to_it_and_replays_exactly_once
     let (_d, out, chk) = workdir("rewind");
     let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));
     run.wait_for_checkpoints(2, Duration::from_secs(60));
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    run.requests.send(Request::Savepoint { stop: false, drain: false, reply: tx }).unwrap();
-    let request = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let request = run.request_savepoint(false, false);
     // The job keeps running after a plain savepoint, and finishes.
     let (r, m) = run.join();
     assert_eq!(r.unwrap(), JobOutcome::Finished);
@@ -321,9 +315,7 @@ sinks:
     );
     let run = InProcess::start(&yaml, opts(&chk));
     run.wait_for_checkpoints(3, Duration::from_secs(60));
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    run.requests.send(Request::Savepoint { stop: true, drain: true, reply: tx }).unwrap();
-    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    run.request_savepoint(true, true);
     let (r, m) = run.join();
     assert!(matches!(r.unwrap(), JobOutcome::Stopped { .. }));
     let counted: i64 = committed(&out)["windows"]

@@ -66,3 +66,29 @@ pub fn assert_running_counts_exactly_once(dir: &std::path::Path) -> usize {
     }
     total
 }
+
+/// The StreamJob the runtime-backed tests run: a rate-limited generator of `count` records
+/// over 40 keys, a running count per key (`uid: counts`) and an exactly-once file sink in
+/// `out`; `spec_extra` adds spec lines (two-space indented).
+pub fn counter_job(count: u64, out: &std::path::Path, spec_extra: &str) -> StreamJob {
+    let text = format!(
+        r#"
+apiVersion: weir.dev/v1alpha1
+kind: StreamJob
+metadata: {{ name: counter }}
+spec:
+  image: weir-runtime:dev
+  parallelism: 1
+{spec_extra}
+  job:
+    inline:
+      sources: [ {{ name: events, uid: events, generator: {{ count: {count}, ratePerSecond: 4000, fields: [ {{ name: k, modulo: 40 }} ] }} }} ]
+      operators:
+        - {{ name: by-k, keyBy: {{ fields: [k] }} }}
+        - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+      sinks: [ {{ name: out, uid: out, file: {{ path: {} }} }} ]
+"#,
+        out.display()
+    );
+    serde_yaml::from_str(&text).expect("valid test manifest")
+}

@@ -104,17 +104,6 @@ impl Storage {
         Ok(Storage { store: Arc::new(store), prefix: String::new(), url: abs.display().to_string(), local: Some(abs) })
     }
 
-    /// A view of the same store one directory down.
-    pub fn child(&self, dir: &str) -> Storage {
-        let prefix = if self.prefix.is_empty() { dir.trim_matches('/').to_string() } else { format!("{}/{}", self.prefix, dir.trim_matches('/')) };
-        Storage {
-            store: self.store.clone(),
-            url: format!("{}/{}", self.url.trim_end_matches('/'), dir.trim_matches('/')),
-            local: self.local.clone(),
-            prefix,
-        }
-    }
-
     /// The URL (or absolute path) of this root, for messages and status.
     pub fn url(&self) -> &str {
         &self.url
@@ -241,9 +230,6 @@ mod tests {
         s.delete_dir("a").await.unwrap();
         assert!(s.list("a").await.unwrap().is_empty());
         assert!(!dir.path().join("a").exists(), "emptied directories are removed too");
-        let child = s.child("x/y");
-        child.put("z", Bytes::from_static(b"1")).await.unwrap();
-        assert_eq!(s.list("x").await.unwrap(), vec!["x/y/z"]);
     }
 
     #[test]

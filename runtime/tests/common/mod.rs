@@ -205,6 +205,14 @@ impl InProcess {
         }
     }
 
+    /// Asks for a savepoint (a stop when `stop`) and waits until it is accepted; returns the
+    /// request id.
+    pub fn request_savepoint(&self, stop: bool, drain: bool) -> u64 {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.requests.send(Request::Savepoint { stop, drain, reply: tx }).unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).expect("savepoint request accepted")
+    }
+
     pub fn join(self) -> (Result<JobOutcome, JobError>, Arc<JobMetrics>) {
         (self.handle.join().expect("job thread"), self.metrics)
     }
