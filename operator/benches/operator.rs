@@ -48,7 +48,7 @@ async fn main() {
     let storage = tempfile::tempdir().unwrap();
     let metrics = OperatorMetrics::shared();
     let rss_before = rss_mib();
-    tokio::spawn(run_with_metrics(client.clone(), Settings { default_storage: storage.path().display().to_string() }, metrics.clone()));
+    tokio::spawn(run_with_metrics(client.clone(), Settings::new(storage.path().display().to_string()), metrics.clone()));
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_idle = rss_mib();
 

@@ -1,5 +1,5 @@
 //! The Kubernetes objects a StreamJob owns, built as plain values (no client): the job file
-//! ConfigMap, the control API Service and the runtime Pod. Pods run under the restricted Pod
+//! ConfigMap, the control API Service, the NetworkPolicy guarding it, and the runtime Pod. Pods run under the restricted Pod
 //! Security profile: non-root, no privilege escalation, all capabilities dropped, seccomp
 //! RuntimeDefault and a read-only root filesystem.
 
@@ -10,7 +10,8 @@ use k8s_openapi::api::core::v1::{
     PodSecurityContext, PodSpec, Probe, SeccompProfile, SecretEnvSource, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec,
     Volume, VolumeMount,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use weir_crds::job::{CheckpointingSpec, JobSpec, RestartSpec, RestartStrategyKind};
@@ -134,6 +135,50 @@ pub fn config_map(sj: &StreamJob, job_yaml: String) -> Result<ConfigMap, BuildEr
     Ok(ConfigMap { metadata: meta(sj, config_map_name(&job), BTreeMap::new())?, data: Some(BTreeMap::from([("job.yaml".to_string(), job_yaml)])), ..ConfigMap::default() })
 }
 
+/// Who may reach a job's control API (savepoints, stop, cancel, metrics) when NetworkPolicies
+/// are enforced: the operator's pods, and any namespaces named for scraping metrics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ControlIngress {
+    /// Namespace the operator runs in.
+    pub operator_namespace: String,
+    /// Labels of the operator's pods.
+    pub operator_pod_labels: BTreeMap<String, String>,
+    /// Further namespaces allowed in (e.g. `monitoring` for Prometheus).
+    pub extra_namespaces: Vec<String>,
+}
+
+/// Name of the NetworkPolicy guarding the control API.
+pub fn network_policy_name(job: &str) -> String {
+    format!("{job}-control")
+}
+
+/// A NetworkPolicy that admits only `ingress` to the runtime pods' control port, and nothing
+/// else to any other port of theirs.
+pub fn network_policy(sj: &StreamJob, ingress: &ControlIngress) -> Result<NetworkPolicy, BuildError> {
+    let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
+    let namespace_is = |ns: &str| LabelSelector { match_labels: Some(BTreeMap::from([("kubernetes.io/metadata.name".to_string(), ns.to_string())])), ..LabelSelector::default() };
+    let mut from = vec![NetworkPolicyPeer {
+        namespace_selector: Some(namespace_is(&ingress.operator_namespace)),
+        pod_selector: Some(LabelSelector { match_labels: Some(ingress.operator_pod_labels.clone()), ..LabelSelector::default() }),
+        ..NetworkPolicyPeer::default()
+    }];
+    for ns in &ingress.extra_namespaces {
+        from.push(NetworkPolicyPeer { namespace_selector: Some(namespace_is(ns)), ..NetworkPolicyPeer::default() });
+    }
+    Ok(NetworkPolicy {
+        metadata: meta(sj, network_policy_name(&job), BTreeMap::new())?,
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector { match_labels: Some(BTreeMap::from([(JOB_LABEL.to_string(), job.clone())])), ..LabelSelector::default() }),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![NetworkPolicyIngressRule {
+                from: Some(from),
+                ports: Some(vec![NetworkPolicyPort { port: Some(IntOrString::Int(CONTROL_PORT)), protocol: Some("TCP".into()), ..NetworkPolicyPort::default() }]),
+            }]),
+            ..NetworkPolicySpec::default()
+        }),
+    })
+}
+
 /// The Service in front of the control API.
 pub fn service(sj: &StreamJob) -> Result<Service, BuildError> {
     let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
@@ -241,6 +286,26 @@ pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Op
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn network_policy_admits_only_the_operator_and_named_namespaces_to_the_control_port() {
+        let ingress = ControlIngress {
+            operator_namespace: "weir-system".into(),
+            operator_pod_labels: BTreeMap::from([("app.kubernetes.io/name".to_string(), "weir-operator".to_string())]),
+            extra_namespaces: vec!["monitoring".into()],
+        };
+        let np = network_policy(&sj(), &ingress).unwrap();
+        assert_eq!(np.metadata.name.as_deref(), Some("orders-control"));
+        let spec = np.spec.unwrap();
+        assert_eq!(spec.pod_selector.unwrap().match_labels.unwrap()[JOB_LABEL], "orders");
+        let rule = &spec.ingress.unwrap()[0];
+        assert_eq!(rule.ports.as_ref().unwrap()[0].port, Some(IntOrString::Int(CONTROL_PORT)));
+        let from = rule.from.as_ref().unwrap();
+        assert_eq!(from.len(), 2);
+        assert_eq!(from[0].namespace_selector.as_ref().unwrap().match_labels.as_ref().unwrap()["kubernetes.io/metadata.name"], "weir-system");
+        assert_eq!(from[0].pod_selector.as_ref().unwrap().match_labels.as_ref().unwrap()["app.kubernetes.io/name"], "weir-operator");
+        assert!(from[1].pod_selector.is_none(), "every pod of the monitoring namespace");
+    }
     use weir_crds::streamjob::{JobSource, StreamJobSpec};
 
     fn sj() -> StreamJob {

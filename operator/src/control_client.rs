@@ -1,10 +1,11 @@
 //! The operator's client of a runtime's control API (plain HTTP/1.1 inside the cluster, a
-//! per-job bearer token): request a savepoint, read a savepoint request's status.
+//! per-job bearer token): request a savepoint, read a savepoint request's status, read the
+//! job's status.
 
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use weir_crds::control::{SavepointRequest, SavepointStatus};
+use weir_crds::control::{JobStatus, SavepointRequest, SavepointStatus};
 
 /// Why a control API call failed.
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +52,7 @@ async fn call(base: &str, method: &str, path: &str, token: &str, body: &str) -> 
     Ok((status, body))
 }
 
-fn parse(status: u16, body: String) -> Result<SavepointStatus, ControlError> {
+fn parse<T: serde::de::DeserializeOwned>(status: u16, body: String) -> Result<T, ControlError> {
     if !(200..300).contains(&status) {
         return Err(ControlError::Status { status, body });
     }
@@ -68,5 +69,11 @@ pub async fn request_savepoint(base: &str, token: &str, stop: bool) -> Result<Sa
 /// The status of a savepoint request.
 pub async fn savepoint_status(base: &str, token: &str, request: u64) -> Result<SavepointStatus, ControlError> {
     let (status, text) = call(base, "GET", &format!("/v1/savepoints/{request}"), token, "").await?;
+    parse(status, text)
+}
+
+/// The job's status (its id, counters and newest checkpoint).
+pub async fn job_status(base: &str, token: &str) -> Result<JobStatus, ControlError> {
+    let (status, text) = call(base, "GET", "/v1/job", token, "").await?;
     parse(status, text)
 }

@@ -9,12 +9,14 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::controller::{Action as Requeue, Controller};
+use kube::runtime::controller::{self, Action as Requeue, Controller};
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
-use kube::runtime::watcher;
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use weir_checkpoint::Storage;
 use weir_crds::control::CheckpointOutcome;
@@ -32,11 +34,37 @@ pub const FINALIZER: &str = "weir.dev/stop-with-savepoint";
 /// Annotation overriding a job's control API URL (for an operator running outside the cluster).
 pub const CONTROL_URL_ANNOTATION: &str = "weir.dev/control-url";
 
+/// How the operator reaches a job's control API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ControlAddress {
+    /// Through the job's Service by cluster DNS (`<job>-control.<ns>.svc`): in-cluster.
+    Service,
+    /// Straight to the pod IP: an operator outside the cluster on a host that routes to pods.
+    PodIp,
+}
+
 /// Operator-wide settings.
 #[derive(Clone, Debug)]
 pub struct Settings {
     /// Storage root used when a job names none (e.g. `s3://weir-state` or a local path).
     pub default_storage: String,
+    /// How to reach the runtimes' control APIs.
+    pub control_address: ControlAddress,
+    /// At most this many StreamJobs reconciled at once.
+    pub max_concurrent_reconciles: u16,
+    /// How often a running job's status (newest checkpoint, job id) is refreshed from its
+    /// control API.
+    pub status_refresh: Duration,
+    /// When set, each job gets a NetworkPolicy admitting only these peers to its control API.
+    pub control_ingress: Option<children::ControlIngress>,
+}
+
+impl Settings {
+    /// Defaults: control API through Services, 16 concurrent reconciles, status refreshed
+    /// every 30 s, no NetworkPolicy.
+    pub fn new(default_storage: impl Into<String>) -> Settings {
+        Settings { default_storage: default_storage.into(), control_address: ControlAddress::Service, max_concurrent_reconciles: 16, status_refresh: Duration::from_secs(30), control_ingress: None }
+    }
 }
 
 /// What every reconcile shares.
@@ -49,6 +77,10 @@ pub struct Context {
     pub recorder: Recorder,
     /// Metrics.
     pub metrics: Arc<crate::metrics::OperatorMetrics>,
+    /// The runtime pods of every job, kept current by a watch (spec and managed fields dropped).
+    pub pods: Store<Pod>,
+    /// Control API tokens by `namespace/name`, read once from each job's Secret.
+    pub tokens: std::sync::Mutex<BTreeMap<String, String>>,
 }
 
 /// Why a reconcile failed; the category names Event reasons and metric labels.
@@ -71,6 +103,14 @@ pub enum ReconcileError {
     /// An API call failed.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// The Secret named by `checkpointing.credentialsSecret` could not be read.
+    #[error("reading credentials Secret {name}: {reason}")]
+    CredentialsSecret {
+        /// Secret name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
     /// Checkpoint storage could not be read.
     #[error("checkpoint storage: {0}")]
     Storage(#[from] weir_checkpoint::StorageError),
@@ -84,6 +124,7 @@ impl ReconcileError {
             ReconcileError::JobConfigMap { .. } => "job-configmap",
             ReconcileError::Build(_) => "build",
             ReconcileError::Kube(_) => "kube-api",
+            ReconcileError::CredentialsSecret { .. } => "credentials-secret",
             ReconcileError::Storage(_) => "storage",
         }
     }
@@ -200,15 +241,24 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     let storage_url = sj.spec.checkpointing.storage.clone().unwrap_or_else(|| ctx.settings.default_storage.clone());
     let root = children::storage_root(&storage_url, &ns, &name);
 
-    // Observe.
+    // Observe: pods from the watch cache; an empty cache is confirmed by one live list so a
+    // pod created a moment ago is not created twice.
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let listed = pods.list(&ListParams::default().labels(&format!("{JOB_LABEL}={name}"))).await?;
-    let (pods_phase, pods_hash) = observe::pods_phase(&listed.items);
-    let storage = Storage::open(&root)?;
-    let checkpoints = observe::checkpoints(&storage).await?;
-    let token = ensure_token(&client, &sj, &ns, &name).await?;
-    let control_url = sj.annotations().get(CONTROL_URL_ANNOTATION).cloned().unwrap_or_else(|| format!("http://{}.{ns}.svc:{}", children::service_name(&name), children::CONTROL_PORT));
-    let stopped_with = observe::stopped_with_savepoint(&listed.items);
+    let mut listed: Vec<Pod> = ctx
+        .pods
+        .state_filter(|p| p.metadata.namespace.as_deref() == Some(ns.as_str()) && p.labels().get(JOB_LABEL) == Some(&name))
+        .iter()
+        .map(|p| Pod::clone(p))
+        .collect();
+    if listed.is_empty() {
+        listed = pods.list(&ListParams::default().labels(&format!("{JOB_LABEL}={name}"))).await?.items;
+    }
+    let (pods_phase, pods_hash) = observe::pods_phase(&listed);
+    let key = format!("{ns}/{name}");
+    let control_url = control_url(&sj, &ns, &name, &listed, ctx.settings.control_address);
+    let stopped_with = observe::stopped_with_savepoint(&listed);
+    let needs_token = status.operation.is_some() || matches!(pods_phase, plan::PodsPhase::Running);
+    let mut token = if needs_token { Some(token(&ctx, &sj, &ns, &name, &key).await?) } else { None };
     let savepoint = match status.operation.as_ref().and_then(|o| o.request_id) {
         None => None,
         // The runtime already exited after the stop: its termination message names the savepoint.
@@ -216,7 +266,7 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
             let path = stopped_with.unwrap_or_default();
             Some(SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef { id: savepoint_id(&path), path, completed_at: ms_to_rfc3339(now_ms()) }))
         }
-        Some(id) => Some(match control_client::savepoint_status(&control_url, &token, id).await {
+        Some(id) => Some(match control_client::savepoint_status(&control_url, token.as_deref().unwrap_or_default(), id).await {
             Ok(s) => match s.outcome {
                 CheckpointOutcome::InProgress => SavepointProgress::InProgress,
                 CheckpointOutcome::Completed => {
@@ -233,7 +283,22 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
             Err(e) => SavepointProgress::Failed(e.to_string()),
         }),
     };
-    let obs = Observation { now_ms: now_ms(), pods: pods_phase, pods_spec_hash: pods_hash, savepoint, checkpoints };
+    // The runtime's own view of a running job: its id and newest checkpoint, for status.
+    let mut job_id = status.job_id.clone();
+    let mut latest_checkpoint = status.latest_checkpoint.clone();
+    if matches!(pods_phase, plan::PodsPhase::Running) && status.operation.is_none() {
+        match control_client::job_status(&control_url, token.as_deref().unwrap_or_default()).await {
+            Ok(job) => {
+                job_id = Some(job.job_id);
+                if let Some(c) = job.latest_checkpoint {
+                    let completed = c.triggered_at_ms + c.duration_ms.unwrap_or(0);
+                    latest_checkpoint = Some(weir_crds::streamjob::SnapshotRef { id: c.id, path: c.path, completed_at: ms_to_rfc3339(completed) });
+                }
+            }
+            Err(e) => tracing::debug!(job = %name, error = %e, "job status not readable"),
+        }
+    }
+    let mut obs = Observation { now_ms: now_ms(), pods: pods_phase, pods_spec_hash: pods_hash, savepoint, checkpoints: Vec::new() };
 
     // Validate: a job graph the runtime would refuse is reported, not deployed.
     let graph = job_graph(&client, &sj, &ns).await?;
@@ -247,6 +312,11 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     let hash = children::spec_hash(&sj);
     let desired = Desired { spec: &effective, generation, spec_hash: &hash };
     let current = plan_state(&status);
+    // Storage is read only when the decision can depend on its checkpoints.
+    let storage = StorageAccess { client: &client, sj: &sj, ns: &ns, root: &root };
+    if plan::needs_checkpoints(&desired, &current, &obs) {
+        obs.checkpoints = storage.checkpoints().await?;
+    }
     let mut p = if let (Some(reason), true) = (&invalid, effective.state == DesiredState::Running) {
         Plan { state: current.clone(), degraded: Some(format!("the job graph is invalid: {reason}")), ..Plan::default() }
     } else {
@@ -258,17 +328,24 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     for action in p.actions.clone() {
         match action {
             Action::Deploy { restore_from } => {
+                // The pod reads its token from this Secret: make sure it exists.
+                token = Some(ensure_token(&client, &sj, &ns, &name).await?);
+                ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), token.clone().unwrap_or_default());
                 let pp = PatchParams::apply(FIELD_MANAGER).force();
                 let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
                 cms.patch(&children::config_map_name(&name), &pp, &Patch::Apply(children::config_map(&sj, job_yaml.clone())?)).await?;
                 let svcs: Api<Service> = Api::namespaced(client.clone(), &ns);
                 svcs.patch(&children::service_name(&name), &pp, &Patch::Apply(children::service(&sj)?)).await?;
+                if let Some(ingress) = &ctx.settings.control_ingress {
+                    let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), &ns);
+                    nps.patch(&children::network_policy_name(&name), &pp, &Patch::Apply(children::network_policy(&sj, ingress)?)).await?;
+                }
                 let pod = children::pod(&sj, &hash, &root, restore_from.as_ref())?;
                 pods.patch(&children::pod_name(&name), &pp, &Patch::Apply(pod)).await?;
             }
             Action::DeletePods { grace_seconds } => {
                 let dp = DeleteParams { grace_period_seconds: grace_seconds.map(|g| g as u32), ..DeleteParams::default() };
-                for pod in &listed.items {
+                for pod in &listed {
                     match pods.delete(&pod.name_any(), &dp).await {
                         Ok(_) => {}
                         Err(kube::Error::Api(s)) if s.code == 404 => {}
@@ -278,22 +355,26 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
             }
             Action::DeleteSavepoint { path } => {
                 // Savepoints live under the job's storage root; anything else is left alone.
+                let storage = storage.open().await?;
                 match path.strip_prefix(storage.url()).map(|rel| rel.trim_start_matches('/').to_string()) {
                     Some(rel) if rel.starts_with(weir_checkpoint::layout::SAVEPOINTS) => storage.delete_dir(&rel).await?,
                     _ => tracing::warn!(job = %name, %path, "not deleting a savepoint outside the job's storage root"),
                 }
             }
-            Action::RequestSavepoint { stop } => match control_client::request_savepoint(&control_url, &token, stop).await {
+            Action::RequestSavepoint { stop } => match control_client::request_savepoint(&control_url, token.as_deref().unwrap_or_default(), stop).await {
                 Ok(s) => request_id = Some(s.request_id),
                 Err(e) => {
                     // The savepoint cannot even start: plan again with that failure (e.g. kill).
-                    let failed = Observation { savepoint: Some(SavepointProgress::Failed(e.to_string())), ..obs.clone() };
+                    let mut failed = Observation { savepoint: Some(SavepointProgress::Failed(e.to_string())), ..obs.clone() };
+                    if failed.checkpoints.is_empty() && plan::needs_checkpoints(&desired, &p.state, &failed) {
+                        failed.checkpoints = storage.checkpoints().await?;
+                    }
                     let mut retry = plan::plan(&desired, &p.state, &failed);
                     retry.events.splice(0..0, p.events.drain(..));
                     for a in &retry.actions {
                         if let Action::DeletePods { grace_seconds } = a {
                             let dp = DeleteParams { grace_period_seconds: grace_seconds.map(|g| g as u32), ..DeleteParams::default() };
-                            for pod in &listed.items {
+                            for pod in &listed {
                                 let _ = pods.delete(&pod.name_any(), &dp).await;
                             }
                         }
@@ -331,7 +412,9 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
             tracing::warn!(job = %name, error = %err, "could not record event");
         }
     }
-    let new_status = status_from(&status, &p, generation, request_id, invalid.is_some());
+    let mut new_status = status_from(&status, &p, generation, request_id, invalid.is_some());
+    new_status.job_id = job_id;
+    new_status.latest_checkpoint = latest_checkpoint;
     ctx.metrics.phase(format!("{ns}/{name}"), if deleting { None } else { new_status.phase.clone() });
     if new_status != status {
         let patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new_status });
@@ -345,8 +428,58 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     }
     Ok(match p.requeue_after_ms {
         Some(ms) => Requeue::requeue(Duration::from_millis(ms.max(200))),
+        None if new_status.phase.as_deref() == Some(Phase::Running.as_str()) => Requeue::requeue(ctx.settings.status_refresh),
         None => Requeue::requeue(Duration::from_secs(60)),
     })
+}
+
+/// The job's control API base URL: the annotation override, else by Service or pod IP.
+fn control_url(sj: &StreamJob, ns: &str, name: &str, pods: &[Pod], how: ControlAddress) -> String {
+    if let Some(url) = sj.annotations().get(CONTROL_URL_ANNOTATION) {
+        return url.clone();
+    }
+    let pod_ip = pods.iter().find_map(|p| p.status.as_ref()?.pod_ip.clone());
+    match (how, pod_ip) {
+        (ControlAddress::PodIp, Some(ip)) if ip.contains(':') => format!("http://[{ip}]:{}", children::CONTROL_PORT),
+        (ControlAddress::PodIp, Some(ip)) => format!("http://{ip}:{}", children::CONTROL_PORT),
+        _ => format!("http://{}.{ns}.svc:{}", children::service_name(name), children::CONTROL_PORT),
+    }
+}
+
+/// The job's control API token: cached, else read from (or created in) its Secret.
+async fn token(ctx: &Context, sj: &StreamJob, ns: &str, name: &str, key: &str) -> Result<String, ReconcileError> {
+    if let Some(t) = ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).get(key) {
+        return Ok(t.clone());
+    }
+    let t = ensure_token(&ctx.client, sj, ns, name).await?;
+    ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).insert(key.to_string(), t.clone());
+    Ok(t)
+}
+
+/// Opens a job's checkpoint storage on demand, with the keys of its credentials Secret.
+struct StorageAccess<'a> {
+    client: &'a kube::Client,
+    sj: &'a StreamJob,
+    ns: &'a str,
+    root: &'a str,
+}
+
+impl StorageAccess<'_> {
+    async fn open(&self) -> Result<Storage, ReconcileError> {
+        let mut env = Vec::new();
+        if let Some(secret) = &self.sj.spec.checkpointing.credentials_secret {
+            let secrets: Api<Secret> = Api::namespaced(self.client.clone(), self.ns);
+            let found = secrets.get(&secret.name).await.map_err(|e| ReconcileError::CredentialsSecret { name: secret.name.clone(), reason: e.to_string() })?;
+            for (k, v) in found.data.unwrap_or_default() {
+                env.push((k, String::from_utf8_lossy(&v.0).to_string()));
+            }
+        }
+        Ok(Storage::open_with_env(self.root, &env)?)
+    }
+
+    async fn checkpoints(&self) -> Result<Vec<plan::FoundCheckpoint>, ReconcileError> {
+        Ok(observe::checkpoints(&self.open().await?).await?)
+    }
 }
 
 async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &str) -> Result<String, ReconcileError> {
@@ -468,9 +601,24 @@ pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics:
     let jobs: Api<StreamJob> = Api::all(client.clone());
     let recorder = Recorder::new(client.clone(), Reporter { controller: FIELD_MANAGER.into(), instance: std::env::var("POD_NAME").ok() });
     metrics.ready.store(true, std::sync::atomic::Ordering::Relaxed);
-    let ctx = Arc::new(Context { client: client.clone(), settings, recorder, metrics: metrics.clone() });
-    Controller::new(jobs, watcher::Config::default())
-        .owns(Api::<Pod>::all(client.clone()), watcher::Config::default().labels(JOB_LABEL))
+    // One watch of the runtime pods feeds both the cache that reconciles read and the
+    // controller's triggers. Pod specs and managed fields are dropped: only metadata and status
+    // are read, and 1,000 jobs' pods then fit in a few MiB.
+    let (pod_store, writer) = reflector::store::<Pod>();
+    let pod_events = watcher(Api::<Pod>::all(client.clone()), watcher::Config::default().labels(JOB_LABEL).any_semantic())
+        .default_backoff()
+        .modify(|pod| {
+            pod.spec = None;
+            pod.managed_fields_mut().clear();
+            pod.annotations_mut().clear();
+        })
+        .reflect(writer)
+        .applied_objects();
+    let concurrency = settings.max_concurrent_reconciles.max(1);
+    let ctx = Arc::new(Context { client: client.clone(), settings, recorder, metrics: metrics.clone(), pods: pod_store, tokens: Default::default() });
+    Controller::new(jobs, watcher::Config::default().any_semantic())
+        .owns_stream(pod_events)
+        .with_config(controller::Config::default().concurrency(concurrency))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

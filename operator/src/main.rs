@@ -9,7 +9,8 @@ use kube::api::Api;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::CustomResourceExt;
 use weir_crds::StreamJob;
-use weir_operator::controller::{run_with_metrics, Settings};
+use weir_operator::children::ControlIngress;
+use weir_operator::controller::{run_with_metrics, ControlAddress, Settings};
 use weir_operator::leader::LeaderElection;
 use weir_operator::metrics::{serve, OperatorMetrics};
 
@@ -32,9 +33,37 @@ struct Args {
     /// This replica's identity in the Lease (default: the pod name, else the host name).
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
+    /// How to reach each job's control API: `service` (cluster DNS; in-cluster) or `pod-ip`
+    /// (straight to the pod; for an operator outside the cluster on a host that routes to pods).
+    #[arg(long, env = "WEIR_CONTROL_ADDRESS", value_enum, default_value_t = ControlVia::Service)]
+    control_address: ControlVia,
+    /// At most this many StreamJobs reconciled at once.
+    #[arg(long, env = "WEIR_MAX_CONCURRENT_RECONCILES", default_value_t = 16)]
+    max_concurrent_reconciles: u16,
+    /// Refresh a running job's status (newest checkpoint) this often, in seconds.
+    #[arg(long, env = "WEIR_STATUS_REFRESH_SECS", default_value_t = 30)]
+    status_refresh_secs: u64,
+    /// Give each job a NetworkPolicy that admits only the operator's pods (labelled
+    /// `app.kubernetes.io/name=weir-operator` in --lease-namespace) to its control API. Leave
+    /// off when the operator runs outside the cluster.
+    #[arg(long, env = "WEIR_CONTROL_NETWORK_POLICY")]
+    control_network_policy: bool,
+    /// With --control-network-policy: further namespaces admitted to the control API (e.g. the
+    /// one Prometheus scrapes from), comma-separated.
+    #[arg(long, env = "WEIR_CONTROL_INGRESS_NAMESPACES", value_delimiter = ',')]
+    control_ingress_namespaces: Vec<String>,
     /// How long to wait for the StreamJob CRD to be established at start.
     #[arg(long, default_value_t = 60)]
     crd_wait_secs: u64,
+}
+
+/// `--control-address` values.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ControlVia {
+    /// Through the job's Service.
+    Service,
+    /// Straight to the pod IP.
+    PodIp,
 }
 
 #[tokio::main]
@@ -58,8 +87,22 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(%identity, "waiting for the leader lease");
     election.acquire().await?;
     tracing::info!(default_storage = %args.default_storage, %identity, "leader: weir-operator running");
+    let settings = Settings {
+        default_storage: args.default_storage,
+        control_address: match args.control_address {
+            ControlVia::Service => ControlAddress::Service,
+            ControlVia::PodIp => ControlAddress::PodIp,
+        },
+        max_concurrent_reconciles: args.max_concurrent_reconciles,
+        status_refresh: Duration::from_secs(args.status_refresh_secs.max(1)),
+        control_ingress: args.control_network_policy.then(|| ControlIngress {
+            operator_namespace: args.lease_namespace.clone(),
+            operator_pod_labels: [("app.kubernetes.io/name".to_string(), "weir-operator".to_string())].into(),
+            extra_namespaces: args.control_ingress_namespaces.clone(),
+        }),
+    };
     tokio::select! {
-        () = run_with_metrics(client, Settings { default_storage: args.default_storage }, metrics) => {}
+        () = run_with_metrics(client, settings, metrics) => {}
         lost = election.keep() => anyhow::bail!("stopping: {lost}"),
     }
     tracing::info!("weir-operator stopped");

@@ -240,6 +240,32 @@ fn newest_valid(obs: &Observation) -> Option<&FoundCheckpoint> {
     obs.checkpoints.iter().find(|c| c.invalid.is_none())
 }
 
+/// Whether [`plan`] can depend on the checkpoints in storage for this observation (whose
+/// `checkpoints` need not be filled yet). Listing and verifying checkpoints reads the job's
+/// storage, so the reconciler does it only when the decision can use it: a relaunch, a
+/// last-state upgrade, a resume without a recovery point, a stop of pods that do not run, or a
+/// stop whose savepoint failed or timed out (the kill names the recovery checkpoint).
+pub fn needs_checkpoints(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> bool {
+    let spec = desired.spec;
+    if let Some(op) = &current.operation {
+        let timed_out = obs.now_ms.saturating_sub(op.started_at_ms) > spec.savepoint.timeout.as_millis();
+        let failing = timed_out || matches!(obs.savepoint, Some(SavepointProgress::Failed(_)));
+        return failing && matches!(op.kind, OperationKind::Suspend | OperationKind::Cancel) && spec.savepoint.on_cancel_failure == OnSavepointFailure::Kill;
+    }
+    if spec.state != DesiredState::Running {
+        return !matches!(obs.pods, PodsPhase::Absent | PodsPhase::Running);
+    }
+    if current.pending_upgrade.is_some() {
+        return false;
+    }
+    match &obs.pods {
+        PodsPhase::Absent => current.phase.is_some_and(|p| p != Phase::Finished) && current.recovery_point.is_none(),
+        PodsPhase::Failed(_) => current.relaunch_count < spec.relaunch.limit,
+        PodsPhase::Running => spec.upgrade_mode == UpgradeMode::LastState && obs.pods_spec_hash.as_deref() != Some(desired.spec_hash),
+        PodsPhase::Starting | PodsPhase::Terminating | PodsPhase::Succeeded => false,
+    }
+}
+
 /// Decides the next step.
 pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Plan {
     let mut p = Plan { state: current.clone(), ..Plan::default() };
@@ -549,6 +575,70 @@ mod tests {
 
     fn state(phase: Phase) -> PlanState {
         PlanState { phase: Some(phase), ..PlanState::default() }
+    }
+
+    /// `needs_checkpoints` must be true whenever the checkpoints can change the plan: checked
+    /// by planning each case with no checkpoint and with a valid and an invalid one.
+    #[test]
+    fn storage_is_read_whenever_checkpoints_can_change_the_plan() {
+        let pods = [
+            PodsPhase::Absent,
+            PodsPhase::Starting,
+            PodsPhase::Running,
+            PodsPhase::Failed("exit 1".into()),
+            PodsPhase::Succeeded,
+            PodsPhase::Terminating,
+        ];
+        let progress = [None, Some(SavepointProgress::InProgress), Some(SavepointProgress::Failed("x".into())), Some(SavepointProgress::Completed(snap(40)))];
+        let kinds = [OperationKind::Upgrade, OperationKind::Suspend, OperationKind::Cancel, OperationKind::Savepoint];
+        let mut states = vec![PlanState::default(), state(Phase::Running), state(Phase::Finished), state(Phase::Suspended), PlanState { relaunch_count: 10, ..state(Phase::Running) }];
+        states.push(PlanState { recovery_point: Some(snap(3)), ..state(Phase::Suspended) });
+        states.push(PlanState { pending_upgrade: Some(PendingUpgrade { target_generation: 2, target_spec_hash: "h2".into(), restore_from: None }), ..state(Phase::Upgrading) });
+        for started in [999_000, 0] {
+            for kind in kinds {
+                states.push(PlanState { operation: Some(Operation { kind, started_at_ms: started, generation: 2 }), ..state(Phase::Running) });
+            }
+        }
+        let mut reads = 0;
+        let mut cases = 0;
+        for desired_state in [DesiredState::Running, DesiredState::Suspended, DesiredState::Cancelled] {
+            for mode in [UpgradeMode::Savepoint, UpgradeMode::LastState, UpgradeMode::Stateless] {
+                let mut s = spec();
+                s.state = desired_state;
+                s.upgrade_mode = mode;
+                s.relaunch.limit = 10;
+                let d = desired(&s, "h2");
+                for current in &states {
+                    for phase in &pods {
+                        for hash in [Some("h1"), Some("h2")] {
+                            for sp in &progress {
+                                let base = Observation { savepoint: sp.clone(), ..obs(phase.clone(), hash) };
+                                let without = plan(&d, current, &base);
+                                let mut changed = false;
+                                for found in [vec![chk(9, 999_000, None)], vec![chk(9, 999_000, Some("corrupt")), chk(8, 998_000, None)]] {
+                                    let with = plan(&d, current, &Observation { checkpoints: found, ..base.clone() });
+                                    changed |= with != without;
+                                }
+                                let needed = needs_checkpoints(&d, current, &base);
+                                assert!(needed || !changed, "checkpoints change the plan but are not read: {desired_state:?} {mode:?} {current:?} {phase:?} {hash:?} {sp:?}");
+                                reads += needed as usize;
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(reads > 0 && reads < cases, "storage read in {reads} of {cases} cases");
+        // Steady and waiting states do not read storage.
+        let s = spec();
+        let d = desired(&s, "h1");
+        assert!(!needs_checkpoints(&d, &state(Phase::Running), &running("h1")));
+        assert!(!needs_checkpoints(&d, &state(Phase::Deploying), &obs(PodsPhase::Starting, Some("h1"))));
+        let op = PlanState { operation: Some(Operation { kind: OperationKind::Cancel, started_at_ms: 999_000, generation: 2 }), ..state(Phase::Cancelling) };
+        assert!(!needs_checkpoints(&d, &op, &Observation { savepoint: Some(SavepointProgress::InProgress), ..running("h1") }));
+        assert!(needs_checkpoints(&d, &op, &Observation { savepoint: Some(SavepointProgress::Failed("disk full".into())), ..running("h1") }));
+        assert!(needs_checkpoints(&d, &state(Phase::Running), &obs(PodsPhase::Failed("exit 137".into()), Some("h1"))));
     }
 
     #[test]

@@ -9,6 +9,8 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use weir_operator::children::ControlIngress;
 use weir_operator::controller::{run_with_metrics, Settings};
 use weir_operator::metrics::OperatorMetrics;
 
@@ -55,7 +57,13 @@ async fn lifecycle_against_a_real_api_server() {
     let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
     let storage = tempfile::tempdir().unwrap();
     let metrics = OperatorMetrics::shared();
-    let controller = tokio::spawn(run_with_metrics(client.clone(), Settings { default_storage: storage.path().display().to_string() }, metrics.clone()));
+    let ingress = ControlIngress {
+        operator_namespace: "weir-system".into(),
+        operator_pod_labels: [("app.kubernetes.io/name".to_string(), "weir-operator".to_string())].into(),
+        extra_namespaces: vec![],
+    };
+    let settings = Settings { control_ingress: Some(ingress), ..Settings::new(storage.path().display().to_string()) };
+    let controller = tokio::spawn(run_with_metrics(client.clone(), settings, metrics.clone()));
 
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -71,6 +79,8 @@ async fn lifecycle_against_a_real_api_server() {
     assert!(args.contains(&format!("--checkpoint-dir {}/lifecycle/orders", storage.path().display())), "{args}");
     assert!(Api::<ConfigMap>::namespaced(client.clone(), ns).get_opt("orders-job").await.unwrap().is_some());
     assert!(Api::<Service>::namespaced(client.clone(), ns).get_opt("orders-control").await.unwrap().is_some());
+    let policy = Api::<NetworkPolicy>::namespaced(client.clone(), ns).get("orders-control").await.expect("the control API's NetworkPolicy");
+    assert_eq!(policy.spec.unwrap().ingress.unwrap()[0].from.as_ref().unwrap().len(), 1, "only the operator's pods");
     let token = Api::<Secret>::namespaced(client.clone(), ns).get("orders-control-token").await.unwrap();
     assert!(token.data.unwrap()["token"].0.len() >= 32, "a random per-job token");
     let first_hash = pod.metadata.labels.as_ref().unwrap()["weir.dev/spec-hash"].clone();

@@ -25,7 +25,8 @@ async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
     // Shared by the operator and the "pod" process, so not under /tmp (the pod's scratch mount).
     let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let controller = tokio::spawn(run(client.clone(), Settings { default_storage: state.path().display().to_string() }));
+    let settings = Settings { status_refresh: Duration::from_secs(1), ..Settings::new(state.path().display().to_string()) };
+    let controller = tokio::spawn(run(client.clone(), settings));
 
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -42,6 +43,11 @@ async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
         assert!(tokio::time::Instant::now() < deadline, "no checkpoint in {}; runtime log:\n{}", chk_dir.display(), local.log());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+
+    // Status shows the runtime's newest checkpoint.
+    let shown = eventually("newest checkpoint in status", 30, || async { jobs.get("counter").await.unwrap().status?.latest_checkpoint }).await;
+    assert!(shown.path.contains("/checkpoints/chk-") && shown.completed_at.is_some(), "{shown:?}");
+    assert!(jobs.get("counter").await.unwrap().status.unwrap().job_id.is_some());
 
     // The GitOps change.
     jobs.patch("counter", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "parallelism": 2 } }))).await.unwrap();

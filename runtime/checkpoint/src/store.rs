@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::TryStreamExt;
-use object_store::aws::AmazonS3Builder;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path;
@@ -74,20 +74,33 @@ impl Storage {
     /// `s3://bucket/prefix` (credentials, region and endpoint from the usual `AWS_*`
     /// environment variables), or `memory://` (process-local, for tests).
     pub fn open(url: &str) -> Result<Storage, StorageError> {
+        Storage::open_with_env(url, &[])
+    }
+
+    /// Like [`Storage::open`], with `env` (e.g. the keys of a job's credentials Secret) taking
+    /// precedence over the process environment for S3 settings (`AWS_*`).
+    pub fn open_with_env(url: &str, env: &[(String, String)]) -> Result<Storage, StorageError> {
         let fail = |reason: String| StorageError::Open { url: url.to_string(), reason };
         if let Some(rest) = url.strip_prefix("s3://") {
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
             if bucket.is_empty() {
                 return Err(fail("needs a bucket: s3://bucket/prefix".into()));
             }
-            if !s3_credentials_configured(|k| std::env::var(k).ok()) {
+            let var = |k: &str| env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).or_else(|| std::env::var(k).ok());
+            if !s3_credentials_configured(var) {
                 return Err(fail(
                     "no S3 credentials in the environment (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, use web identity, \
                      or set WEIR_S3_INSTANCE_METADATA=true to use the instance metadata service)"
                         .into(),
                 ));
             }
-            let store = AmazonS3Builder::from_env().with_bucket_name(bucket).build().map_err(|e| fail(e.to_string()))?;
+            let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+            for (key, value) in env.iter().filter(|(k, _)| k.starts_with("AWS_")) {
+                if let Ok(key) = key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() {
+                    builder = builder.with_config(key, value);
+                }
+            }
+            let store = builder.build().map_err(|e| fail(e.to_string()))?;
             return Ok(Storage { store: Arc::new(store), prefix: prefix.trim_matches('/').to_string(), url: url.to_string(), local: None });
         }
         if let Some(rest) = url.strip_prefix("memory://") {
