@@ -3,8 +3,9 @@
 #   s3s-fs                a real S3-compatible server (from crates.io) for the object-storage tests;
 #   kube-apiserver, etcd  built from the Kubernetes Go modules (e2e/tools/build-k8s.sh) for the
 #                         operator's tests against a real API server;
+#   helm                  built from its Go module, for the chart's lint and render tests;
 #   openssl, curl         used by e2e/tools/start-apiserver.sh (Debian packages).
-# Prints the environment to use (WEIR_S3S_BIN=..., KUBEBUILDER_ASSETS=...).
+# Prints the environment to use (WEIR_S3S_BIN=..., WEIR_HELM_BIN=..., KUBEBUILDER_ASSETS=...).
 set -euo pipefail
 cache="${WEIR_CACHE:-$HOME/.cache/weir}"
 tools="$cache/tools"
@@ -16,6 +17,14 @@ if [ ! -x "$tools/bin/s3s-fs" ] || ! grep -q "$S3S_VERSION" "$tools/.s3s-version
   CARGO_TARGET_DIR="$cache/tools-target" cargo install s3s-fs@"$S3S_VERSION" --features binary --locked --root "$tools" >&2
   echo "$S3S_VERSION" > "$tools/.s3s-version"
 fi
+# helm, for `helm lint` and `helm template` of charts/weir-operator (built from its Go module).
+HELM_VERSION=v3.22.0
+if [ ! -x "$tools/bin/helm" ] || ! grep -q "$HELM_VERSION" "$tools/.helm-version" 2>/dev/null; then
+  echo "building helm $HELM_VERSION into $tools (once)" >&2
+  GOPATH="$cache/go" GOMODCACHE="$cache/go/pkg/mod" GOCACHE="$cache/go/cache" GOFLAGS=-buildvcs=false GOBIN="$tools/bin" \
+    go install helm.sh/helm/v3/cmd/helm@"$HELM_VERSION" >&2
+  echo "$HELM_VERSION" > "$tools/.helm-version"
+fi
 missing=()
 for tool in openssl curl; do command -v "$tool" >/dev/null || missing+=("$tool"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -24,4 +33,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 assets=$(WEIR_CACHE="$cache" bash "$(dirname "$0")/../e2e/tools/build-k8s.sh" | sed -n 's/^KUBEBUILDER_ASSETS=//p' | tail -1)
 echo "WEIR_S3S_BIN=$tools/bin/s3s-fs"
+echo "WEIR_HELM_BIN=$tools/bin/helm"
 echo "KUBEBUILDER_ASSETS=$assets"

@@ -29,7 +29,8 @@ use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionO
     printcolumn(name = "Checkpoint", type_ = "date", json_path = ".status.latestCheckpoint.completedAt", description = "When the newest checkpoint completed"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
-#[x_kube(validation = Rule::new("!has(self.maxParallelism) || self.maxParallelism >= self.parallelism").message("maxParallelism must be >= parallelism"))]
+#[x_kube(validation = Rule::new("(has(self.maxParallelism) ? self.maxParallelism : 128) >= self.parallelism").message("maxParallelism (default 128) must be >= parallelism"))]
+#[x_kube(validation = Rule::new("(has(self.maxParallelism) ? self.maxParallelism : 128) == (has(oldSelf.maxParallelism) ? oldSelf.maxParallelism : 128)").message("maxParallelism cannot change (unset means 128): state is partitioned by it"))]
 #[serde(rename_all = "camelCase")]
 pub struct StreamJobSpec {
     /// Container image of the Weir runtime (it must contain `weir-runtime`).
@@ -428,6 +429,11 @@ pub struct PendingUpgrade {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_from: Option<SnapshotRef>,
 }
+
+/// Where `crdgen --write` puts the CRD.
+pub const CRD_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/streamjob.yaml");
+/// The Helm chart's copy of the CRD (Helm installs files under `crds/` before the templates).
+pub const CHART_CRD_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../charts/weir-operator/crds/streamjob.yaml");
 
 /// The CRD as YAML, with the header `crdgen` writes (the committed `crds/streamjob.yaml`).
 pub fn crd_yaml() -> Result<String, serde_yaml::Error> {

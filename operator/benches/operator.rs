@@ -1,21 +1,44 @@
 //! Operator figures (not a timed test): RSS idle and with N StreamJobs, reconcile p50/p99,
-//! and the time from creating a StreamJob to its pod existing, against a real kube-apiserver.
+//! and the time from creating a StreamJob to its pod existing: the `weir-operator` binary runs
+//! as its own process against a real kube-apiserver, and is measured from outside.
 //! `cargo bench -p weir-operator --bench operator` uses 1,000 jobs; under `cargo test` it runs
 //! as a smoke test with 20.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
-use weir_operator::controller::{run_with_metrics, Settings};
-use weir_operator::metrics::OperatorMetrics;
 
-fn rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+/// Resident memory of a process, MiB.
+fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok()).unwrap_or(0.0) / 1024.0
+}
+
+/// One plain HTTP GET on loopback; the body.
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.starts_with("HTTP/1.1 200").then(|| text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(f64::NAN)
+}
+
+/// The operator process; killed when dropped.
+struct Operator(std::process::Child);
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 fn job(name: &str) -> StreamJob {
@@ -44,13 +67,25 @@ async fn main() {
     let smoke = !std::env::args().any(|a| a == "--bench");
     let n: usize = std::env::var("WEIR_BENCH_JOBS").ok().and_then(|v| v.parse().ok()).unwrap_or(if smoke { 20 } else { 1000 });
     let ns = "bench";
-    let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
+    let (server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
     let storage = tempfile::tempdir().unwrap();
-    let metrics = OperatorMetrics::shared();
-    let rss_before = rss_mib();
-    tokio::spawn(run_with_metrics(client.clone(), Settings::new(storage.path().display().to_string()), metrics.clone()));
+
+    // The real operator binary, as users run it out of cluster.
+    let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_weir-operator"))
+        .args(["--kubeconfig", &server.kubeconfig().display().to_string(), "--default-storage", &storage.path().display().to_string(), "--http-addr", &http])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("weir-operator starts");
+    let operator = Operator(child);
+    let pid = operator.0.id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while http_get(&http, "/readyz").is_none() {
+        assert!(Instant::now() < deadline, "weir-operator not ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss_idle = rss_mib();
+    let rss_idle = rss_mib(pid);
 
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -64,7 +99,7 @@ async fn main() {
         if i % 50 == 0 {
             let pod = format!("{name}-runtime-0");
             while pods.get_opt(&pod).await.unwrap().is_none() {
-                assert!(t0.elapsed() < Duration::from_secs(120), "no pod for {name}");
+                assert!(t0.elapsed() < Duration::from_secs(120), "no pod for {name}; operator metrics:\n{}", http_get(&http, "/metrics").unwrap_or_default());
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             to_pod.push(t0.elapsed().as_millis() as u64);
@@ -72,27 +107,34 @@ async fn main() {
     }
     // Wait until every job has its pod.
     loop {
-        let count = pods.list(&Default::default()).await.unwrap().items.len();
+        let count = pods.list(&ListParams::default().labels("weir.dev/job")).await.unwrap().items.len();
         if count >= n {
             break;
         }
         assert!(started.elapsed() < Duration::from_secs(1800), "only {count} of {n} pods");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
     let all_deployed = started.elapsed();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let rss_loaded = rss_mib();
+    // Steady state: every job reconciled again (status refresh and requeues) for a while.
+    tokio::time::sleep(Duration::from_secs(if smoke { 2 } else { 40 })).await;
+    let rss_loaded = rss_mib(pid);
     to_pod.sort_unstable();
-    let reconciles = metrics.reconciles.load(Ordering::Relaxed);
-    println!("operator with {n} StreamJobs on a real kube-apiserver (controller in this process):");
+    let m = http_get(&http, "/metrics").expect("metrics");
+    let reconciles = metric(&m, "weir_operator_reconciles_total");
+    println!("weir-operator (release binary, separate process) with {n} StreamJobs on a real kube-apiserver:");
     println!("| figure | value |\n|---|---|");
-    println!("| RSS before the controller | {rss_before:.1} MiB |");
-    println!("| RSS idle (controller running, no jobs) | {rss_idle:.1} MiB |");
-    println!("| RSS with {n} jobs | {rss_loaded:.1} MiB |");
+    println!("| RSS idle (no jobs) | {rss_idle:.1} MiB |");
+    println!("| RSS with {n} jobs, 40 s after the last pod | {rss_loaded:.1} MiB |");
     println!("| reconciles | {reconciles} |");
-    println!("| reconcile p50 / p99 | {:.1} ms / {:.1} ms |", metrics.reconcile_quantile(0.5) as f64 / 1000.0, metrics.reconcile_quantile(0.99) as f64 / 1000.0);
+    println!(
+        "| reconcile p50 / p99 (last 10,000) | {:.1} ms / {:.1} ms |",
+        metric(&m, "weir_operator_reconcile_seconds{quantile=\"0.5\"}") * 1000.0,
+        metric(&m, "weir_operator_reconcile_seconds{quantile=\"0.99\"}") * 1000.0
+    );
     println!("| create → pod exists (sampled, p50 / max) | {} ms / {} ms |", to_pod[to_pod.len() / 2], to_pod[to_pod.len() - 1]);
     println!("| all {n} jobs deployed | {:.1} s |", all_deployed.as_secs_f64());
+    let failed: f64 = m.lines().filter(|l| l.starts_with("weir_operator_reconcile_errors_total{")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum::<f64>().abs();
+    println!("| failed reconciles | {failed} |");
     if smoke {
         assert!(reconciles as usize >= n);
         println!("1 passed, 0 failed");

@@ -179,12 +179,15 @@ pub fn network_policy(sj: &StreamJob, ingress: &ControlIngress) -> Result<Networ
     })
 }
 
-/// The Service in front of the control API.
+/// The headless Service naming the control API (`<job>-control.<ns>.svc` → the pod).
 pub fn service(sj: &StreamJob) -> Result<Service, BuildError> {
     let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
     Ok(Service {
         metadata: meta(sj, service_name(&job), BTreeMap::new())?,
         spec: Some(ServiceSpec {
+            // Headless: the name resolves straight to the pod, and no cluster IP is used up per
+            // job (a /24 service range would otherwise cap a cluster at ~250 jobs).
+            cluster_ip: Some("None".into()),
             selector: Some(BTreeMap::from([(JOB_LABEL.to_string(), job.clone())])),
             ports: Some(vec![ServicePort { name: Some("control".into()), port: CONTROL_PORT, target_port: Some(IntOrString::Int(CONTROL_PORT)), ..ServicePort::default() }]),
             ..ServiceSpec::default()

@@ -616,7 +616,17 @@ pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics:
         .applied_objects();
     let concurrency = settings.max_concurrent_reconciles.max(1);
     let ctx = Arc::new(Context { client: client.clone(), settings, recorder, metrics: metrics.clone(), pods: pod_store, tokens: Default::default() });
-    Controller::new(jobs, watcher::Config::default().any_semantic())
+    // StreamJobs are cached without managed fields and kubectl's last-applied copy of the spec.
+    let (job_store, job_writer) = reflector::store::<StreamJob>();
+    let job_events = watcher(jobs, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .modify(|sj| {
+            sj.managed_fields_mut().clear();
+            sj.annotations_mut().remove("kubectl.kubernetes.io/last-applied-configuration");
+        })
+        .reflect(job_writer)
+        .applied_objects();
+    Controller::for_stream(job_events, job_store)
         .owns_stream(pod_events)
         .with_config(controller::Config::default().concurrency(concurrency))
         .shutdown_on_signal()

@@ -87,11 +87,12 @@ impl OperatorMetrics {
     pub fn render(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "# HELP weir_operator_reconciles_total Reconciles run.\n# TYPE weir_operator_reconciles_total counter\nweir_operator_reconciles_total {}", self.reconciles.load(Ordering::Relaxed));
-        let _ = writeln!(
-            out,
-            "# HELP weir_operator_reconcile_seconds_sum Time spent reconciling.\n# TYPE weir_operator_reconcile_seconds_sum counter\nweir_operator_reconcile_seconds_sum {:.6}",
-            self.reconcile_micros.load(Ordering::Relaxed) as f64 / 1e6
-        );
+        let _ = writeln!(out, "# HELP weir_operator_reconcile_seconds Reconcile durations (quantiles over recent reconciles).\n# TYPE weir_operator_reconcile_seconds summary");
+        for q in [0.5, 0.9, 0.99] {
+            let _ = writeln!(out, "weir_operator_reconcile_seconds{{quantile=\"{q}\"}} {:.6}", self.reconcile_quantile(q) as f64 / 1e6);
+        }
+        let _ = writeln!(out, "weir_operator_reconcile_seconds_sum {:.6}", self.reconcile_micros.load(Ordering::Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "weir_operator_reconcile_seconds_count {}", self.reconciles.load(Ordering::Relaxed));
         let _ = writeln!(out, "# HELP weir_operator_reconcile_errors_total Failed reconciles by category.\n# TYPE weir_operator_reconcile_errors_total counter");
         for (category, n) in self.errors.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = writeln!(out, "weir_operator_reconcile_errors_total{{category=\"{category}\"}} {n}");
@@ -153,6 +154,8 @@ mod tests {
         assert!(text.contains("weir_operator_jobs{phase=\"Running\"} 2"));
         assert!(!text.contains("Suspended"));
         assert!(text.contains("weir_operator_savepoints_total{outcome=\"failed\"} 1"));
+        m.observe_reconcile(250_000);
+        assert!(m.render().contains("weir_operator_reconcile_seconds{quantile=\"0.5\"} 0.250000"));
     }
 
     #[test]

@@ -78,7 +78,8 @@ async fn lifecycle_against_a_real_api_server() {
     let args = spec.containers[0].args.as_ref().unwrap().join(" ");
     assert!(args.contains(&format!("--checkpoint-dir {}/lifecycle/orders", storage.path().display())), "{args}");
     assert!(Api::<ConfigMap>::namespaced(client.clone(), ns).get_opt("orders-job").await.unwrap().is_some());
-    assert!(Api::<Service>::namespaced(client.clone(), ns).get_opt("orders-control").await.unwrap().is_some());
+    let svc = Api::<Service>::namespaced(client.clone(), ns).get("orders-control").await.unwrap();
+    assert_eq!(svc.spec.unwrap().cluster_ip.as_deref(), Some("None"), "headless: no cluster IP per job");
     let policy = Api::<NetworkPolicy>::namespaced(client.clone(), ns).get("orders-control").await.expect("the control API's NetworkPolicy");
     assert_eq!(policy.spec.unwrap().ingress.unwrap()[0].from.as_ref().unwrap().len(), 1, "only the operator's pods");
     let token = Api::<Secret>::namespaced(client.clone(), ns).get("orders-control-token").await.unwrap();

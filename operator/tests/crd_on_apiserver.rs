@@ -56,7 +56,7 @@ async fn invalid_manifests_are_refused_with_field_and_reason() {
         ("interval: 5s", "interval: 0s", "must be > 0"),
         ("retained: 3", "retained: 0", "spec.checkpointing.retained"),
         ("parallelism: 2", "parallelism: 0", "spec.parallelism"),
-        ("maxParallelism: 64", "maxParallelism: 1", "maxParallelism must be >= parallelism"),
+        ("maxParallelism: 64", "maxParallelism: 1", "maxParallelism (default 128) must be >= parallelism"),
         ("storage: \"s3://weir-bucket/jobs\"", "storage: \"ftp://host/x\"", "storage must be s3://bucket"),
         ("storage: \"s3://weir-bucket/jobs\"", "storage: \"s3://\"", "storage must be s3://bucket"),
         ("  savepoint: { timeout: 2m }", "  savepoint: { timeout: soon }", "spec.savepoint.timeout"),
@@ -90,4 +90,15 @@ async fn invalid_manifests_are_refused_with_field_and_reason() {
         Err(kube::Error::Api(e)) => assert!(e.message.contains("maxParallelism cannot change"), "{}", e.message),
         other => panic!("maxParallelism change accepted: {other:?}"),
     }
+    // Unset means 128: setting it later to another value is the same change, refused; to 128,
+    // accepted.
+    api.create(&PostParams::default(), &manifest("unset", "  maxParallelism: 64\n", "")).await.expect("a job without maxParallelism");
+    let mut set = api.get("unset").await.unwrap();
+    set.data["spec"]["maxParallelism"] = serde_json::json!(64);
+    match api.replace("unset", &PostParams::default(), &set).await {
+        Err(kube::Error::Api(e)) => assert!(e.message.contains("unset means 128"), "{}", e.message),
+        other => panic!("maxParallelism unset → 64 accepted: {other:?}"),
+    }
+    set.data["spec"]["maxParallelism"] = serde_json::json!(128);
+    api.replace("unset", &PostParams::default(), &set).await.expect("unset → 128 is no change");
 }

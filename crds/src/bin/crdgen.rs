@@ -1,5 +1,6 @@
 //! Writes the `StreamJob` CustomResourceDefinition as YAML: to stdout, or with `--write` to
-//! `crds/streamjob.yaml` (a test fails when that file drifts from the Rust types).
+//! `crds/streamjob.yaml` and the Helm chart's `charts/weir-operator/crds/streamjob.yaml` (a
+//! test fails when either drifts from the Rust types).
 
 use kube::CustomResourceExt;
 
@@ -12,12 +13,13 @@ fn main() -> std::process::ExitCode {
         }
     };
     if std::env::args().any(|a| a == "--write") {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/streamjob.yaml");
-        if let Err(e) = std::fs::write(path, &yaml) {
-            eprintln!("error: writing {path}: {e}");
-            return std::process::ExitCode::FAILURE;
+        for path in [weir_crds::streamjob::CRD_PATH, weir_crds::streamjob::CHART_CRD_PATH] {
+            if let Err(e) = std::fs::write(path, &yaml) {
+                eprintln!("error: writing {path}: {e}");
+                return std::process::ExitCode::FAILURE;
+            }
+            eprintln!("wrote {path} ({})", weir_crds::StreamJob::crd_name());
         }
-        eprintln!("wrote {path} ({})", weir_crds::StreamJob::crd_name());
     } else {
         print!("{yaml}");
     }

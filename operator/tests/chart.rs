@@ -1,0 +1,177 @@
+//! The Helm chart: it lints, refuses bad values with a reason, and its RBAC is enough for the
+//! operator's whole lifecycle (deploy, status, events, kill on a failed savepoint, the storage
+//! read with a job's credentials Secret, the finalizer, the Lease) and no more: the operator runs
+//! here against a real API server *as the chart's ServiceAccount*.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::eventually;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use weir_crds::StreamJob;
+use weir_e2e::apiserver::TestApiServer;
+use weir_operator::children::ControlIngress;
+use weir_operator::controller::{run_with_metrics, Settings};
+use weir_operator::leader::LeaderElection;
+use weir_operator::metrics::OperatorMetrics;
+
+const RELEASE_NS: &str = "weir-system";
+const JOBS_NS: &str = "jobs";
+/// The Kubernetes version the tests run against (helm assumes 1.20 when offline).
+const KUBE_VERSION: &str = "1.35.8";
+
+fn helm() -> PathBuf {
+    let bin = std::env::var("WEIR_HELM_BIN").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from("helm"));
+    assert!(
+        Command::new(&bin).arg("version").output().is_ok_and(|o| o.status.success()),
+        "helm not found at {}: run the suite with `bash .ci/run` (it builds helm) or set WEIR_HELM_BIN",
+        bin.display()
+    );
+    bin
+}
+
+fn chart() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/weir-operator")
+}
+
+fn helm_run(args: &[&str]) -> (bool, String) {
+    let out = Command::new(helm()).args(args).output().expect("helm runs");
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+fn chart_lints_and_refuses_bad_values_with_a_reason() {
+    let chart = chart().display().to_string();
+    let (ok, out) = helm_run(&["lint", "--strict", &chart, "--set", "defaultStorage=s3://weir-state/prod"]);
+    assert!(ok, "helm lint failed:\n{out}");
+    let refused = [
+        (vec![], "defaultStorage is required"),
+        (vec!["--set", "defaultStorage=s3://weir-state/p", "--set", "replicas=0"], "replicas"),
+        (vec!["--set", "defaultStorage=ftp://x"], "defaultStorage"),
+        (vec!["--set", "defaultStorage=s3://b/p", "--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+        (vec!["--set", "defaultStorage=s3://b/p", "--set", "maxConcurrentReconciles=0"], "maxConcurrentReconciles"),
+        (vec!["--set", "defaultStorage=s3://b/p", "--set", "unknownKey=1"], "unknownKey"),
+    ];
+    for (extra, reason) in refused {
+        let mut args = vec!["template", "weir-operator", chart.as_str(), "--kube-version", KUBE_VERSION];
+        args.extend(extra.iter().copied());
+        let (ok, out) = helm_run(&args);
+        assert!(!ok, "helm template {extra:?} should be refused");
+        assert!(out.contains(reason), "refusal of {extra:?} should name {reason}:\n{out}");
+    }
+}
+
+/// The rendered chart, parsed per document.
+fn rendered(storage: &str) -> Vec<serde_yaml::Value> {
+    let chart = chart().display().to_string();
+    let (ok, out) = helm_run(&["template", "weir-operator", &chart, "--kube-version", KUBE_VERSION, "--namespace", RELEASE_NS, "--set", &format!("defaultStorage={storage}")]);
+    assert!(ok, "helm template failed:\n{out}");
+    out.split("\n---").filter_map(|doc| serde_yaml::from_str::<serde_yaml::Value>(doc).ok()).filter(|v| v.get("kind").is_some()).collect()
+}
+
+fn of_kind<T: serde::de::DeserializeOwned>(docs: &[serde_yaml::Value], kind: &str) -> Vec<T> {
+    docs.iter().filter(|d| d["kind"].as_str() == Some(kind)).map(|d| serde_yaml::from_value(d.clone()).unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_operator_runs_its_whole_lifecycle_with_only_the_charts_rbac() {
+    let (server, admin) = TestApiServer::with_namespace(JOBS_NS).await.expect("API server with the CRD starts");
+    let storage = tempfile::tempdir().unwrap();
+    let docs = rendered(&storage.path().display().to_string());
+    let pp = PostParams::default();
+    let ns = Namespace { metadata: kube::api::ObjectMeta { name: Some(RELEASE_NS.into()), ..Default::default() }, ..Default::default() };
+    Api::<Namespace>::all(admin.clone()).create(&pp, &ns).await.unwrap();
+    for sa in of_kind::<ServiceAccount>(&docs, "ServiceAccount") {
+        Api::<ServiceAccount>::namespaced(admin.clone(), RELEASE_NS).create(&pp, &sa).await.unwrap();
+    }
+    for r in of_kind::<ClusterRole>(&docs, "ClusterRole") {
+        Api::<ClusterRole>::all(admin.clone()).create(&pp, &r).await.unwrap();
+    }
+    for b in of_kind::<ClusterRoleBinding>(&docs, "ClusterRoleBinding") {
+        Api::<ClusterRoleBinding>::all(admin.clone()).create(&pp, &b).await.unwrap();
+    }
+    for r in of_kind::<Role>(&docs, "Role") {
+        Api::<Role>::namespaced(admin.clone(), RELEASE_NS).create(&pp, &r).await.unwrap();
+    }
+    for b in of_kind::<RoleBinding>(&docs, "RoleBinding") {
+        Api::<RoleBinding>::namespaced(admin.clone(), RELEASE_NS).create(&pp, &b).await.unwrap();
+    }
+    for s in of_kind::<Service>(&docs, "Service") {
+        Api::<Service>::namespaced(admin.clone(), RELEASE_NS).create(&pp, &s).await.unwrap();
+    }
+    let deployments = of_kind::<Deployment>(&docs, "Deployment");
+    assert_eq!(deployments.len(), 1);
+    Api::<Deployment>::namespaced(admin.clone(), RELEASE_NS).create(&pp, &deployments[0]).await.unwrap();
+    // The operator pod meets the restricted Pod Security profile.
+    let pod_spec = deployments[0].spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    let psc = pod_spec.security_context.as_ref().unwrap();
+    assert_eq!((psc.run_as_non_root, psc.seccomp_profile.as_ref().map(|s| s.type_.as_str())), (Some(true), Some("RuntimeDefault")));
+    let csc = pod_spec.containers[0].security_context.as_ref().unwrap();
+    assert_eq!(csc.allow_privilege_escalation, Some(false));
+    assert_eq!(csc.capabilities.as_ref().unwrap().drop.as_deref(), Some(&["ALL".to_string()][..]));
+    let sa_name = pod_spec.service_account_name.clone().unwrap();
+
+    // A client that is the chart's ServiceAccount.
+    let kc = Kubeconfig::read_from(server.kubeconfig()).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap();
+    config.auth_info.impersonate = Some(format!("system:serviceaccount:{RELEASE_NS}:{sa_name}"));
+    config.auth_info.impersonate_groups = Some(vec!["system:serviceaccounts".into(), format!("system:serviceaccounts:{RELEASE_NS}"), "system:authenticated".into()]);
+    let operator = kube::Client::try_from(config).unwrap();
+
+    // Least privilege: no listing of Secrets, no access to other Leases.
+    let forbidden = |r: Result<_, kube::Error>| matches!(r, Err(kube::Error::Api(s)) if s.code == 403);
+    assert!(forbidden(Api::<Secret>::namespaced(operator.clone(), JOBS_NS).list(&ListParams::default()).await.map(|_| ())));
+    assert!(forbidden(Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(operator.clone(), RELEASE_NS).get("someone-else").await.map(|_| ())));
+
+    let election = LeaderElection::new(operator.clone(), RELEASE_NS, "weir-operator", "chart-test", std::time::Duration::from_secs(15));
+    election.acquire().await.expect("the chart's Role allows the Lease");
+    let metrics = OperatorMetrics::shared();
+    let ingress = ControlIngress { operator_namespace: RELEASE_NS.into(), operator_pod_labels: [("app.kubernetes.io/name".to_string(), "weir-operator".to_string())].into(), extra_namespaces: vec![] };
+    let settings = Settings { control_ingress: Some(ingress), ..Settings::new(storage.path().display().to_string()) };
+    let controller = tokio::spawn(run_with_metrics(operator.clone(), settings, metrics.clone()));
+
+    // A job whose storage reads need its credentials Secret.
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), JOBS_NS);
+    let creds: Secret = serde_yaml::from_str("metadata: { name: store-creds }\nstringData: { AWS_REGION: us-east-1 }").unwrap();
+    secrets.create(&pp, &creds).await.unwrap();
+    let jobs: Api<StreamJob> = Api::namespaced(admin.clone(), JOBS_NS);
+    let job: StreamJob = serde_yaml::from_str(
+        r#"
+apiVersion: weir.dev/v1alpha1
+kind: StreamJob
+metadata: { name: rbac, annotations: { weir.dev/control-url: "http://127.0.0.1:1" } }
+spec:
+  image: weir-runtime:dev
+  parallelism: 1
+  job:
+    inline:
+      sources: [ { name: s, uid: s, generator: { fields: [ { name: a, sequence: {} } ] } } ]
+      sinks: [ { name: o, stdout: {} } ]
+  checkpointing: { credentialsSecret: { name: store-creds } }
+  savepoint: { timeout: 3s }
+"#,
+    )
+    .unwrap();
+    jobs.create(&pp, &job).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), JOBS_NS);
+    eventually("the runtime pod", 40, || async { pods.get_opt("rbac-runtime-0").await.unwrap() }).await;
+    pods.patch_status("rbac-runtime-0", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": { "phase": "Running" } }))).await.unwrap();
+    eventually("Running", 40, || async { (jobs.get("rbac").await.unwrap().status?.phase.as_deref() == Some("Running")).then_some(()) }).await;
+
+    // Delete: the savepoint cannot be taken, so the pods are killed, the recovery checkpoint
+    // is looked up in storage (with the Secret), and the finalizer is removed.
+    jobs.delete("rbac", &DeleteParams::default()).await.unwrap();
+    eventually("the StreamJob gone", 40, || async { jobs.get_opt("rbac").await.unwrap().is_none().then_some(()) }).await;
+    assert!(pods.get_opt("rbac-runtime-0").await.unwrap().is_none(), "pods killed");
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(admin.clone(), JOBS_NS).list(&ListParams::default()).await.unwrap();
+    assert!(events.items.iter().any(|e| e.reason.as_deref() == Some("SavepointFailedPodsKilled")), "events recorded by the ServiceAccount");
+    let errors = metrics.errors.lock().unwrap().clone();
+    assert!(errors.is_empty(), "no reconcile failed (a 403 would show here): {errors:?}");
+    controller.abort();
+}
