@@ -613,7 +613,8 @@ pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics:
             pod.annotations_mut().clear();
         })
         .reflect(writer)
-        .applied_objects();
+        // Deletions too: a deleted pod is what an upgrade or relaunch waits for.
+        .touched_objects();
     let concurrency = settings.max_concurrent_reconciles.max(1);
     let ctx = Arc::new(Context { client: client.clone(), settings, recorder, metrics: metrics.clone(), pods: pod_store, tokens: Default::default() });
     // StreamJobs are cached without managed fields and kubectl's last-applied copy of the spec.
