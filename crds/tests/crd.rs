@@ -63,3 +63,12 @@ fn schema_is_structural_and_documented() {
     assert_eq!(crd["spec"]["names"]["shortNames"][0], "sj");
     assert!(crd["spec"]["versions"][0]["subresources"]["status"].is_object(), "status subresource");
 }
+
+#[test]
+fn the_example_streamjob_is_valid() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/streamjob.yaml")).unwrap();
+    let sj: StreamJob = serde_yaml::from_str(&text).expect("examples/streamjob.yaml is a StreamJob");
+    let inline = sj.spec.job.inline.expect("an inline job");
+    let job = weir_crds::JobSpec { sources: inline.sources, operators: inline.operators, sinks: inline.sinks, ..weir_crds::JobSpec::from_yaml("name: x\nsources: []\nsinks: []").unwrap() };
+    weir_crds::validate(&job).expect("its job graph validates");
+}

@@ -57,13 +57,15 @@ pub struct Settings {
     pub status_refresh: Duration,
     /// When set, each job gets a NetworkPolicy admitting only these peers to its control API.
     pub control_ingress: Option<children::ControlIngress>,
+    /// Watch StreamJobs (and their pods) in this namespace only; `None`: all namespaces.
+    pub namespace: Option<String>,
 }
 
 impl Settings {
     /// Defaults: control API through Services, 16 concurrent reconciles, status refreshed
-    /// every 30 s, no NetworkPolicy.
+    /// every 30 s, no NetworkPolicy, all namespaces.
     pub fn new(default_storage: impl Into<String>) -> Settings {
-        Settings { default_storage: default_storage.into(), control_address: ControlAddress::Service, max_concurrent_reconciles: 16, status_refresh: Duration::from_secs(30), control_ingress: None }
+        Settings { default_storage: default_storage.into(), control_address: ControlAddress::Service, max_concurrent_reconciles: 16, status_refresh: Duration::from_secs(30), control_ingress: None, namespace: None }
     }
 }
 
@@ -598,14 +600,17 @@ pub async fn run(client: kube::Client, settings: Settings) {
 
 /// Runs the controller, recording into `metrics`.
 pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics: Arc<crate::metrics::OperatorMetrics>) {
-    let jobs: Api<StreamJob> = Api::all(client.clone());
+    let (jobs, pods): (Api<StreamJob>, Api<Pod>) = match &settings.namespace {
+        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
     let recorder = Recorder::new(client.clone(), Reporter { controller: FIELD_MANAGER.into(), instance: std::env::var("POD_NAME").ok() });
     metrics.ready.store(true, std::sync::atomic::Ordering::Relaxed);
     // One watch of the runtime pods feeds both the cache that reconciles read and the
     // controller's triggers. Pod specs and managed fields are dropped: only metadata and status
     // are read, and 1,000 jobs' pods then fit in a few MiB.
     let (pod_store, writer) = reflector::store::<Pod>();
-    let pod_events = watcher(Api::<Pod>::all(client.clone()), watcher::Config::default().labels(JOB_LABEL).any_semantic())
+    let pod_events = watcher(pods, watcher::Config::default().labels(JOB_LABEL).any_semantic())
         .default_backoff()
         .modify(|pod| {
             pod.spec = None;

@@ -52,6 +52,9 @@ struct Args {
     /// one Prometheus scrapes from), comma-separated.
     #[arg(long, env = "WEIR_CONTROL_INGRESS_NAMESPACES", value_delimiter = ',')]
     control_ingress_namespaces: Vec<String>,
+    /// Watch StreamJobs in this namespace only (default: all namespaces).
+    #[arg(long, env = "WEIR_WATCH_NAMESPACE")]
+    namespace: Option<String>,
     /// How long to wait for the StreamJob CRD to be established at start.
     #[arg(long, default_value_t = 60)]
     crd_wait_secs: u64,
@@ -100,6 +103,7 @@ async fn main() -> anyhow::Result<()> {
             operator_pod_labels: [("app.kubernetes.io/name".to_string(), "weir-operator".to_string())].into(),
             extra_namespaces: args.control_ingress_namespaces.clone(),
         }),
+        namespace: args.namespace.clone(),
     };
     tokio::select! {
         () = run_with_metrics(client, settings, metrics) => {}

@@ -253,7 +253,7 @@ pub fn needs_checkpoints(desired: &Desired<'_>, current: &PlanState, obs: &Obser
         return failing && matches!(op.kind, OperationKind::Suspend | OperationKind::Cancel) && spec.savepoint.on_cancel_failure == OnSavepointFailure::Kill;
     }
     if spec.state != DesiredState::Running {
-        return !matches!(obs.pods, PodsPhase::Absent | PodsPhase::Running);
+        return current.recovery_point.is_none() && !matches!(obs.pods, PodsPhase::Absent | PodsPhase::Running);
     }
     if current.pending_upgrade.is_some() {
         return false;
@@ -290,10 +290,11 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             p.event(false, "SavepointRequested", format!("taking a savepoint to {}", if kind == OperationKind::Suspend { "suspend" } else { "cancel" }));
             p.requeue_after_ms = Some(POLL_MS);
         } else if pods_exist {
-            // Not running (starting or failed): nothing to save; the newest checkpoint is the
-            // recovery point.
+            // Not running: either the stop's savepoint (or kill) already named the recovery
+            // point and the pods are on their way out, or they never ran (starting, failed) and
+            // the newest valid checkpoint is the recovery point.
             p.actions.push(Action::DeletePods { grace_seconds: None });
-            p.state.recovery_point = newest_valid(obs).map(|c| c.snapshot.clone()).or(current.recovery_point.clone());
+            p.state.recovery_point = current.recovery_point.clone().or_else(|| newest_valid(obs).map(|c| c.snapshot.clone()));
             p.state.phase = Some(stopping);
             p.requeue_after_ms = Some(WATCH_MS);
         } else {
@@ -722,6 +723,14 @@ mod tests {
         let p2 = plan(&d, &p1.state, &o);
         assert_eq!(p2.actions, vec![Action::DeletePods { grace_seconds: None }]);
         assert_eq!(p2.state.recovery_point, Some(snap(4)));
+        // The runtime exits after the savepoint and its pod terminates; newer-looking
+        // checkpoints in storage do not replace the savepoint as the recovery point (a kubelet
+        // shows the pod Succeeded or Terminating for a while).
+        for pods in [PodsPhase::Succeeded, PodsPhase::Terminating] {
+            let o = Observation { checkpoints: vec![chk(3, 999_000, None)], ..obs(pods, Some("h1")) };
+            let p = plan(&d, &p2.state, &o);
+            assert_eq!(p.state.recovery_point, Some(snap(4)));
+        }
         let p3 = plan(&d, &p2.state, &obs(PodsPhase::Absent, None));
         assert_eq!(p3.state.phase, Some(Phase::Suspended));
         s.state = DesiredState::Running;

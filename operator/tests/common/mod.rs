@@ -10,20 +10,7 @@ use weir_crds::StreamJob;
 use weir_e2e::local_pods::LocalPod;
 use weir_operator::controller::CONTROL_URL_ANNOTATION;
 
-pub async fn eventually<T, F, Fut>(what: &str, secs: u64, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+pub use weir_e2e::eventually;
 
 /// Waits for a local runtime process to exit (reporting it in its pod's status).
 pub async fn wait_exit(pod: &mut LocalPod, what: &str, secs: u64) -> i32 {

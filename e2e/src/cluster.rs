@@ -1,0 +1,409 @@
+//! The harness of the scenario suite: one scenario against the cluster that `KUBECONFIG` names
+//! (e.g. from `e2e/local/up`), in a namespace of its own (restricted Pod Security enforced), with
+//! its own S3 server (`s3s-fs` on the node address, which pods and host both reach) and its own
+//! `weir-operator` process running out of cluster, watching only that namespace and reaching
+//! runtimes by pod IP. When a scenario fails, its pods, logs, events, StreamJobs and the
+//! operator's log are dumped; when it ends, everything it started is stopped.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use weir_checkpoint::Storage;
+use weir_crds::StreamJob;
+
+/// Bucket of checkpoints, savepoints and job output.
+pub const BUCKET: &str = "weir-e2e";
+/// The runtime image the scenarios run (imported into the cluster beforehand).
+pub fn runtime_image() -> String {
+    std::env::var("WEIR_E2E_RUNTIME_IMAGE").unwrap_or_else(|_| "weir.local/weir-runtime:dev".into())
+}
+
+fn node_ip() -> String {
+    std::env::var("WEIR_E2E_NODE_IP").unwrap_or_else(|_| "10.244.0.1".into())
+}
+
+fn target_dir_binary(name: &str) -> PathBuf {
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let exe = std::env::current_exe().unwrap_or_default();
+    exe.parent().and_then(Path::parent).map(|d| d.join(name)).unwrap_or_default()
+}
+
+fn s3s_binary() -> PathBuf {
+    if let Ok(p) = std::env::var("WEIR_S3S_BIN") {
+        return p.into();
+    }
+    PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/weir/tools/bin/s3s-fs")
+}
+
+/// `kubectl`: `$KUBECTL`, else the one `build-k8s.sh --all` built, else from PATH.
+pub fn kubectl_binary() -> PathBuf {
+    if let Ok(p) = std::env::var("KUBECTL") {
+        return p.into();
+    }
+    let built = PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/weir/k8s/v1.35.8/bin/kubectl");
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from("kubectl")
+    }
+}
+
+/// A child process killed when dropped (and by a watchdog shell when this process dies).
+struct Guarded(Child);
+
+impl Guarded {
+    fn spawn(cmd: Command) -> std::io::Result<Guarded> {
+        // The watchdog ends the child when the test process is gone (statics and panics that
+        // abort skip Drop).
+        let program = cmd.get_program().to_owned();
+        let args: Vec<_> = cmd.get_args().map(|a| a.to_owned()).collect();
+        let envs: Vec<_> = cmd.get_envs().filter_map(|(k, v)| Some((k.to_owned(), v?.to_owned()))).collect();
+        let watchdog = r#"parent=$1; shift; "$@" & child=$!; trap 'kill $child 2>/dev/null; wait $child; exit 0' TERM; while kill -0 "$parent" 2>/dev/null && kill -0 "$child" 2>/dev/null; do sleep 0.3; done; kill -9 "$child" 2>/dev/null; wait $child"#;
+        let mut sh = Command::new("sh");
+        sh.args(["-c", watchdog, "sh", &std::process::id().to_string()]).arg(program).args(args).envs(envs);
+        if let Some(dir) = cmd.get_current_dir() {
+            sh.current_dir(dir);
+        }
+        sh.stdout(Stdio::null()).stderr(Stdio::null());
+        Ok(Guarded(sh.spawn()?))
+    }
+
+    fn stop(&mut self) {
+        // SIGTERM to the watchdog shell, which forwards it and waits.
+        let _ = Command::new("kill").arg(self.0.id().to_string()).stderr(Stdio::null()).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One scenario's world.
+pub struct Scenario {
+    /// Its namespace.
+    pub ns: String,
+    /// Admin client of the cluster.
+    pub client: kube::Client,
+    /// S3 endpoint (`http://<node ip>:<port>`).
+    pub s3_endpoint: String,
+    dir: tempfile::TempDir,
+    s3: Option<Guarded>,
+    operator: Option<Guarded>,
+    operator_starts: u32,
+}
+
+/// What S3 clients of this scenario need in their environment.
+pub fn s3_env(endpoint: &str) -> Vec<(String, String)> {
+    [("AWS_ACCESS_KEY_ID", "weire2e"), ("AWS_SECRET_ACCESS_KEY", "weire2esecret"), ("AWS_REGION", "us-east-1"), ("AWS_ENDPOINT", endpoint), ("AWS_ALLOW_HTTP", "true")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+impl Scenario {
+    /// Sets up namespace `ns` (deleted first if a previous run left it), its S3 server, the
+    /// `weir-s3` Secret the jobs use, and the operator.
+    pub async fn start(ns: &str) -> Scenario {
+        let client = kube::Client::try_default().await.expect("a cluster in KUBECONFIG (bring one up with e2e/local/up)");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("s3").join(BUCKET)).unwrap();
+        std::fs::create_dir_all(dir.path().join("s3").join("weir-examples")).unwrap();
+        let ip = node_ip();
+        let port = std::net::TcpListener::bind((ip.as_str(), 0)).expect("the node address is local (is the cluster up?)").local_addr().unwrap().port();
+        let mut cmd = Command::new(s3s_binary());
+        cmd.args(["--host", &ip, "--port", &port.to_string(), "--access-key", "weire2e", "--secret-key", "weire2esecret"]).arg(dir.path().join("s3"));
+        let s3 = Guarded::spawn(cmd).expect("s3s-fs starts (bash .ci/install-tools.sh builds it)");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect((ip.as_str(), port)).is_err() {
+            assert!(Instant::now() < deadline, "s3s-fs did not listen on {ip}:{port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut s = Scenario { ns: ns.to_string(), client, s3_endpoint: format!("http://{ip}:{port}"), dir, s3: Some(s3), operator: None, operator_starts: 0 };
+        s.apply_crd().await;
+        s.create_namespace().await;
+        s.put_secret("weir-s3", &[]).await;
+        s.start_operator().await;
+        s
+    }
+
+    /// Applies `crds/streamjob.yaml` (server-side, as `kubectl apply --server-side` would) and
+    /// waits until it is established.
+    async fn apply_crd(&self) {
+        use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../crds/streamjob.yaml")).unwrap();
+        let crd: CustomResourceDefinition = serde_yaml::from_str(&text).unwrap();
+        let name = crd.metadata.name.clone().unwrap();
+        let api: Api<CustomResourceDefinition> = Api::all(self.client.clone());
+        api.patch(&name, &PatchParams::apply("weir-e2e").force(), &Patch::Apply(&crd)).await.expect("the CRD applies");
+        crate::eventually("the CRD established", 60, || async {
+            let got = api.get(&name).await.ok()?;
+            got.status?.conditions?.iter().any(|c| c.type_ == "Established" && c.status == "True").then_some(())
+        })
+        .await;
+    }
+
+    async fn create_namespace(&self) {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        if api.get_opt(&self.ns).await.unwrap().is_some() {
+            self.force_delete_namespace().await;
+        }
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "metadata": { "name": self.ns, "labels": { "pod-security.kubernetes.io/enforce": "restricted", "weir.dev/e2e": "true" } }
+        }))
+        .unwrap();
+        api.create(&PostParams::default(), &ns).await.unwrap();
+        // The controller-manager creates the default ServiceAccount pods need.
+        crate::eventually("the default ServiceAccount", 60, || async {
+            Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(self.client.clone(), &self.ns).get_opt("default").await.ok().flatten()
+        })
+        .await;
+    }
+
+    /// Deletes the namespace without an operator: StreamJob finalizers are dropped first.
+    async fn force_delete_namespace(&self) {
+        let jobs: Api<StreamJob> = Api::namespaced(self.client.clone(), &self.ns);
+        if let Ok(list) = jobs.list(&ListParams::default()).await {
+            for j in list.items {
+                let name = j.metadata.name.clone().unwrap_or_default();
+                let _ = jobs.patch(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": null } }))).await;
+            }
+        }
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        let _ = api.delete(&self.ns, &DeleteParams::default()).await;
+        crate::eventually("the old namespace gone", 180, || async { api.get_opt(&self.ns).await.unwrap().is_none().then_some(()) }).await;
+    }
+
+    /// Creates or replaces Secret `name` with the S3 settings plus `extra` entries.
+    pub async fn put_secret(&self, name: &str, extra: &[(&str, &str)]) {
+        let mut data: serde_json::Map<String, serde_json::Value> = s3_env(&self.s3_endpoint).into_iter().map(|(k, v)| (k, v.into())).collect();
+        for (k, v) in extra {
+            data.insert(k.to_string(), (*v).into());
+        }
+        let secret: Secret = serde_json::from_value(serde_json::json!({ "metadata": { "name": name }, "stringData": data })).unwrap();
+        let api: Api<Secret> = Api::namespaced(self.client.clone(), &self.ns);
+        let _ = api.delete(name, &DeleteParams::default()).await;
+        api.create(&PostParams::default(), &secret).await.unwrap();
+    }
+
+    fn operator_log(&self) -> PathBuf {
+        self.dir.path().join("operator.log")
+    }
+
+    /// Starts the operator (again), out of cluster, on this namespace only.
+    pub async fn start_operator(&mut self) {
+        assert!(self.operator.is_none(), "the operator already runs");
+        let binary = target_dir_binary("weir-operator");
+        assert!(binary.exists(), "{} missing: cargo build -p weir-operator", binary.display());
+        let kubeconfig = std::env::var("KUBECONFIG").expect("KUBECONFIG names the cluster");
+        let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        self.operator_starts += 1;
+        // The log is appended to across restarts; the shell redirect keeps it simple.
+        let line = format!(
+            "exec {} --kubeconfig {} --default-storage s3://{BUCKET}/state --http-addr {http} --control-address pod-ip --namespace {ns} --lease-namespace {ns} --identity e2e-{n} --status-refresh-secs 2 >> {log} 2>&1",
+            binary.display(),
+            kubeconfig,
+            ns = self.ns,
+            n = self.operator_starts,
+            log = self.operator_log().display()
+        );
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", &line]).envs(s3_env(&self.s3_endpoint));
+        self.operator = Some(Guarded::spawn(cmd).expect("weir-operator starts"));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ready = std::net::TcpStream::connect(&http).ok().and_then(|mut s| {
+                use std::io::{Read, Write};
+                write!(s, "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+                let mut t = String::new();
+                s.read_to_string(&mut t).ok()?;
+                t.starts_with("HTTP/1.1 200").then_some(())
+            });
+            if ready.is_some() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "weir-operator not ready after 60 s; its log:\n{}", std::fs::read_to_string(self.operator_log()).unwrap_or_default());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Kills the operator at once (SIGKILL), as a crash would.
+    pub fn kill_operator(&mut self) {
+        if let Some(mut op) = self.operator.take() {
+            // The watchdog shell's child is the operator; kill both hard.
+            let _ = Command::new("pkill").args(["-9", "-P", &op.0.id().to_string()]).status();
+            let _ = op.0.kill();
+            let _ = op.0.wait();
+        }
+    }
+
+    /// Runs kubectl in this namespace; `stdin` is piped in when given.
+    pub fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
+        use std::io::Write;
+        let mut cmd = Command::new(kubectl_binary());
+        cmd.arg("-n").arg(&self.ns).args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
+        let mut child = cmd.spawn().expect("kubectl runs");
+        if let Some(text) = stdin {
+            child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+        }
+        child.wait_with_output().unwrap()
+    }
+
+    /// `kubectl apply -f -` that must succeed.
+    pub fn apply(&self, yaml: &str) {
+        let out = self.kubectl(&["apply", "-f", "-"], Some(yaml));
+        assert!(out.status.success(), "kubectl apply failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// The StreamJob API of this namespace.
+    pub fn jobs(&self) -> Api<StreamJob> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    /// The Pod API of this namespace.
+    pub fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    /// Waits until the job's status phase is `phase`.
+    pub async fn wait_phase(&self, job: &str, phase: &str, secs: u64) -> weir_crds::streamjob::StreamJobStatus {
+        let jobs = self.jobs();
+        crate::eventually(&format!("{job} in phase {phase}"), secs, || async { jobs.get(job).await.ok()?.status.filter(|s| s.phase.as_deref() == Some(phase)) }).await
+    }
+
+    /// Waits until the job's pod runs in its container (Running, ready, with a pod IP) and
+    /// returns it.
+    pub async fn wait_pod_running(&self, job: &str, secs: u64) -> Pod {
+        let pods = self.pods();
+        let name = format!("{job}-runtime-0");
+        crate::eventually(&format!("pod {name} running"), secs, || async {
+            let p = pods.get_opt(&name).await.ok()??;
+            let st = p.status.as_ref()?;
+            let ready = st.container_statuses.as_ref()?.iter().all(|c| c.ready && c.state.as_ref().is_some_and(|s| s.running.is_some()));
+            (p.metadata.deletion_timestamp.is_none() && st.phase.as_deref() == Some("Running") && ready && st.pod_ip.is_some()).then_some(p)
+        })
+        .await
+    }
+
+    /// Storage at `url` as this scenario's S3 clients see it.
+    pub fn storage(&self, url: &str) -> Storage {
+        Storage::open_with_env(url, &s3_env(&self.s3_endpoint)).expect("S3 storage opens")
+    }
+
+    /// The committed output records under `url` (files whose names start with neither `_`
+    /// nor `.`), as JSON values.
+    pub async fn committed(&self, url: &str) -> Vec<serde_json::Value> {
+        let storage = self.storage(url);
+        let mut out = Vec::new();
+        for f in storage.list("").await.unwrap_or_default() {
+            let name = f.rsplit('/').next().unwrap_or(&f);
+            if name.starts_with('_') || name.starts_with('.') {
+                continue;
+            }
+            let bytes = storage.get(&f).await.expect("committed file readable");
+            for line in String::from_utf8_lossy(&bytes).lines().filter(|l| !l.is_empty()) {
+                out.push(serde_json::from_str(line).expect("a JSON line"));
+            }
+        }
+        out
+    }
+
+    /// Waits until at least `n` records are committed under `url`.
+    pub async fn wait_output(&self, url: &str, n: usize, secs: u64) {
+        crate::eventually(&format!("{n} committed records in {url}"), secs, || async {
+            let got = self.committed(url).await.len();
+            (got >= n).then_some(())
+        })
+        .await;
+    }
+
+    /// Deletes the scenario's StreamJobs through the operator (stop with savepoint), then the
+    /// namespace; stops the operator and S3 server.
+    pub async fn finish(mut self) {
+        let jobs = self.jobs();
+        for j in jobs.list(&ListParams::default()).await.unwrap().items {
+            let _ = jobs.delete(&j.metadata.name.unwrap_or_default(), &DeleteParams::default()).await;
+        }
+        crate::eventually("the StreamJobs deleted", 120, || async { jobs.list(&ListParams::default()).await.ok()?.items.is_empty().then_some(()) }).await;
+        let _ = Api::<Namespace>::all(self.client.clone()).delete(&self.ns, &DeleteParams::default()).await;
+        self.operator.take();
+        self.s3.take();
+    }
+
+    /// Prints what a person needs to see why a scenario failed.
+    fn dump(&self) {
+        eprintln!("===== scenario {} failed: dump =====", self.ns);
+        for args in [
+            vec!["get", "streamjobs,pods,services,configmaps,networkpolicies", "-o", "wide"],
+            vec!["get", "streamjobs", "-o", "yaml"],
+            vec!["describe", "pods"],
+            vec!["get", "events", "--sort-by", ".lastTimestamp"],
+            vec!["logs", "-l", "weir.dev/job", "--all-containers", "--tail", "200", "--prefix"],
+        ] {
+            let out = self.kubectl(&args, None);
+            eprintln!("----- kubectl {} -----\n{}{}", args.join(" "), String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        }
+        let log = std::fs::read_to_string(self.operator_log()).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(200).collect();
+        eprintln!("----- operator log (last 200 lines) -----\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+    }
+}
+
+impl Drop for Scenario {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dump();
+        }
+    }
+}
+
+/// Reads running counts (`{"k":..,"n":..}`) and checks that every count of every key is there
+/// exactly once, record by record; returns the number of records.
+pub fn assert_running_counts_exactly_once(records: &[serde_json::Value]) -> usize {
+    let mut per_key: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
+    for v in records {
+        per_key.entry(v["k"].as_i64().expect("field k")).or_default().push(v["n"].as_i64().expect("field n"));
+    }
+    for (k, mut counts) in per_key {
+        counts.sort_unstable();
+        let expected: Vec<i64> = (1..=counts.len() as i64).collect();
+        if counts != expected {
+            let dup: Vec<i64> = counts.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect();
+            let missing: Vec<i64> = expected.iter().filter(|n| counts.binary_search(n).is_err()).copied().take(10).collect();
+            panic!("key {k}: counts are not 1..{} exactly once: duplicated {dup:?}, missing {missing:?}", counts.len());
+        }
+    }
+    records.len()
+}
+
+/// Host PIDs of `weir-runtime` processes of the pod with this uid (its cgroup names the pod).
+pub fn runtime_pids(pod_uid: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    let needle = pod_uid.replace('-', "_");
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmdline).contains("weir-runtime") {
+            continue;
+        }
+        let cgroup = std::fs::read_to_string(e.path().join("cgroup")).unwrap_or_default();
+        if cgroup.contains(pod_uid) || cgroup.contains(&needle) {
+            pids.push(pid);
+        }
+    }
+    pids
+}

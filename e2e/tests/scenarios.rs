@@ -1,0 +1,330 @@
+//! The end-to-end scenario suite, against the cluster KUBECONFIG names: the runtime really runs
+//! in pods (image `weir.local/weir-runtime:dev` unless WEIR_E2E_RUNTIME_IMAGE says otherwise),
+//! the operator runs out of cluster, checkpoints and output go to a real S3 server.
+//!
+//! ```sh
+//! eval "$(e2e/local/up --image /path/weir-runtime.tar)"
+//! cargo test -p weir-e2e --test scenarios -- --ignored --test-threads=1
+//! ```
+//! (`.ci/run` does both.) Each scenario has a namespace of its own; on failure it dumps pods,
+//! logs, events, StreamJobs and the operator log. Waits are on conditions with timeouts.
+
+use std::time::{Duration, Instant};
+
+use kube::api::{Patch, PatchParams};
+use weir_e2e::cluster::{assert_running_counts_exactly_once, runtime_image, runtime_pids, Scenario, BUCKET};
+use weir_e2e::eventually;
+
+/// The counter job of scenarios b–g: a running count per key, then a map tagging each record
+/// with `v` (the expression an upgrade changes), into an exactly-once file sink on S3.
+fn counter(ns: &str, parallelism: u32, v: &str, extra: &str) -> String {
+    format!(
+        r#"
+apiVersion: weir.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: counter
+spec:
+  image: {image}
+  imagePullPolicy: IfNotPresent
+  parallelism: {parallelism}
+  upgradeMode: savepoint
+  checkpointing: {{ interval: 1s, credentialsSecret: {{ name: weir-s3 }} }}
+{extra}
+  job:
+    inline:
+      sources: [ {{ name: events, uid: events, generator: {{ ratePerSecond: 300, fields: [ {{ name: k, modulo: 20 }} ] }} }} ]
+      operators:
+        - {{ name: by-k, keyBy: {{ fields: [k] }} }}
+        - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: "n" }} ] }} }}
+        - {{ name: tag, map: {{ keepInput: true, fields: {{ v: "'{v}'" }} }} }}
+      sinks: [ {{ name: out, uid: out, file: {{ path: s3://{BUCKET}/output/{ns} }} }} ]
+"#,
+        image = runtime_image()
+    )
+}
+
+fn output(ns: &str) -> String {
+    format!("s3://{BUCKET}/output/{ns}")
+}
+
+async fn patch_spec(s: &Scenario, spec: serde_json::Value) {
+    s.jobs().patch("counter", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": spec }))).await.unwrap();
+}
+
+/// Suspends (stop with savepoint: everything before it is committed) and checks the output.
+async fn suspend_and_check(s: &Scenario) -> Vec<serde_json::Value> {
+    patch_spec(s, serde_json::json!({ "state": "suspended" })).await;
+    s.wait_phase("counter", "Suspended", 120).await;
+    let records = s.committed(&output(&s.ns)).await;
+    let n = assert_running_counts_exactly_once(&records);
+    eprintln!("{}: {n} committed records, every running count exactly once", s.ns);
+    records
+}
+
+/// The tail of a recovery: the job makes progress again (100 more records committed), then it
+/// is suspended, every running count is checked exactly once, and the scenario ends.
+async fn progresses_then_exactly_once(s: Scenario) {
+    let before = s.committed(&output(&s.ns)).await.len();
+    s.wait_output(&output(&s.ns), before + 100, 90).await;
+    suspend_and_check(&s).await;
+    s.finish().await;
+}
+
+fn container_args(pod: &k8s_openapi::api::core::v1::Pod) -> String {
+    pod.spec.as_ref().unwrap().containers[0].args.clone().unwrap_or_default().join(" ")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn a_the_example_runs_checkpoints_and_commits() {
+    let s = Scenario::start("e2e-a").await;
+    let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/streamjob.yaml")).unwrap();
+    s.apply(&example.replace("weir.local/weir-runtime:dev", &runtime_image()));
+    s.wait_phase("counter", "Running", 180).await;
+    let pod = s.wait_pod_running("counter", 120).await;
+    assert!(pod.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0].container_id.is_some(), "a real container");
+    let jobs = s.jobs();
+    let chk = eventually("a completed checkpoint in status", 60, || async { jobs.get("counter").await.ok()?.status?.latest_checkpoint }).await;
+    assert!(chk.path.contains(&format!("state/{}/counter/checkpoints/chk-", s.ns)), "{chk:?}");
+    assert!(chk.completed_at.is_some());
+    s.wait_output("s3://weir-examples/counter", 200, 60).await;
+    patch_spec(&s, serde_json::json!({ "state": "suspended" })).await;
+    s.wait_phase("counter", "Suspended", 120).await;
+    assert_running_counts_exactly_once(&s.committed("s3://weir-examples/counter").await);
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn b_gitops_upgrade_takes_a_savepoint_and_stays_exactly_once() {
+    let s = Scenario::start("e2e-b").await;
+    s.apply(&counter(&s.ns, 1, "v1", ""));
+    let first = s.wait_pod_running("counter", 180).await;
+    s.wait_phase("counter", "Running", 60).await;
+    s.wait_output(&output(&s.ns), 300, 90).await;
+
+    // The GitOps change: a new map expression and parallelism, by kubectl apply.
+    s.apply(&counter(&s.ns, 2, "v2", ""));
+    let pods = s.pods();
+    let first_uid = first.metadata.uid.clone().unwrap();
+    let second = eventually("the old pod replaced", 180, || async {
+        let p = pods.get_opt("counter-runtime-0").await.ok()??;
+        (p.metadata.uid.as_deref() != Some(first_uid.as_str())).then_some(p)
+    })
+    .await;
+    let status = s.wait_phase("counter", "Running", 180).await;
+    let savepoint = status.latest_savepoint.expect("the upgrade's savepoint in status").path;
+    assert!(savepoint.contains("/savepoints/"), "{savepoint}");
+    assert!(container_args(&second).contains(&format!("--restore {savepoint}")), "restored from the savepoint: {}", container_args(&second));
+    s.wait_pod_running("counter", 120).await;
+    eventually("v2 records committed", 90, || async { s.committed(&output(&s.ns)).await.iter().any(|r| r["v"] == "v2").then_some(()) }).await;
+    let records = suspend_and_check(&s).await;
+    // Per key, every v1 count precedes every v2 count: the state went across the upgrade.
+    let mut last_v1: std::collections::BTreeMap<i64, i64> = Default::default();
+    for r in records.iter().filter(|r| r["v"] == "v1") {
+        let e = last_v1.entry(r["k"].as_i64().unwrap()).or_default();
+        *e = (*e).max(r["n"].as_i64().unwrap());
+    }
+    for r in records.iter().filter(|r| r["v"] == "v2") {
+        let k = r["k"].as_i64().unwrap();
+        assert!(r["n"].as_i64().unwrap() > last_v1.get(&k).copied().unwrap_or(0), "key {k}: a v2 count not after the v1 counts");
+    }
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn c_a_killed_pod_and_a_killed_process_relaunch_from_the_newest_checkpoint() {
+    let s = Scenario::start("e2e-c").await;
+    s.apply(&counter(&s.ns, 1, "v1", ""));
+    let pod = s.wait_pod_running("counter", 180).await;
+    s.wait_output(&output(&s.ns), 200, 90).await;
+    let jobs = s.jobs();
+    eventually("a checkpoint", 60, || async { jobs.get("counter").await.ok()?.status?.latest_checkpoint }).await;
+
+    // 1. The pod is deleted.
+    let out = s.kubectl(&["delete", "pod", "counter-runtime-0", "--wait=false"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let uid = pod.metadata.uid.clone().unwrap();
+    let pods = s.pods();
+    let second = eventually("a new pod", 180, || async {
+        let p = pods.get_opt("counter-runtime-0").await.ok()??;
+        (p.metadata.uid.as_deref() != Some(uid.as_str())).then_some(p)
+    })
+    .await;
+    assert!(container_args(&second).contains("/checkpoints/chk-"), "restores the newest checkpoint: {}", container_args(&second));
+    let second = s.wait_pod_running("counter", 180).await;
+    let before = s.committed(&output(&s.ns)).await.len();
+    s.wait_output(&output(&s.ns), before + 100, 90).await;
+
+    // 2. The runtime process in the container is killed.
+    let uid2 = second.metadata.uid.clone().unwrap();
+    let pids = eventually("the runtime's process on the node", 30, || async { Some(runtime_pids(&uid2)).filter(|p| !p.is_empty()) }).await;
+    for pid in pids {
+        let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
+    }
+    let third = eventually("a relaunched pod", 180, || async {
+        let p = pods.get_opt("counter-runtime-0").await.ok()??;
+        (p.metadata.uid.as_deref() != Some(uid2.as_str())).then_some(p)
+    })
+    .await;
+    assert!(container_args(&third).contains("/checkpoints/chk-"), "{}", container_args(&third));
+    let status = s.wait_phase("counter", "Running", 180).await;
+    assert!(status.relaunch_count >= 1, "the failure counted as a relaunch: {status:?}");
+    s.wait_pod_running("counter", 120).await;
+    progresses_then_exactly_once(s).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn d_cancel_whose_savepoint_fails_kills_the_pods_and_resumes_exactly_once() {
+    let s = Scenario::start("e2e-d").await;
+    // The runtime's test hook fails every savepoint.
+    s.put_secret("weir-s3", &[("WEIR_FAULTS", "savepoint=1")]).await;
+    s.apply(&counter(&s.ns, 1, "v1", "  savepoint: { timeout: 20s }"));
+    s.wait_pod_running("counter", 180).await;
+    s.wait_output(&output(&s.ns), 200, 90).await;
+    let jobs = s.jobs();
+    eventually("a checkpoint", 60, || async { jobs.get("counter").await.ok()?.status?.latest_checkpoint }).await;
+
+    let asked = Instant::now();
+    patch_spec(&s, serde_json::json!({ "state": "cancelled" })).await;
+    let pods = s.pods();
+    eventually("the pods gone", 25 + 5, || async { pods.get_opt("counter-runtime-0").await.ok()?.is_none().then_some(()) }).await;
+    let took = asked.elapsed();
+    assert!(took < Duration::from_secs(25), "pods gone {took:?} after cancel (savepoint timeout 20 s + 5 s)");
+    let status = s.wait_phase("counter", "Cancelled", 60).await;
+    let recovery = status.recovery_point.expect("status names the recovery checkpoint");
+    assert!(recovery.path.contains("/checkpoints/chk-"), "{recovery:?}");
+    let events = s.kubectl(&["get", "events", "-o", "jsonpath={.items[*].reason}"], None);
+    assert!(String::from_utf8_lossy(&events.stdout).contains("SavepointFailedPodsKilled"));
+
+    // Later: the fault is gone, the job resumes from the recovery checkpoint.
+    s.put_secret("weir-s3", &[]).await;
+    patch_spec(&s, serde_json::json!({ "state": "running" })).await;
+    let pod = s.wait_pod_running("counter", 180).await;
+    assert!(container_args(&pod).contains(&format!("--restore {}", recovery.path)), "{}", container_args(&pod));
+    progresses_then_exactly_once(s).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn e_suspend_and_resume_with_a_savepoint() {
+    let s = Scenario::start("e2e-e").await;
+    s.apply(&counter(&s.ns, 1, "v1", ""));
+    s.wait_pod_running("counter", 180).await;
+    s.wait_output(&output(&s.ns), 200, 90).await;
+    patch_spec(&s, serde_json::json!({ "state": "suspended" })).await;
+    let status = s.wait_phase("counter", "Suspended", 120).await;
+    let savepoint = status.recovery_point.expect("resumes from the suspend savepoint");
+    assert!(savepoint.path.contains("/savepoints/"), "{savepoint:?}");
+    assert!(s.pods().get_opt("counter-runtime-0").await.unwrap().is_none(), "no pod while suspended");
+    let suspended = assert_running_counts_exactly_once(&s.committed(&output(&s.ns)).await);
+
+    patch_spec(&s, serde_json::json!({ "state": "running" })).await;
+    let pod = s.wait_pod_running("counter", 180).await;
+    assert!(container_args(&pod).contains(&format!("--restore {}", savepoint.path)), "{}", container_args(&pod));
+    s.wait_output(&output(&s.ns), suspended + 150, 90).await;
+    suspend_and_check(&s).await;
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn f_a_corrupt_newest_checkpoint_is_skipped_on_relaunch() {
+    let mut s = Scenario::start("e2e-f").await;
+    s.apply(&counter(&s.ns, 1, "v1", ""));
+    let pod = s.wait_pod_running("counter", 180).await;
+    s.wait_output(&output(&s.ns), 300, 90).await;
+    let checkpoints = s.storage(&format!("s3://{BUCKET}/state/{}/counter/checkpoints", s.ns));
+    eventually("two checkpoints", 60, || async { (checkpoints.list_dirs("").await.ok()?.len() >= 2).then_some(()) }).await;
+
+    // The job goes down while no operator watches; its newest checkpoint is then corrupted.
+    s.kill_operator();
+    let out = s.kubectl(&["delete", "pod", "counter-runtime-0", "--wait=true", "--timeout=120s"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let uid = pod.metadata.uid.clone().unwrap();
+    eventually("the runtime process gone", 60, || async { runtime_pids(&uid).is_empty().then_some(()) }).await;
+    let mut ids: Vec<u64> = checkpoints.list_dirs("").await.unwrap().iter().filter_map(|d| d.trim_end_matches('/').rsplit("chk-").next()?.parse().ok()).collect();
+    ids.sort_unstable();
+    let newest = *ids.last().unwrap();
+    let previous = ids[ids.len() - 2];
+    checkpoints.put(&format!("chk-{newest}/_metadata"), bytes::Bytes::from_static(b"not a checkpoint")).await.unwrap();
+
+    s.start_operator().await;
+    let pods = s.pods();
+    let relaunched = eventually("the job relaunched", 180, || async { pods.get_opt("counter-runtime-0").await.ok()? }).await;
+    let args = container_args(&relaunched);
+    assert!(args.contains(&format!("/checkpoints/chk-{previous}")), "restores chk-{previous}, not the corrupt chk-{newest}: {args}");
+    s.wait_pod_running("counter", 180).await;
+    progresses_then_exactly_once(s).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn g_an_operator_killed_mid_upgrade_completes_it() {
+    let mut s = Scenario::start("e2e-g").await;
+    s.apply(&counter(&s.ns, 1, "v1", ""));
+    s.wait_pod_running("counter", 180).await;
+    s.wait_phase("counter", "Running", 60).await;
+    s.wait_output(&output(&s.ns), 200, 90).await;
+
+    s.apply(&counter(&s.ns, 2, "v2", ""));
+    let jobs = s.jobs();
+    eventually("the upgrade under way", 60, || async {
+        let st = jobs.get("counter").await.ok()?.status?;
+        (st.operation.as_ref().is_some_and(|o| o.kind == "upgrade") || st.pending_upgrade.is_some()).then_some(())
+    })
+    .await;
+    s.kill_operator();
+    // Whatever the runtime does meanwhile (it finishes the stop-with-savepoint and exits),
+    // the restarted operator must finish the upgrade from the status it wrote ahead.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    s.start_operator().await;
+    let status = eventually("the upgrade done", 240, || async {
+        let st = jobs.get("counter").await.ok()?.status?;
+        (st.phase.as_deref() == Some("Running") && st.pending_upgrade.is_none() && st.operation.is_none() && st.observed_generation == Some(2)).then_some(st)
+    })
+    .await;
+    let savepoint = status.latest_savepoint.expect("the upgrade's savepoint").path;
+    let pod = s.wait_pod_running("counter", 120).await;
+    assert!(container_args(&pod).contains(&format!("--restore {savepoint}")), "{}", container_args(&pod));
+    eventually("v2 records committed", 90, || async { s.committed(&output(&s.ns)).await.iter().any(|r| r["v"] == "v2").then_some(()) }).await;
+    suspend_and_check(&s).await;
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn h_invalid_manifests_are_refused_with_a_clear_message() {
+    let s = Scenario::start("e2e-h").await;
+    let valid = counter(&s.ns, 1, "v1", "");
+    let cases = [
+        ("interval: 1s", "interval: -5s", "spec.checkpointing.interval"),
+        ("upgradeMode: savepoint", "upgradeMode: sometimes", "spec.upgradeMode"),
+        ("parallelism: 1", "parallelism: 1\n  maxParallelism: 0", "spec.maxParallelism"),
+        ("interval: 1s,", "interval: 1s, retained: 0,", "spec.checkpointing.retained"),
+        ("interval: 1s,", "interval: 1s, storage: 'ftp://x',", "storage must be"),
+        ("imagePullPolicy: IfNotPresent", "imagePullPolicy: Sometimes", "spec.imagePullPolicy"),
+    ];
+    for (from, to, expected) in cases {
+        assert!(valid.contains(from), "fixture lacks {from}");
+        let out = s.kubectl(&["apply", "-f", "-"], Some(&valid.replacen(from, to, 1)));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "`{to}` was accepted");
+        assert!(err.contains(expected), "the refusal of `{to}` should name `{expected}`: {err}");
+    }
+    // A graph the API server cannot judge (a stateful operator without a uid): the operator
+    // reports it as a Degraded condition naming the field, and deploys nothing.
+    s.apply(&valid.replace("{ name: counts, uid: counts,", "{ name: counts,"));
+    let jobs = s.jobs();
+    let condition = eventually("Degraded=True", 60, || async {
+        jobs.get("counter").await.ok()?.status?.conditions.into_iter().find(|c| c.type_ == "Degraded" && c.status == "True")
+    })
+    .await;
+    assert_eq!(condition.reason, "InvalidJob");
+    assert!(condition.message.contains("operators[1]") && condition.message.contains("uid"), "{}", condition.message);
+    assert!(s.pods().get_opt("counter-runtime-0").await.unwrap().is_none());
+    s.finish().await;
+}
