@@ -11,7 +11,8 @@
 # The last line of stdout is `KUBEBUILDER_ASSETS=<bin dir>`; everything else goes to stderr.
 # So `eval "$(e2e/tools/build-k8s.sh)"` sets KUBEBUILDER_ASSETS (export it yourself).
 #
-# Env: WEIR_CACHE (default $HOME/.cache/weir), K8S_VERSION (default below), BUILD_NICE (15).
+# Env: WEIR_CACHE (default $HOME/.cache/weir), K8S_VERSION (default below), BUILD_NICE (15),
+#      BUILD_JOBS (go build -p; default: the number of CPUs).
 # Needs only Go >= 1.21 (kubernetes 1.35 wants Go 1.25; an older Go fetches that toolchain
 # from the module proxy by itself, GOTOOLCHAIN=auto). No cgo, no C compiler.
 #
@@ -27,6 +28,7 @@ set -euo pipefail
 K8S_VERSION="${K8S_VERSION:-v1.35.8}"   # newest v1.35.x the Go proxy serves (2026-07)
 CACHE="${WEIR_CACHE:-$HOME/.cache/weir}"
 NICE="${BUILD_NICE:-15}"
+JOBS="${BUILD_JOBS:-$(nproc)}"
 
 exec 3>&1 1>&2   # stdout is only for the final KUBEBUILDER_ASSETS line
 log() { echo "[build-k8s] $*" >&2; }
@@ -132,8 +134,8 @@ for b in "${missing[@]}"; do
     *) pkg="k8s.io/kubernetes/cmd/$b" ;;
   esac
   t0=$(date +%s)
-  log "building $b ($pkg) with nice -n $NICE, -p 1"
-  (cd "$mod" && gorun build -p 1 -trimpath -ldflags "$ldflags" -o "$bin/.$b.tmp" "$pkg") || die "building $b failed"
+  log "building $b ($pkg) with nice -n $NICE, -p $JOBS"
+  (cd "$mod" && gorun build -p "$JOBS" -trimpath -ldflags "$ldflags" -o "$bin/.$b.tmp" "$pkg") || die "building $b failed"
   mv -f "$bin/.$b.tmp" "$bin/$b"
   log "built $b in $(( $(date +%s) - t0 ))s"
 done
