@@ -283,18 +283,23 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             DesiredState::Suspended => (Phase::Suspending, Phase::Suspended, OperationKind::Suspend),
             _ => (Phase::Cancelling, Phase::Cancelled, OperationKind::Cancel),
         };
-        if matches!(obs.pods, PodsPhase::Running) {
+        if pods_exist && current.recovery_point.is_some() {
+            // The stop already happened (its savepoint, or the kill, named the recovery point):
+            // the pods only have to go, even if they still look running for a moment.
+            p.actions.push(Action::DeletePods { grace_seconds: None });
+            p.state.phase = Some(stopping);
+            p.requeue_after_ms = Some(WATCH_MS);
+        } else if matches!(obs.pods, PodsPhase::Running) {
             p.actions.push(Action::RequestSavepoint { stop: true });
             p.state.operation = Some(Operation { kind, started_at_ms: obs.now_ms, generation: desired.generation });
             p.state.phase = Some(stopping);
             p.event(false, "SavepointRequested", format!("taking a savepoint to {}", if kind == OperationKind::Suspend { "suspend" } else { "cancel" }));
             p.requeue_after_ms = Some(POLL_MS);
         } else if pods_exist {
-            // Not running: either the stop's savepoint (or kill) already named the recovery
-            // point and the pods are on their way out, or they never ran (starting, failed) and
-            // the newest valid checkpoint is the recovery point.
+            // Never ran (starting, failed): nothing to save; the newest valid checkpoint is the
+            // recovery point.
             p.actions.push(Action::DeletePods { grace_seconds: None });
-            p.state.recovery_point = current.recovery_point.clone().or_else(|| newest_valid(obs).map(|c| c.snapshot.clone()));
+            p.state.recovery_point = newest_valid(obs).map(|c| c.snapshot.clone());
             p.state.phase = Some(stopping);
             p.requeue_after_ms = Some(WATCH_MS);
         } else {
@@ -726,10 +731,14 @@ mod tests {
         // The runtime exits after the savepoint and its pod terminates; newer-looking
         // checkpoints in storage do not replace the savepoint as the recovery point (a kubelet
         // shows the pod Succeeded or Terminating for a while).
-        for pods in [PodsPhase::Succeeded, PodsPhase::Terminating] {
+        // The pod may even still look running (the watch lags the runtime's exit): no second
+        // stop savepoint is requested.
+        for pods in [PodsPhase::Succeeded, PodsPhase::Terminating, PodsPhase::Running] {
             let o = Observation { checkpoints: vec![chk(3, 999_000, None)], ..obs(pods, Some("h1")) };
             let p = plan(&d, &p2.state, &o);
             assert_eq!(p.state.recovery_point, Some(snap(4)));
+            assert_eq!(p.actions, vec![Action::DeletePods { grace_seconds: None }]);
+            assert_eq!(p.state.phase, Some(Phase::Suspending));
         }
         let p3 = plan(&d, &p2.state, &obs(PodsPhase::Absent, None));
         assert_eq!(p3.state.phase, Some(Phase::Suspended));
