@@ -266,7 +266,7 @@ async fn f_a_corrupt_newest_checkpoint_is_skipped_on_relaunch() {
 async fn g_an_operator_killed_mid_upgrade_completes_it() {
     let mut s = Scenario::start("e2e-g").await;
     s.apply(&counter(&s.ns, 1, "v1", ""));
-    s.wait_pod_running("counter", 180).await;
+    let old = s.wait_pod_running("counter", 180).await;
     s.wait_phase("counter", "Running", 60).await;
     s.wait_output(&output(&s.ns), 200, 90).await;
 
@@ -278,9 +278,10 @@ async fn g_an_operator_killed_mid_upgrade_completes_it() {
     })
     .await;
     s.kill_operator();
-    // Whatever the runtime does meanwhile (it finishes the stop-with-savepoint and exits),
-    // the restarted operator must finish the upgrade from the status it wrote ahead.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // While no operator runs, the old runtime finishes its stop-with-savepoint and exits; the
+    // restarted operator must finish the upgrade from the status it wrote ahead.
+    let old_uid = old.metadata.uid.clone().unwrap();
+    eventually("the old runtime exited", 120, || async { runtime_pids(&old_uid).is_empty().then_some(()) }).await;
     s.start_operator().await;
     let status = eventually("the upgrade done", 240, || async {
         let st = jobs.get("counter").await.ok()?.status?;
