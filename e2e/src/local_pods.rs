@@ -30,6 +30,8 @@ pub struct LocalPod {
     /// The control API's address (`http://127.0.0.1:<port>`).
     pub control_url: String,
     name: String,
+    /// The uid of the pod this process stands for: its status is reported to that pod only.
+    uid: Option<String>,
     pods: Api<Pod>,
 }
 
@@ -98,7 +100,7 @@ impl LocalPod {
         let child = Command::new(binary).args(&args).current_dir(&work).stdout(Stdio::null()).stderr(log).spawn()?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         pods.patch_status(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": { "phase": "Running" } }))).await?;
-        Ok(LocalPod { child, dir, control_url: format!("http://127.0.0.1:{port}"), name, pods })
+        Ok(LocalPod { child, dir, control_url: format!("http://127.0.0.1:{port}"), name, uid: pod.metadata.uid.clone(), pods })
     }
 
     /// When the process has exited: reports it in the pod's status (phase, exit code,
@@ -108,12 +110,18 @@ impl LocalPod {
         let code = status.code().unwrap_or(137);
         let message = std::fs::read_to_string(self.dir.path().join("termination-log")).unwrap_or_default();
         let phase = if code == 0 { "Succeeded" } else { "Failed" };
-        let patch = serde_json::json!({ "status": { "phase": phase, "containerStatuses": [ {
+        // The uid is a precondition: a new pod of the same name (the operator may already
+        // have replaced this one) must not get this process's exit.
+        let patch = serde_json::json!({ "metadata": { "uid": self.uid }, "status": { "phase": phase, "containerStatuses": [ {
             "name": "runtime", "image": "local", "imageID": "local", "ready": false, "restartCount": 0,
             "state": { "terminated": { "exitCode": code, "message": message, "reason": if code == 0 { "Completed" } else { "Error" } } }
         } ] } });
-        self.pods.patch_status(&self.name, &PatchParams::default(), &Patch::Merge(patch)).await?;
-        Ok(Some(code))
+        match self.pods.patch_status(&self.name, &PatchParams::default(), &Patch::Merge(patch)).await {
+            Ok(_) => Ok(Some(code)),
+            // The pod is gone or replaced: as for a kubelet, there is nothing left to report to.
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(Some(code)),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Kills the process (SIGKILL), as a lost node or an OOM kill would.
