@@ -5,7 +5,7 @@
 //! runtimes by pod IP. When a scenario fails, its pods, logs, events, StreamJobs and the
 //! operator's log are dumped; when it ends, everything it started is stopped.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -23,12 +23,6 @@ pub fn runtime_image() -> String {
 
 fn node_ip() -> String {
     std::env::var("WEIR_E2E_NODE_IP").unwrap_or_else(|_| "10.244.0.1".into())
-}
-
-fn target_dir_binary(name: &str) -> PathBuf {
-    // target/<profile>/deps/<test> → target/<profile>/<name>
-    let exe = std::env::current_exe().unwrap_or_default();
-    exe.parent().and_then(Path::parent).map(|d| d.join(name)).unwrap_or_default()
 }
 
 fn s3s_binary() -> PathBuf {
@@ -206,7 +200,7 @@ impl Scenario {
     /// Starts the operator (again), out of cluster, on this namespace only.
     pub async fn start_operator(&mut self) {
         assert!(self.operator.is_none(), "the operator already runs");
-        let binary = target_dir_binary("weir-operator");
+        let binary = crate::workspace_binary("weir-operator");
         assert!(binary.exists(), "{} missing: cargo build -p weir-operator", binary.display());
         let kubeconfig = std::env::var("KUBECONFIG").expect("KUBECONFIG names the cluster");
         let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();

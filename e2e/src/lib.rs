@@ -7,7 +7,15 @@ pub mod apiserver;
 pub mod cluster;
 pub mod local_pods;
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// A binary of the workspace built next to the running test
+/// (`target/<profile>/deps/<test>` → `target/<profile>/<name>`).
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    exe.parent().and_then(Path::parent).map(|d| d.join(name)).unwrap_or_default()
+}
 
 /// Polls `f` every 100 ms until it yields a value; fails the test after `secs` seconds, naming
 /// `what` was awaited.

@@ -37,9 +37,7 @@ pub struct LocalPod {
 
 /// The `weir-runtime` binary built next to the running test.
 pub fn runtime_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap_or_default();
-    // target/<profile>/deps/<test> → target/<profile>/weir-runtime
-    exe.parent().and_then(Path::parent).map(|d| d.join("weir-runtime")).unwrap_or_default()
+    crate::workspace_binary("weir-runtime")
 }
 
 impl LocalPod {

@@ -35,7 +35,7 @@ pub const FINALIZER: &str = "weir.dev/stop-with-savepoint";
 pub const CONTROL_URL_ANNOTATION: &str = "weir.dev/control-url";
 
 /// How the operator reaches a job's control API.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum ControlAddress {
     /// Through the job's Service by cluster DNS (`<job>-control.<ns>.svc`): in-cluster.
     Service,

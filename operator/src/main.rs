@@ -35,8 +35,8 @@ struct Args {
     identity: Option<String>,
     /// How to reach each job's control API: `service` (cluster DNS; in-cluster) or `pod-ip`
     /// (straight to the pod; for an operator outside the cluster on a host that routes to pods).
-    #[arg(long, env = "WEIR_CONTROL_ADDRESS", value_enum, default_value_t = ControlVia::Service)]
-    control_address: ControlVia,
+    #[arg(long, env = "WEIR_CONTROL_ADDRESS", value_enum, default_value_t = ControlAddress::Service)]
+    control_address: ControlAddress,
     /// At most this many StreamJobs reconciled at once.
     #[arg(long, env = "WEIR_MAX_CONCURRENT_RECONCILES", default_value_t = 16)]
     max_concurrent_reconciles: u16,
@@ -58,15 +58,6 @@ struct Args {
     /// How long to wait for the StreamJob CRD to be established at start.
     #[arg(long, default_value_t = 60)]
     crd_wait_secs: u64,
-}
-
-/// `--control-address` values.
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum ControlVia {
-    /// Through the job's Service.
-    Service,
-    /// Straight to the pod IP.
-    PodIp,
 }
 
 #[tokio::main]
@@ -92,10 +83,7 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(default_storage = %args.default_storage, %identity, "leader: weir-operator running");
     let settings = Settings {
         default_storage: args.default_storage,
-        control_address: match args.control_address {
-            ControlVia::Service => ControlAddress::Service,
-            ControlVia::PodIp => ControlAddress::PodIp,
-        },
+        control_address: args.control_address,
         max_concurrent_reconciles: args.max_concurrent_reconciles,
         status_refresh: Duration::from_secs(args.status_refresh_secs.max(1)),
         control_ingress: args.control_network_policy.then(|| ControlIngress {
