@@ -45,6 +45,9 @@ pub struct JobStatus {
     pub latest_checkpoint: Option<CheckpointInfo>,
     /// What the job was restored from at start, if anything.
     pub restored_from: Option<String>,
+    /// The fencing epoch of the running attempt: it grows with every start of the job.
+    #[serde(default)]
+    pub epoch: u64,
     /// The last failure, if any.
     pub last_error: Option<String>,
     /// Faults injected by the test hook so far (0 in production).

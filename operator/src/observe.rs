@@ -73,6 +73,7 @@ pub async fn checkpoints(storage: &Storage) -> Result<Vec<FoundCheckpoint>, Stor
             invalid: match verdict {
                 Verdict::Valid => None,
                 Verdict::Invalid(why) => Some(why),
+                Verdict::Incomplete => Some("no _metadata (incomplete or aborted)".to_string()),
             },
         });
     }

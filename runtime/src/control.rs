@@ -123,6 +123,7 @@ fn handle(req: &mut tiny_http::Request, token: Option<&str>, metrics: &JobMetric
                 records_out: metrics.records_out.load(Ordering::Relaxed),
                 latest_checkpoint: board.history.iter().find(|c| c.outcome == weir_crds::control::CheckpointOutcome::Completed).cloned(),
                 restored_from: board.restored_from.clone(),
+                epoch: board.epoch,
                 last_error: board.last_error.clone(),
                 injected_faults: metrics.injected_faults.load(Ordering::Relaxed),
             };

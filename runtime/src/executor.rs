@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
 use weir_checkpoint::protocol::{Action, Coordinator, CoordinatorConfig, TaskId, TriggerKind};
-use weir_checkpoint::{layout, recovery, retention, CheckpointMetadata, OperatorSnapshot, SnapshotKind, Storage};
+use weir_checkpoint::{epoch, layout, recovery, retention, CheckpointMetadata, OperatorSnapshot, SnapshotKind, Storage};
 use weir_crds::control::{CheckpointInfo, CheckpointKind, CheckpointOutcome, JobState, SavepointStatus};
 use weir_crds::job::{RestartStrategyKind, RetentionOnCancel};
 use weir_crds::validate::{NodeKind, ValidatedJob};
@@ -22,8 +22,9 @@ use crate::operators::keyed::{AggregateOperator, DedupeOperator, KeyedContext};
 use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
 use crate::operators::window::WindowOperator;
 use crate::plan::{self, Partition, Vertex};
-use crate::restore::{open_path, RestoreError, RestoredState};
-use crate::sinks::file::FileSink;
+use crate::restore::{newest_valid, open_path, RestoreError, RestoredState, Selection};
+use crate::sinks::file::{Committable, FileSink};
+use crate::sinks;
 use crate::sinks::stdout::{BlackholeSink, StdoutSink};
 use crate::sources::file::FileSource;
 use crate::sources::generator::GeneratorSource;
@@ -53,6 +54,12 @@ pub struct RunOptions {
     pub restore: Option<RestoreRequest>,
     /// Accept a snapshot holding state of uids the job no longer has.
     pub allow_non_restored_state: bool,
+    /// Start without state although the storage root holds checkpoints or savepoints (they
+    /// are kept; the job's earlier output is kept too). Without `restore` or `fresh`, such a
+    /// start is refused.
+    pub fresh: bool,
+    /// Who this run is, written into its epoch claim (e.g. host and pid).
+    pub holder: Option<String>,
     /// Test hook.
     pub faults: Option<FaultPlan>,
 }
@@ -96,6 +103,20 @@ pub enum JobError {
     /// The requested snapshot could not be restored.
     #[error(transparent)]
     Restore(#[from] RestoreError),
+    /// The storage root holds state and neither a restore nor a fresh start was asked for.
+    #[error("{root} already holds this job's state (newest valid restore point: {newest}); pass --restore latest to continue from it, or --fresh to start without state (earlier output and snapshots are kept)")]
+    ExistingState {
+        /// The storage root.
+        root: String,
+        /// The newest valid restore point, or why there is none.
+        newest: String,
+    },
+    /// A newer run of this job claimed a newer epoch: this one stopped without writing more.
+    #[error(transparent)]
+    Fenced(weir_checkpoint::epoch::EpochError),
+    /// No epoch could be claimed.
+    #[error("claiming an epoch: {0}")]
+    Epoch(weir_checkpoint::epoch::EpochError),
     /// The job failed and its restart strategy gave up.
     #[error("job failed after {restarts} restart(s): {reason}")]
     Failed {
@@ -118,6 +139,8 @@ fn now_ms() -> u64 {
 enum AttemptEnd {
     Done(JobOutcome),
     Failed(String),
+    /// A newer run holds the epoch: stop at once, write nothing more.
+    Fenced(weir_checkpoint::epoch::EpochError),
 }
 
 struct Running {
@@ -156,15 +179,35 @@ impl Running {
 pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, requests: Receiver<Request>) -> Result<JobOutcome, JobError> {
     let storage = Storage::open(&storage_url(job, opts))?;
     let faults = Faults::new(opts.faults.clone(), metrics.clone());
-    let mut exec = Executor { job, opts, storage, metrics: metrics.clone(), faults, requests, next_id: 1, next_request: 1, savepoint_requests: HashMap::new(), retention_running: Arc::default() };
-    let initial = exec.initial_restore()?;
+    let mut exec = Executor {
+        job,
+        opts,
+        storage,
+        metrics: metrics.clone(),
+        faults,
+        requests,
+        next_id: 1,
+        next_request: 1,
+        savepoint_requests: HashMap::new(),
+        retention_running: Arc::default(),
+        epoch: 0,
+        commits: CommitTracker::default(),
+        sink_storages: HashMap::new(),
+    };
+    let (initial, mut restore_reason) = exec.initial_restore()?;
     let mut restore = initial.clone();
     let mut restarts = 0u32;
     loop {
         metrics.set_state(JobState::Starting);
         metrics.board().restored_from = restore.as_ref().map(|r| r.path.clone());
-        let end = exec.attempt(restore.as_ref());
+        let end = exec.attempt(restore.as_ref(), &restore_reason);
         match end {
+            AttemptEnd::Fenced(e) => {
+                tracing::error!(error = %e, "fenced by a newer run of this job: stopping without writing more");
+                metrics.board().last_error = Some(e.to_string());
+                metrics.set_state(JobState::Failed);
+                return Err(JobError::Fenced(e));
+            }
             AttemptEnd::Done(outcome) => {
                 let state = match &outcome {
                     JobOutcome::Finished => JobState::Finished,
@@ -177,7 +220,7 @@ pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, 
                 } else {
                     // Leave storage as retention says, not as the last background pass got to.
                     let in_flight_from = exec.next_id;
-                    crate::io().block_on(retention::apply(&exec.storage, job.spec.checkpointing.retained as usize, in_flight_from))?;
+                    crate::io().block_on(retention::apply(&exec.storage, job.spec.checkpointing.retained as usize, in_flight_from, exec.epoch))?;
                 }
                 metrics.set_state(state);
                 return Ok(outcome);
@@ -204,7 +247,13 @@ pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, 
                     metrics.set_state(JobState::Cancelled);
                     return Ok(JobOutcome::Cancelled);
                 }
-                restore = exec.failover_restore(initial.as_ref())?;
+                // Restart in this process only while this run still holds the newest epoch: a
+                // stale run must not claim a new one and fence its own replacement.
+                if let Err(e) = crate::io().block_on(epoch::check(&exec.storage, exec.epoch)) {
+                    metrics.set_state(JobState::Failed);
+                    return Err(JobError::Fenced(e));
+                }
+                (restore, restore_reason) = exec.failover_restore(initial.as_ref())?;
                 tracing::info!(restarts, from = restore.as_ref().map(|r| r.path.as_str()).unwrap_or("scratch"), "restarting job");
             }
         }
@@ -222,60 +271,118 @@ struct Executor<'a> {
     next_request: u64,
     savepoint_requests: HashMap<u64, u64>,
     retention_running: Arc<std::sync::atomic::AtomicBool>,
+    /// This attempt's fencing epoch.
+    epoch: u64,
+    /// Transactions committed by checkpoint completions, until their manifests are written.
+    commits: CommitTracker,
+    /// Sink output directories by URL (for commit manifests).
+    sink_storages: HashMap<String, Storage>,
+}
+
+/// Follows the transactions a completed checkpoint commits, so that the manifest of each
+/// sink's checkpoint N is written once every subtask committed its part of N.
+#[derive(Default)]
+struct CommitTracker {
+    /// What is to be committed, by (sink URL, uid, epoch, checkpoint).
+    expected: BTreeMap<(String, String, u64, u64), BTreeSet<Committable>>,
+    /// What has been.
+    committed: BTreeMap<(String, String, u64, u64), BTreeSet<Committable>>,
+    /// Manifests written.
+    written: BTreeSet<(String, String, u64, u64)>,
+}
+
+impl CommitTracker {
+    fn group(c: &Committable) -> (String, String, u64, u64) {
+        (c.sink.clone(), c.uid.clone(), c.epoch, c.checkpoint)
+    }
+
+    /// The completion of checkpoint `id` commits these.
+    fn expect(&mut self, id: u64, pending: impl IntoIterator<Item = Committable>) {
+        for c in pending.into_iter().filter(|c| c.checkpoint <= id) {
+            let g = Self::group(&c);
+            if !self.written.contains(&g) {
+                self.expected.entry(g).or_default().insert(c);
+            }
+        }
+    }
+
+    /// A task committed these; returns the groups now complete.
+    fn committed(&mut self, done: Vec<Committable>) -> Vec<((String, String, u64, u64), BTreeSet<Committable>)> {
+        let mut ready = Vec::new();
+        for c in done {
+            let g = Self::group(&c);
+            if self.written.contains(&g) {
+                continue;
+            }
+            let have = self.committed.entry(g.clone()).or_default();
+            have.insert(c);
+            if self.expected.get(&g).is_some_and(|want| want.is_subset(have)) {
+                self.expected.remove(&g);
+                let files = self.committed.remove(&g).unwrap_or_default();
+                self.written.insert(g.clone());
+                ready.push((g, files));
+            }
+        }
+        ready
+    }
+
+    /// A new attempt: what was not committed is recovered by the sinks.
+    fn reset(&mut self) {
+        self.expected.clear();
+        self.committed.clear();
+    }
 }
 
 impl Executor<'_> {
-    fn initial_restore(&mut self) -> Result<Option<RestoredState>, JobError> {
-        let restored = match &self.opts.restore {
-            None => None,
-            Some(RestoreRequest::Latest) => self.newest_valid(0)?,
+    /// What the first attempt restores, and why: the request, or nothing for a fresh start
+    /// (refused when the root already holds restore points, unless `fresh`).
+    fn initial_restore(&mut self) -> Result<(Option<RestoredState>, String), JobError> {
+        let (restored, reason) = match &self.opts.restore {
+            None => {
+                let points = crate::io().block_on(recovery::restore_points(&self.storage))?;
+                if !self.opts.fresh && !points.is_empty() {
+                    let newest = match crate::io().block_on(newest_valid(&self.storage, 0)) {
+                        Ok(Selection { restored: Some(r), .. }) => format!("{} (id {})", r.path, r.checkpoint_id),
+                        Ok(Selection { restored: None, .. }) => "none complete".to_string(),
+                        Err(e) => e.to_string(),
+                    };
+                    if newest != "none complete" {
+                        return Err(JobError::ExistingState { root: self.storage.url().to_string(), newest });
+                    }
+                }
+                (None, "fresh start".to_string())
+            }
+            Some(RestoreRequest::Latest) => {
+                let selection = crate::io().block_on(newest_valid(&self.storage, 0))?;
+                for s in &selection.skipped {
+                    tracing::warn!(path = %s.path, defect = %s.defect, "skipping a restore point that cannot be restored");
+                }
+                let reason = selection.reason();
+                (selection.restored, reason)
+            }
             Some(RestoreRequest::Path(p)) => {
                 let (storage, found) = crate::io().block_on(open_path(p))?;
-                Some(crate::io().block_on(RestoredState::load(&storage, &found))?)
+                let r = crate::io().block_on(RestoredState::load(&storage, &found))?;
+                let reason = format!("restored {} (id {}) on request", r.path, r.checkpoint_id);
+                (Some(r), reason)
             }
         };
         if let Some(r) = &restored {
             self.check_compatible(r)?;
-            tracing::info!(path = %r.path, checkpoint = r.checkpoint_id, bytes = r.bytes, "restoring");
+            tracing::info!(path = %r.path, checkpoint = r.checkpoint_id, bytes = r.bytes, %reason, "restoring");
         }
-        Ok(restored)
+        Ok((restored, reason))
     }
 
-    /// The newest valid checkpoint with an id above `above`, falling back past corrupt ones.
-    /// Checkpoints are inspected newest first and only until one loads.
-    fn newest_valid(&self, above: u64) -> Result<Option<RestoredState>, JobError> {
-        let storage = &self.storage;
-        let mut ids: Vec<u64> = crate::io()
-            .block_on(storage.list_dirs(layout::CHECKPOINTS))?
-            .iter()
-            .filter_map(|n| layout::parse_checkpoint_dir(n))
-            .filter(|id| *id > above)
-            .collect();
-        ids.sort_unstable_by(|a, b| b.cmp(a));
-        for id in ids {
-            let dir = layout::checkpoint_dir(id);
-            let (verdict, metadata) = crate::io().block_on(recovery::inspect(storage, &dir))?;
-            let found = match (verdict, metadata) {
-                (recovery::Verdict::Valid, Some(metadata)) => recovery::Restorable { dir, metadata },
-                (recovery::Verdict::Invalid(reason), _) => {
-                    tracing::warn!(checkpoint = id, %reason, "skipping checkpoint that cannot be restored");
-                    continue;
-                }
-                (recovery::Verdict::Valid, None) => continue,
-            };
-            match crate::io().block_on(RestoredState::load(storage, &found)) {
-                Ok(r) => return Ok(Some(r)),
-                Err(e) => tracing::warn!(checkpoint = id, error = %e, "falling back past corrupt checkpoint"),
-            }
-        }
-        Ok(None)
-    }
-
-    fn failover_restore(&self, initial: Option<&RestoredState>) -> Result<Option<RestoredState>, JobError> {
+    /// After a failure in this process: the newest valid restore point at or above the one
+    /// the run started from (or that one itself, when it lives outside the job's root).
+    fn failover_restore(&self, initial: Option<&RestoredState>) -> Result<(Option<RestoredState>, String), JobError> {
         let floor = initial.map_or(0, |r| r.checkpoint_id);
-        match self.newest_valid(floor)? {
-            Some(r) => Ok(Some(r)),
-            None => Ok(initial.cloned()),
+        let selection = crate::io().block_on(newest_valid(&self.storage, floor))?;
+        let reason = selection.reason();
+        match selection.restored {
+            Some(r) => Ok((Some(r), reason)),
+            None => Ok((initial.cloned(), "restarted from the restore point of the run".to_string())),
         }
     }
 
@@ -302,27 +409,46 @@ impl Executor<'_> {
         Ok(())
     }
 
-    fn recover_sinks(&self, restored: Option<&RestoredState>) -> Result<(), String> {
+    fn recover_sinks(&self, restored: Option<&RestoredState>, reason: &str) -> Result<(), String> {
         for node in &self.job.nodes {
             if let (NodeKind::FileSink(spec), Some(uid)) = (&node.kind, &node.uid) {
                 let storage = Storage::open(&spec.path).map_err(|e| e.to_string())?;
                 let docs = restored.map(|r| r.operator_docs(uid)).unwrap_or_default();
-                let (recommitted, deleted) = crate::io().block_on(FileSink::recover(&storage, uid, &docs, restored.map(|r| r.checkpoint_id)))?;
-                if recommitted + deleted > 0 {
-                    tracing::info!(sink = %uid, recommitted, deleted, "file sink recovered");
+                let report = crate::io()
+                    .block_on(sinks::file::recover(&storage, uid, self.epoch, &docs, restored.map(|r| r.checkpoint_id), reason))
+                    .map_err(|e| e.to_string())?;
+                if !report.superseded.is_empty() {
+                    tracing::warn!(
+                        sink = %uid,
+                        moved = report.superseded.len(),
+                        to = %storage.url_of(&format!("{}/{:06}", sinks::file::SUPERSEDED_DIR, self.epoch)),
+                        %reason,
+                        "output published after the restore point was moved out of the output (the job writes it again)"
+                    );
+                }
+                if report != sinks::file::RecoveryReport::default() {
+                    tracing::info!(sink = %uid, recommitted = report.recommitted, discarded_staged = report.discarded_staged, manifests_repaired = report.manifests_repaired, "file sink recovered");
                 }
             }
         }
         Ok(())
     }
 
-    fn attempt(&mut self, restored: Option<&RestoredState>) -> AttemptEnd {
+    fn attempt(&mut self, restored: Option<&RestoredState>, reason: &str) -> AttemptEnd {
+        let holder = self.opts.holder.clone().unwrap_or_else(|| format!("pid {}", std::process::id()));
+        self.epoch = match crate::io().block_on(epoch::claim(&self.storage, &holder)) {
+            Ok(e) => e,
+            Err(e) => return AttemptEnd::Failed(format!("claiming an epoch: {e}")),
+        };
+        self.metrics.board().epoch = self.epoch;
+        tracing::info!(epoch = self.epoch, "claimed epoch");
+        self.commits.reset();
         let highest = match crate::io().block_on(recovery::highest_id(&self.storage)) {
             Ok(h) => h,
             Err(e) => return AttemptEnd::Failed(format!("listing checkpoints: {e}")),
         };
         self.next_id = self.next_id.max(highest + 1).max(restored.map_or(0, |r| r.checkpoint_id + 1));
-        if let Err(e) = self.recover_sinks(restored) {
+        if let Err(e) = self.recover_sinks(restored, reason) {
             return AttemptEnd::Failed(format!("recovering sinks: {e}"));
         }
         let (events_tx, events) = unbounded();
@@ -436,10 +562,11 @@ impl Executor<'_> {
             let storage = self.storage.clone();
             let ev = events.clone();
             let faults = self.faults.clone();
+            let epoch = self.epoch;
             running.uploaders.push(
                 std::thread::Builder::new()
                     .name(format!("upload-{}", task.id))
-                    .spawn(move || crate::upload::run(upload_rx, storage, ev, faults, chains))
+                    .spawn(move || crate::upload::run(upload_rx, storage, epoch, ev, faults, chains))
                     .map_err(|e| TaskError::Read { what: "thread".into(), reason: e.to_string() })?,
             );
             let ev = events.clone();
@@ -503,7 +630,7 @@ impl Executor<'_> {
             NodeKind::Window(w) => Box::new(WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?),
             NodeKind::Aggregate(a) => Box::new(AggregateOperator::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?),
             NodeKind::Dedupe => Box::new(DedupeOperator::new(keyed(), keyed_restore.as_ref())?),
-            NodeKind::FileSink(_) => Box::new(FileSink::new(&uid, subtask, node.schema.clone(), sink_storage[&ni].clone(), self.metrics.clone())),
+            NodeKind::FileSink(_) => Box::new(FileSink::new(&uid, subtask, self.epoch, node.schema.clone(), sink_storage[&ni].clone(), self.metrics.clone())),
             NodeKind::Stdout => Box::new(StdoutSink::new(node.schema.clone(), self.metrics.clone())),
             NodeKind::Blackhole => Box::new(BlackholeSink::new(self.metrics.clone())),
             NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) => unreachable!("not a chain element"),
@@ -557,6 +684,11 @@ impl Executor<'_> {
                     }
                 }
                 Ok(Event::TaskFailed { error, .. }) => return AttemptEnd::Failed(error),
+                Ok(Event::Committed { committed, .. }) => {
+                    if let Err(e) = self.write_manifests(committed) {
+                        return AttemptEnd::Failed(format!("writing a commit manifest: {e}"));
+                    }
+                }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return AttemptEnd::Failed("all tasks vanished".into()),
             }
@@ -603,13 +735,21 @@ impl Executor<'_> {
                 let (t0, _, dir) = started.get(&id).cloned().unwrap_or((now_ms(), kind, layout::checkpoint_dir(id)));
                 let bytes: u64 = acks.values().map(|a| a.bytes).sum();
                 let metadata = self.metadata(id, kind, &acks);
-                let write = crate::io().block_on(async {
-                    let tmp = layout::resolve(&dir, layout::METADATA_TMP);
-                    self.storage.put(&tmp, bytes::Bytes::from(metadata.encode())).await?;
-                    self.storage.rename(&tmp, &layout::resolve(&dir, layout::METADATA)).await
-                });
-                if let Err(e) = write {
-                    return Ok(coord.completion_failed(id, &e.to_string(), now_ms()));
+                // Fencing: publish `_metadata` only while this run holds the newest epoch, and
+                // create-only, so a stale run can never replace a newer run's checkpoint N.
+                if let Err(e) = crate::io().block_on(epoch::check(&self.storage, self.epoch)) {
+                    return Err(fenced_or_failed(e));
+                }
+                let write = crate::io().block_on(self.storage.put_if_absent(&layout::resolve(&dir, layout::METADATA), bytes::Bytes::from(metadata.encode())));
+                match write {
+                    Ok(()) => {}
+                    Err(weir_checkpoint::StorageError::AlreadyExists(path)) => {
+                        if let Err(e) = crate::io().block_on(epoch::check(&self.storage, self.epoch)) {
+                            return Err(fenced_or_failed(e));
+                        }
+                        return Ok(coord.completion_failed(id, &format!("{path} was written by another run"), now_ms()));
+                    }
+                    Err(e) => return Ok(coord.completion_failed(id, &e.to_string(), now_ms())),
                 }
                 let mut more = coord.completed(id, now_ms());
                 let path = self.storage.url_of(&dir);
@@ -622,11 +762,20 @@ impl Executor<'_> {
                 if self.faults.fires(Fault::CrashBeforeCommit) {
                     return Err(AttemptEnd::Failed(format!("injected fault: crash after checkpoint {id} completed, before commit")));
                 }
-                running.send_all(&TaskControl::Complete(id));
+                let stop = matches!(kind, TriggerKind::Savepoint { stop: true, .. });
+                // Commit on checkpoints and on a savepoint that stops the job; a savepoint
+                // that does not stop it commits nothing (the next checkpoint does), so output
+                // never runs ahead of the restore points that `--restore latest` can find.
+                if !kind.is_savepoint() || stop {
+                    if let Err(e) = crate::io().block_on(epoch::check(&self.storage, self.epoch)) {
+                        return Err(fenced_or_failed(e));
+                    }
+                    self.commits.expect(id, acks.values().flat_map(|a| a.pending_commits.iter().cloned()));
+                    running.send_all(&TaskControl::Complete(id));
+                }
                 if !kind.is_savepoint() {
                     self.spawn_retention(coord.pending_ids().first().copied().unwrap_or(coord.next_id()));
                 }
-                let stop = matches!(kind, TriggerKind::Savepoint { stop: true, .. });
                 if is_final || stop {
                     if stop {
                         self.metrics.set_state(JobState::Stopping);
@@ -681,7 +830,7 @@ impl Executor<'_> {
     }
 
     /// Deletes old checkpoints in the background (one pass at a time; a skipped pass is
-    /// covered by the next one).
+    /// covered by the next one), only while this run holds the newest epoch.
     fn spawn_retention(&self, in_flight_from: u64) {
         if self.retention_running.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return;
@@ -689,12 +838,35 @@ impl Executor<'_> {
         let storage = self.storage.clone();
         let retained = self.job.spec.checkpointing.retained as usize;
         let running = self.retention_running.clone();
+        let mine = self.epoch;
         crate::io().spawn(async move {
-            if let Err(e) = retention::apply(&storage, retained, in_flight_from).await {
-                tracing::warn!(error = %e, "checkpoint retention failed; will retry after the next checkpoint");
+            let result = match epoch::check(&storage, mine).await {
+                Ok(()) => retention::apply(&storage, retained, in_flight_from, mine).await.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "checkpoint retention skipped; will retry after the next checkpoint");
             }
             running.store(false, std::sync::atomic::Ordering::Release);
         });
+    }
+
+    /// Writes the commit manifests of every sink checkpoint that `committed` completed.
+    fn write_manifests(&mut self, committed: Vec<Committable>) -> Result<(), weir_checkpoint::StorageError> {
+        for ((url, _, _, _), files) in self.commits.committed(committed) {
+            let storage = match self.sink_storages.get(&url) {
+                Some(s) => s.clone(),
+                None => {
+                    let s = Storage::open(&url)?;
+                    self.sink_storages.insert(url.clone(), s.clone());
+                    s
+                }
+            };
+            for manifest in sinks::file::manifests_of(&files).into_values() {
+                crate::io().block_on(sinks::file::write_commit_manifest(&storage, &manifest))?;
+            }
+        }
+        Ok(())
     }
 
     fn metadata(&self, id: u64, kind: TriggerKind, acks: &BTreeMap<TaskId, TaskAck>) -> CheckpointMetadata {
@@ -713,9 +885,19 @@ impl Executor<'_> {
             checkpoint_id: id,
             kind: if kind.is_savepoint() { SnapshotKind::Savepoint } else { SnapshotKind::Checkpoint },
             job_name: self.job.spec.name.clone(),
+            epoch: self.epoch,
             created_at_ms: now_ms(),
             max_parallelism: self.job.spec.max_parallelism,
             operators,
         }
+    }
+}
+
+/// A failed epoch check: fenced when a newer run holds the epoch, else a failed attempt
+/// (storage could not be asked; the attempt restarts and asks again).
+fn fenced_or_failed(e: epoch::EpochError) -> AttemptEnd {
+    match e {
+        epoch::EpochError::Superseded { .. } => AttemptEnd::Fenced(e),
+        other => AttemptEnd::Failed(format!("checking the epoch: {other}")),
     }
 }

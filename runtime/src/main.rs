@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use weir_runtime::executor::{run_job, storage_url, JobOutcome, RestoreRequest, RunOptions};
+use weir_runtime::executor::{run_job, storage_url, JobError, JobOutcome, RestoreRequest, RunOptions};
 use weir_runtime::faults::FaultPlan;
 use weir_runtime::metrics::JobMetrics;
 
@@ -34,6 +34,11 @@ enum Command {
         /// Accept a snapshot with state of operators the job no longer has.
         #[arg(long)]
         allow_non_restored_state: bool,
+        /// Start without state although the storage root holds checkpoints or savepoints of
+        /// the job (they are kept, and so is earlier output). Without --restore or --fresh such
+        /// a start is refused.
+        #[arg(long, conflicts_with = "restore", env = "WEIR_FRESH")]
+        fresh: bool,
         /// Serve the control API and metrics on this address (e.g. 0.0.0.0:8081).
         #[arg(long, env = "WEIR_CONTROL_ADDR")]
         control_addr: Option<String>,
@@ -94,8 +99,8 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Run { job, checkpoint_dir, restore, allow_non_restored_state, control_addr, token_file, quiet, termination_log } => {
-            run(&job, checkpoint_dir, restore, allow_non_restored_state, control_addr, token_file, quiet, termination_log.as_deref())
+        Command::Run { job, checkpoint_dir, restore, allow_non_restored_state, fresh, control_addr, token_file, quiet, termination_log } => {
+            run(&job, RunArgs { checkpoint_dir, restore, allow: allow_non_restored_state, fresh }, control_addr, token_file, quiet, termination_log.as_deref())
         }
         Command::Validate { job } => validate(&job),
         Command::Savepoint { addr, stop, drain, token_file, timeout_secs } => savepoint(&addr, stop, drain, token_file, timeout_secs),
@@ -137,12 +142,20 @@ fn human(n: f64) -> String {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run(
-    path: &str,
+/// Exit code of a run stopped because a newer run of the job claimed a newer epoch.
+const EXIT_FENCED: u8 = 3;
+
+/// What `run` restores and where.
+struct RunArgs {
     checkpoint_dir: Option<String>,
     restore: Option<String>,
     allow: bool,
+    fresh: bool,
+}
+
+fn run(
+    path: &str,
+    args: RunArgs,
     control_addr: Option<String>,
     token_file: Option<String>,
     quiet: bool,
@@ -166,10 +179,13 @@ fn run(
         },
         _ => None,
     };
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
     let opts = RunOptions {
-        checkpoint_dir,
-        restore: restore.map(|r| if r == "latest" { RestoreRequest::Latest } else { RestoreRequest::Path(r) }),
-        allow_non_restored_state: allow,
+        checkpoint_dir: args.checkpoint_dir,
+        restore: args.restore.map(|r| if r == "latest" { RestoreRequest::Latest } else { RestoreRequest::Path(r) }),
+        allow_non_restored_state: args.allow,
+        fresh: args.fresh,
+        holder: Some(format!("{host} pid {}", std::process::id())),
         faults,
     };
     let job_id = format!("{:016x}", weir_runtime::value::mix64(std::process::id() as u64 ^ Instant::now().elapsed().as_nanos() as u64 ^ std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)));
@@ -262,6 +278,14 @@ fn run(
         Ok(JobOutcome::Cancelled) => {
             eprintln!("weir: job `{}` cancelled: {summary}", job.spec.name);
             ExitCode::SUCCESS
+        }
+        Err(e @ JobError::Fenced(_)) => {
+            eprintln!("error: job `{}`: {e} ({summary})", job.spec.name);
+            ExitCode::from(EXIT_FENCED)
+        }
+        Err(e @ JobError::ExistingState { .. }) => {
+            eprintln!("error: job `{}`: {e}", job.spec.name);
+            ExitCode::from(2)
         }
         Err(e) => {
             eprintln!("error: job `{}`: {e} ({summary})", job.spec.name);
@@ -371,6 +395,7 @@ fn checkpoints(dir: &str) -> ExitCode {
                 match verdict {
                     weir_checkpoint::recovery::Verdict::Valid => println!("{id:>8}  {:<8}  {bytes:>12}  {path}", "yes"),
                     weir_checkpoint::recovery::Verdict::Invalid(why) => println!("{id:>8}  {:<8}  {bytes:>12}  {path}  ({why})", "NO"),
+                    weir_checkpoint::recovery::Verdict::Incomplete => println!("{id:>8}  {:<8}  {bytes:>12}  {path}  (never completed)", "no"),
                 }
             }
             ExitCode::SUCCESS

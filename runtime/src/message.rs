@@ -4,6 +4,7 @@
 use weir_checkpoint::protocol::TaskId;
 use weir_checkpoint::SubtaskSnapshot;
 
+use crate::sinks::file::Committable;
 use crate::value::Record;
 
 /// Where a barrier's snapshot goes.
@@ -90,6 +91,8 @@ pub struct TaskAck {
     pub bytes: u64,
     /// Time spent aligning barriers, ms.
     pub alignment_ms: u64,
+    /// Transactions of the task's sinks that this checkpoint's completion commits.
+    pub pending_commits: Vec<Committable>,
 }
 
 /// What tasks and uploaders tell the coordinator.
@@ -117,6 +120,13 @@ pub enum Event {
     SourceFinished {
         /// Which task.
         task: TaskId,
+    },
+    /// A task committed these transactions on a checkpoint's completion.
+    Committed {
+        /// Which task.
+        task: TaskId,
+        /// What it committed.
+        committed: Vec<Committable>,
     },
     /// A task ended normally.
     TaskFinished {

@@ -56,6 +56,8 @@ pub struct StatusBoard {
     pub last_error: Option<String>,
     /// What the current attempt restored from.
     pub restored_from: Option<String>,
+    /// The fencing epoch of the current attempt (0 before the first claim).
+    pub epoch: u64,
 }
 
 impl JobMetrics {
@@ -81,6 +83,7 @@ impl JobMetrics {
                 savepoints: BTreeMap::new(),
                 last_error: None,
                 restored_from: None,
+                epoch: 0,
             }),
         }
     }

@@ -7,6 +7,7 @@ use bytes::Bytes;
 use weir_checkpoint::Storage;
 
 use crate::message::Barrier;
+use crate::sinks::file::Committable;
 use crate::state::KeyedSnapshot;
 use crate::value::Record;
 
@@ -67,6 +68,9 @@ pub struct StateParts {
     pub force_full: Option<Arc<AtomicBool>>,
     /// Sink data to stage first.
     pub staged: Vec<StagedWrite>,
+    /// (Sinks) every transaction pre-committed and not yet committed, as of this barrier: what
+    /// the completion of this checkpoint will commit.
+    pub pending_commits: Vec<Committable>,
 }
 
 /// One element of a task's chain.
@@ -84,9 +88,10 @@ pub trait Operator: Send {
         Ok(StateParts::default())
     }
 
-    /// Checkpoint `id` completed.
-    fn on_checkpoint_complete(&mut self, _id: u64) -> Result<(), TaskError> {
-        Ok(())
+    /// Checkpoint `id` completed (or a savepoint `id` that stops the job): commit what it
+    /// covers and return the transactions committed now.
+    fn on_checkpoint_complete(&mut self, _id: u64) -> Result<Vec<Committable>, TaskError> {
+        Ok(Vec::new())
     }
 
     /// Whether the operator still holds work that a future checkpoint completion will commit.

@@ -30,6 +30,14 @@ pub enum RestoreError {
         /// What is wrong.
         reason: String,
     },
+    /// Restore points exist but none can be restored.
+    #[error("no valid checkpoint or savepoint under {root}, refusing to start without the job's state:\n  {}", defects.join("\n  "))]
+    NoValidRestorePoint {
+        /// The job's storage root.
+        root: String,
+        /// Each restore point and its defect.
+        defects: Vec<String>,
+    },
     /// The snapshot does not fit the job.
     #[error("snapshot {path} does not fit this job: {reason}")]
     Incompatible {
@@ -190,6 +198,98 @@ pub async fn open_path(path: &str) -> Result<(Storage, Restorable), RestoreError
     match (verdict, metadata) {
         (Verdict::Valid, Some(metadata)) => Ok((storage, Restorable { dir, metadata })),
         (Verdict::Invalid(reason), _) => Err(RestoreError::Invalid { path: path.to_string(), reason }),
-        (Verdict::Valid, None) => Err(RestoreError::Invalid { path: path.to_string(), reason: "no metadata".into() }),
+        (Verdict::Incomplete, _) | (Verdict::Valid, None) => Err(RestoreError::Invalid { path: path.to_string(), reason: "no _metadata: not a complete checkpoint or savepoint".into() }),
     }
+}
+
+/// A restore point that was passed over, and its defect.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Skipped {
+    /// Its id.
+    pub id: u64,
+    /// Its directory (URL).
+    pub path: String,
+    /// What is wrong with it.
+    pub defect: String,
+}
+
+/// What [`newest_valid`] found.
+#[derive(Debug, Default)]
+pub struct Selection {
+    /// The newest restore point that loaded and verified, if any.
+    pub restored: Option<RestoredState>,
+    /// Newer restore points passed over because they are corrupt, newest first.
+    pub skipped: Vec<Skipped>,
+}
+
+impl Selection {
+    /// Why this restore point was chosen, for logs, events and the superseded manifest.
+    pub fn reason(&self) -> String {
+        let Some(r) = &self.restored else { return "no restore point".to_string() };
+        if self.skipped.is_empty() {
+            return format!("restored the newest restore point, {} (id {})", r.path, r.checkpoint_id);
+        }
+        let defects: Vec<String> = self.skipped.iter().map(|s| format!("{} ({})", s.path, s.defect)).collect();
+        format!("restored {} (id {}) because newer restore points are corrupt: {}", r.path, r.checkpoint_id, defects.join("; "))
+    }
+}
+
+/// How often a storage error is retried, and the first pause (it quadruples each time).
+const STORAGE_ATTEMPTS: u32 = 5;
+const STORAGE_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Runs `op` until it succeeds or fails with something other than a storage error; storage
+/// errors (a network blip, a throttled request) are retried with backoff and never taken for
+/// corruption.
+async fn retrying<T, F, Fut>(what: &str, mut op: F) -> Result<T, RestoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, RestoreError>>,
+{
+    let mut pause = STORAGE_BACKOFF;
+    for attempt in 1.. {
+        match op().await {
+            Err(RestoreError::Storage(e)) if attempt < STORAGE_ATTEMPTS => {
+                tracing::warn!(%what, attempt, error = %e, "storage error; retrying");
+                tokio::time::sleep(pause).await;
+                pause *= 4;
+            }
+            other => return other,
+        }
+    }
+    unreachable!("the loop returns")
+}
+
+/// The newest restore point (checkpoint or savepoint, by id) at or above `floor` that loads
+/// and verifies (every file's length and CRC-32C), passing over corrupt ones. Storage errors
+/// are retried and then returned: they never make a restore point count as corrupt. When
+/// restore points exist and none is valid, that is an error naming each one and its defect:
+/// a job must never silently start without its state.
+pub async fn newest_valid(storage: &Storage, floor: u64) -> Result<Selection, RestoreError> {
+    let points = retrying("listing restore points", || async { Ok(recovery::restore_points(storage).await?) }).await?;
+    let mut selection = Selection::default();
+    for point in points.into_iter().filter(|p| p.id >= floor) {
+        let (verdict, metadata) = retrying(&point.dir, || async { Ok(recovery::inspect(storage, &point.dir).await?) }).await?;
+        let found = match (verdict, metadata) {
+            (Verdict::Valid, Some(metadata)) => Restorable { dir: point.dir.clone(), metadata },
+            (Verdict::Incomplete, _) | (Verdict::Valid, None) => continue,
+            (Verdict::Invalid(defect), _) => {
+                selection.skipped.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect });
+                continue;
+            }
+        };
+        match retrying(&point.dir, || RestoredState::load(storage, &found)).await {
+            Ok(r) => {
+                selection.restored = Some(r);
+                return Ok(selection);
+            }
+            Err(RestoreError::Storage(e)) => return Err(RestoreError::Storage(e)),
+            Err(e) => selection.skipped.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect: e.to_string() }),
+        }
+    }
+    if !selection.skipped.is_empty() {
+        let defects: Vec<String> = selection.skipped.iter().map(|s| format!("{}: {}", s.path, s.defect)).collect();
+        return Err(RestoreError::NoValidRestorePoint { root: storage.url().to_string(), defects });
+    }
+    Ok(selection)
 }

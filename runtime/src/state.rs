@@ -176,6 +176,11 @@ impl<V: StateValue> KeyedState<V> {
         }
         self.increments_since_full += 1;
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.changed.len() * 16 + self.deleted.len() * 12);
+        // Deletions first: a key removed and inserted again since the previous snapshot is in
+        // both lists, and a restore applies entries in file order, so its put must come last.
+        for (kg, k) in self.deleted.drain(..) {
+            w.delete_encoded(kg, |e| k.encode(e));
+        }
         if scan {
             for (k, s) in self.map.iter_mut().filter(|(_, s)| s.dirty) {
                 s.dirty = false;
@@ -191,9 +196,6 @@ impl<V: StateValue> KeyedState<V> {
                     }
                 }
             }
-        }
-        for (kg, k) in self.deleted.drain(..) {
-            w.delete_encoded(kg, |e| k.encode(e));
         }
         finish(FileKind::KeyedIncrement, w)
     }
@@ -228,12 +230,14 @@ impl<V: StateValue> KeyedState<V> {
         Ok(())
     }
 
-    /// After a restore: continue the restored incremental chain (same key groups) or start a
-    /// new one with a full image.
-    pub fn after_restore(&mut self, continue_chain: bool) {
+    /// After a restore: continue the restored incremental chain of `chain_len` files (same key
+    /// groups) or start a new one with a full image. A continued chain keeps counting towards
+    /// its next full image, so restarting in a loop cannot grow a chain without bound.
+    pub fn after_restore(&mut self, continue_chain: bool, chain_len: usize) {
         self.changed.clear();
         self.scan = false;
         self.deleted.clear();
+        self.increments_since_full = if continue_chain { chain_len.saturating_sub(1) as u32 } else { 0 };
         self.force_full.store(!continue_chain, Ordering::Release);
     }
 }
@@ -249,15 +253,6 @@ mod tests {
     use super::*;
     use crate::value::Value;
     use weir_checkpoint::format::open;
-
-    impl StateValue for i64 {
-        fn encode(&self, e: &mut Encoder) {
-            e.svarint(*self)
-        }
-        fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
-            d.svarint()
-        }
-    }
 
     fn key(i: i64) -> Key {
         Key::One(Value::Int(i))
@@ -352,5 +347,205 @@ mod scan_tests {
         let inc = s.snapshot_checkpoint();
         assert_eq!(inc.entries, 90, "each changed key once, found by scanning");
         assert_eq!(s.snapshot_checkpoint().entries, 0, "flags were cleared");
+    }
+}
+
+/// Keyed state against a plain map: random puts, updates and removals (keys removed and
+/// inserted again between two snapshots included), interleaved with incremental and full
+/// checkpoints, savepoint copies and restores, at the same parallelism (the chain continues)
+/// and at another one (the key groups are split), must always hold what the model holds.
+#[cfg(test)]
+mod model_tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+    use weir_checkpoint::format::open;
+
+    use super::*;
+    use crate::value::{key_group_range, Value};
+
+    impl StateValue for i64 {
+        fn encode(&self, e: &mut Encoder) {
+            e.svarint(*self)
+        }
+        fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
+            d.svarint()
+        }
+    }
+
+    const MAX_PARALLELISM: u32 = 16;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Add(i64, i64),
+        Remove(i64),
+        Checkpoint,
+        Savepoint,
+        /// Crash and restore from the last checkpoint at this parallelism (1..=3).
+        Restore(u32),
+        /// Restore from the last savepoint at this parallelism.
+        RestoreSavepoint(u32),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            8 => (0i64..40, -5i64..5).prop_map(|(k, v)| Op::Add(k, v)),
+            4 => (0i64..40).prop_map(Op::Remove),
+            3 => Just(Op::Checkpoint),
+            1 => Just(Op::Savepoint),
+            1 => (1u32..=3).prop_map(Op::Restore),
+            1 => (1u32..=3).prop_map(Op::RestoreSavepoint),
+        ]
+    }
+
+    fn key(i: i64) -> Key {
+        Key::One(Value::Int(i))
+    }
+
+    /// The subtasks of one operator: each with its key groups and its current chain.
+    struct Subtasks {
+        parts: Vec<(KeyedState<i64>, (u32, u32), Vec<Bytes>)>,
+    }
+
+    use bytes::Bytes;
+
+    impl Subtasks {
+        fn new(parallelism: u32, full_every: u32) -> Self {
+            let parts = (0..parallelism).map(|s| (KeyedState::new(MAX_PARALLELISM, true, full_every), key_group_range(s, MAX_PARALLELISM, parallelism), Vec::new())).collect();
+            Subtasks { parts }
+        }
+
+        fn owner(&mut self, k: &Key) -> &mut KeyedState<i64> {
+            let kg = k.key_group(MAX_PARALLELISM);
+            &mut self.parts.iter_mut().find(|(_, r, _)| kg >= r.0 && kg < r.1).expect("a subtask owns every key group").0
+        }
+
+        fn contents(&self) -> BTreeMap<i64, i64> {
+            let mut out = BTreeMap::new();
+            for (s, _, _) in &self.parts {
+                for (k, v) in s.iter() {
+                    let Key::One(Value::Int(i)) = k else { panic!("{k:?}") };
+                    assert!(out.insert(*i, *v).is_none(), "key {i} in two subtasks");
+                }
+            }
+            out
+        }
+
+        /// A checkpoint: every subtask's chain as the uploader keeps it.
+        fn checkpoint(&mut self) -> Vec<((u32, u32), Vec<Bytes>)> {
+            for (s, _, chain) in &mut self.parts {
+                let snap = s.snapshot_checkpoint();
+                if snap.kind == FileKind::KeyedFull {
+                    chain.clear();
+                }
+                chain.push(snap.data);
+            }
+            self.parts.iter().map(|(_, r, c)| (*r, c.clone())).collect()
+        }
+
+        fn savepoint(&self) -> Vec<((u32, u32), Vec<Bytes>)> {
+            self.parts.iter().map(|(s, r, _)| (*r, vec![s.snapshot_full_copy().data])).collect()
+        }
+
+        /// Restores `snapshot` at `parallelism`, as the engine does: a subtask whose key groups
+        /// are unchanged continues the chain of a checkpoint, any other starts a new one.
+        fn restore(snapshot: &[((u32, u32), Vec<Bytes>)], parallelism: u32, full_every: u32, from_checkpoint: bool) -> Self {
+            let mut parts = Vec::new();
+            for s in 0..parallelism {
+                let range = key_group_range(s, MAX_PARALLELISM, parallelism);
+                let overlapping: Vec<_> = snapshot.iter().filter(|(r, _)| r.0 < range.1 && range.0 < r.1).collect();
+                let same = overlapping.len() == 1 && overlapping[0].0 == range;
+                let mut state = KeyedState::new(MAX_PARALLELISM, true, full_every);
+                let mut files = Vec::new();
+                for (_, chain) in &overlapping {
+                    for f in chain {
+                        let (_, body) = open(f).expect("a file written by a snapshot verifies");
+                        state.restore_file(body, range).unwrap();
+                        files.push(f.clone());
+                    }
+                }
+                let continue_chain = same && from_checkpoint;
+                state.after_restore(continue_chain, files.len());
+                parts.push((state, range, if continue_chain { files } else { Vec::new() }));
+            }
+            Subtasks { parts }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn keyed_state_equals_a_map_through_snapshots_and_restores(ops in proptest::collection::vec(op(), 1..120), full_every in 1u32..5) {
+            let mut model: BTreeMap<i64, i64> = BTreeMap::new();
+            let mut subtasks = Subtasks::new(1, full_every);
+            let mut last_checkpoint: (BTreeMap<i64, i64>, Vec<((u32, u32), Vec<Bytes>)>) = (BTreeMap::new(), subtasks.checkpoint());
+            let mut last_savepoint: Option<(BTreeMap<i64, i64>, Vec<((u32, u32), Vec<Bytes>)>)> = None;
+            for op in ops {
+                match op {
+                    Op::Add(k, v) => {
+                        *subtasks.owner(&key(k)).update(key(k), || 0) += v;
+                        *model.entry(k).or_default() += v;
+                    }
+                    Op::Remove(k) => {
+                        prop_assert_eq!(subtasks.owner(&key(k)).remove(&key(k)), model.remove(&k));
+                    }
+                    Op::Checkpoint => last_checkpoint = (model.clone(), subtasks.checkpoint()),
+                    Op::Savepoint => last_savepoint = Some((model.clone(), subtasks.savepoint())),
+                    Op::Restore(p) => {
+                        model = last_checkpoint.0.clone();
+                        subtasks = Subtasks::restore(&last_checkpoint.1, p, full_every, true);
+                    }
+                    Op::RestoreSavepoint(p) => {
+                        if let Some((m, snap)) = &last_savepoint {
+                            model = m.clone();
+                            subtasks = Subtasks::restore(snap, p, full_every, false);
+                        }
+                    }
+                }
+                prop_assert_eq!(&subtasks.contents(), &model);
+            }
+            // Whatever happened, the next checkpoint restores to the model too.
+            let snap = subtasks.checkpoint();
+            for p in 1..=3 {
+                prop_assert_eq!(&Subtasks::restore(&snap, p, full_every, true).contents(), &model, "restored at parallelism {}", p);
+            }
+            // Chains never grow past fullEvery files.
+            for (_, chain) in &snap {
+                prop_assert!(chain.len() <= full_every as usize, "chain of {} files with fullEvery {}", chain.len(), full_every);
+            }
+        }
+    }
+
+    /// Shrunk from the property above: a key removed and inserted again between two
+    /// checkpoints restored as deleted (the increment wrote its put before its deletion).
+    #[test]
+    fn a_key_removed_and_inserted_again_between_checkpoints_survives_a_restore() {
+        let mut s = KeyedState::<i64>::new(MAX_PARALLELISM, true, 10);
+        *s.update(key(1), || 0) += 1;
+        let full = s.snapshot_checkpoint();
+        s.remove(&key(1));
+        *s.update(key(1), || 0) += 7;
+        let inc = s.snapshot_checkpoint();
+        let mut r = KeyedState::<i64>::new(MAX_PARALLELISM, true, 10);
+        for f in [full.data, inc.data] {
+            r.restore_file(open(&f).unwrap().1, (0, MAX_PARALLELISM)).unwrap();
+        }
+        assert_eq!(r.get(&key(1)), Some(&7));
+    }
+
+    /// Shrunk from the property above: restoring a chain restarted the count towards the next
+    /// full image, so a job restarted in a loop grew its chain without bound.
+    #[test]
+    fn a_restored_chain_keeps_counting_towards_its_full_image() {
+        let mut s = KeyedState::<i64>::new(MAX_PARALLELISM, true, 3);
+        s.update(key(1), || 1);
+        let chain = [s.snapshot_checkpoint().data, s.snapshot_checkpoint().data, s.snapshot_checkpoint().data];
+        let mut r = KeyedState::<i64>::new(MAX_PARALLELISM, true, 3);
+        for f in &chain {
+            r.restore_file(open(f).unwrap().1, (0, MAX_PARALLELISM)).unwrap();
+        }
+        r.after_restore(true, chain.len());
+        assert_eq!(r.snapshot_checkpoint().kind, FileKind::KeyedFull, "a chain holds at most fullEvery (3) files: the next one is a full image");
     }
 }

@@ -4,6 +4,7 @@
 //! at-least-once mode. On barrier N a task snapshots its chain synchronously, forwards the
 //! barrier at once and hands the snapshot to its uploader.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -136,12 +137,14 @@ struct InputState {
     rx: Receiver<Message>,
     watermark: i64,
     ended: bool,
-    barrier_seen: bool,
 }
 
+/// A barrier some inputs have delivered and others not yet.
 struct Alignment {
     barrier: Barrier,
     started: Instant,
+    /// Per input: delivered this barrier.
+    seen: Vec<bool>,
 }
 
 impl Task {
@@ -232,8 +235,12 @@ impl Task {
     fn on_control(&mut self, msg: TaskControl) -> Result<Option<TaskEnd>, TaskError> {
         match msg {
             TaskControl::Complete(id) => {
+                let mut committed = Vec::new();
                 for c in &mut self.chain {
-                    c.op.on_checkpoint_complete(id)?;
+                    committed.extend(c.op.on_checkpoint_complete(id)?);
+                }
+                if !committed.is_empty() {
+                    self.events.send(Event::Committed { task: self.id, committed }).map_err(|_| TaskError::Shutdown)?;
                 }
             }
             TaskControl::Cancel => return Ok(Some(TaskEnd::Cancelled)),
@@ -347,17 +354,22 @@ impl Task {
     }
 
     fn run_inputs(mut self, receivers: Vec<Receiver<Message>>) -> Result<TaskEnd, TaskError> {
-        let mut inputs: Vec<InputState> =
-            receivers.into_iter().map(|rx| InputState { rx, watermark: i64::MIN, ended: false, barrier_seen: false }).collect();
+        let mut inputs: Vec<InputState> = receivers.into_iter().map(|rx| InputState { rx, watermark: i64::MIN, ended: false }).collect();
         let mut watermark = i64::MIN;
-        let mut aligning: Option<Alignment> = None;
+        // Barriers being aligned, by id. Channels are FIFO, so every input delivers N before
+        // N+1 and alignments complete in id order. In exactly-once mode an input that
+        // delivered the oldest barrier is not read until all have; in at-least-once mode
+        // inputs are never blocked, so with `maxConcurrent > 1` a newer barrier may arrive
+        // while an older one is still aligning, and both are tracked.
+        let mut aligning: BTreeMap<u64, Alignment> = BTreeMap::new();
         let aligned = self.mode == CheckpointMode::ExactlyOnce;
         loop {
             let mut sel = Select::new();
             sel.recv(&self.control);
             let mut index = Vec::with_capacity(inputs.len());
+            let blocked: Option<&Vec<bool>> = if aligned { aligning.values().next().map(|a| &a.seen) } else { None };
             for (i, input) in inputs.iter().enumerate() {
-                if !input.ended && !(aligned && input.barrier_seen) {
+                if !input.ended && !blocked.is_some_and(|seen| seen[i]) {
                     sel.recv(&input.rx);
                     index.push(i);
                 }
@@ -386,27 +398,13 @@ impl Task {
                     }
                 }
                 Message::Barrier(b) => {
-                    match &aligning {
-                        Some(a) if a.barrier.id == b.id => {}
-                        Some(a) if a.barrier.id > b.id => continue,
-                        Some(a) => {
-                            // A newer barrier overtook an incomplete alignment (at-least-once):
-                            // the older checkpoint cannot complete here.
-                            let old = a.barrier.id;
-                            let _ = self.events.send(Event::Decline { id: old, task: self.id, reason: format!("barrier {} overtook {old}", b.id) });
-                            for x in inputs.iter_mut() {
-                                x.barrier_seen = false;
-                            }
-                            aligning = Some(Alignment { barrier: b.clone(), started: Instant::now() });
-                        }
-                        None => aligning = Some(Alignment { barrier: b.clone(), started: Instant::now() }),
-                    }
-                    inputs[i].barrier_seen = true;
-                    self.complete_alignment(&mut inputs, &mut aligning)?;
+                    let n = inputs.len();
+                    aligning.entry(b.id).or_insert_with(|| Alignment { barrier: b, started: Instant::now(), seen: vec![false; n] }).seen[i] = true;
+                    self.complete_alignments(&inputs, &mut aligning)?;
                 }
                 Message::End => {
                     inputs[i].ended = true;
-                    self.complete_alignment(&mut inputs, &mut aligning)?;
+                    self.complete_alignments(&inputs, &mut aligning)?;
                     let combined = inputs.iter().filter(|x| !x.ended).map(|x| x.watermark).min().unwrap_or(i64::MAX);
                     if combined > watermark && inputs.iter().any(|x| !x.ended) {
                         watermark = combined;
@@ -420,17 +418,15 @@ impl Task {
         }
     }
 
-    fn complete_alignment(&mut self, inputs: &mut [InputState], aligning: &mut Option<Alignment>) -> Result<(), TaskError> {
-        if aligning.is_none() {
-            return Ok(());
+    /// Snapshots every barrier, oldest first, that each input has delivered (or ended before).
+    fn complete_alignments(&mut self, inputs: &[InputState], aligning: &mut BTreeMap<u64, Alignment>) -> Result<(), TaskError> {
+        while let Some(entry) = aligning.first_entry() {
+            if !inputs.iter().zip(&entry.get().seen).all(|(x, seen)| x.ended || *seen) {
+                break;
+            }
+            let a = entry.remove();
+            self.checkpoint(a.barrier, None, a.started.elapsed())?;
         }
-        if !inputs.iter().all(|x| x.ended || x.barrier_seen) {
-            return Ok(());
-        }
-        let a = aligning.take().expect("checked");
-        for x in inputs.iter_mut() {
-            x.barrier_seen = false;
-        }
-        self.checkpoint(a.barrier, None, a.started.elapsed())
+        Ok(())
     }
 }

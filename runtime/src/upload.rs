@@ -43,13 +43,13 @@ struct Chain {
 }
 
 /// Runs the uploader of one task until its task drops the sender.
-pub fn run(jobs: Receiver<UploadJob>, storage: Storage, events: Sender<Event>, faults: Faults, restored_chains: HashMap<String, Vec<FileRef>>) {
+pub fn run(jobs: Receiver<UploadJob>, storage: Storage, epoch: u64, events: Sender<Event>, faults: Faults, restored_chains: HashMap<String, Vec<FileRef>>) {
     let mut chains: HashMap<String, Chain> = restored_chains.into_iter().map(|(uid, files)| (uid, Chain { files, broken: false })).collect();
     let mut unstaged: Vec<StagedWrite> = Vec::new();
     for job in jobs {
         let id = job.barrier.id;
         let task = job.task;
-        let result = crate::io().block_on(upload(&storage, &faults, &mut chains, &mut unstaged, job));
+        let result = crate::io().block_on(upload(&storage, epoch, &faults, &mut chains, &mut unstaged, job));
         let event = match result {
             Ok(ack) => Event::Ack { id, task, ack },
             Err(reason) => Event::Decline { id, task, reason },
@@ -60,7 +60,7 @@ pub fn run(jobs: Receiver<UploadJob>, storage: Storage, events: Sender<Event>, f
     }
 }
 
-async fn upload(storage: &Storage, faults: &Faults, chains: &mut HashMap<String, Chain>, unstaged: &mut Vec<StagedWrite>, job: UploadJob) -> Result<TaskAck, String> {
+async fn upload(storage: &Storage, epoch: u64, faults: &Faults, chains: &mut HashMap<String, Chain>, unstaged: &mut Vec<StagedWrite>, job: UploadJob) -> Result<TaskAck, String> {
     let savepoint_dir = match &job.barrier.target {
         SnapshotTarget::Savepoint { dir } => Some(dir.clone()),
         SnapshotTarget::Checkpoint => None,
@@ -74,6 +74,7 @@ async fn upload(storage: &Storage, faults: &Faults, chains: &mut HashMap<String,
         }
         for parts in job.parts.iter() {
             unstaged.extend(parts.1.staged.iter().cloned());
+            ack.pending_commits.extend(parts.1.pending_commits.iter().cloned());
         }
         while let Some(staged) = unstaged.first() {
             if faults.fires(Fault::Upload) {
@@ -92,7 +93,7 @@ async fn upload(storage: &Storage, faults: &Faults, chains: &mut HashMap<String,
                 let mut w = StateFileWriter::new(FileKind::OperatorState, doc.len());
                 w.document(&doc);
                 let (data, crc) = w.finish();
-                let rel = layout::operator_state_file(&uid, job.subtask);
+                let rel = layout::operator_state_file(&uid, job.subtask, epoch);
                 if faults.fires(Fault::Upload) {
                     return Err(format!("injected fault: upload of {rel} failed"));
                 }
@@ -110,7 +111,7 @@ async fn upload(storage: &Storage, faults: &Faults, chains: &mut HashMap<String,
                 let (data, crc) = (keyed.data, keyed.crc32c);
                 let rel = match &savepoint_dir {
                     Some(_) => layout::savepoint_keyed_file(&uid, job.subtask),
-                    None => layout::shared_keyed_file(&uid, job.subtask, job.barrier.id, 0),
+                    None => layout::shared_keyed_file(&uid, job.subtask, job.barrier.id, epoch),
                 };
                 if faults.fires(Fault::Upload) {
                     return Err(format!("injected fault: upload of {rel} failed"));

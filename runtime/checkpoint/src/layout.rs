@@ -7,14 +7,19 @@
 //!                                                          incremental checkpoints that list them
 //! <job>/savepoints/sp-<time>-<N>/_metadata                 self-contained, relocatable
 //! <job>/savepoints/sp-<time>-<N>/<uid>/<subtask>.state|.kv
+//! <job>/_epochs/<E>                                        fencing: one claim per start
 //! ```
+//! Operator-state files are named `<subtask>-<E>.state` and shared files
+//! `<subtask>-<N>-<E>.kv`, with `E` the epoch of the run that wrote them, so two runs on one
+//! root (a stale one that has not noticed it lost its epoch, and its replacement) never write
+//! the same object; `_metadata` is written create-only, so one of them wins each `chk-N`.
 //! File references inside `_metadata` are relative to the directory holding `_metadata`
 //! (checkpoints reach shared files with `../shared/...`).
 
 /// Name of the metadata object in a checkpoint or savepoint directory.
 pub const METADATA: &str = "_metadata";
-/// Name of the temporary object metadata is first written to.
-pub const METADATA_TMP: &str = "_metadata.inprogress";
+/// Directory of epoch claims under the job root.
+pub const EPOCHS: &str = "_epochs";
 /// Directory of periodic checkpoints under the job root.
 pub const CHECKPOINTS: &str = "checkpoints";
 /// Directory of shared (incremental) files under the checkpoints directory.
@@ -44,14 +49,34 @@ pub fn parse_savepoint_dir(name: &str) -> Option<(u64, u64)> {
     Some((time.parse().ok()?, id.parse().ok()?))
 }
 
-/// Operator state file of one subtask, relative to its checkpoint or savepoint directory.
-pub fn operator_state_file(uid: &str, subtask: u32) -> String {
-    format!("{uid}/{subtask}.state")
+/// The claim of epoch `epoch`, relative to the job root.
+pub fn epoch_claim(epoch: u64) -> String {
+    format!("{EPOCHS}/{epoch:020}")
 }
 
-/// A shared keyed-state file created by checkpoint `id`, relative to a checkpoint directory.
-pub fn shared_keyed_file(uid: &str, subtask: u32, id: u64, seq: u32) -> String {
-    format!("../{SHARED}/{uid}/{subtask}-{id}-{seq}.kv")
+/// Parses an epoch claim's name.
+pub fn parse_epoch_claim(name: &str) -> Option<u64> {
+    if name.len() != 20 || !name.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    name.parse().ok()
+}
+
+/// Operator state file of one subtask written in `epoch`, relative to its checkpoint or
+/// savepoint directory.
+pub fn operator_state_file(uid: &str, subtask: u32, epoch: u64) -> String {
+    format!("{uid}/{subtask}-{epoch}.state")
+}
+
+/// A shared keyed-state file created by checkpoint `id` in `epoch`, relative to a checkpoint
+/// directory.
+pub fn shared_keyed_file(uid: &str, subtask: u32, id: u64, epoch: u64) -> String {
+    format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}.kv")
+}
+
+/// The epoch that wrote a shared file (from its name `<subtask>-<N>-<E>.kv`).
+pub fn shared_file_epoch(file_name: &str) -> Option<u64> {
+    file_name.strip_suffix(".kv")?.split('-').nth(2)?.parse().ok()
 }
 
 /// A savepoint's keyed-state file, relative to the savepoint directory.
@@ -91,6 +116,9 @@ mod tests {
         assert_eq!(parse_checkpoint_dir(&checkpoint_dir(42)["checkpoints/".len()..]), Some(42));
         assert_eq!(parse_savepoint_dir("sp-1700-9"), Some((1700, 9)));
         assert_eq!(shared_file_creator("3-17-0.kv"), Some(17));
+        assert_eq!(shared_file_epoch(&shared_keyed_file("op", 3, 17, 9)["../shared/op/".len()..]), Some(9));
+        assert_eq!(parse_epoch_claim(&epoch_claim(12)["_epochs/".len()..]), Some(12));
+        assert_eq!(parse_epoch_claim("12"), None);
         assert_eq!(parse_checkpoint_dir("chk-x"), None);
     }
 

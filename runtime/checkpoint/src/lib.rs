@@ -4,6 +4,7 @@
 //! everything that touches storage goes through [`store::Storage`], whose paths all come from
 //! [`layout`].
 
+pub mod epoch;
 pub mod format;
 pub mod layout;
 pub mod metadata;

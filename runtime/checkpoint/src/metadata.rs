@@ -65,6 +65,9 @@ pub struct CheckpointMetadata {
     pub kind: SnapshotKind,
     /// Job name.
     pub job_name: String,
+    /// Fencing epoch of the run that wrote it (0: written before epochs existed).
+    #[serde(default)]
+    pub epoch: u64,
     /// Completion time, ms since the Unix epoch.
     pub created_at_ms: u64,
     /// Key groups of the job (fixed at the first run).
@@ -166,6 +169,7 @@ mod tests {
             checkpoint_id: 1,
             kind: SnapshotKind::Checkpoint,
             job_name: "j".into(),
+            epoch: 1,
             created_at_ms: 5,
             max_parallelism: 128,
             operators,

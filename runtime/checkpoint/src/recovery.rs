@@ -28,7 +28,10 @@ impl Restorable {
 pub enum Verdict {
     /// Metadata and files check out.
     Valid,
-    /// Why it cannot be used.
+    /// No `_metadata`: the checkpoint never completed (in progress, aborted, or its run died
+    /// first). Not a restore point, and not a defect.
+    Incomplete,
+    /// It completed once but cannot be used now, and why (a defect).
     Invalid(String),
 }
 
@@ -36,7 +39,7 @@ pub enum Verdict {
 pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<CheckpointMetadata>), StorageError> {
     let bytes = match storage.get(&layout::resolve(dir, layout::METADATA)).await {
         Ok(b) => b,
-        Err(StorageError::NotFound(_)) => return Ok((Verdict::Invalid("no _metadata (incomplete or aborted)".into()), None)),
+        Err(StorageError::NotFound(_)) => return Ok((Verdict::Incomplete, None)),
         Err(e) => return Err(e),
     };
     let metadata = match CheckpointMetadata::decode(&bytes) {
@@ -78,10 +81,38 @@ pub async fn restorable_checkpoints(storage: &Storage) -> Result<(Vec<Restorable
         match (verdict, meta) {
             (Verdict::Valid, Some(metadata)) => valid.push(Restorable { dir: layout::checkpoint_dir(id), metadata }),
             (Verdict::Invalid(reason), _) if valid.is_empty() => skipped.push((id, reason)),
+            (Verdict::Incomplete, _) if valid.is_empty() => skipped.push((id, "no _metadata (incomplete or aborted)".to_string())),
             _ => {}
         }
     }
     Ok((valid, skipped))
+}
+
+/// A snapshot directory that a restore could start from: a checkpoint or a savepoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RestorePoint {
+    /// Its checkpoint id (ids are shared by checkpoints and savepoints and never reused).
+    pub id: u64,
+    /// Its directory, relative to the job root.
+    pub dir: String,
+}
+
+/// Every checkpoint and savepoint directory of a job root, highest id first (unverified).
+pub async fn restore_points(storage: &Storage) -> Result<Vec<RestorePoint>, StorageError> {
+    let mut out: Vec<RestorePoint> = storage
+        .list_dirs(layout::CHECKPOINTS)
+        .await?
+        .iter()
+        .filter_map(|n| layout::parse_checkpoint_dir(n))
+        .map(|id| RestorePoint { id, dir: layout::checkpoint_dir(id) })
+        .collect();
+    for name in storage.list_dirs(layout::SAVEPOINTS).await? {
+        if let Some((time, id)) = layout::parse_savepoint_dir(&name) {
+            out.push(RestorePoint { id, dir: layout::savepoint_dir(time, id) });
+        }
+    }
+    out.sort_by(|a, b| b.id.cmp(&a.id).then_with(|| a.dir.cmp(&b.dir)));
+    Ok(out)
 }
 
 /// The highest checkpoint id used so far under a job root (checkpoints and savepoints), so a
@@ -108,7 +139,7 @@ mod tests {
             parallelism: 1,
             subtasks: vec![SubtaskSnapshot { subtask: 0, key_groups: (0, 8), operator_state: None, keyed_state: vec![FileRef { path: rel, len: file_len as u64, crc32c: 0 }] }],
         });
-        let m = CheckpointMetadata { format_version: FORMAT_VERSION, checkpoint_id: id, kind: SnapshotKind::Checkpoint, job_name: "j".into(), created_at_ms: 0, max_parallelism: 8, operators };
+        let m = CheckpointMetadata { format_version: FORMAT_VERSION, checkpoint_id: id, kind: SnapshotKind::Checkpoint, job_name: "j".into(), epoch: 1, created_at_ms: 0, max_parallelism: 8, operators };
         s.put(&format!("{dir}/_metadata"), Bytes::from(m.encode())).await.unwrap();
     }
 

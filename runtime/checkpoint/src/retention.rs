@@ -1,9 +1,13 @@
 //! Which checkpoints and shared files to delete: a pure plan, and the I/O that carries it out.
 //!
-//! Keep the newest `retained` complete checkpoints (so the newest is never deleted); delete
-//! older directories (complete, incomplete or corrupt); delete shared files that no kept
-//! checkpoint references, but only those created by a checkpoint no newer than the newest
-//! complete one: newer files may belong to checkpoints still in flight.
+//! Keep the newest `retained` complete checkpoints (so the newest is never deleted), and also
+//! the newest complete checkpoint that shares no keyed-state file with the newest one: the
+//! kept checkpoints of one incremental chain all build on one full image, and if that file is
+//! damaged, recovery needs a checkpoint outside the chain to fall back to. Delete older
+//! directories (complete, incomplete or corrupt); delete shared files that no kept checkpoint
+//! references, but only those created by a checkpoint no newer than the newest complete one
+//! (newer files may belong to checkpoints still in flight) and by this run's epoch or an
+//! older one (a newer epoch's files belong to the run that replaced this one).
 
 use std::collections::BTreeSet;
 
@@ -31,13 +35,25 @@ pub struct RetentionPlan {
 }
 
 /// Plans retention. `in_flight_from`: ids at or above it may still be written and are never
-/// touched.
-pub fn plan(found: &[FoundCheckpoint], shared_files: &[String], retained: usize, in_flight_from: u64) -> RetentionPlan {
+/// touched; `epoch`: the epoch of the run applying it (files of newer epochs are never
+/// touched).
+pub fn plan(found: &[FoundCheckpoint], shared_files: &[String], retained: usize, in_flight_from: u64, epoch: u64) -> RetentionPlan {
     let mut complete: Vec<&FoundCheckpoint> = found.iter().filter(|c| c.references.is_some()).collect();
     complete.sort_by_key(|c| std::cmp::Reverse(c.id));
-    let kept: Vec<&FoundCheckpoint> = complete.iter().take(retained.max(1)).copied().collect();
-    let Some(oldest_kept) = kept.last().map(|c| c.id) else { return RetentionPlan::default() };
-    let newest_complete = kept[0].id;
+    let mut kept: Vec<&FoundCheckpoint> = complete.iter().take(retained.max(1)).copied().collect();
+    let Some(&newest) = kept.first() else { return RetentionPlan::default() };
+    let shared_prefix = format!("{}/{}/", layout::CHECKPOINTS, layout::SHARED);
+    let newest_shared: BTreeSet<&String> = newest.references.iter().flatten().filter(|f| f.starts_with(&shared_prefix)).collect();
+    let independent = |c: &FoundCheckpoint| c.references.iter().flatten().all(|f| !newest_shared.contains(f));
+    // A newest checkpoint without keyed-state files shares no base with any other.
+    if !newest_shared.is_empty() && !kept[1..].iter().any(|c| independent(c)) {
+        if let Some(fallback) = complete.iter().skip(1).find(|c| independent(c)) {
+            kept.push(fallback);
+        }
+    }
+    kept.sort_by_key(|c| std::cmp::Reverse(c.id));
+    let oldest_kept = kept.last().map_or(newest.id, |c| c.id);
+    let newest_complete = newest.id;
     let kept_ids: BTreeSet<u64> = kept.iter().map(|c| c.id).collect();
     let delete_checkpoints: Vec<u64> = found
         .iter()
@@ -51,6 +67,7 @@ pub fn plan(found: &[FoundCheckpoint], shared_files: &[String], retained: usize,
         .filter(|f| {
             let name = f.rsplit('/').next().unwrap_or("");
             layout::shared_file_creator(name).is_some_and(|creator| creator <= newest_complete && creator < in_flight_from)
+                && layout::shared_file_epoch(name).is_some_and(|e| e <= epoch)
         })
         .cloned()
         .collect();
@@ -74,11 +91,11 @@ pub async fn scan(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageErro
     Ok(out)
 }
 
-/// Applies retention to a job root; returns what was deleted.
-pub async fn apply(storage: &Storage, retained: usize, in_flight_from: u64) -> Result<RetentionPlan, StorageError> {
+/// Applies retention to a job root for a run of `epoch`; returns what was deleted.
+pub async fn apply(storage: &Storage, retained: usize, in_flight_from: u64, epoch: u64) -> Result<RetentionPlan, StorageError> {
     let found = scan(storage).await?;
     let shared = storage.list(&format!("{}/{}", layout::CHECKPOINTS, layout::SHARED)).await?;
-    let plan = plan(&found, &shared, retained, in_flight_from);
+    let plan = plan(&found, &shared, retained, in_flight_from, epoch);
     for id in &plan.delete_checkpoints {
         storage.delete_dir(&layout::checkpoint_dir(*id)).await?;
     }
@@ -106,10 +123,10 @@ mod tests {
             chk(1, &["checkpoints/shared/op/0-1-0.kv"]),
             chk(2, &["checkpoints/shared/op/0-1-0.kv", "checkpoints/shared/op/0-2-0.kv"]),
             chk(3, &["checkpoints/shared/op/0-3-0.kv"]),
-            chk(4, &["checkpoints/shared/op/0-3-0.kv", "checkpoints/shared/op/0-4-0.kv"]),
+            chk(4, &["checkpoints/shared/op/0-4-0.kv"]),
         ];
         let files = vec![shared("0-1-0.kv"), shared("0-2-0.kv"), shared("0-3-0.kv"), shared("0-4-0.kv"), shared("0-5-0.kv")];
-        let p = plan(&found, &files, 2, 5);
+        let p = plan(&found, &files, 2, 5, 0);
         assert_eq!(p.delete_checkpoints, vec![1, 2]);
         assert_eq!(p.delete_shared, vec![shared("0-1-0.kv"), shared("0-2-0.kv")], "0-5 belongs to a checkpoint in flight");
     }
@@ -117,16 +134,44 @@ mod tests {
     #[test]
     fn never_deletes_the_newest_and_skips_incomplete_ones_in_flight() {
         let found = vec![chk(1, &[]), FoundCheckpoint { id: 2, references: None }, FoundCheckpoint { id: 3, references: None }];
-        let p = plan(&found, &[], 0, 3);
+        let p = plan(&found, &[], 0, 3, 0);
         assert_eq!(p.delete_checkpoints, Vec::<u64>::new(), "2 is incomplete but newer than the newest complete (1)");
         let found = vec![FoundCheckpoint { id: 1, references: None }, chk(2, &[]), chk(3, &[])];
-        let p = plan(&found, &[], 1, 4);
+        let p = plan(&found, &[], 1, 4, 0);
         assert_eq!(p.delete_checkpoints, vec![1, 2]);
     }
 
     #[test]
     fn nothing_is_deleted_without_a_complete_checkpoint() {
         let found = vec![FoundCheckpoint { id: 1, references: None }];
-        assert_eq!(plan(&found, &[shared("0-1-0.kv")], 3, 2), RetentionPlan::default());
+        assert_eq!(plan(&found, &[shared("0-1-0.kv")], 3, 2, 0), RetentionPlan::default());
+    }
+
+    #[test]
+    fn keeps_a_checkpoint_outside_the_newest_chain_so_a_damaged_base_has_a_fallback() {
+        // 1 is a full image; 2..=4 are increments on 3's full image (fullEvery 3).
+        let found = vec![
+            chk(1, &["checkpoints/shared/op/0-1-0.kv"]),
+            chk(2, &["checkpoints/shared/op/0-1-0.kv", "checkpoints/shared/op/0-2-0.kv"]),
+            chk(3, &["checkpoints/shared/op/0-3-0.kv"]),
+            chk(4, &["checkpoints/shared/op/0-3-0.kv", "checkpoints/shared/op/0-4-0.kv"]),
+            chk(5, &["checkpoints/shared/op/0-3-0.kv", "checkpoints/shared/op/0-4-0.kv", "checkpoints/shared/op/0-5-0.kv"]),
+        ];
+        let files: Vec<String> = ["0-1-0.kv", "0-2-0.kv", "0-3-0.kv", "0-4-0.kv", "0-5-0.kv"].iter().map(|n| shared(n)).collect();
+        let p = plan(&found, &files, 3, 6, 0);
+        assert_eq!(p.delete_checkpoints, vec![1], "3, 4, 5 share 0-3-0.kv: 2 is kept as well");
+        assert_eq!(p.delete_shared, Vec::<String>::new(), "2 still needs 0-1-0.kv");
+        // Once a later full image exists, the chain of 3 is the independent one.
+        let mut found = found;
+        found.push(chk(6, &["checkpoints/shared/op/0-6-0.kv"]));
+        let p = plan(&found, &files, 3, 7, 0);
+        assert_eq!(p.delete_checkpoints, vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn never_deletes_files_of_a_newer_epoch() {
+        let found = vec![chk(5, &[]), chk(6, &["checkpoints/shared/op/0-6-1.kv"])];
+        let p = plan(&found, &[shared("0-3-2.kv"), shared("0-4-1.kv")], 1, 7, 1);
+        assert_eq!(p.delete_shared, vec![shared("0-4-1.kv")], "0-3-2.kv was written by epoch 2, newer than this run's 1");
     }
 }

@@ -10,7 +10,7 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path;
-use object_store::{ObjectStore, PutPayload};
+use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 
 /// Why a storage operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +26,9 @@ pub enum StorageError {
     /// An object was not there.
     #[error("`{0}` not found")]
     NotFound(String),
+    /// A create-only write found the object already there (another writer got there first).
+    #[error("`{0}` already exists")]
+    AlreadyExists(String),
     /// The store refused or failed an operation.
     #[error("{op} `{path}`: {source}")]
     Io {
@@ -52,6 +55,10 @@ pub fn s3_credentials_configured(var: impl Fn(&str) -> Option<String>) -> bool {
         || var("WEIR_S3_INSTANCE_METADATA").as_deref() == Some("true")
 }
 
+fn local_io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(std::io::Error) -> StorageError + 'a {
+    move |e| StorageError::Io { op, path: path.to_string(), source: object_store::Error::Generic { store: "local", source: Box::new(e) } }
+}
+
 /// A job's storage root.
 #[derive(Clone, Debug)]
 pub struct Storage {
@@ -65,6 +72,7 @@ pub struct Storage {
 fn io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(object_store::Error) -> StorageError + 'a {
     move |source| match source {
         object_store::Error::NotFound { .. } => StorageError::NotFound(path.to_string()),
+        object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. } => StorageError::AlreadyExists(path.to_string()),
         source => StorageError::Io { op, path: path.to_string(), source },
     }
 }
@@ -147,8 +155,34 @@ impl Storage {
     }
 
     /// Writes an object (atomically: readers see the old object, nothing, or all of the new one).
+    /// On a local filesystem the file and its directory are synced before this returns, so a
+    /// checkpoint acknowledged or a file published survives a power loss.
     pub async fn put(&self, rel: &str, data: Bytes) -> Result<(), StorageError> {
         self.store.put(&self.full(rel), PutPayload::from(data)).await.map_err(io("put", rel))?;
+        self.sync_local(&[rel]).map_err(local_io("fsync", rel))
+    }
+
+    /// Writes an object only if none exists under that name (S3 `If-None-Match: *`, a hard
+    /// link on a filesystem): [`StorageError::AlreadyExists`] when another writer was first.
+    pub async fn put_if_absent(&self, rel: &str, data: Bytes) -> Result<(), StorageError> {
+        let opts = PutOptions { mode: PutMode::Create, ..PutOptions::default() };
+        self.store.put_opts(&self.full(rel), PutPayload::from(data), opts).await.map_err(io("put-if-absent", rel))?;
+        self.sync_local(&[rel]).map_err(local_io("fsync", rel))
+    }
+
+    /// Syncs local files and their directories (a no-op for object stores, whose writes are
+    /// durable when acknowledged).
+    fn sync_local(&self, rels: &[&str]) -> std::io::Result<()> {
+        let Some(local) = &self.local else { return Ok(()) };
+        for rel in rels {
+            let path = local.join(rel);
+            if path.is_file() {
+                std::fs::File::open(&path)?.sync_all()?;
+            }
+            if let Some(dir) = path.parent() {
+                std::fs::File::open(dir)?.sync_all()?;
+            }
+        }
         Ok(())
     }
 
@@ -167,9 +201,11 @@ impl Storage {
         }
     }
 
-    /// Renames an object (used to publish `_metadata` and committed output).
+    /// Renames an object (used to publish committed output). On S3 this is a copy and a
+    /// delete; on a filesystem an atomic rename whose directories are synced.
     pub async fn rename(&self, from: &str, to: &str) -> Result<(), StorageError> {
-        self.store.rename(&self.full(from), &self.full(to)).await.map_err(io("rename", from))
+        self.store.rename(&self.full(from), &self.full(to)).await.map_err(io("rename", from))?;
+        self.sync_local(&[to, from]).map_err(local_io("fsync", to))
     }
 
     /// Deletes an object; a missing object is not an error.
@@ -243,6 +279,17 @@ mod tests {
         s.delete_dir("a").await.unwrap();
         assert!(s.list("a").await.unwrap().is_empty());
         assert!(!dir.path().join("a").exists(), "emptied directories are removed too");
+    }
+
+    #[tokio::test]
+    async fn put_if_absent_refuses_a_second_writer() {
+        for url in ["memory://", ""] {
+            let dir = tempfile::tempdir().unwrap();
+            let s = if url.is_empty() { Storage::open(dir.path().to_str().unwrap()).unwrap() } else { Storage::open(url).unwrap() };
+            s.put_if_absent("x/claim", Bytes::from_static(b"1")).await.unwrap();
+            assert!(matches!(s.put_if_absent("x/claim", Bytes::from_static(b"2")).await, Err(StorageError::AlreadyExists(_))), "{url}");
+            assert_eq!(&s.get("x/claim").await.unwrap()[..], b"1", "{url}: the first write stays");
+        }
     }
 
     #[test]

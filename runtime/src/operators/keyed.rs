@@ -35,7 +35,7 @@ impl KeyedContext {
                 let (_, body) = weir_checkpoint::format::open(file).map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
                 state.restore_file(body, self.key_groups).map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
             }
-            state.after_restore(r.continue_chain);
+            state.after_restore(r.continue_chain, r.files.len());
         }
         Ok(state)
     }

@@ -1,20 +1,31 @@
-//! The exactly-once file sink, by two-phase commit.
+//! The exactly-once file sink, by two-phase commit, whose published output is immutable.
 //!
 //! - **begin**: records of the open transaction are buffered as JSON lines;
-//! - **pre-commit** on barrier N: the buffer is staged as `.part-<uid>-<N>-<subtask>.inprogress`
-//!   (uploaded before the task acknowledges N) and the committable goes into the snapshot;
-//! - **commit** when N completes: every pending committable up to N is renamed to
-//!   `part-<uid>-<N>-<subtask>.jsonl`; a commit whose staged file is gone but whose final file
-//!   exists was already done (commit is idempotent);
-//! - **recovery** before a (re)start from checkpoint R: the committables in R's state are
-//!   committed, staged files of this sink are deleted, and files this sink committed for
-//!   checkpoints after R are deleted too: they belong to a run that was rolled back (for
-//!   instance when the newest checkpoint was corrupt and R is an older one), and keeping them
-//!   would duplicate what the restarted job writes again.
+//! - **pre-commit** on barrier N: the buffer is staged as
+//!   `.part-<uid>-<epoch>-<N>-<subtask>.inprogress` (uploaded before the task acknowledges N)
+//!   and its committable (sink URL, names, length, CRC-32C) goes into the snapshot;
+//! - **commit** when checkpoint N completes, or a savepoint N that stops the job: every pending
+//!   committable up to N is renamed to `part-<uid>-<epoch>-<N>-<subtask>.jsonl`; a commit whose
+//!   staged file is gone but whose published file exists was already done (commit is
+//!   idempotent). A savepoint that does not stop the job commits nothing: its transactions are
+//!   committed by the next checkpoint, as in Flink since 1.15. Once every subtask committed
+//!   N, the coordinator writes `_commits/<epoch>-<N>.json` listing the files with their
+//!   lengths and checksums ([`CommitManifest`]), so a reader can take complete checkpoints
+//!   only and verify them;
+//! - **recovery** before a (re)start ([`recover`]): the committables in the restored state are
+//!   committed (in the directory they were staged in, even if the job's `file.path` changed),
+//!   staged files of older runs are discarded (they were never published), and manifests a
+//!   crash left unwritten are written. When the restore point is older than output already
+//!   published (a fallback past a corrupt checkpoint, an older savepoint restored on purpose),
+//!   the files of later checkpoints are moved under `_superseded/<epoch>/` with a manifest of
+//!   what moved and why: the job writes those records again, so the output keeps every record
+//!   exactly once, and nothing is lost. A fresh start moves nothing.
 //!
-//! Committed files are the only files in the directory whose names start with neither `_`
-//! nor `.`.
+//! Published files are never deleted or rewritten. The epoch in every name means two runs
+//! never write the same object. Files and directories whose names start with `.` or `_` are
+//! not output.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -27,11 +38,28 @@ use crate::metrics::JobMetrics;
 use crate::operator::{Operator, StagedWrite, StateParts, TaskError};
 use crate::value::{write_json_line, Record};
 
+/// Directory of commit manifests in a sink's output directory.
+pub const COMMITS_DIR: &str = "_commits";
+/// Directory that rewound output is moved to.
+pub const SUPERSEDED_DIR: &str = "_superseded";
+
 /// A pre-committed transaction.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Committable {
+    /// URL of the output directory it was staged in.
+    #[serde(default)]
+    pub sink: String,
+    /// The sink's uid.
+    #[serde(default)]
+    pub uid: String,
+    /// Epoch of the run that staged it.
+    #[serde(default)]
+    pub epoch: u64,
     /// The checkpoint whose barrier closed it.
     pub checkpoint: u64,
+    /// The subtask that wrote it.
+    #[serde(default)]
+    pub subtask: u32,
     /// Staged object name.
     pub staged: String,
     /// Final object name.
@@ -39,6 +67,12 @@ pub struct Committable {
     /// Records in the transaction.
     #[serde(default)]
     pub records: u64,
+    /// Bytes.
+    #[serde(default)]
+    pub len: u64,
+    /// CRC-32C of the bytes.
+    #[serde(default)]
+    pub crc32c: u32,
 }
 
 #[derive(Serialize, Deserialize, Default)]
@@ -46,35 +80,290 @@ struct SinkState {
     pending: Vec<Committable>,
 }
 
+/// One file of a commit manifest.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestFile {
+    /// Published name, relative to the output directory.
+    pub name: String,
+    /// Bytes.
+    pub len: u64,
+    /// CRC-32C.
+    pub crc32c: u32,
+    /// Records (lines).
+    pub records: u64,
+}
+
+/// `_commits/<epoch>-<N>.json`: everything sink `uid` published for checkpoint N.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitManifest {
+    /// The sink's uid.
+    pub uid: String,
+    /// Epoch of the run that staged the files.
+    pub epoch: u64,
+    /// The checkpoint.
+    pub checkpoint: u64,
+    /// The files, by name.
+    pub files: Vec<ManifestFile>,
+}
+
+/// One file moved out of the output by a rewind.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MovedFile {
+    /// Its name (in the output directory before, under `_superseded/<epoch>/` now).
+    pub name: String,
+    /// The checkpoint it was published for.
+    pub checkpoint: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// `_superseded/<epoch>/_manifest-<uid>.json`: what a rewind moved, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SupersededManifest {
+    /// The sink's uid.
+    pub uid: String,
+    /// Epoch of the run that restored and moved the files.
+    pub epoch: u64,
+    /// The checkpoint it restored (files of later checkpoints were moved).
+    pub restored_checkpoint: u64,
+    /// Why it restored that checkpoint.
+    pub reason: String,
+    /// The files moved.
+    pub moved: Vec<MovedFile>,
+}
+
+/// What a file name in a sink directory is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutputName {
+    /// Staged (not yet published).
+    pub staged: bool,
+    /// Epoch of the run that wrote it.
+    pub epoch: u64,
+    /// Its checkpoint.
+    pub checkpoint: u64,
+    /// Its subtask.
+    pub subtask: u32,
+}
+
 /// Staged name of a transaction.
-pub fn staged_name(uid: &str, checkpoint: u64, subtask: u32) -> String {
-    format!(".part-{uid}-{checkpoint:010}-{subtask}.inprogress")
+pub fn staged_name(uid: &str, epoch: u64, checkpoint: u64, subtask: u32) -> String {
+    format!(".part-{uid}-{epoch:06}-{checkpoint:010}-{subtask}.inprogress")
 }
 
 /// Published name of a transaction.
-pub fn published_name(uid: &str, checkpoint: u64, subtask: u32) -> String {
-    format!("part-{uid}-{checkpoint:010}-{subtask}.jsonl")
+pub fn published_name(uid: &str, epoch: u64, checkpoint: u64, subtask: u32) -> String {
+    format!("part-{uid}-{epoch:06}-{checkpoint:010}-{subtask}.jsonl")
 }
 
-/// The checkpoint id of a published file of sink `uid`, if `name` is one.
-pub fn parse_published(uid: &str, name: &str) -> Option<u64> {
-    let rest = name.strip_prefix("part-")?.strip_prefix(uid)?.strip_prefix('-')?;
-    let rest = rest.strip_suffix(".jsonl")?;
-    let (chk, subtask) = rest.split_once('-')?;
-    if chk.len() != 10 || !chk.bytes().all(|b| b.is_ascii_digit()) || subtask.is_empty() || !subtask.bytes().all(|b| b.is_ascii_digit()) {
+/// Name of the commit manifest of checkpoint `checkpoint` staged in `epoch`.
+pub fn commit_manifest_name(epoch: u64, checkpoint: u64) -> String {
+    format!("{COMMITS_DIR}/{epoch:06}-{checkpoint:010}.json")
+}
+
+/// Parses a staged or published name of sink `uid` strictly: the fields are read from the
+/// right, so `part-out-2-...` is never taken for a file of uid `out`.
+pub fn parse_name(uid: &str, name: &str) -> Option<OutputName> {
+    let (staged, core) = if let Some(core) = name.strip_prefix(".part-").and_then(|r| r.strip_suffix(".inprogress")) {
+        (true, core)
+    } else {
+        (false, name.strip_prefix("part-").and_then(|r| r.strip_suffix(".jsonl"))?)
+    };
+    let mut fields = core.rsplitn(4, '-');
+    let (subtask, checkpoint, epoch, rest) = (fields.next()?, fields.next()?, fields.next()?, fields.next()?);
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if rest != uid || !digits(subtask) || checkpoint.len() != 10 || !digits(checkpoint) || epoch.len() < 6 || !digits(epoch) {
         return None;
     }
-    chk.parse().ok()
+    Some(OutputName { staged, epoch: epoch.parse().ok()?, checkpoint: checkpoint.parse().ok()?, subtask: subtask.parse().ok()? })
 }
 
-fn is_staged_of(uid: &str, name: &str) -> bool {
-    name.strip_prefix(".part-").and_then(|r| r.strip_prefix(uid)).is_some_and(|r| r.starts_with('-')) && name.ends_with(".inprogress")
+/// Why a sink could not be recovered.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryError {
+    /// The restored state of the sink is not a sink state document.
+    #[error("sink `{uid}`: restored state unreadable: {reason}")]
+    State {
+        /// The sink.
+        uid: String,
+        /// Why.
+        reason: String,
+    },
+    /// A pre-committed transaction could not be committed.
+    #[error("sink `{uid}`: re-commit of checkpoint {checkpoint}: {source}")]
+    Recommit {
+        /// The sink.
+        uid: String,
+        /// Its checkpoint.
+        checkpoint: u64,
+        /// The storage error.
+        #[source]
+        source: StorageError,
+    },
+    /// The output directory could not be read or written.
+    #[error("sink `{uid}`: {step}: {source}")]
+    Storage {
+        /// The sink.
+        uid: String,
+        /// Which step.
+        step: &'static str,
+        /// The storage error.
+        #[source]
+        source: StorageError,
+    },
+}
+
+/// What [`recover`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Transactions committed now (the crash came between completion and commit).
+    pub recommitted: usize,
+    /// Staged files of older runs removed (never published).
+    pub discarded_staged: usize,
+    /// Published files moved under `_superseded/<epoch>/`.
+    pub superseded: Vec<String>,
+    /// Commit manifests written that a crash had left unwritten.
+    pub manifests_repaired: usize,
+}
+
+/// Commits one transaction; `Ok(false)` when it was committed before.
+pub async fn commit(storage: &Storage, c: &Committable) -> Result<bool, StorageError> {
+    match storage.rename(&c.staged, &c.published).await {
+        Ok(()) => Ok(true),
+        Err(StorageError::NotFound(_)) => match storage.size(&c.published).await? {
+            Some(_) => Ok(false),
+            None => Err(StorageError::NotFound(format!("{} (and {} was never published)", c.staged, c.published))),
+        },
+        Err(e) => Err(e),
+    }
+}
+
+/// Writes the commit manifest of one checkpoint of one sink unless it exists.
+pub async fn write_commit_manifest(storage: &Storage, manifest: &CommitManifest) -> Result<(), StorageError> {
+    let body = serde_json::to_vec_pretty(manifest).expect("manifest serializes");
+    match storage.put_if_absent(&commit_manifest_name(manifest.epoch, manifest.checkpoint), Bytes::from(body)).await {
+        Ok(()) | Err(StorageError::AlreadyExists(_)) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Groups committed transactions into manifests, by `(sink URL, uid, epoch, checkpoint)`.
+pub fn manifests_of<'a>(committed: impl IntoIterator<Item = &'a Committable>) -> BTreeMap<(String, String, u64, u64), CommitManifest> {
+    let mut out: BTreeMap<(String, String, u64, u64), CommitManifest> = BTreeMap::new();
+    for c in committed {
+        let m = out
+            .entry((c.sink.clone(), c.uid.clone(), c.epoch, c.checkpoint))
+            .or_insert_with(|| CommitManifest { uid: c.uid.clone(), epoch: c.epoch, checkpoint: c.checkpoint, files: Vec::new() });
+        if !m.files.iter().any(|f| f.name == c.published) {
+            m.files.push(ManifestFile { name: c.published.clone(), len: c.len, crc32c: c.crc32c, records: c.records });
+        }
+    }
+    for m in out.values_mut() {
+        m.files.sort_by(|a, b| a.name.cmp(&b.name));
+    }
+    out
+}
+
+/// Recovery of sink `uid` before a run of `epoch` starts its tasks, restoring `restore_point`
+/// (`None`: a fresh start) whose sink state documents are `restored_docs`. `reason` says why
+/// that point was chosen; it goes into the superseded manifest.
+pub async fn recover(
+    storage: &Storage,
+    uid: &str,
+    epoch: u64,
+    restored_docs: &[&[u8]],
+    restore_point: Option<u64>,
+    reason: &str,
+) -> Result<RecoveryReport, RecoveryError> {
+    let fail = |step: &'static str| move |source| RecoveryError::Storage { uid: uid.to_string(), step, source };
+    let mut report = RecoveryReport::default();
+    // 1. Commit what the restored state pre-committed, where it was staged.
+    let mut touched: BTreeMap<String, Storage> = BTreeMap::new();
+    for doc in restored_docs {
+        let state: SinkState = serde_json::from_slice(doc).map_err(|e| RecoveryError::State { uid: uid.to_string(), reason: e.to_string() })?;
+        for c in &state.pending {
+            let target = if c.sink.is_empty() || c.sink == storage.url() {
+                storage.clone()
+            } else {
+                match touched.get(&c.sink) {
+                    Some(s) => s.clone(),
+                    None => Storage::open(&c.sink).map_err(fail("opening the directory a transaction was staged in"))?,
+                }
+            };
+            if commit(&target, c).await.map_err(|source| RecoveryError::Recommit { uid: uid.to_string(), checkpoint: c.checkpoint, source })? {
+                report.recommitted += 1;
+            }
+            touched.insert(target.url().to_string(), target);
+        }
+    }
+    touched.insert(storage.url().to_string(), storage.clone());
+    for dir in touched.values() {
+        let names: Vec<String> = dir.list("").await.map_err(fail("listing the output"))?.into_iter().filter(|p| !p.contains('/')).collect();
+        let mut published: BTreeMap<(u64, u64), Vec<String>> = BTreeMap::new();
+        let mut later: Vec<(String, OutputName)> = Vec::new();
+        for name in &names {
+            let Some(parsed) = parse_name(uid, name) else { continue };
+            if parsed.epoch >= epoch {
+                continue; // a newer run's files (this one is stale) or this run's own
+            }
+            if parsed.staged {
+                // 2. Staged by an older run and not committed above: never published.
+                dir.delete(name).await.map_err(fail("discarding staged files of older runs"))?;
+                report.discarded_staged += 1;
+            } else if restore_point.is_some_and(|r| parsed.checkpoint > r) {
+                later.push((name.clone(), parsed));
+            } else {
+                published.entry((parsed.epoch, parsed.checkpoint)).or_default().push(name.clone());
+            }
+        }
+        // 3. A rewind: move what later checkpoints published out of the output.
+        if let (Some(r), false) = (restore_point, later.is_empty()) {
+            let moved_dir = format!("{SUPERSEDED_DIR}/{epoch:06}");
+            let mut moved = Vec::new();
+            for (name, parsed) in &later {
+                let len = dir.size(name).await.map_err(fail("reading superseded output"))?.unwrap_or(0);
+                moved.push(MovedFile { name: name.clone(), checkpoint: parsed.checkpoint, len });
+            }
+            // The manifest first: a crash while moving leaves a record of every file meant to move.
+            let manifest = SupersededManifest { uid: uid.to_string(), epoch, restored_checkpoint: r, reason: reason.to_string(), moved: moved.clone() };
+            let body = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
+            dir.put(&format!("{moved_dir}/_manifest-{uid}.json"), Bytes::from(body)).await.map_err(fail("writing the superseded manifest"))?;
+            let later_checkpoints: BTreeSet<(u64, u64)> = later.iter().map(|(_, p)| (p.epoch, p.checkpoint)).collect();
+            for (name, _) in &later {
+                dir.rename(name, &format!("{moved_dir}/{name}")).await.map_err(fail("moving superseded output"))?;
+                report.superseded.push(name.clone());
+            }
+            for (e, n) in later_checkpoints {
+                let m = commit_manifest_name(e, n);
+                if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_some() {
+                    dir.rename(&m, &format!("{moved_dir}/{m}")).await.map_err(fail("moving superseded commit manifests"))?;
+                }
+            }
+        }
+        // 4. Manifests a crash left unwritten (every subtask committed, the coordinator had not
+        //    yet written it): rebuilt from the published files themselves.
+        let existing: BTreeSet<String> = dir.list(COMMITS_DIR).await.map_err(fail("listing commit manifests"))?.into_iter().collect();
+        for ((e, n), files) in published {
+            if existing.contains(&commit_manifest_name(e, n)) {
+                continue;
+            }
+            let mut manifest = CommitManifest { uid: uid.to_string(), epoch: e, checkpoint: n, files: Vec::new() };
+            for name in files {
+                let data = dir.get(&name).await.map_err(fail("reading published output for its manifest"))?;
+                let records = data.iter().filter(|b| **b == b'\n').count() as u64;
+                manifest.files.push(ManifestFile { name, len: data.len() as u64, crc32c: crc32c::crc32c(&data), records });
+            }
+            write_commit_manifest(dir, &manifest).await.map_err(fail("writing a commit manifest"))?;
+            report.manifests_repaired += 1;
+        }
+    }
+    Ok(report)
 }
 
 /// One file sink subtask.
 pub struct FileSink {
     uid: String,
     subtask: u32,
+    epoch: u64,
     schema: Vec<String>,
     storage: Storage,
     buffer: Vec<u8>,
@@ -84,48 +373,9 @@ pub struct FileSink {
 }
 
 impl FileSink {
-    /// A sink subtask writing to `storage` (the output directory).
-    pub fn new(uid: &str, subtask: u32, schema: Vec<String>, storage: Storage, metrics: Arc<JobMetrics>) -> Self {
-        FileSink { uid: uid.to_string(), subtask, schema, storage, buffer: Vec::new(), buffered_records: 0, pending: Vec::new(), metrics }
-    }
-
-    /// Commits one transaction; succeeds when it was committed before.
-    pub async fn commit(storage: &Storage, c: &Committable) -> Result<bool, StorageError> {
-        match storage.rename(&c.staged, &c.published).await {
-            Ok(()) => Ok(true),
-            Err(StorageError::NotFound(_)) => match storage.size(&c.published).await? {
-                Some(_) => Ok(false),
-                None => Err(StorageError::NotFound(format!("{} (and {} was never published)", c.staged, c.published))),
-            },
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Recovery before tasks start: re-commit what the restored state holds, delete staged
-    /// leftovers and files of rolled-back checkpoints. Returns (re-committed, deleted).
-    pub async fn recover(storage: &Storage, uid: &str, restored_docs: &[&[u8]], restored_checkpoint: Option<u64>) -> Result<(usize, usize), String> {
-        let mut recommitted = 0;
-        for doc in restored_docs {
-            let state: SinkState = serde_json::from_slice(doc).map_err(|e| format!("sink `{uid}` state unreadable: {e}"))?;
-            for c in &state.pending {
-                if Self::commit(storage, c).await.map_err(|e| format!("sink `{uid}`: re-commit of checkpoint {}: {e}", c.checkpoint))? {
-                    recommitted += 1;
-                }
-            }
-        }
-        let mut deleted = 0;
-        for path in storage.list("").await.map_err(|e| e.to_string())? {
-            if path.contains('/') {
-                continue;
-            }
-            let stale_staged = is_staged_of(uid, &path);
-            let rolled_back = parse_published(uid, &path).is_some_and(|chk| restored_checkpoint.is_none_or(|r| chk > r));
-            if stale_staged || rolled_back {
-                storage.delete(&path).await.map_err(|e| e.to_string())?;
-                deleted += 1;
-            }
-        }
-        Ok((recommitted, deleted))
+    /// A sink subtask of a run of `epoch` writing to `storage` (the output directory).
+    pub fn new(uid: &str, subtask: u32, epoch: u64, schema: Vec<String>, storage: Storage, metrics: Arc<JobMetrics>) -> Self {
+        FileSink { uid: uid.to_string(), subtask, epoch, schema, storage, buffer: Vec::new(), buffered_records: 0, pending: Vec::new(), metrics }
     }
 
     fn state_doc(&self) -> Vec<u8> {
@@ -145,35 +395,41 @@ impl Operator for FileSink {
     fn snapshot(&mut self, barrier: &Barrier) -> Result<StateParts, TaskError> {
         let mut staged = Vec::new();
         if !self.buffer.is_empty() {
-            let c = Committable {
-                checkpoint: barrier.id,
-                staged: staged_name(&self.uid, barrier.id, self.subtask),
-                published: published_name(&self.uid, barrier.id, self.subtask),
-                records: self.buffered_records,
-            };
             let data = Bytes::from(std::mem::take(&mut self.buffer));
+            let c = Committable {
+                sink: self.storage.url().to_string(),
+                uid: self.uid.clone(),
+                epoch: self.epoch,
+                checkpoint: barrier.id,
+                subtask: self.subtask,
+                staged: staged_name(&self.uid, self.epoch, barrier.id, self.subtask),
+                published: published_name(&self.uid, self.epoch, barrier.id, self.subtask),
+                records: self.buffered_records,
+                len: data.len() as u64,
+                crc32c: crc32c::crc32c(&data),
+            };
             staged.push(StagedWrite { storage: self.storage.clone(), path: c.staged.clone(), data });
             self.pending.push(c);
             self.buffered_records = 0;
         }
-        Ok(StateParts { operator_doc: Some(self.state_doc()), staged, ..StateParts::default() })
+        Ok(StateParts { operator_doc: Some(self.state_doc()), staged, pending_commits: self.pending.clone(), ..StateParts::default() })
     }
 
-    fn on_checkpoint_complete(&mut self, id: u64) -> Result<(), TaskError> {
+    fn on_checkpoint_complete(&mut self, id: u64) -> Result<Vec<Committable>, TaskError> {
         let due: Vec<Committable> = self.pending.iter().filter(|c| c.checkpoint <= id).cloned().collect();
         if due.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let storage = self.storage.clone();
         crate::io().block_on(async {
             for c in &due {
-                Self::commit(&storage, c).await.map_err(|e| TaskError::Commit { what: c.published.clone(), reason: e.to_string() })?;
+                commit(&storage, c).await.map_err(|e| TaskError::Commit { what: c.published.clone(), reason: e.to_string() })?;
             }
             Ok::<(), TaskError>(())
         })?;
         self.pending.retain(|c| c.checkpoint > id);
         self.metrics.records_out.fetch_add(due.iter().map(|c| c.records).sum(), Ordering::Relaxed);
-        Ok(())
+        Ok(due)
     }
 
     fn has_uncommitted(&self) -> bool {
@@ -185,36 +441,110 @@ impl Operator for FileSink {
 mod tests {
     use super::*;
 
+    fn committable(s: &Storage, epoch: u64, checkpoint: u64, subtask: u32, data: &'static [u8]) -> Committable {
+        Committable {
+            sink: s.url().to_string(),
+            uid: "o".into(),
+            epoch,
+            checkpoint,
+            subtask,
+            staged: staged_name("o", epoch, checkpoint, subtask),
+            published: published_name("o", epoch, checkpoint, subtask),
+            records: data.iter().filter(|b| **b == b'\n').count() as u64,
+            len: data.len() as u64,
+            crc32c: crc32c::crc32c(data),
+        }
+    }
+
+    fn doc(pending: &[Committable]) -> Vec<u8> {
+        serde_json::to_vec(&SinkState { pending: pending.to_vec() }).unwrap()
+    }
+
     #[test]
     fn names_parse_strictly() {
-        assert_eq!(parse_published("out", &published_name("out", 12, 3)), Some(12));
-        assert_eq!(parse_published("out", &published_name("out-2", 12, 3)), None);
-        assert_eq!(parse_published("out", "part-out-1-0000000005-0.jsonl"), None);
-        assert!(is_staged_of("out", &staged_name("out", 1, 0)));
-        assert!(!is_staged_of("out", &staged_name("outer", 1, 0)));
+        let p = parse_name("out", &published_name("out", 3, 12, 7)).unwrap();
+        assert_eq!(p, OutputName { staged: false, epoch: 3, checkpoint: 12, subtask: 7 });
+        assert!(parse_name("out", &staged_name("out", 3, 12, 7)).unwrap().staged);
+        assert_eq!(parse_name("out", &published_name("out-2", 3, 12, 7)), None, "uid out-2 is not out");
+        assert_eq!(parse_name("out-2", &published_name("out", 3, 12, 7)), None);
+        assert!(parse_name("out-2", &published_name("out-2", 3, 12, 7)).is_some());
+        assert_eq!(parse_name("out", "part-out-0000000005-0.jsonl"), None, "the format before epochs");
+        assert_eq!(parse_name("out", "part-out-000001-5-0.jsonl"), None, "checkpoint not 10 digits");
+        assert_eq!(parse_name("out", "part-out-000001-0000000005-x.jsonl"), None);
+        assert_eq!(parse_name("out", "part-out-000001-0000000005-0.json"), None);
     }
 
     #[tokio::test]
-    async fn commit_is_idempotent_and_recovery_rolls_back_later_files() {
+    async fn commit_is_idempotent_and_a_lost_transaction_is_reported() {
         let dir = tempfile::tempdir().unwrap();
         let s = Storage::open(dir.path().to_str().unwrap()).unwrap();
-        let c3 = Committable { checkpoint: 3, staged: staged_name("o", 3, 0), published: published_name("o", 3, 0), records: 1 };
-        s.put(&c3.staged, Bytes::from_static(b"{\"a\":1}\n")).await.unwrap();
-        assert!(FileSink::commit(&s, &c3).await.unwrap());
-        assert!(!FileSink::commit(&s, &c3).await.unwrap(), "second commit is a no-op");
-        // A later checkpoint's published file, a stray staged file, another sink's file.
-        s.put(&published_name("o", 5, 1), Bytes::from_static(b"x\n")).await.unwrap();
-        s.put(&staged_name("o", 6, 0), Bytes::from_static(b"y\n")).await.unwrap();
-        s.put(&published_name("other", 9, 0), Bytes::from_static(b"z\n")).await.unwrap();
-        let c4 = Committable { checkpoint: 4, staged: staged_name("o", 4, 1), published: published_name("o", 4, 1), records: 1 };
-        s.put(&c4.staged, Bytes::from_static(b"w\n")).await.unwrap();
-        let doc = serde_json::to_vec(&SinkState { pending: vec![c4.clone()] }).unwrap();
-        let (recommitted, deleted) = FileSink::recover(&s, "o", &[&doc], Some(4)).await.unwrap();
-        assert_eq!((recommitted, deleted), (1, 2));
-        let mut left = s.list("").await.unwrap();
-        left.sort();
-        assert_eq!(left, vec![published_name("o", 3, 0), published_name("o", 4, 1), published_name("other", 9, 0)]);
-        let lost = Committable { checkpoint: 7, staged: staged_name("o", 7, 0), published: published_name("o", 7, 0), records: 0 };
-        assert!(FileSink::commit(&s, &lost).await.is_err(), "neither staged nor published: data lost, reported");
+        let c = committable(&s, 1, 3, 0, b"{\"a\":1}\n");
+        s.put(&c.staged, Bytes::from_static(b"{\"a\":1}\n")).await.unwrap();
+        assert!(commit(&s, &c).await.unwrap());
+        assert!(!commit(&s, &c).await.unwrap(), "second commit is a no-op");
+        let lost = committable(&s, 1, 7, 0, b"");
+        assert!(commit(&s, &lost).await.is_err(), "neither staged nor published: data lost, reported");
+    }
+
+    #[tokio::test]
+    async fn recovery_recommits_discards_old_staged_files_and_keeps_everything_published() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Storage::open(dir.path().to_str().unwrap()).unwrap();
+        // Epoch 1 published checkpoint 3, staged 4 (pending in the restored state) and 6 (not).
+        let c3 = committable(&s, 1, 3, 0, b"a\n");
+        s.put(&c3.published, Bytes::from_static(b"a\n")).await.unwrap();
+        let c4 = committable(&s, 1, 4, 1, b"b\n");
+        s.put(&c4.staged, Bytes::from_static(b"b\n")).await.unwrap();
+        s.put(&staged_name("o", 1, 6, 0), Bytes::from_static(b"c\n")).await.unwrap();
+        // Another sink's file, and a newer run's staged file: neither is touched.
+        s.put(&published_name("o-2", 1, 9, 0), Bytes::from_static(b"z\n")).await.unwrap();
+        s.put(&staged_name("o", 5, 9, 0), Bytes::from_static(b"y\n")).await.unwrap();
+        let report = recover(&s, "o", 2, &[&doc(&[c4.clone()])], Some(4), "newest checkpoint").await.unwrap();
+        assert_eq!((report.recommitted, report.discarded_staged, report.superseded.len()), (1, 1, 0));
+        assert_eq!(report.manifests_repaired, 2, "3 and 4 had no manifest yet");
+        let left = s.list("").await.unwrap();
+        for expected in [&c3.published, &c4.published, &published_name("o-2", 1, 9, 0), &staged_name("o", 5, 9, 0)] {
+            assert!(left.contains(expected), "{expected} missing from {left:?}");
+        }
+        let m: CommitManifest = serde_json::from_slice(&s.get(&commit_manifest_name(1, 4)).await.unwrap()).unwrap();
+        assert_eq!(m.files, vec![ManifestFile { name: c4.published.clone(), len: 2, crc32c: crc32c::crc32c(b"b\n"), records: 1 }]);
+        // A fresh start (no restore point) moves nothing and deletes nothing published.
+        let report = recover(&s, "o", 3, &[], None, "fresh").await.unwrap();
+        assert!(report.superseded.is_empty());
+        assert!(s.list("").await.unwrap().contains(&c3.published));
+    }
+
+    #[tokio::test]
+    async fn a_rewind_moves_later_output_under_superseded_with_a_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Storage::open(dir.path().to_str().unwrap()).unwrap();
+        for (n, data) in [(3u64, &b"a\n"[..]), (5, b"b\n"), (6, b"c\n")] {
+            let c = committable(&s, 1, n, 0, b"");
+            s.put(&c.published, Bytes::copy_from_slice(data)).await.unwrap();
+            write_commit_manifest(&s, &CommitManifest { uid: "o".into(), epoch: 1, checkpoint: n, files: vec![] }).await.unwrap();
+        }
+        let report = recover(&s, "o", 2, &[], Some(4), "checkpoint 5 is corrupt").await.unwrap();
+        assert_eq!(report.superseded, vec![published_name("o", 1, 5, 0), published_name("o", 1, 6, 0)]);
+        let left = s.list("").await.unwrap();
+        assert!(left.contains(&published_name("o", 1, 3, 0)));
+        assert!(left.contains(&format!("_superseded/000002/{}", published_name("o", 1, 5, 0))));
+        assert!(left.contains(&format!("_superseded/000002/{}", commit_manifest_name(1, 6))));
+        assert!(!left.contains(&commit_manifest_name(1, 5)));
+        let m: SupersededManifest = serde_json::from_slice(&s.get("_superseded/000002/_manifest-o.json").await.unwrap()).unwrap();
+        assert_eq!((m.restored_checkpoint, m.moved.len(), m.reason.as_str()), (4, 2, "checkpoint 5 is corrupt"));
+        assert_eq!(&s.get(&format!("_superseded/000002/{}", published_name("o", 1, 6, 0))).await.unwrap()[..], b"c\n", "moved, not lost");
+    }
+
+    #[tokio::test]
+    async fn a_transaction_is_committed_where_it_was_staged_after_the_path_changed() {
+        let old_dir = tempfile::tempdir().unwrap();
+        let new_dir = tempfile::tempdir().unwrap();
+        let old = Storage::open(old_dir.path().to_str().unwrap()).unwrap();
+        let new = Storage::open(new_dir.path().to_str().unwrap()).unwrap();
+        let c = committable(&old, 1, 4, 0, b"x\n");
+        old.put(&c.staged, Bytes::from_static(b"x\n")).await.unwrap();
+        let report = recover(&new, "o", 2, &[&doc(&[c.clone()])], Some(4), "upgrade").await.unwrap();
+        assert_eq!(report.recommitted, 1);
+        assert_eq!(&old.get(&c.published).await.unwrap()[..], b"x\n");
     }
 }
