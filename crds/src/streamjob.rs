@@ -428,6 +428,34 @@ pub struct PendingUpgrade {
     /// The savepoint (or checkpoint) the new spec restores from; absent for stateless.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_from: Option<SnapshotRef>,
+    /// How the new pods restore: `snapshot` (exactly restoreFrom), `latest` (the newest valid
+    /// checkpoint or savepoint in the job's storage, which the runtime verifies file by file,
+    /// falling back past corrupt ones; restoreFrom is what the operator saw) or `fresh` (no
+    /// state; earlier output and snapshots are kept). Absent in statuses written before it
+    /// existed: `snapshot` when restoreFrom is set, else `latest`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<RestoreMode>,
+}
+
+impl PendingUpgrade {
+    /// How the pending deploy restores.
+    pub fn restore_mode(&self) -> RestoreMode {
+        self.restore.unwrap_or(if self.restore_from.is_some() { RestoreMode::Snapshot } else { RestoreMode::Latest })
+    }
+}
+
+/// How a deploy restores the job's state.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestoreMode {
+    /// Exactly the named snapshot: the savepoint taken for an upgrade, or `initialSavepoint`.
+    Snapshot,
+    /// The newest valid checkpoint or savepoint in the job's storage (after a failure, a kill
+    /// or a stop, and for `last-state` upgrades): the runtime verifies every file and falls
+    /// back past corrupt ones, which the operator cannot see from lengths alone.
+    Latest,
+    /// No state (a `stateless` upgrade); earlier output and snapshots are kept.
+    Fresh,
 }
 
 /// Where `crdgen --write` puts the CRD.

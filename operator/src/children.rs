@@ -15,7 +15,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use weir_crds::job::{CheckpointingSpec, JobSpec, RestartSpec, RestartStrategyKind};
-use weir_crds::streamjob::{JobGraph, SnapshotRef, StreamJob};
+use weir_crds::streamjob::{JobGraph, RestoreMode, SnapshotRef, StreamJob};
 
 /// Port of the runtime's control API and metrics.
 pub const CONTROL_PORT: i32 = 8081;
@@ -196,8 +196,9 @@ pub fn service(sj: &StreamJob) -> Result<Service, BuildError> {
     })
 }
 
-/// The runtime pod, restoring from `restore_from` (or the newest valid checkpoint when absent).
-pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Option<&SnapshotRef>) -> Result<Pod, BuildError> {
+/// The runtime pod, restoring as `mode` says: exactly `restore_from`, the newest valid restore
+/// point in the job's storage, or no state.
+pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Option<&SnapshotRef>, mode: RestoreMode) -> Result<Pod, BuildError> {
     let s = &sj.spec;
     let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
     let overrides = s.pod_template.clone().unwrap_or_default();
@@ -207,14 +208,14 @@ pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Op
     if !overrides.annotations.is_empty() {
         metadata.annotations = Some(overrides.annotations.clone());
     }
-    let restore = restore_from.map(|r| r.path.clone()).unwrap_or_else(|| "latest".to_string());
-    let mut args = vec![
-        "run".to_string(),
-        format!("{JOB_DIR}/job.yaml"),
-        "--checkpoint-dir".into(),
-        storage_root.to_string(),
-        "--restore".into(),
-        restore,
+    let restore: Vec<String> = match (mode, restore_from) {
+        (RestoreMode::Snapshot, Some(r)) => vec!["--restore".into(), r.path.clone()],
+        (RestoreMode::Fresh, _) => vec!["--fresh".into()],
+        (RestoreMode::Latest, _) | (RestoreMode::Snapshot, None) => vec!["--restore".into(), "latest".into()],
+    };
+    let mut args = vec!["run".to_string(), format!("{JOB_DIR}/job.yaml"), "--checkpoint-dir".into(), storage_root.to_string()];
+    args.extend(restore);
+    args.extend([
         "--control-addr".into(),
         format!("0.0.0.0:{CONTROL_PORT}"),
         "--token-file".into(),
@@ -222,7 +223,7 @@ pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Op
         "--quiet".into(),
         "--termination-log".into(),
         "/dev/termination-log".into(),
-    ];
+    ]);
     if s.allow_non_restored_state {
         args.push("--allow-non-restored-state".into());
     }
@@ -335,7 +336,7 @@ checkpointing: { interval: 5s, credentialsSecret: { name: s3-creds } }
         let sj = sj();
         let root = storage_root("s3://bucket/weir/", "shop", "orders");
         assert_eq!(root, "s3://bucket/weir/shop/orders");
-        let p = pod(&sj, "abc", &root, Some(&SnapshotRef { id: 3, path: "s3://bucket/weir/shop/orders/savepoints/sp-1-3".into(), completed_at: None })).unwrap();
+        let p = pod(&sj, "abc", &root, Some(&SnapshotRef { id: 3, path: "s3://bucket/weir/shop/orders/savepoints/sp-1-3".into(), completed_at: None }), RestoreMode::Snapshot).unwrap();
         let labels = p.metadata.labels.as_ref().unwrap();
         assert_eq!(labels[SPEC_HASH_LABEL], "abc");
         assert_eq!(labels[JOB_LABEL], "orders");
@@ -352,7 +353,10 @@ checkpointing: { interval: 5s, credentialsSecret: { name: s3-creds } }
         assert!(args.contains("--checkpoint-dir s3://bucket/weir/shop/orders"), "{args}");
         assert_eq!(c.env_from.as_ref().unwrap()[0].secret_ref.as_ref().unwrap().name, "s3-creds");
         assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
-        let latest = pod(&sj, "abc", &root, None).unwrap();
+        let latest = pod(&sj, "abc", &root, None, RestoreMode::Latest).unwrap();
+        let fresh = pod(&sj, "abc", &root, None, RestoreMode::Fresh).unwrap();
+        let fresh_args = fresh.spec.unwrap().containers[0].args.clone().unwrap().join(" ");
+        assert!(fresh_args.contains("--fresh") && !fresh_args.contains("--restore"), "{fresh_args}");
         assert!(latest.spec.unwrap().containers[0].args.as_ref().unwrap().join(" ").contains("--restore latest"));
     }
 

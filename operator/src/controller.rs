@@ -329,7 +329,7 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     let mut request_id = status.operation.as_ref().and_then(|o| o.request_id);
     for action in p.actions.clone() {
         match action {
-            Action::Deploy { restore_from } => {
+            Action::Deploy { restore_from, mode } => {
                 // The pod reads its token from this Secret: make sure it exists.
                 token = Some(ensure_token(&client, &sj, &ns, &name).await?);
                 ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), token.clone().unwrap_or_default());
@@ -342,19 +342,10 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
                     let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), &ns);
                     nps.patch(&children::network_policy_name(&name), &pp, &Patch::Apply(children::network_policy(&sj, ingress)?)).await?;
                 }
-                let pod = children::pod(&sj, &hash, &root, restore_from.as_ref())?;
+                let pod = children::pod(&sj, &hash, &root, restore_from.as_ref(), mode)?;
                 pods.patch(&children::pod_name(&name), &pp, &Patch::Apply(pod)).await?;
             }
-            Action::DeletePods { grace_seconds } => {
-                let dp = DeleteParams { grace_period_seconds: grace_seconds.map(|g| g as u32), ..DeleteParams::default() };
-                for pod in &listed {
-                    match pods.delete(&pod.name_any(), &dp).await {
-                        Ok(_) => {}
-                        Err(kube::Error::Api(s)) if s.code == 404 => {}
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-            }
+            Action::DeletePods { grace_seconds } => delete_pods(&pods, &listed, grace_seconds).await?,
             Action::DeleteSavepoint { path } => {
                 // Savepoints live under the job's storage root; anything else is left alone.
                 let storage = storage.open().await?;
@@ -375,10 +366,7 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
                     retry.events.splice(0..0, p.events.drain(..));
                     for a in &retry.actions {
                         if let Action::DeletePods { grace_seconds } = a {
-                            let dp = DeleteParams { grace_period_seconds: grace_seconds.map(|g| g as u32), ..DeleteParams::default() };
-                            for pod in &listed {
-                                let _ = pods.delete(&pod.name_any(), &dp).await;
-                            }
+                            delete_pods(&pods, &listed, *grace_seconds).await?;
                         }
                     }
                     request_id = None;
@@ -419,8 +407,23 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     new_status.latest_checkpoint = latest_checkpoint;
     ctx.metrics.phase(format!("{ns}/{name}"), if deleting { None } else { new_status.phase.clone() });
     if new_status != status {
-        let patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new_status });
-        jobs_api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await?;
+        let mut patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new_status });
+        // The write-ahead fields (an upgrade's target and restore point, the recovery point, a
+        // savepoint in flight) are written only over the object this plan was made from: an
+        // operator that lost its lease, or a stale cache, gets a conflict instead of
+        // overwriting a newer decision.
+        let write_ahead = new_status.pending_upgrade != status.pending_upgrade || new_status.recovery_point != status.recovery_point || new_status.operation != status.operation;
+        if let (true, Some(rv)) = (write_ahead, sj.metadata.resource_version.as_ref()) {
+            patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
+        }
+        match jobs_api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                tracing::debug!(job = %name, "status changed since this reconcile read it; planning again");
+                return Ok(Requeue::requeue(Duration::from_millis(200)));
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
     if deleting && p.actions.is_empty() && p.state.phase == Some(Phase::Cancelled) {
         // Stopped (with a savepoint, or killed): let the deletion proceed.
@@ -537,6 +540,25 @@ fn condition(type_: &str, on: bool, reason: &str, message: String, generation: i
         observed_generation: Some(generation),
         last_transition_time: since.unwrap_or_else(|| Time(Timestamp::now())),
     }
+}
+
+/// Deletes the pods that were observed, each with its uid as a precondition: a pod of the
+/// same name created since (a replacement) is never deleted by mistake. A pod already gone, or
+/// replaced, is not an error.
+async fn delete_pods(pods: &Api<Pod>, listed: &[Pod], grace_seconds: Option<i64>) -> Result<(), kube::Error> {
+    for pod in listed {
+        let dp = DeleteParams {
+            grace_period_seconds: grace_seconds.map(|g| g.max(0) as u32),
+            preconditions: pod.metadata.uid.clone().map(|uid| kube::api::Preconditions { uid: Some(uid), resource_version: None }),
+            ..DeleteParams::default()
+        };
+        match pods.delete(&pod.name_any(), &dp).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// The status to write after a plan.

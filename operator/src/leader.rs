@@ -15,12 +15,22 @@ pub struct LeaderElection {
     name: String,
     identity: String,
     lease: Duration,
+    /// The other holder's record as last seen, and when (by this process's monotonic clock).
+    observed: std::sync::Mutex<Option<(ObservedRecord, tokio::time::Instant)>>,
+}
+
+/// What identifies one renewal of a lease by its holder.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ObservedRecord {
+    holder: Option<String>,
+    renew_time: Option<MicroTime>,
+    resource_version: Option<String>,
 }
 
 impl LeaderElection {
     /// A candidate `identity` for the lease `namespace/name`, held for `lease` per renewal.
     pub fn new(client: kube::Client, namespace: &str, name: &str, identity: &str, lease: Duration) -> Self {
-        LeaderElection { api: Api::namespaced(client, namespace), name: name.to_string(), identity: identity.to_string(), lease }
+        LeaderElection { api: Api::namespaced(client, namespace), name: name.to_string(), identity: identity.to_string(), lease, observed: std::sync::Mutex::new(None) }
     }
 
     fn spec(&self, acquired: Option<MicroTime>) -> LeaseSpec {
@@ -50,9 +60,22 @@ impl LeaderElection {
         };
         let spec = lease.spec.clone().unwrap_or_default();
         let ours = spec.holder_identity.as_deref() == Some(self.identity.as_str());
-        let expired = match (&spec.renew_time, spec.lease_duration_seconds) {
-            (Some(MicroTime(t)), Some(secs)) => Timestamp::now().as_millisecond() > t.as_millisecond() + i64::from(secs) * 1000,
-            _ => true,
+        // Expiry is judged as client-go does: by how long *this* process has seen the same
+        // record unchanged, on its own monotonic clock. The holder's renewTime was written by
+        // another host's clock, which may be ahead or behind ours.
+        let record = ObservedRecord { holder: spec.holder_identity.clone(), renew_time: spec.renew_time.clone(), resource_version: lease.metadata.resource_version.clone() };
+        let now = tokio::time::Instant::now();
+        let duration = spec.lease_duration_seconds.map(|s| Duration::from_secs(s.max(0) as u64));
+        let expired = {
+            let mut observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+            let since = match observed.as_ref() {
+                Some((seen, at)) if *seen == record => *at,
+                _ => {
+                    *observed = Some((record, now));
+                    now
+                }
+            };
+            spec.holder_identity.is_none() || duration.is_none_or(|d| now.duration_since(since) >= d)
         };
         if !ours && !expired {
             return Ok(false);
@@ -77,16 +100,22 @@ impl LeaderElection {
     }
 
     /// Renews the lease every third of its duration; returns when it was lost or could not be
-    /// renewed in time.
+    /// renewed in time. Each renewal attempt is bounded by a third of the lease, so a hung
+    /// request cannot outlast the lease: the leader gives up while its lease is still valid
+    /// (a renewal deadline of two thirds of the lease), before another replica may take over.
     pub async fn keep(&self) -> String {
         let mut last_renewal = tokio::time::Instant::now();
+        let deadline = self.lease * 2 / 3;
         loop {
             tokio::time::sleep(self.lease / 3).await;
-            match self.try_acquire().await {
-                Ok(true) => last_renewal = tokio::time::Instant::now(),
-                Ok(false) => return format!("lease {} taken by another replica", self.name),
-                Err(e) if last_renewal.elapsed() < self.lease * 2 / 3 => tracing::warn!(error = %e, "lease renewal failed; retrying"),
-                Err(e) => return format!("lease {} not renewed in time: {e}", self.name),
+            let attempt = tokio::time::timeout(self.lease / 3, self.try_acquire()).await;
+            match attempt {
+                Ok(Ok(true)) => last_renewal = tokio::time::Instant::now(),
+                Ok(Ok(false)) => return format!("lease {} taken by another replica", self.name),
+                Ok(Err(e)) if last_renewal.elapsed() < deadline => tracing::warn!(error = %e, "lease renewal failed; retrying"),
+                Err(_) if last_renewal.elapsed() < deadline => tracing::warn!("lease renewal timed out; retrying"),
+                Ok(Err(e)) => return format!("lease {} not renewed in time: {e}", self.name),
+                Err(_) => return format!("lease {} not renewed in time: renewals time out", self.name),
             }
         }
     }

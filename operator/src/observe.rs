@@ -120,7 +120,7 @@ mod tests {
     async fn checkpoints_carry_verdicts_newest_first() {
         let s = Storage::open("memory://").unwrap();
         for id in [1u64, 2] {
-            let m = CheckpointMetadata { format_version: FORMAT_VERSION, checkpoint_id: id, kind: SnapshotKind::Checkpoint, job_name: "j".into(), created_at_ms: id * 1000, max_parallelism: 8, operators: BTreeMap::new() };
+            let m = CheckpointMetadata { format_version: FORMAT_VERSION, checkpoint_id: id, kind: SnapshotKind::Checkpoint, job_name: "j".into(), epoch: 1, created_at_ms: id * 1000, max_parallelism: 8, operators: BTreeMap::new() };
             s.put(&format!("checkpoints/chk-{id}/_metadata"), Bytes::from(m.encode())).await.unwrap();
         }
         s.put("checkpoints/chk-3/op/0.state", Bytes::from_static(b"x")).await.unwrap();

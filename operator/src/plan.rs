@@ -8,7 +8,7 @@
 //! any pod is deleted (`pending_upgrade`), so an operator restarted at any point resumes the
 //! same transition.
 
-use weir_crds::streamjob::{DesiredState, OnSavepointFailure, PendingUpgrade, SnapshotRef, StreamJobSpec, UpgradeMode};
+use weir_crds::streamjob::{DesiredState, OnSavepointFailure, PendingUpgrade, RestoreMode, SnapshotRef, StreamJobSpec, UpgradeMode};
 
 /// What the job's runtime pods look like.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,15 +166,20 @@ impl Phase {
 pub enum Action {
     /// Create the pods (and their Service and ConfigMap) for the desired spec.
     Deploy {
-        /// Restore from this snapshot.
+        /// The snapshot to restore (`snapshot`), or the one the operator saw (`latest`).
         restore_from: Option<SnapshotRef>,
+        /// How to restore.
+        mode: RestoreMode,
     },
     /// Ask the runtime for a savepoint; `stop` ends the job after it.
     RequestSavepoint {
         /// Stop with the savepoint.
         stop: bool,
     },
-    /// Delete the pods; `grace_seconds: Some(0)` kills them at once.
+    /// Delete the pods (each with its uid as a precondition, so a replacement pod of the same
+    /// name is never deleted by mistake); `grace_seconds: Some(KILL_GRACE_SECONDS)` kills them.
+    /// The pod object stays until the kubelet confirms its containers are gone, and a
+    /// replacement is only deployed once it is gone.
     DeletePods {
         /// Termination grace period override.
         grace_seconds: Option<i64>,
@@ -230,6 +235,11 @@ pub struct Desired<'a> {
     /// Hash of the spec parts that need a redeploy when they change.
     pub spec_hash: &'a str,
 }
+
+/// Grace period of a kill (after a failed savepoint, or before a relaunch): short, but not
+/// zero, because a zero grace period force-deletes the pod object while its container may
+/// still run on an unreachable node, and a replacement of the same name could start beside it.
+pub const KILL_GRACE_SECONDS: i64 = 5;
 
 /// Re-check interval while waiting on something that sends no watch event (a savepoint).
 const POLL_MS: u64 = 2_000;
@@ -316,8 +326,9 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             p.actions.push(Action::DeletePods { grace_seconds: None });
             p.requeue_after_ms = Some(WATCH_MS);
         } else if !pods_exist {
-            p.actions.push(Action::Deploy { restore_from: up.restore_from.clone() });
-            p.event(false, "Deploying", format!("deploying generation {} from {}", up.target_generation, describe(&up.restore_from)));
+            let mode = up.restore_mode();
+            p.actions.push(Action::Deploy { restore_from: up.restore_from.clone(), mode });
+            p.event(false, "Deploying", format!("deploying generation {} from {}", up.target_generation, describe(&up.restore_from, mode)));
             p.requeue_after_ms = Some(WATCH_MS);
         } else if matches!(obs.pods, PodsPhase::Running) {
             p.state.pending_upgrade = None;
@@ -333,15 +344,20 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
     match &obs.pods {
         PodsPhase::Absent => {
             // First deploy, resume after suspend/cancel, or after a kill.
-            let restore = match current.phase {
-                None => spec.initial_savepoint.clone().map(|path| SnapshotRef { id: 0, path, completed_at: None }),
+            let (restore, mode) = match current.phase {
+                None => match spec.initial_savepoint.clone() {
+                    Some(path) => (Some(SnapshotRef { id: 0, path, completed_at: None }), RestoreMode::Snapshot),
+                    None => (None, RestoreMode::Latest),
+                },
                 Some(Phase::Finished) => return p,
-                _ => current.recovery_point.clone().or_else(|| newest_valid(obs).map(|c| c.snapshot.clone())),
+                // After a stop or a kill: the stop's savepoint has the highest id in the job's
+                // storage, so `latest` finds it, and falls back if it turns out to be corrupt.
+                _ => (current.recovery_point.clone().or_else(|| newest_valid(obs).map(|c| c.snapshot.clone())), RestoreMode::Latest),
             };
-            p.actions.push(Action::Deploy { restore_from: restore.clone() });
+            p.actions.push(Action::Deploy { restore_from: restore.clone(), mode });
             p.state.phase = Some(Phase::Deploying);
             p.state.recovery_point = None;
-            p.event(false, "Deploying", format!("deploying from {}", describe(&restore)));
+            p.event(false, "Deploying", format!("deploying from {}", describe(&restore, mode)));
             p.requeue_after_ms = Some(WATCH_MS);
         }
         PodsPhase::Succeeded => {
@@ -394,10 +410,12 @@ fn trim_history(spec: &StreamJobSpec, now_ms: u64, p: &mut Plan) {
     p.state.savepoint_history = kept;
 }
 
-fn describe(s: &Option<SnapshotRef>) -> String {
-    match s {
-        Some(s) => s.path.clone(),
-        None => "no state".to_string(),
+fn describe(s: &Option<SnapshotRef>, mode: RestoreMode) -> String {
+    match (mode, s) {
+        (RestoreMode::Fresh, _) => "no state (a fresh start; earlier output and snapshots are kept)".to_string(),
+        (RestoreMode::Snapshot, Some(s)) => s.path.clone(),
+        (RestoreMode::Latest, Some(s)) => format!("the newest valid restore point (last seen: {})", s.path),
+        (_, None) => "the newest valid restore point, if any".to_string(),
     }
 }
 
@@ -411,9 +429,13 @@ fn start_upgrade(desired: &Desired<'_>, obs: &Observation, p: &mut Plan) {
             p.requeue_after_ms = Some(POLL_MS);
         }
         UpgradeMode::LastState | UpgradeMode::Stateless => {
-            let from = if desired.spec.upgrade_mode == UpgradeMode::LastState { newest_valid(obs).map(|c| c.snapshot.clone()) } else { None };
+            let (from, mode) = if desired.spec.upgrade_mode == UpgradeMode::LastState {
+                (newest_valid(obs).map(|c| c.snapshot.clone()), RestoreMode::Latest)
+            } else {
+                (None, RestoreMode::Fresh)
+            };
             // Write-ahead: the next reconcile deletes the pods.
-            p.state.pending_upgrade = Some(PendingUpgrade { target_generation: desired.generation, target_spec_hash: desired.spec_hash.to_string(), restore_from: from });
+            p.state.pending_upgrade = Some(PendingUpgrade { target_generation: desired.generation, target_spec_hash: desired.spec_hash.to_string(), restore_from: from, restore: Some(mode) });
             p.event(false, "Upgrading", format!("spec changed (generation {}): redeploying ({:?})", desired.generation, desired.spec.upgrade_mode));
             p.requeue_after_ms = Some(0);
         }
@@ -457,12 +479,19 @@ fn relaunch(desired: &Desired<'_>, current: &PlanState, obs: &Observation, reaso
     }
     let skipped: Vec<String> = obs.checkpoints.iter().take_while(|c| c.invalid.is_some()).map(|c| format!("{} ({})", c.snapshot.id, c.invalid.as_deref().unwrap_or(""))).collect();
     let from = newest.map(|c| c.snapshot.clone()).or_else(|| current.recovery_point.clone());
-    p.actions.push(Action::DeletePods { grace_seconds: Some(0) });
-    p.state.pending_upgrade = Some(PendingUpgrade { target_generation: desired.generation, target_spec_hash: desired.spec_hash.to_string(), restore_from: from.clone() });
+    p.actions.push(Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) });
+    // The runtime picks the restore point: it verifies every file (the operator checked
+    // lengths only) and falls back past a corrupt one instead of crash-looping on it.
+    p.state.pending_upgrade = Some(PendingUpgrade {
+        target_generation: desired.generation,
+        target_spec_hash: desired.spec_hash.to_string(),
+        restore_from: from.clone(),
+        restore: Some(RestoreMode::Latest),
+    });
     p.state.relaunch_count = current.relaunch_count + 1;
     p.state.last_relaunch_ms = Some(obs.now_ms);
     p.state.phase = Some(Phase::Relaunching);
-    let mut msg = format!("the job failed ({reason}): relaunching from {}", describe(&from));
+    let mut msg = format!("the job failed ({reason}): relaunching from {}", describe(&from, RestoreMode::Latest));
     if !skipped.is_empty() {
         msg.push_str(&format!(", skipping invalid checkpoint(s) {}", skipped.join(", ")));
     }
@@ -491,7 +520,12 @@ fn continue_operation(desired: &Desired<'_>, current: &PlanState, obs: &Observat
                 OperationKind::Savepoint => {}
                 OperationKind::Upgrade => {
                     // Write-ahead: record where the new spec restores from before deleting.
-                    p.state.pending_upgrade = Some(PendingUpgrade { target_generation: desired.generation, target_spec_hash: desired.spec_hash.to_string(), restore_from: Some(sp) });
+                    p.state.pending_upgrade = Some(PendingUpgrade {
+                        target_generation: desired.generation,
+                        target_spec_hash: desired.spec_hash.to_string(),
+                        restore_from: Some(sp),
+                        restore: Some(RestoreMode::Snapshot),
+                    });
                     p.state.phase = Some(Phase::Upgrading);
                     p.requeue_after_ms = Some(0);
                 }
@@ -508,10 +542,10 @@ fn continue_operation(desired: &Desired<'_>, current: &PlanState, obs: &Observat
             match kind {
                 OperationKind::Suspend | OperationKind::Cancel if spec.savepoint.on_cancel_failure == OnSavepointFailure::Kill => {
                     let recovery = newest_valid(obs).map(|c| c.snapshot.clone());
-                    p.actions.push(Action::DeletePods { grace_seconds: Some(0) });
+                    p.actions.push(Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) });
                     p.state.recovery_point = recovery.clone();
                     p.state.phase = Some(if kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
-                    p.event(true, "SavepointFailedPodsKilled", format!("savepoint failed ({reason}): pods killed; the job resumes from {}", describe(&recovery)));
+                    p.event(true, "SavepointFailedPodsKilled", format!("savepoint failed ({reason}): pods killed; the job resumes from {}", describe(&recovery, RestoreMode::Latest)));
                     p.requeue_after_ms = Some(WATCH_MS);
                 }
                 OperationKind::Upgrade => {
@@ -599,7 +633,7 @@ mod tests {
         let kinds = [OperationKind::Upgrade, OperationKind::Suspend, OperationKind::Cancel, OperationKind::Savepoint];
         let mut states = vec![PlanState::default(), state(Phase::Running), state(Phase::Finished), state(Phase::Suspended), PlanState { relaunch_count: 10, ..state(Phase::Running) }];
         states.push(PlanState { recovery_point: Some(snap(3)), ..state(Phase::Suspended) });
-        states.push(PlanState { pending_upgrade: Some(PendingUpgrade { target_generation: 2, target_spec_hash: "h2".into(), restore_from: None }), ..state(Phase::Upgrading) });
+        states.push(PlanState { pending_upgrade: Some(PendingUpgrade { target_generation: 2, target_spec_hash: "h2".into(), restore_from: None, restore: None }), ..state(Phase::Upgrading) });
         for started in [999_000, 0] {
             for kind in kinds {
                 states.push(PlanState { operation: Some(Operation { kind, started_at_ms: started, generation: 2 }), ..state(Phase::Running) });
@@ -652,7 +686,7 @@ mod tests {
         let mut s = spec();
         s.initial_savepoint = Some("s3://b/sp".into());
         let p = plan(&desired(&s, "h1"), &PlanState::default(), &obs(PodsPhase::Absent, None));
-        assert_eq!(p.actions, vec![Action::Deploy { restore_from: Some(SnapshotRef { id: 0, path: "s3://b/sp".into(), completed_at: None }) }]);
+        assert_eq!(p.actions, vec![Action::Deploy { restore_from: Some(SnapshotRef { id: 0, path: "s3://b/sp".into(), completed_at: None }), mode: RestoreMode::Snapshot }]);
         assert_eq!(p.state.phase, Some(Phase::Deploying));
     }
 
@@ -682,7 +716,7 @@ mod tests {
         let p3 = plan(&d, &p2.state, &running("h1"));
         assert_eq!(p3.actions, vec![Action::DeletePods { grace_seconds: None }]);
         let p4 = plan(&d, &p3.state, &obs(PodsPhase::Absent, None));
-        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(snap(7)) }]);
+        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(snap(7)), mode: RestoreMode::Snapshot }], "exactly the upgrade's savepoint");
         let p5 = plan(&d, &p4.state, &running("h2"));
         assert!(p5.state.pending_upgrade.is_none());
         assert_eq!(p5.state.phase, Some(Phase::Running));
@@ -695,10 +729,10 @@ mod tests {
         // The status says: upgrade to h2 from savepoint 7; pods were already deleted.
         let st = PlanState {
             phase: Some(Phase::Upgrading),
-            pending_upgrade: Some(PendingUpgrade { target_generation: 2, target_spec_hash: "h2".into(), restore_from: Some(snap(7)) }),
+            pending_upgrade: Some(PendingUpgrade { target_generation: 2, target_spec_hash: "h2".into(), restore_from: Some(snap(7)), restore: None }),
             ..PlanState::default()
         };
-        assert_eq!(plan(&d, &st, &obs(PodsPhase::Absent, None)).actions, vec![Action::Deploy { restore_from: Some(snap(7)) }]);
+        assert_eq!(plan(&d, &st, &obs(PodsPhase::Absent, None)).actions, vec![Action::Deploy { restore_from: Some(snap(7)), mode: RestoreMode::Snapshot }]);
         // Or the old pods are still there: delete them, never take a second savepoint.
         assert_eq!(plan(&d, &st, &running("h1")).actions, vec![Action::DeletePods { grace_seconds: None }]);
     }
@@ -710,10 +744,16 @@ mod tests {
         let mut o = running("h1");
         o.checkpoints = vec![chk(9, 999_000, None)];
         let p = plan(&desired(&s, "h2"), &state(Phase::Running), &o);
-        assert_eq!(p.state.pending_upgrade.unwrap().restore_from, Some(snap(9)));
+        let up = p.state.pending_upgrade.unwrap();
+        assert_eq!((up.restore_from.clone(), up.restore_mode()), (Some(snap(9)), RestoreMode::Latest));
+        // Stateless starts without state: not from the newest checkpoint (it used to, as the
+        // runtime's `--restore latest`).
         s.upgrade_mode = UpgradeMode::Stateless;
         let p = plan(&desired(&s, "h2"), &state(Phase::Running), &o);
-        assert_eq!(p.state.pending_upgrade.unwrap().restore_from, None);
+        let up = p.state.pending_upgrade.clone().unwrap();
+        assert_eq!((up.restore_from.clone(), up.restore_mode()), (None, RestoreMode::Fresh));
+        let p = plan(&desired(&s, "h2"), &p.state, &obs(PodsPhase::Absent, None));
+        assert_eq!(p.actions, vec![Action::Deploy { restore_from: None, mode: RestoreMode::Fresh }]);
     }
 
     #[test]
@@ -744,7 +784,7 @@ mod tests {
         assert_eq!(p3.state.phase, Some(Phase::Suspended));
         s.state = DesiredState::Running;
         let p4 = plan(&desired(&s, "h1"), &p3.state, &obs(PodsPhase::Absent, None));
-        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(snap(4)) }]);
+        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(snap(4)), mode: RestoreMode::Latest }], "the savepoint has the highest id: latest finds it");
     }
 
     #[test]
@@ -758,7 +798,7 @@ mod tests {
         o.now_ms += 31_000;
         o.checkpoints = vec![chk(12, 1_000_000, Some("checksum mismatch")), chk(11, 990_000, None)];
         let p2 = plan(&d, &p1.state, &o);
-        assert_eq!(p2.actions, vec![Action::DeletePods { grace_seconds: Some(0) }]);
+        assert_eq!(p2.actions, vec![Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) }]);
         assert_eq!(p2.state.recovery_point, Some(snap(11)), "the newest *valid* checkpoint");
         assert!(p2.events.iter().any(|e| e.reason == "SavepointFailedPodsKilled" && e.message.contains("chk-11")), "{:?}", p2.events);
         // Before the timeout, it waits.
@@ -768,7 +808,7 @@ mod tests {
         // A reported failure kills at once too.
         let mut failed = running("h1");
         failed.savepoint = Some(SavepointProgress::Failed("storage unwritable".into()));
-        assert_eq!(plan(&d, &p1.state, &failed).actions, vec![Action::DeletePods { grace_seconds: Some(0) }]);
+        assert_eq!(plan(&d, &p1.state, &failed).actions, vec![Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) }]);
     }
 
     #[test]
@@ -777,7 +817,7 @@ mod tests {
         let mut o = obs(PodsPhase::Failed("OOMKilled".into()), Some("h1"));
         o.checkpoints = vec![chk(8, 999_000, Some("missing file")), chk(7, 998_000, None)];
         let p = plan(&desired(&s, "h1"), &state(Phase::Running), &o);
-        assert_eq!(p.actions, vec![Action::DeletePods { grace_seconds: Some(0) }]);
+        assert_eq!(p.actions, vec![Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) }]);
         assert_eq!(p.state.pending_upgrade.unwrap().restore_from, Some(snap(7)));
         assert_eq!(p.state.relaunch_count, 1);
         assert!(p.events[0].message.contains("skipping invalid checkpoint(s) 8 (missing file)"), "{}", p.events[0].message);

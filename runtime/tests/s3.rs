@@ -75,8 +75,7 @@ async fn committed_s3(url: &str) -> Vec<String> {
     let s = Storage::open(url).unwrap();
     let mut lines = Vec::new();
     for path in s.list("").await.unwrap() {
-        let name = path.rsplit('/').next().unwrap();
-        if name.starts_with('.') || name.starts_with('_') {
+        if path.split('/').any(|seg| seg.starts_with('.') || seg.starts_with('_')) {
             continue;
         }
         let data = s.get(&path).await.unwrap();
@@ -137,4 +136,21 @@ fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
     let listing = Command::new(env!("CARGO_BIN_EXE_weir-runtime")).args(["checkpoints", &chk]).envs(s3_env(&srv.endpoint)).output().unwrap();
     let text = String::from_utf8_lossy(&listing.stdout);
     assert!(listing.status.success() && text.contains("yes"), "{text}{}", String::from_utf8_lossy(&listing.stderr));
+}
+
+#[test]
+fn a_frozen_runtime_woken_after_its_replacement_started_is_fenced_on_s3() {
+    let srv = server();
+    zombie_scenario("zombie-s3", &format!("s3://{BUCKET}/jobs/zombie"), &format!("s3://{BUCKET}/out-zombie"), &s3_env(&srv.endpoint));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn epochs_are_claimed_create_only_on_s3() {
+    server();
+    let s = Storage::open(&format!("s3://{BUCKET}/epochs")).unwrap();
+    let a = weir_checkpoint::epoch::claim(&s, "a").await.unwrap();
+    let b = weir_checkpoint::epoch::claim(&s, "b").await.unwrap();
+    assert_eq!((a, b), (1, 2));
+    assert!(matches!(s.put_if_absent(&weir_checkpoint::layout::epoch_claim(2), Bytes::from_static(b"x")).await, Err(weir_checkpoint::StorageError::AlreadyExists(_))));
+    assert!(matches!(weir_checkpoint::epoch::check(&s, a).await, Err(weir_checkpoint::epoch::EpochError::Superseded { .. })));
 }

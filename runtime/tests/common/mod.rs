@@ -335,3 +335,97 @@ pub fn golden_output(p: &JobParams) -> BTreeMap<String, Vec<String>> {
     assert!(g.values().all(|v| !v.is_empty()), "every sink wrote something");
     g
 }
+
+/// Every committed line under `<url>/<sink>` for each sink, sorted: what a reader of the output
+/// takes (names starting with `_` or `.`, and everything under such directories, excluded).
+pub fn committed_at(url: &str, sinks: &[&str]) -> BTreeMap<String, Vec<String>> {
+    weir_runtime::io().block_on(async {
+        let mut out = BTreeMap::new();
+        for sink in sinks {
+            let storage = weir_checkpoint::Storage::open(&format!("{}/{sink}", url.trim_end_matches('/'))).unwrap();
+            let mut lines = Vec::new();
+            for path in storage.list("").await.unwrap() {
+                if path.split('/').any(|seg| seg.starts_with('_') || seg.starts_with('.')) {
+                    continue;
+                }
+                let data = storage.get(&path).await.unwrap();
+                lines.extend(String::from_utf8(data.to_vec()).unwrap().lines().map(str::to_string));
+            }
+            lines.sort();
+            out.insert(sink.to_string(), lines);
+        }
+        out
+    })
+}
+
+/// The zombie scenario on any storage: runtime A runs, is frozen (SIGSTOP) after a few
+/// checkpoints, B starts on the same storage root with `--restore latest` and runs on, then A
+/// is woken (SIGCONT). A must stop with the fenced exit code (3) without publishing a
+/// checkpoint or committing output past the point B restored, and B must finish with output
+/// equal to an undisturbed run's.
+pub fn zombie_scenario(name: &str, chk: &str, out: &str, env: &[(&'static str, String)]) {
+    let mut p = JobParams::new(name);
+    p.count = 20_000;
+    let golden = golden_output(&p);
+    p.rate = Some(4_000);
+    let dir = tempfile::tempdir().unwrap();
+    let job_file = dir.path().join("job.yaml");
+    std::fs::write(&job_file, job_yaml(&p, std::path::Path::new(out))).unwrap();
+    let storage = weir_checkpoint::Storage::open(chk).unwrap();
+    let run = |restore: bool| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_weir-runtime"));
+        cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk, "--quiet"]).envs(env.iter().map(|(k, v)| (*k, v.as_str())));
+        if restore {
+            cmd.args(["--restore", "latest"]);
+        }
+        cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap()
+    };
+    let wait_for = |what: &str, cond: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !cond() {
+            assert!(Instant::now() < deadline, "{name}: timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let mut a = run(false);
+    wait_for("A's third checkpoint", &|| newest_complete(&storage) >= 3);
+    let signal = |sig: &str, pid: u32| assert!(std::process::Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
+    signal("-STOP", a.id());
+    let epoch_a = weir_runtime::io().block_on(weir_checkpoint::epoch::newest(&storage)).unwrap();
+    let restore_point = newest_complete(&storage);
+    let mut b = run(true);
+    wait_for("B's epoch", &|| weir_runtime::io().block_on(weir_checkpoint::epoch::newest(&storage)).unwrap() > epoch_a);
+    wait_for("three checkpoints of B", &|| newest_complete(&storage) >= restore_point + 3);
+    signal("-CONT", a.id());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status_a = loop {
+        if let Some(s) = a.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "{name}: the woken runtime A did not stop");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(a.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert_eq!(status_a.code(), Some(3), "{name}: A must exit as fenced: {err}");
+    assert!(err.contains("fenced"), "{err}");
+    let status_b = b.wait().unwrap();
+    assert!(status_b.success(), "{name}: B failed");
+    // A wrote no checkpoint and committed no output past the point B restored.
+    weir_runtime::io().block_on(async {
+        for (id, _, meta) in weir_checkpoint::recovery::list_checkpoints(&storage).await.unwrap() {
+            if let Some(m) = meta {
+                assert!(m.epoch != epoch_a || id <= restore_point, "{name}: the stale runtime published checkpoint {id}");
+            }
+        }
+        for sink in ["counts", "windows", "ids"] {
+            let s = weir_checkpoint::Storage::open(&format!("{out}/{sink}")).unwrap();
+            for path in s.list("").await.unwrap() {
+                if let Some(f) = weir_runtime::sinks::file::parse_name(&format!("{sink}-out"), &path) {
+                    assert!(f.staged || f.epoch != epoch_a || f.checkpoint <= restore_point, "{name}: the stale runtime committed {path} after it was replaced");
+                }
+            }
+        }
+    });
+    assert_same_output(&golden, &committed_at(out, &["counts", "windows", "ids"]), &format!("{name}: A frozen and woken while B ran"));
+}

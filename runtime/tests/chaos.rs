@@ -1,0 +1,493 @@
+//! Chaos campaigns against the `weir-runtime` binary: job shapes that stress every stateful
+//! structure (event-time windows over keys that come and go, a multi-stage graph with a
+//! different parallelism per stage and a dedupe, the file source, rescaling through
+//! stop-with-savepoint, corrupt newest checkpoints) are SIGKILLed at random moments, some runs
+//! abort themselves between a checkpoint's completion and its commit, and every run restarts
+//! with `--restore latest`. Meanwhile a reader tails the output and fails the test the moment
+//! a published file disappears or changes (a rewind may only move it under `_superseded/`).
+//! At the end the committed output must equal an undisturbed run's, record by record (lost,
+//! duplicated and unexpected all 0), and every published file must be listed, with its length
+//! and CRC-32C, in a commit manifest.
+//!
+//! The campaign seed is printed; `WEIR_CHAOS_SEED=<seed>` replays the same kill schedule.
+//! `WEIR_CHAOS_KILLS=<n>` sets the kills per campaign for a soak run (default: 70, 70 and 60,
+//! plus as many as the file source lasts for: over 200 in all).
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use weir_runtime::value::mix64;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_weir-runtime"))
+}
+
+fn seed() -> u64 {
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| {
+        let seed = std::env::var("WEIR_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) % 1_000_000
+        });
+        eprintln!("chaos seed: {seed} (replay with WEIR_CHAOS_SEED={seed})");
+        seed
+    })
+}
+
+fn kills(default: u64) -> u64 {
+    std::env::var("WEIR_CHAOS_KILLS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+/// A job shape: its YAML for an output directory, a rate (None: full speed) and a parallelism.
+struct Shape {
+    name: &'static str,
+    yaml: Box<dyn Fn(&Path, Option<u64>, u32) -> String>,
+}
+
+const CHECKPOINTING: &str = "checkpointing: { interval: 40ms, timeout: 10s, retained: 3, fullEvery: 3, tolerableFailures: 10 }\nrestart: { strategy: fixed-delay, attempts: 1000, delay: 10ms }\n";
+
+fn rate_line(rate: Option<u64>) -> String {
+    rate.map(|r| format!("ratePerSecond: {r}, ")).unwrap_or_default()
+}
+
+/// Event-time tumbling windows over sparse keys: each key gets a record every 97 ms of event
+/// time, so its pane fires, the key leaves the state, and it comes back, many times between
+/// two barriers; every 5,000 records the key space shifts.
+fn sparse_windows() -> Shape {
+    Shape {
+        name: "sparse-windows",
+        yaml: Box::new(|out, rate, parallelism| {
+            format!(
+                r#"name: chaos-windows
+parallelism: {parallelism}
+maxParallelism: 32
+{CHECKPOINTING}sources:
+  - name: events
+    uid: events
+    generator: {{ count: 150000, {rate}timeStep: 1ms, fields: [ {{ name: seq, sequence: {{}} }}, {{ name: amount, uniform: {{ min: 1, max: 100 }} }} ] }}
+operators:
+  - {{ name: keyed, map: {{ fields: {{ key: "seq % 97 + (seq / 5000) % 3 * 1000", amount: "amount" }} }} }}
+  - {{ name: by-key, keyBy: {{ fields: [key] }} }}
+  - name: windows
+    uid: windows
+    window: {{ type: tumbling, size: 40ms, aggregates: [ {{ fn: count, as: n }}, {{ fn: sum, field: amount, as: total }}, {{ fn: max, field: amount, as: hi }} ] }}
+sinks:
+  - {{ name: out, uid: out, file: {{ path: {out}/windows }} }}
+"#,
+                rate = rate_line(rate),
+                out = out.display()
+            )
+        }),
+    }
+}
+
+/// Split, filter, map (CEL), keyBy into running counts at parallelism 3, keyBy into a dedupe
+/// at parallelism 1, sinks at 2: every stage at its own parallelism.
+fn pipeline() -> Shape {
+    Shape {
+        name: "pipeline",
+        yaml: Box::new(|out, rate, parallelism| {
+            format!(
+                r#"name: chaos-pipeline
+parallelism: {parallelism}
+maxParallelism: 32
+{CHECKPOINTING}sources:
+  - name: lines
+    uid: lines
+    generator: {{ count: 60000, {rate}fields: [ {{ name: seq, sequence: {{}} }}, {{ name: line, text: {{ words: 4, vocabulary: 300 }} }} ] }}
+operators:
+  - {{ name: words, flatMap: {{ split: {{ field: line, into: word, lowercase: true }} }} }}
+  - {{ name: long, filter: {{ expr: "size(word) > 3" }} }}
+  - {{ name: tagged, map: {{ fields: {{ word: "word", id: "(seq * 7 + size(word)) % 4000" }} }} }}
+  - {{ name: by-word, input: tagged, keyBy: {{ fields: [word] }} }}
+  - {{ name: counts, uid: counts, parallelism: 3, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+  - {{ name: ids, input: tagged, map: {{ fields: {{ id: "id" }} }} }}
+  - {{ name: by-id, input: ids, keyBy: {{ fields: [id] }} }}
+  - {{ name: unique, uid: unique, parallelism: 1, dedupe: {{}} }}
+sinks:
+  - {{ name: counts-out, input: counts, uid: counts-out, file: {{ path: {out}/counts }} }}
+  - {{ name: unique-out, input: unique, uid: unique-out, parallelism: 2, file: {{ path: {out}/unique }} }}
+"#,
+                rate = rate_line(rate),
+                out = out.display()
+            )
+        }),
+    }
+}
+
+/// The file source (positions are byte offsets per file), CEL parsing, a dedupe and a running
+/// count (a running sum would depend on how the parallel readers interleave). The file source has no rate limit: its input is large enough to be killed mid-way.
+fn file_source(input: PathBuf) -> Shape {
+    Shape {
+        name: "file-source",
+        yaml: Box::new(move |out, _rate, parallelism| {
+            format!(
+                r#"name: chaos-files
+parallelism: {parallelism}
+maxParallelism: 32
+{CHECKPOINTING}sources:
+  - {{ name: lines, uid: lines, file: {{ path: {input} }} }}
+operators:
+  - name: parsed
+    map: {{ fields: {{ user: "line.split(' ')[0]", item: "line.split(' ')[1]", qty: "int(line.split(' ')[2])" }} }}
+  - {{ name: by-user, keyBy: {{ fields: [user] }} }}
+  - {{ name: totals, uid: totals, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+  - {{ name: pairs, input: parsed, map: {{ fields: {{ user: user, item: item }} }} }}
+  - {{ name: by-pair, keyBy: {{ fields: [user, item] }} }}
+  - {{ name: first, uid: first, dedupe: {{}} }}
+sinks:
+  - {{ name: totals-out, input: totals, uid: totals-out, file: {{ path: {out}/totals }} }}
+  - {{ name: first-out, input: first, uid: first-out, file: {{ path: {out}/first }} }}
+"#,
+                input = input.display(),
+                out = out.display()
+            )
+        }),
+    }
+}
+
+/// What the reader saw: every published file with its length and checksum.
+#[derive(Default)]
+struct Seen {
+    files: BTreeMap<PathBuf, (u64, u32)>,
+    violations: Vec<String>,
+}
+
+fn is_output(name: &str) -> bool {
+    !name.starts_with('.') && !name.starts_with('_')
+}
+
+/// Where a moved file went: `<sink>/_superseded/<epoch>/<name>`, if anywhere.
+fn superseded_copy(file: &Path) -> Option<PathBuf> {
+    let sink = file.parent()?;
+    let name = file.file_name()?;
+    std::fs::read_dir(sink.join("_superseded")).ok()?.flatten().map(|e| e.path().join(name)).find(|p| p.exists())
+}
+
+/// One pass of the reader over `out/<sink>/*`.
+fn observe(out: &Path, seen: &mut Seen) {
+    let Ok(sinks) = std::fs::read_dir(out) else { return };
+    let mut present = BTreeSet::new();
+    for sink in sinks.flatten() {
+        let Ok(files) = std::fs::read_dir(sink.path()) else { continue };
+        for f in files.flatten() {
+            let name = f.file_name().to_string_lossy().to_string();
+            if !is_output(&name) {
+                continue;
+            }
+            let path = f.path();
+            present.insert(path.clone());
+            if !seen.files.contains_key(&path) {
+                if let Ok(data) = std::fs::read(&path) {
+                    seen.files.insert(path, (data.len() as u64, crc32c::crc32c(&data)));
+                }
+            }
+        }
+    }
+    check_seen(seen, &present, false);
+}
+
+/// Every file seen so far is still there (or moved under `_superseded`) with its length; with
+/// `verify`, with its checksum too (the last pass: reading every file on each pass would
+/// cost the job its CPU).
+fn check_seen(seen: &mut Seen, present: &BTreeSet<PathBuf>, verify: bool) {
+    let mut violations = Vec::new();
+    for (path, (len, crc)) in &seen.files {
+        let (now, where_) = if present.contains(path) { (Some(path.clone()), "in place") } else { (superseded_copy(path), "under _superseded") };
+        let Some(now) = now else {
+            violations.push(format!("published file {} disappeared", path.display()));
+            continue;
+        };
+        let ok = if verify {
+            std::fs::read(&now).is_ok_and(|data| data.len() as u64 == *len && crc32c::crc32c(&data) == *crc)
+        } else {
+            std::fs::metadata(&now).is_ok_and(|m| m.len() == *len)
+        };
+        if !ok {
+            violations.push(format!("{} changed ({where_})", path.display()));
+        }
+    }
+    seen.violations.extend(violations);
+}
+
+/// Tails `out` on a thread until dropped.
+struct Reader {
+    stop: Arc<AtomicBool>,
+    seen: Arc<Mutex<Seen>>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Reader {
+    fn start(out: &Path) -> Reader {
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let (s, v, out) = (stop.clone(), seen.clone(), out.to_path_buf());
+        let handle = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                observe(&out, &mut v.lock().unwrap());
+                std::thread::sleep(Duration::from_millis(25));
+            }
+        });
+        Reader { stop, seen, handle: Some(handle) }
+    }
+
+    /// Stops, takes a last look, and returns the violations.
+    fn finish(mut self, out: &Path) -> Vec<String> {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            h.join().unwrap();
+        }
+        let mut seen = self.seen.lock().unwrap();
+        observe(out, &mut seen);
+        let present: BTreeSet<PathBuf> = seen.files.keys().filter(|p| p.exists()).cloned().collect();
+        check_seen(&mut seen, &present, true);
+        seen.violations.clone()
+    }
+}
+
+/// Every published file is listed with its length and checksum in a commit manifest, and
+/// every file a manifest lists is there.
+fn assert_manifests(out: &Path) {
+    for sink in std::fs::read_dir(out).unwrap().flatten() {
+        let mut listed: BTreeMap<String, (u64, u32)> = BTreeMap::new();
+        if let Ok(manifests) = std::fs::read_dir(sink.path().join("_commits")) {
+            // Only `*.json`: a process killed inside a write leaves the store's temporary
+            // `<name>#<n>` behind, which no reader takes for a manifest.
+            for m in manifests.flatten().filter(|m| m.file_name().to_string_lossy().ends_with(".json")) {
+                let doc: weir_runtime::sinks::file::CommitManifest = serde_json::from_slice(&std::fs::read(m.path()).unwrap()).unwrap();
+                for f in doc.files {
+                    listed.insert(f.name, (f.len, f.crc32c));
+                }
+            }
+        }
+        for f in std::fs::read_dir(sink.path()).unwrap().flatten() {
+            let name = f.file_name().to_string_lossy().to_string();
+            if !is_output(&name) {
+                continue;
+            }
+            let data = std::fs::read(f.path()).unwrap();
+            assert_eq!(listed.remove(&name), Some((data.len() as u64, crc32c::crc32c(&data))), "{}: no commit manifest lists {name} as it is", sink.path().display());
+        }
+        assert!(listed.is_empty(), "{}: manifests list files that are not published: {:?}", sink.path().display(), listed.keys().take(5).collect::<Vec<_>>());
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Flips a byte in the middle of the largest file the newest complete checkpoint references
+/// (a shared base image, often), or of its `_metadata`; returns the checkpoint's id. A shared
+/// file is only damaged while a checkpoint outside its chain exists to fall back to (retention
+/// keeps one); without one, refusing to start is the right answer, tested elsewhere.
+fn corrupt_newest(chk: &Path, round: u64) -> Option<u64> {
+    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
+    let found = weir_runtime::io().block_on(weir_checkpoint::retention::scan(&storage)).ok()?;
+    let complete: Vec<_> = found.iter().filter_map(|c| c.references.as_ref().map(|r| (c.id, r))).collect();
+    let (newest, newest_refs) = complete.iter().max_by_key(|(id, _)| *id)?;
+    let newest = *newest;
+    let independent = complete.iter().any(|(id, refs)| *id != newest && refs.is_disjoint(newest_refs));
+    if complete.len() < 2 {
+        return None;
+    }
+    let dir = chk.join(format!("checkpoints/chk-{newest}"));
+    let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(dir.join("_metadata")).ok()?).ok()?;
+    let target = if round % 2 == 0 && independent {
+        let f = meta.files().max_by_key(|f| f.len)?;
+        PathBuf::from(weir_checkpoint::layout::resolve(dir.to_str().unwrap(), &f.path))
+    } else {
+        dir.join("_metadata")
+    };
+    let target = if target.is_absolute() { target } else { PathBuf::from("/").join(target) };
+    let mut bytes = std::fs::read(&target).ok()?;
+    let i = bytes.len() / 2;
+    bytes[i] ^= 0x10;
+    std::fs::write(&target, bytes).ok()?;
+    Some(newest)
+}
+
+/// The campaign's options.
+struct Campaign {
+    kills: u64,
+    corrupt_every: Option<u64>,
+    rescale_every: Option<u64>,
+    rate: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    kills: u64,
+    aborts: u64,
+    corrupted: u64,
+    rescales: u64,
+}
+
+/// Runs one shape through a campaign and checks it against an undisturbed run.
+fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
+    let campaign_seed = mix64(seed() ^ salt);
+    // The undisturbed run.
+    let (_g, golden_out, golden_chk) = workdir(&format!("chaos-{}-golden", shape.name));
+    let golden_job = golden_out.parent().unwrap().join("job.yaml");
+    std::fs::write(&golden_job, (shape.yaml)(&golden_out, None, 2)).unwrap();
+    let status = bin().args(["run", golden_job.to_str().unwrap(), "--checkpoint-dir", golden_chk.to_str().unwrap(), "--quiet"]).status().unwrap();
+    assert!(status.success(), "{}: the undisturbed run failed", shape.name);
+    let golden = committed(&golden_out);
+    assert!(golden.values().all(|v| !v.is_empty()), "{}: every sink of the undisturbed run wrote something", shape.name);
+
+    let (dir, out, chk) = workdir(&format!("chaos-{}", shape.name));
+    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
+    let reader = Reader::start(&out);
+    let mut tally = Tally::default();
+    let parallelisms = [2u32, 3, 1, 2];
+    let mut parallelism = 2u32;
+    let mut restore_from: Option<String> = None;
+    let mut last_corrupted = 0u64;
+    let mut round = 0u64;
+    loop {
+        round += 1;
+        assert!(round < 10 * c.kills + 50, "{}: too many rounds ({tally:?})", shape.name);
+        let r = mix64(campaign_seed ^ round);
+        let must_finish = tally.kills >= c.kills;
+        let job_file = dir.path().join(format!("job-{round}.yaml"));
+        std::fs::write(&job_file, (shape.yaml)(&out, if must_finish { None } else { c.rate }, parallelism)).unwrap();
+        let rescale = !must_finish && c.rescale_every.is_some_and(|n| r % n == 0);
+        let port = free_port();
+        let mut cmd = bin();
+        cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--quiet"]);
+        cmd.args(["--restore", restore_from.take().as_deref().unwrap_or("latest")]);
+        if rescale {
+            cmd.args(["--control-addr", &format!("127.0.0.1:{port}")]);
+        }
+        // Some runs abort themselves between a checkpoint's completion and its commit.
+        let self_abort = !must_finish && r % 5 == 1;
+        if self_abort {
+            cmd.env("WEIR_FAULTS", format!("seed={r},commit-abort=0.3,max=1"));
+        }
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        // Half the kills come at a random moment, the other half a random time after a new
+        // checkpoint completed.
+        let before = newest_complete(&storage);
+        let delay = Duration::from_millis(30 + (r >> 8) % 600);
+        let after_progress = (r >> 20) % 2 == 0;
+        let started = Instant::now();
+        let mut progressed: Option<Instant> = None;
+        let deadline = started + Duration::from_secs(if must_finish { 300 } else { 60 });
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            assert!(Instant::now() < deadline, "{}: round {round} neither ended nor was killed in time", shape.name);
+            if !must_finish {
+                if after_progress && progressed.is_none() && newest_complete(&storage) > before {
+                    progressed = Some(Instant::now());
+                }
+                let due = if after_progress { progressed.is_some_and(|t| t.elapsed() >= delay) } else { started.elapsed() >= delay };
+                if due {
+                    break None;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let stderr = |child: &mut std::process::Child| {
+            let mut e = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut e).unwrap();
+            e
+        };
+        match status {
+            None if rescale => {
+                // Rescale: stop with a savepoint, restart it at another parallelism.
+                let sp = bin().args(["savepoint", &format!("127.0.0.1:{port}"), "--stop", "--timeout-secs", "60"]).output().unwrap();
+                if sp.status.success() {
+                    let status = child.wait().unwrap();
+                    assert!(status.success(), "{}: the stopped run failed: {}", shape.name, stderr(&mut child));
+                    parallelism = parallelisms[(tally.rescales as usize + 1) % parallelisms.len()];
+                    restore_from = Some(String::from_utf8_lossy(&sp.stdout).trim().to_string());
+                    tally.rescales += 1;
+                } else if let Some(status) = child.try_wait().unwrap() {
+                    // It finished while the stop was asked for.
+                    assert!(status.success(), "{}: round {round} failed: {}", shape.name, stderr(&mut child));
+                    break;
+                } else {
+                    // The stop's savepoint failed (it raced a failing checkpoint): kill instead.
+                    child.kill().unwrap();
+                    child.wait().unwrap();
+                    tally.kills += 1;
+                }
+            }
+            None => {
+                child.kill().unwrap(); // SIGKILL
+                child.wait().unwrap();
+                tally.kills += 1;
+                if c.corrupt_every.is_some_and(|n| (r >> 32) % n == 0) {
+                    if let Some(id) = corrupt_newest(&chk, round).filter(|id| *id > last_corrupted) {
+                        last_corrupted = id;
+                        tally.corrupted += 1;
+                    }
+                }
+            }
+            // Done (before the kill, the campaign ends with the remaining kills unused).
+            Some(s) if s.success() => break,
+            Some(s) => {
+                let err = stderr(&mut child);
+                assert!(self_abort && err.contains("injected fault: aborting"), "{}: round {round} failed with {s}: {err}", shape.name);
+                tally.aborts += 1;
+            }
+        }
+    }
+    let violations = reader.finish(&out);
+    assert!(violations.is_empty(), "{} (seed {}): published output disappeared or changed: {:?}", shape.name, seed(), &violations[..violations.len().min(5)]);
+    assert_same_output(&golden, &committed(&out), &format!("{} (seed {}, {tally:?})", shape.name, seed()));
+    assert_manifests(&out);
+    if tally.corrupted == 0 {
+        for sink in std::fs::read_dir(&out).unwrap().flatten() {
+            assert!(!sink.path().join("_superseded").exists(), "{}: output was superseded although no checkpoint was corrupt", shape.name);
+        }
+    }
+    eprintln!("{}: {tally:?} (seed {})", shape.name, seed());
+    record(tally.kills + tally.aborts + tally.corrupted);
+    tally
+}
+
+fn record(n: u64) {
+    use std::io::Write;
+    let path = std::env::temp_dir().join("weir-injected-faults.log");
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+    writeln!(f, "{n}").unwrap();
+}
+
+#[test]
+fn sparse_event_time_windows_survive_random_kills_and_corrupt_checkpoints() {
+    let t = campaign(&sparse_windows(), Campaign { kills: kills(70), corrupt_every: Some(6), rescale_every: None, rate: Some(4_000) }, 1);
+    assert!(t.kills >= kills(70), "{t:?}");
+}
+
+#[test]
+fn a_multi_stage_graph_survives_random_kills() {
+    let t = campaign(&pipeline(), Campaign { kills: kills(70), corrupt_every: None, rescale_every: None, rate: Some(1_500) }, 2);
+    assert!(t.kills >= kills(70), "{t:?}");
+}
+
+#[test]
+fn rescaling_through_savepoints_between_random_kills() {
+    let t = campaign(&pipeline(), Campaign { kills: kills(60), corrupt_every: Some(9), rescale_every: Some(5), rate: Some(1_500) }, 3);
+    assert!(t.kills >= kills(60) && t.rescales >= 1, "{t:?}");
+}
+
+#[test]
+fn the_file_source_survives_random_kills() {
+    let (d, _, _) = workdir("chaos-files-in");
+    let input = d.path().join("input");
+    std::fs::create_dir(&input).unwrap();
+    for f in 0..4 {
+        let text: String = (0..60_000u64).map(|i| format!("user{} item{} {}\n", mix64(i * 4 + f) % 500, mix64(i + f) % 40, i % 7)).collect();
+        std::fs::write(input.join(format!("part-{f}.txt")), text).unwrap();
+    }
+    let t = campaign(&file_source(input), Campaign { kills: kills(30), corrupt_every: None, rescale_every: None, rate: None }, 4);
+    assert!(t.kills >= 3, "the file source finished before it could be killed: make the input larger ({t:?})");
+}
