@@ -409,13 +409,33 @@ impl Executor<'_> {
         Ok(())
     }
 
+    /// Where a restore point came from, for this run's epoch claim: its id and the epoch that
+    /// wrote it, when it lives in this job's storage (a savepoint from elsewhere has no
+    /// history here).
+    fn restored_from(&self, restored: Option<&RestoredState>) -> Option<epoch::RestoredFrom> {
+        let r = restored?;
+        let own = r.path.starts_with(self.storage.url());
+        Some(epoch::RestoredFrom { id: r.checkpoint_id, epoch: if own { r.epoch } else { 0 } })
+    }
+
+    /// Which output the sinks must show after restoring `restored`.
+    fn output_history(&self, restored: Option<&RestoredState>) -> Result<sinks::file::OutputHistory, String> {
+        use sinks::file::OutputHistory;
+        let Some(from) = self.restored_from(restored) else { return Ok(OutputHistory::Fresh) };
+        match crate::io().block_on(epoch::lineage(&self.storage, from)).map_err(|e| format!("tracing the restore point's history: {e}"))? {
+            Some(lineage) => Ok(OutputHistory::Lineage(lineage)),
+            None => Ok(OutputHistory::After(from.id)),
+        }
+    }
+
     fn recover_sinks(&self, restored: Option<&RestoredState>, reason: &str) -> Result<(), String> {
+        let history = self.output_history(restored)?;
         for node in &self.job.nodes {
             if let (NodeKind::FileSink(spec), Some(uid)) = (&node.kind, &node.uid) {
                 let storage = Storage::open(&spec.path).map_err(|e| e.to_string())?;
                 let docs = restored.map(|r| r.operator_docs(uid)).unwrap_or_default();
                 let report = crate::io()
-                    .block_on(sinks::file::recover(&storage, uid, self.epoch, &docs, restored.map(|r| r.checkpoint_id), reason))
+                    .block_on(sinks::file::recover(&storage, uid, self.epoch, &docs, &history, reason))
                     .map_err(|e| e.to_string())?;
                 if !report.superseded.is_empty() {
                     tracing::warn!(
@@ -425,6 +445,9 @@ impl Executor<'_> {
                         %reason,
                         "output published after the restore point was moved out of the output (the job writes it again)"
                     );
+                }
+                if !report.returned.is_empty() {
+                    tracing::warn!(sink = %uid, returned = report.returned.len(), %reason, "output of the restored history that an earlier rewind had moved out is back in the output");
                 }
                 if report != sinks::file::RecoveryReport::default() {
                     tracing::info!(sink = %uid, recommitted = report.recommitted, discarded_staged = report.discarded_staged, manifests_repaired = report.manifests_repaired, "file sink recovered");
@@ -436,7 +459,7 @@ impl Executor<'_> {
 
     fn attempt(&mut self, restored: Option<&RestoredState>, reason: &str) -> AttemptEnd {
         let holder = self.opts.holder.clone().unwrap_or_else(|| format!("pid {}", std::process::id()));
-        self.epoch = match crate::io().block_on(epoch::claim(&self.storage, &holder)) {
+        self.epoch = match crate::io().block_on(epoch::claim(&self.storage, &holder, self.restored_from(restored))) {
             Ok(e) => e,
             Err(e) => return AttemptEnd::Failed(format!("claiming an epoch: {e}")),
         };

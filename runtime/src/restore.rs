@@ -92,6 +92,8 @@ pub struct RestoredState {
     pub path: String,
     /// Key groups of the job that wrote it.
     pub max_parallelism: u32,
+    /// Epoch of the run that wrote it (0: before epochs existed).
+    pub epoch: u64,
     /// Total bytes read.
     pub bytes: u64,
     /// State by uid.
@@ -131,6 +133,7 @@ impl RestoredState {
             kind: m.kind,
             path: storage.url_of(&found.dir),
             max_parallelism: m.max_parallelism,
+            epoch: m.epoch,
             bytes,
             operators,
         })
@@ -236,7 +239,7 @@ impl Selection {
 
 /// How often a storage error is retried, and the first pause (it quadruples each time).
 const STORAGE_ATTEMPTS: u32 = 5;
-const STORAGE_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+const STORAGE_BACKOFF: std::time::Duration = std::time::Duration::from_millis(if cfg!(test) { 1 } else { 100 });
 
 /// Runs `op` until it succeeds or fails with something other than a storage error; storage
 /// errors (a network blip, a throttled request) are retried with backoff and never taken for
@@ -292,4 +295,134 @@ pub async fn newest_valid(storage: &Storage, floor: u64) -> Result<Selection, Re
         return Err(RestoreError::NoValidRestorePoint { root: storage.url().to_string(), defects });
     }
     Ok(selection)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use futures::stream::BoxStream;
+    use object_store::memory::InMemory;
+    use object_store::path::Path;
+    use object_store::{GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore, PutMultipartOptions, PutOptions, PutPayload, PutResult};
+    use weir_checkpoint::format::{FileKind, StateFileWriter};
+    use weir_checkpoint::metadata::FORMAT_VERSION;
+    use weir_checkpoint::{layout, CheckpointMetadata, OperatorSnapshot, SubtaskSnapshot};
+
+    use super::*;
+
+    /// An in-memory store whose reads of paths containing `failing` fail like a network does.
+    #[derive(Debug)]
+    struct FailingReads {
+        inner: InMemory,
+        failing: std::sync::Mutex<Option<String>>,
+    }
+
+    impl std::fmt::Display for FailingReads {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "FailingReads")
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl ObjectStore for FailingReads {
+        async fn put_opts(&self, l: &Path, p: PutPayload, o: PutOptions) -> object_store::Result<PutResult> {
+            self.inner.put_opts(l, p, o).await
+        }
+        async fn put_multipart_opts(&self, l: &Path, o: PutMultipartOptions) -> object_store::Result<Box<dyn MultipartUpload>> {
+            self.inner.put_multipart_opts(l, o).await
+        }
+        async fn get_opts(&self, l: &Path, o: GetOptions) -> object_store::Result<GetResult> {
+            let failing = self.failing.lock().unwrap().clone();
+            if !o.head && failing.is_some_and(|f| l.as_ref().contains(&f)) {
+                return Err(object_store::Error::Generic { store: "test", source: "connection reset by peer".into() });
+            }
+            self.inner.get_opts(l, o).await
+        }
+        async fn delete(&self, l: &Path) -> object_store::Result<()> {
+            self.inner.delete(l).await
+        }
+        fn list(&self, p: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+            self.inner.list(p)
+        }
+        async fn list_with_delimiter(&self, p: Option<&Path>) -> object_store::Result<ListResult> {
+            self.inner.list_with_delimiter(p).await
+        }
+        async fn copy(&self, f: &Path, t: &Path) -> object_store::Result<()> {
+            self.inner.copy(f, t).await
+        }
+        async fn copy_if_not_exists(&self, f: &Path, t: &Path) -> object_store::Result<()> {
+            self.inner.copy_if_not_exists(f, t).await
+        }
+    }
+
+    /// A complete checkpoint `id` with one operator-state file.
+    async fn checkpoint(s: &Storage, id: u64) {
+        let mut w = StateFileWriter::new(FileKind::OperatorState, 16);
+        w.document(format!("{{\"at\":{id}}}").as_bytes());
+        let (data, crc32c) = w.finish();
+        let rel = layout::operator_state_file("src", 0, 1);
+        let dir = layout::checkpoint_dir(id);
+        let len = data.len() as u64;
+        s.put(&layout::resolve(&dir, &rel), data).await.unwrap();
+        let subtask = SubtaskSnapshot { subtask: 0, key_groups: (0, 8), operator_state: Some(FileRef { path: rel, len, crc32c }), keyed_state: vec![] };
+        let m = CheckpointMetadata {
+            format_version: FORMAT_VERSION,
+            checkpoint_id: id,
+            kind: SnapshotKind::Checkpoint,
+            job_name: "j".into(),
+            epoch: 1,
+            created_at_ms: id,
+            max_parallelism: 8,
+            operators: [("src".to_string(), OperatorSnapshot { parallelism: 1, subtasks: vec![subtask] })].into(),
+        };
+        s.put(&layout::resolve(&dir, layout::METADATA), bytes::Bytes::from(m.encode())).await.unwrap();
+    }
+
+    /// Same length, other bytes: only the checksum can tell.
+    async fn corrupt(s: &Storage, id: u64) {
+        let path = layout::resolve(&layout::checkpoint_dir(id), &layout::operator_state_file("src", 0, 1));
+        let mut data = s.get(&path).await.unwrap().to_vec();
+        data[6] ^= 0x01;
+        s.put(&path, bytes::Bytes::from(data)).await.unwrap();
+    }
+
+    fn store() -> (Arc<FailingReads>, Storage) {
+        let store = Arc::new(FailingReads { inner: InMemory::new(), failing: std::sync::Mutex::new(None) });
+        let storage = Storage::with_store(store.clone(), "memory://test");
+        (store, storage)
+    }
+
+    #[tokio::test]
+    async fn a_storage_error_is_not_corruption_and_is_never_skipped() {
+        let (store, s) = store();
+        checkpoint(&s, 1).await;
+        checkpoint(&s, 2).await;
+        *store.failing.lock().unwrap() = Some("chk-2/src".into());
+        // It used to fall back to checkpoint 1 (and a restart from 1 rewound output).
+        match newest_valid(&s, 0).await {
+            Err(RestoreError::Storage(e)) => assert!(e.to_string().contains("connection reset"), "{e}"),
+            other => panic!("expected the storage error, got {other:?}"),
+        }
+        *store.failing.lock().unwrap() = None;
+        assert_eq!(newest_valid(&s, 0).await.unwrap().restored.unwrap().checkpoint_id, 2);
+    }
+
+    #[tokio::test]
+    async fn corruption_falls_back_and_nothing_valid_is_refused_naming_each_defect() {
+        let (_, s) = store();
+        assert!(newest_valid(&s, 0).await.unwrap().restored.is_none(), "an empty root is a fresh start");
+        s.put("checkpoints/chk-9/src/0-1.state", bytes::Bytes::from_static(b"x")).await.unwrap();
+        assert!(newest_valid(&s, 0).await.unwrap().restored.is_none(), "a checkpoint that never completed is not a defect");
+        checkpoint(&s, 1).await;
+        checkpoint(&s, 2).await;
+        corrupt(&s, 2).await;
+        let selection = newest_valid(&s, 0).await.unwrap();
+        assert_eq!(selection.restored.as_ref().unwrap().checkpoint_id, 1);
+        assert_eq!(selection.skipped.iter().map(|k| k.id).collect::<Vec<_>>(), vec![2]);
+        assert!(selection.reason().contains("newer restore points are corrupt"), "{}", selection.reason());
+        corrupt(&s, 1).await;
+        let err = newest_valid(&s, 0).await.unwrap_err().to_string();
+        assert!(err.contains("refusing to start without the job's state") && err.contains("chk-2") && err.contains("chk-1") && err.contains("crc32c"), "{err}");
+    }
 }

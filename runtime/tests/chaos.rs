@@ -450,15 +450,8 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
         }
     }
     eprintln!("{}: {tally:?} (seed {})", shape.name, seed());
-    record(tally.kills + tally.aborts + tally.corrupted);
+    record_faults(tally.kills + tally.aborts + tally.corrupted);
     tally
-}
-
-fn record(n: u64) {
-    use std::io::Write;
-    let path = std::env::temp_dir().join("weir-injected-faults.log");
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
-    writeln!(f, "{n}").unwrap();
 }
 
 #[test]

@@ -164,34 +164,64 @@ fn restoring_a_changed_max_parallelism_is_refused() {
     assert!(err.contains("maxParallelism is 64 in the snapshot and 32 in the job"), "{err}");
 }
 
-/// Appends to the suite-wide count of injected failures (printed by `fault_count`).
-fn record_faults(n: u64) {
-    let path = std::env::temp_dir().join("weir-injected-faults.log");
-    use std::io::Write;
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
-    writeln!(f, "{n}").unwrap();
+/// Every published file ever seen under `out`, with its bytes: in place or moved under a
+/// sink's `_superseded/<epoch>/`.
+fn all_published(out: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut all = std::collections::BTreeMap::new();
+    for sink in std::fs::read_dir(out).unwrap().flatten() {
+        let mut dirs = vec![sink.path()];
+        if let Ok(moved) = std::fs::read_dir(sink.path().join("_superseded")) {
+            dirs.extend(moved.flatten().map(|e| e.path()));
+        }
+        for d in dirs {
+            for f in std::fs::read_dir(&d).unwrap().flatten() {
+                let name = f.file_name().to_string_lossy().to_string();
+                if name.starts_with("part-") {
+                    all.insert(format!("{}/{name}", sink.file_name().to_string_lossy()), std::fs::read(f.path()).unwrap());
+                }
+            }
+        }
+    }
+    all
 }
 
 #[test]
-fn restoring_an_older_savepoint_rolls_output_back_to_it_and_replays_exactly_once() {
+fn restoring_an_older_savepoint_and_then_the_newer_one_is_exactly_once_each_time_and_loses_nothing() {
     let mut p = JobParams::new("rewind");
     p.rate = Some(10_000);
     let golden = golden_output(&p);
     let (_d, out, chk) = workdir("rewind");
     let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));
     run.wait_for_checkpoints(2, Duration::from_secs(60));
-    let request = run.request_savepoint(false, false);
+    let older = run.request_savepoint(false, false);
+    run.wait_for_checkpoints(6, Duration::from_secs(60));
+    let newer = run.request_savepoint(false, false);
     // The job keeps running after a plain savepoint, and finishes.
     let (r, m) = run.join();
     assert_eq!(r.unwrap(), JobOutcome::Finished);
-    let status = m.board().savepoints.get(&request).cloned().expect("request recorded");
-    assert_eq!(status.outcome, weir_crds::control::CheckpointOutcome::Completed, "{status:?}");
-    let savepoint = status.path.unwrap();
-    assert_same_output(&golden, &committed(&out), "run with a savepoint in the middle");
-    // Going back to the savepoint: output published after it is withdrawn, then written again.
-    let (outcome, _) = run_to_end(&job_yaml(&p, &out), RunOptionsExt::restore_path(opts(&chk), &savepoint));
-    assert_eq!(outcome, JobOutcome::Finished);
-    assert_same_output(&golden, &committed(&out), "after rewinding to the savepoint");
+    let path = |request: u64| {
+        let status = m.board().savepoints.get(&request).cloned().expect("request recorded");
+        assert_eq!(status.outcome, weir_crds::control::CheckpointOutcome::Completed, "{status:?}");
+        status.path.unwrap()
+    };
+    let (older, newer) = (path(older), path(newer));
+    assert_same_output(&golden, &committed(&out), "run with two savepoints in the middle");
+    let mut published = all_published(&out);
+    // Back to the older savepoint, then forward to the newer one, then back again: each time
+    // the output is exactly the restored history's, and no published file is ever lost.
+    for (i, sp) in [&older, &newer, &older].into_iter().enumerate() {
+        let (outcome, _) = run_to_end(&job_yaml(&p, &out), RunOptionsExt::restore_path(opts(&chk), sp));
+        assert_eq!(outcome, JobOutcome::Finished);
+        assert_same_output(&golden, &committed(&out), &format!("restore {i} ({sp})"));
+        let now = all_published(&out);
+        for (name, bytes) in &published {
+            assert_eq!(now.get(name), Some(bytes), "restore {i}: {name} was lost or changed");
+        }
+        published = now;
+    }
+    let moved: Vec<_> = std::fs::read_dir(out.join("counts/_superseded")).unwrap().flatten().collect();
+    assert!(!moved.is_empty(), "rewinds move output under _superseded");
+    assert!(moved.iter().all(|d| d.path().join("_manifest-counts-out.json").exists()), "each move has its manifest");
 }
 
 #[test]

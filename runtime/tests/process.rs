@@ -53,19 +53,13 @@ fn sigkill_and_restart_with_restore_latest_until_done_is_exactly_once() {
     let (kills, aborts) = (report.kills, report.aborts);
     eprintln!("SIGKILLs: {kills}, self-aborts before commit: {aborts}, runs: {}", report.runs);
     assert!(aborts >= 1, "no run aborted between completion and commit");
-    record(kills + aborts);
+    record_faults(kills + aborts);
     assert_same_output(&golden, &committed(&out), &format!("{kills} SIGKILLs and {aborts} aborts"));
 
     // The checkpoints command lists what is left and says it is valid.
     let listing = bin().args(["checkpoints", chk.to_str().unwrap()]).output().unwrap();
     let text = String::from_utf8_lossy(&listing.stdout);
     assert!(listing.status.success() && text.contains("yes"), "{text}");
-}
-
-fn record(n: u64) {
-    let path = std::env::temp_dir().join("weir-injected-faults.log");
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
-    writeln!(f, "{n}").unwrap();
 }
 
 fn try_http(addr: &str, method: &str, path: &str, token: Option<&str>) -> std::io::Result<(u16, String)> {
@@ -166,4 +160,59 @@ fn invalid_job_files_are_refused_with_field_paths() {
     }
     let ok = bin().args(["validate", concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/wordcount.yaml")]).output().unwrap();
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+}
+
+/// Running a job a second time on the same storage used to start it fresh and delete the first
+/// run's published output. Now it is refused, naming the newest valid restore point; `--fresh`
+/// starts without state and keeps every earlier file; `--restore latest` continues.
+#[test]
+fn a_second_run_needs_restore_or_fresh_and_never_deletes_earlier_output() {
+    let mut p = JobParams::new("twice");
+    p.count = 2_000;
+    let golden = golden_output(&p);
+    let (dir, out, chk) = workdir("twice");
+    let job_file = dir.path().join("job.yaml");
+    std::fs::write(&job_file, job_yaml(&p, &out)).unwrap();
+    let run = |extra: &[&str]| bin().args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--quiet"]).args(extra).output().unwrap();
+    let first = run(&[]);
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let snapshot = |out: &std::path::Path| -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
+        let mut files = std::collections::BTreeMap::new();
+        for sink in std::fs::read_dir(out).unwrap().flatten() {
+            for f in std::fs::read_dir(sink.path()).unwrap().flatten() {
+                if f.file_name().to_string_lossy().starts_with("part-") {
+                    files.insert(f.path(), std::fs::read(f.path()).unwrap());
+                }
+            }
+        }
+        files
+    };
+    let after_first = snapshot(&out);
+    assert_same_output(&golden, &committed(&out), "first run");
+
+    let second = run(&[]);
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(2), "{err}");
+    assert!(err.contains("already holds this job's state") && err.contains("chk-") && err.contains("--restore latest") && err.contains("--fresh"), "{err}");
+    assert_eq!(snapshot(&out), after_first, "a refused run touches nothing");
+
+    let fresh = run(&["--fresh"]);
+    assert!(fresh.status.success(), "{}", String::from_utf8_lossy(&fresh.stderr));
+    let after_fresh = snapshot(&out);
+    for (f, bytes) in &after_first {
+        assert_eq!(after_fresh.get(f), Some(bytes), "{} was deleted or changed by the fresh run", f.display());
+    }
+    let twice: std::collections::BTreeMap<String, Vec<String>> = golden
+        .iter()
+        .map(|(k, v)| {
+            let mut d: Vec<String> = v.iter().flat_map(|l| [l.clone(), l.clone()]).collect();
+            d.sort();
+            (k.clone(), d)
+        })
+        .collect();
+    assert_same_output(&twice, &committed(&out), "a fresh run adds its own output beside the first run's");
+
+    let resumed = run(&["--restore", "latest"]);
+    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    assert_eq!(snapshot(&out), after_fresh, "restoring a finished run changes nothing");
 }

@@ -71,20 +71,6 @@ fn s3_env(endpoint: &str) -> Vec<(&'static str, String)> {
     ]
 }
 
-async fn committed_s3(url: &str) -> Vec<String> {
-    let s = Storage::open(url).unwrap();
-    let mut lines = Vec::new();
-    for path in s.list("").await.unwrap() {
-        if path.split('/').any(|seg| seg.starts_with('.') || seg.starts_with('_')) {
-            continue;
-        }
-        let data = s.get(&path).await.unwrap();
-        lines.extend(String::from_utf8(data.to_vec()).unwrap().lines().map(str::to_string));
-    }
-    lines.sort();
-    lines
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn storage_operations_on_s3() {
     server();
@@ -124,15 +110,7 @@ fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
         4,
     );
     let kills = report.kills;
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    for sink in ["counts", "windows", "ids"] {
-        let got = rt.block_on(committed_s3(&format!("{out}/{sink}")));
-        let mut g = std::collections::BTreeMap::new();
-        g.insert(sink.to_string(), golden[sink].clone());
-        let mut a = std::collections::BTreeMap::new();
-        a.insert(sink.to_string(), got);
-        assert_same_output(&g, &a, &format!("S3 run with {kills} SIGKILLs"));
-    }
+    assert_same_output(&golden, &committed_at(&out, &["counts", "windows", "ids"]), &format!("S3 run with {kills} SIGKILLs"));
     let listing = Command::new(env!("CARGO_BIN_EXE_weir-runtime")).args(["checkpoints", &chk]).envs(s3_env(&srv.endpoint)).output().unwrap();
     let text = String::from_utf8_lossy(&listing.stdout);
     assert!(listing.status.success() && text.contains("yes"), "{text}{}", String::from_utf8_lossy(&listing.stderr));

@@ -125,6 +125,12 @@ impl Storage {
         Ok(Storage { store: Arc::new(store), prefix: String::new(), url: abs.display().to_string(), local: Some(abs) })
     }
 
+    /// A storage root over any object store, with `url` naming it in messages (for stores
+    /// built by hand, e.g. a wrapper that injects failures in tests).
+    pub fn with_store(store: Arc<dyn ObjectStore>, url: &str) -> Storage {
+        Storage { store, prefix: String::new(), url: url.to_string(), local: None }
+    }
+
     /// The URL (or absolute path) of this root, for messages and status.
     pub fn url(&self) -> &str {
         &self.url

@@ -31,6 +31,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+use weir_checkpoint::epoch::Lineage;
 use weir_checkpoint::{Storage, StorageError};
 
 use crate::message::Barrier;
@@ -128,8 +129,12 @@ pub struct SupersededManifest {
     pub restored_checkpoint: u64,
     /// Why it restored that checkpoint.
     pub reason: String,
-    /// The files moved.
+    /// The files moved out.
     pub moved: Vec<MovedFile>,
+    /// Files of the restored history that an earlier rewind had moved out and that came back
+    /// (`<from> -> <name>`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub returned: Vec<MovedFile>,
 }
 
 /// What a file name in a sink directory is.
@@ -221,6 +226,8 @@ pub struct RecoveryReport {
     pub discarded_staged: usize,
     /// Published files moved under `_superseded/<epoch>/`.
     pub superseded: Vec<String>,
+    /// Published files of the restored history moved back from `_superseded/`.
+    pub returned: Vec<String>,
     /// Commit manifests written that a crash had left unwritten.
     pub manifests_repaired: usize,
 }
@@ -263,15 +270,40 @@ pub fn manifests_of<'a>(committed: impl IntoIterator<Item = &'a Committable>) ->
     out
 }
 
-/// Recovery of sink `uid` before a run of `epoch` starts its tasks, restoring `restore_point`
-/// (`None`: a fresh start) whose sink state documents are `restored_docs`. `reason` says why
-/// that point was chosen; it goes into the superseded manifest.
+/// Which output a recovery shows: the output of the history that led to the restore point.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OutputHistory {
+    /// A fresh start: nothing is moved.
+    Fresh,
+    /// The traced history of the restore point: output outside it (of checkpoints after the
+    /// point, or of runs that an earlier rewind abandoned) is moved out, and output inside it
+    /// that an earlier rewind moved out comes back. Output older than the history is kept.
+    Lineage(Lineage),
+    /// A restore point whose history is unknown (written before epochs existed, or from
+    /// another job's storage): output of checkpoints after it is moved out.
+    After(u64),
+}
+
+impl OutputHistory {
+    /// Whether a published file belongs in the output; `None`: leave it where it is.
+    fn wants(&self, f: &OutputName) -> Option<bool> {
+        match self {
+            OutputHistory::Fresh => None,
+            OutputHistory::Lineage(l) => l.contains(f.epoch, f.checkpoint),
+            OutputHistory::After(r) => Some(f.checkpoint <= *r),
+        }
+    }
+}
+
+/// Recovery of sink `uid` before a run of `epoch` starts its tasks, restoring a point whose
+/// output history is `history` and whose sink state documents are `restored_docs`. `reason`
+/// says why that point was chosen; it goes into the superseded manifest.
 pub async fn recover(
     storage: &Storage,
     uid: &str,
     epoch: u64,
     restored_docs: &[&[u8]],
-    restore_point: Option<u64>,
+    history: &OutputHistory,
     reason: &str,
 ) -> Result<RecoveryReport, RecoveryError> {
     let fail = |step: &'static str| move |source| RecoveryError::Storage { uid: uid.to_string(), step, source };
@@ -297,9 +329,10 @@ pub async fn recover(
     }
     touched.insert(storage.url().to_string(), storage.clone());
     for dir in touched.values() {
-        let names: Vec<String> = dir.list("").await.map_err(fail("listing the output"))?.into_iter().filter(|p| !p.contains('/')).collect();
+        let all = dir.list("").await.map_err(fail("listing the output"))?;
+        let names: Vec<&String> = all.iter().filter(|p| !p.contains('/')).collect();
         let mut published: BTreeMap<(u64, u64), Vec<String>> = BTreeMap::new();
-        let mut later: Vec<(String, OutputName)> = Vec::new();
+        let mut moving_out: Vec<(String, OutputName)> = Vec::new();
         for name in &names {
             let Some(parsed) = parse_name(uid, name) else { continue };
             if parsed.epoch >= epoch {
@@ -309,37 +342,62 @@ pub async fn recover(
                 // 2. Staged by an older run and not committed above: never published.
                 dir.delete(name).await.map_err(fail("discarding staged files of older runs"))?;
                 report.discarded_staged += 1;
-            } else if restore_point.is_some_and(|r| parsed.checkpoint > r) {
-                later.push((name.clone(), parsed));
+            } else if history.wants(&parsed) == Some(false) {
+                moving_out.push(((*name).clone(), parsed));
             } else {
-                published.entry((parsed.epoch, parsed.checkpoint)).or_default().push(name.clone());
+                published.entry((parsed.epoch, parsed.checkpoint)).or_default().push((*name).clone());
             }
         }
-        // 3. A rewind: move what later checkpoints published out of the output.
-        if let (Some(r), false) = (restore_point, later.is_empty()) {
+        // 3. Output of this history that an earlier rewind moved out comes back.
+        let mut coming_back: Vec<(String, String, OutputName)> = Vec::new();
+        for path in all.iter().filter(|p| p.starts_with(&format!("{SUPERSEDED_DIR}/"))) {
+            let Some(name) = path.rsplit('/').next() else { continue };
+            let Some(parsed) = parse_name(uid, name).filter(|p| !p.staged && p.epoch < epoch) else { continue };
+            if history.wants(&parsed) == Some(true) && !names.iter().any(|n| *n == name) && !coming_back.iter().any(|(_, n, _)| n == name) {
+                coming_back.push((path.clone(), name.to_string(), parsed));
+            }
+        }
+        // 4. A rewind: output outside this history moves under `_superseded/<epoch>/`.
+        if !moving_out.is_empty() || !coming_back.is_empty() {
             let moved_dir = format!("{SUPERSEDED_DIR}/{epoch:06}");
             let mut moved = Vec::new();
-            for (name, parsed) in &later {
+            for (name, parsed) in &moving_out {
                 let len = dir.size(name).await.map_err(fail("reading superseded output"))?.unwrap_or(0);
                 moved.push(MovedFile { name: name.clone(), checkpoint: parsed.checkpoint, len });
             }
+            let returned = coming_back.iter().map(|(from, name, parsed)| MovedFile { name: format!("{from} -> {name}"), checkpoint: parsed.checkpoint, len: 0 }).collect();
             // The manifest first: a crash while moving leaves a record of every file meant to move.
-            let manifest = SupersededManifest { uid: uid.to_string(), epoch, restored_checkpoint: r, reason: reason.to_string(), moved: moved.clone() };
+            let restored_checkpoint = match history {
+                OutputHistory::Lineage(l) => l.segments.first().map_or(0, |s| s.1),
+                OutputHistory::After(r) => *r,
+                OutputHistory::Fresh => 0,
+            };
+            let manifest = SupersededManifest { uid: uid.to_string(), epoch, restored_checkpoint, reason: reason.to_string(), moved: moved.clone(), returned };
             let body = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
             dir.put(&format!("{moved_dir}/_manifest-{uid}.json"), Bytes::from(body)).await.map_err(fail("writing the superseded manifest"))?;
-            let later_checkpoints: BTreeSet<(u64, u64)> = later.iter().map(|(_, p)| (p.epoch, p.checkpoint)).collect();
-            for (name, _) in &later {
+            for (name, _) in &moving_out {
                 dir.rename(name, &format!("{moved_dir}/{name}")).await.map_err(fail("moving superseded output"))?;
                 report.superseded.push(name.clone());
             }
-            for (e, n) in later_checkpoints {
+            for (e, n) in moving_out.iter().map(|(_, p)| (p.epoch, p.checkpoint)).collect::<BTreeSet<_>>() {
                 let m = commit_manifest_name(e, n);
                 if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_some() {
                     dir.rename(&m, &format!("{moved_dir}/{m}")).await.map_err(fail("moving superseded commit manifests"))?;
                 }
             }
+            for (from, name, parsed) in &coming_back {
+                dir.rename(from, name).await.map_err(fail("bringing output of the restored history back"))?;
+                report.returned.push(name.clone());
+                // Its commit manifest is rebuilt below if it did not come back with it.
+                published.entry((parsed.epoch, parsed.checkpoint)).or_default().push(name.clone());
+                let m = commit_manifest_name(parsed.epoch, parsed.checkpoint);
+                let moved_manifest = format!("{}/{m}", from.rsplit_once('/').map_or("", |x| x.0));
+                if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_none() && dir.size(&moved_manifest).await.map_err(fail("reading commit manifests"))?.is_some() {
+                    dir.rename(&moved_manifest, &m).await.map_err(fail("bringing commit manifests back"))?;
+                }
+            }
         }
-        // 4. Manifests a crash left unwritten (every subtask committed, the coordinator had not
+        // 5. Manifests a crash left unwritten (every subtask committed, the coordinator had not
         //    yet written it): rebuilt from the published files themselves.
         let existing: BTreeSet<String> = dir.list(COMMITS_DIR).await.map_err(fail("listing commit manifests"))?.into_iter().collect();
         for ((e, n), files) in published {
@@ -499,7 +557,7 @@ mod tests {
         // Another sink's file, and a newer run's staged file: neither is touched.
         s.put(&published_name("o-2", 1, 9, 0), Bytes::from_static(b"z\n")).await.unwrap();
         s.put(&staged_name("o", 5, 9, 0), Bytes::from_static(b"y\n")).await.unwrap();
-        let report = recover(&s, "o", 2, &[&doc(&[c4.clone()])], Some(4), "newest checkpoint").await.unwrap();
+        let report = recover(&s, "o", 2, &[&doc(&[c4.clone()])], &OutputHistory::After(4), "newest checkpoint").await.unwrap();
         assert_eq!((report.recommitted, report.discarded_staged, report.superseded.len()), (1, 1, 0));
         assert_eq!(report.manifests_repaired, 2, "3 and 4 had no manifest yet");
         let left = s.list("").await.unwrap();
@@ -509,7 +567,7 @@ mod tests {
         let m: CommitManifest = serde_json::from_slice(&s.get(&commit_manifest_name(1, 4)).await.unwrap()).unwrap();
         assert_eq!(m.files, vec![ManifestFile { name: c4.published.clone(), len: 2, crc32c: crc32c::crc32c(b"b\n"), records: 1 }]);
         // A fresh start (no restore point) moves nothing and deletes nothing published.
-        let report = recover(&s, "o", 3, &[], None, "fresh").await.unwrap();
+        let report = recover(&s, "o", 3, &[], &OutputHistory::Fresh, "fresh").await.unwrap();
         assert!(report.superseded.is_empty());
         assert!(s.list("").await.unwrap().contains(&c3.published));
     }
@@ -523,7 +581,7 @@ mod tests {
             s.put(&c.published, Bytes::copy_from_slice(data)).await.unwrap();
             write_commit_manifest(&s, &CommitManifest { uid: "o".into(), epoch: 1, checkpoint: n, files: vec![] }).await.unwrap();
         }
-        let report = recover(&s, "o", 2, &[], Some(4), "checkpoint 5 is corrupt").await.unwrap();
+        let report = recover(&s, "o", 2, &[], &OutputHistory::After(4), "checkpoint 5 is corrupt").await.unwrap();
         assert_eq!(report.superseded, vec![published_name("o", 1, 5, 0), published_name("o", 1, 6, 0)]);
         let left = s.list("").await.unwrap();
         assert!(left.contains(&published_name("o", 1, 3, 0)));
@@ -543,8 +601,46 @@ mod tests {
         let new = Storage::open(new_dir.path().to_str().unwrap()).unwrap();
         let c = committable(&old, 1, 4, 0, b"x\n");
         old.put(&c.staged, Bytes::from_static(b"x\n")).await.unwrap();
-        let report = recover(&new, "o", 2, &[&doc(&[c.clone()])], Some(4), "upgrade").await.unwrap();
+        let report = recover(&new, "o", 2, &[&doc(&[c.clone()])], &OutputHistory::After(4), "upgrade").await.unwrap();
         assert_eq!(report.recommitted, 1);
         assert_eq!(&old.get(&c.published).await.unwrap()[..], b"x\n");
+    }
+
+    /// Restoring an older savepoint moves later output out; restoring the newer savepoint
+    /// afterwards brings the output of its history back and moves the rewound run's out, so
+    /// the output is again exactly that history's (it used to be deleted for good).
+    #[tokio::test]
+    async fn a_rewind_can_be_undone_by_restoring_the_newer_point() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Storage::open(dir.path().to_str().unwrap()).unwrap();
+        let put = |e: u64, n: u64| {
+            let s = s.clone();
+            async move { s.put(&published_name("o", e, n, 0), Bytes::from(format!("{e}-{n}\n"))).await.unwrap() }
+        };
+        // Epoch 1 published 3, 5 and 7; savepoints were taken at 4 (older) and 6 (newer).
+        for n in [3, 5, 7] {
+            put(1, n).await;
+        }
+        // Epoch 2 rewinds to 4: 5 and 7 move out; it publishes 8.
+        let to_4 = Lineage { segments: vec![(1, 4)], floor: 1 };
+        let r = recover(&s, "o", 2, &[], &OutputHistory::Lineage(to_4), "older savepoint").await.unwrap();
+        assert_eq!(r.superseded, vec![published_name("o", 1, 5, 0), published_name("o", 1, 7, 0)]);
+        put(2, 8).await;
+        // Epoch 3 restores the newer savepoint 6 of epoch 1: 5 comes back, 8 moves out, 7 stays out.
+        let to_6 = Lineage { segments: vec![(1, 6)], floor: 1 };
+        let r = recover(&s, "o", 3, &[], &OutputHistory::Lineage(to_6), "newer savepoint").await.unwrap();
+        assert_eq!(r.returned, vec![published_name("o", 1, 5, 0)]);
+        assert_eq!(r.superseded, vec![published_name("o", 2, 8, 0)]);
+        let top: Vec<String> = s.list("").await.unwrap().into_iter().filter(|p| !p.contains('/') && is_output(p)).collect();
+        assert_eq!(top, vec![published_name("o", 1, 3, 0), published_name("o", 1, 5, 0)]);
+        // Output older than the history (before a fresh start) is never touched.
+        put(1, 1).await;
+        let fresh_history = Lineage { segments: vec![(3, 9)], floor: 3 };
+        let r = recover(&s, "o", 4, &[], &OutputHistory::Lineage(fresh_history), "after a fresh start").await.unwrap();
+        assert!(r.superseded.is_empty() && r.returned.is_empty(), "{r:?}");
+    }
+
+    fn is_output(name: &str) -> bool {
+        !name.starts_with('.') && !name.starts_with('_')
     }
 }

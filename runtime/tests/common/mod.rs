@@ -429,3 +429,11 @@ pub fn zombie_scenario(name: &str, chk: &str, out: &str, env: &[(&'static str, S
     });
     assert_same_output(&golden, &committed_at(out, &["counts", "windows", "ids"]), &format!("{name}: A frozen and woken while B ran"));
 }
+
+/// Adds `n` to the suite-wide count of injected failures (`.ci/run` prints the total).
+pub fn record_faults(n: u64) {
+    use std::io::Write;
+    let path = std::env::temp_dir().join("weir-injected-faults.log");
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+    writeln!(f, "{n}").unwrap();
+}
