@@ -48,6 +48,10 @@ pub struct JobStatus {
     /// The fencing epoch of the running attempt: it grows with every start of the job.
     #[serde(default)]
     pub epoch: u64,
+    /// Things this run did that a person should know of, e.g. output moved under
+    /// `_superseded/` because it restored an older point than the output had reached.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notices: Vec<String>,
     /// The last failure, if any.
     pub last_error: Option<String>,
     /// Faults injected by the test hook so far (0 in production).

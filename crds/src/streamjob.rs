@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{LocalObjectReference, ResourceRequirements, Toleration};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -343,7 +343,7 @@ pub struct StreamJobStatus {
     /// One word for `kubectl get`: Deploying, Running, Upgrading, Suspending, Suspended,
     /// Cancelling, Cancelled, Relaunching, Finished, Failed, Degraded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub phase: Option<String>,
+    pub phase: Option<Phase>,
     /// Ready, Progressing and Degraded conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
@@ -378,30 +378,91 @@ pub struct StreamJobStatus {
     /// request).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operation: Option<OperationStatus>,
-    /// When the job was last relaunched after a failure (RFC 3339).
+    /// When the job was last relaunched after a failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_relaunch_time: Option<String>,
-    /// When the newest savepoint completed (RFC 3339).
+    pub last_relaunch_time: Option<Time>,
+    /// When the newest savepoint completed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_savepoint_time: Option<String>,
+    pub last_savepoint_time: Option<Time>,
     /// The last error, without secrets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
 }
 
 /// A savepoint operation in flight.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct OperationStatus {
-    /// upgrade, suspend, cancel or savepoint.
-    pub kind: String,
+    /// Why the savepoint is taken: upgrade, suspend, cancel or savepoint.
+    pub kind: OperationKind,
     /// The runtime's savepoint request id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<u64>,
-    /// When it started (RFC 3339).
-    pub started_at: String,
+    /// When it started: `savepoint.timeout` counts from here.
+    pub started_at: Time,
     /// The generation that asked for it.
     pub generation: i64,
+}
+
+/// Lifecycle phase of a StreamJob, for `kubectl get`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Pods being created.
+    Deploying,
+    /// Processing.
+    Running,
+    /// A spec change is being applied.
+    Upgrading,
+    /// Stopping with a savepoint to suspend.
+    Suspending,
+    /// Stopped; resumable.
+    Suspended,
+    /// Stopping for good.
+    Cancelling,
+    /// Stopped for good.
+    Cancelled,
+    /// Waiting to relaunch after a failure.
+    Relaunching,
+    /// Bounded input ended.
+    Finished,
+    /// Relaunch limit reached.
+    Failed,
+    /// Needs a person (e.g. the newest checkpoint is too old to relaunch from).
+    Degraded,
+}
+
+impl Phase {
+    /// The word shown in status.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Phase::Deploying => "Deploying",
+            Phase::Running => "Running",
+            Phase::Upgrading => "Upgrading",
+            Phase::Suspending => "Suspending",
+            Phase::Suspended => "Suspended",
+            Phase::Cancelling => "Cancelling",
+            Phase::Cancelled => "Cancelled",
+            Phase::Relaunching => "Relaunching",
+            Phase::Finished => "Finished",
+            Phase::Failed => "Failed",
+            Phase::Degraded => "Degraded",
+        }
+    }
+}
+
+
+/// Why the operator is taking a savepoint.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OperationKind {
+    /// Stop-with-savepoint before deploying a new spec.
+    Upgrade,
+    /// Stop-with-savepoint for `state: suspended`.
+    Suspend,
+    /// Stop-with-savepoint for `state: cancelled` (or deletion).
+    Cancel,
+    /// A savepoint while running (trigger nonce or periodic).
+    Savepoint,
 }
 
 /// A checkpoint or savepoint.
@@ -412,9 +473,9 @@ pub struct SnapshotRef {
     pub id: u64,
     /// Storage path to restore from.
     pub path: String,
-    /// When it completed (RFC 3339).
+    /// When it completed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub completed_at: Option<String>,
+    pub completed_at: Option<Time>,
 }
 
 /// A spec change in progress.

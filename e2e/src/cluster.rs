@@ -276,7 +276,7 @@ impl Scenario {
     /// Waits until the job's status phase is `phase`.
     pub async fn wait_phase(&self, job: &str, phase: &str, secs: u64) -> weir_crds::streamjob::StreamJobStatus {
         let jobs = self.jobs();
-        crate::eventually(&format!("{job} in phase {phase}"), secs, || async { jobs.get(job).await.ok()?.status.filter(|s| s.phase.as_deref() == Some(phase)) }).await
+        crate::eventually(&format!("{job} in phase {phase}"), secs, || async { jobs.get(job).await.ok()?.status.filter(|s| s.phase.map(|p| p.as_str()) == Some(phase)) }).await
     }
 
     /// Waits until the job's pod runs in its container (Running, ready, with a pod IP) and

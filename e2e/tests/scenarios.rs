@@ -153,7 +153,7 @@ async fn c_a_killed_pod_and_a_killed_process_relaunch_from_the_newest_checkpoint
         (p.metadata.uid.as_deref() != Some(uid.as_str())).then_some(p)
     })
     .await;
-    assert!(container_args(&second).contains("/checkpoints/chk-"), "restores the newest checkpoint: {}", container_args(&second));
+    assert!(container_args(&second).contains("--restore latest"), "restores the newest valid checkpoint: {}", container_args(&second));
     let second = s.wait_pod_running("counter", 180).await;
     let before = s.committed(&output(&s.ns)).await.len();
     s.wait_output(&output(&s.ns), before + 100, 90).await;
@@ -169,7 +169,7 @@ async fn c_a_killed_pod_and_a_killed_process_relaunch_from_the_newest_checkpoint
         (p.metadata.uid.as_deref() != Some(uid2.as_str())).then_some(p)
     })
     .await;
-    assert!(container_args(&third).contains("/checkpoints/chk-"), "{}", container_args(&third));
+    assert!(container_args(&third).contains("--restore latest"), "{}", container_args(&third));
     let status = s.wait_phase("counter", "Running", 180).await;
     assert!(status.relaunch_count >= 1, "the failure counted as a relaunch: {status:?}");
     s.wait_pod_running("counter", 120).await;
@@ -204,7 +204,7 @@ async fn d_cancel_whose_savepoint_fails_kills_the_pods_and_resumes_exactly_once(
     s.put_secret("weir-s3", &[]).await;
     patch_spec(&s, serde_json::json!({ "state": "running" })).await;
     let pod = s.wait_pod_running("counter", 180).await;
-    assert!(container_args(&pod).contains(&format!("--restore {}", recovery.path)), "{}", container_args(&pod));
+    assert!(container_args(&pod).contains("--restore latest"), "the runtime verifies the recovery checkpoint {}: {}", recovery.path, container_args(&pod));
     progresses_then_exactly_once(s).await;
 }
 
@@ -256,8 +256,16 @@ async fn f_a_corrupt_newest_checkpoint_is_skipped_on_relaunch() {
     let pods = s.pods();
     let relaunched = eventually("the job relaunched", 180, || async { pods.get_opt("counter-runtime-0").await.ok()? }).await;
     let args = container_args(&relaunched);
-    assert!(args.contains(&format!("/checkpoints/chk-{previous}")), "restores chk-{previous}, not the corrupt chk-{newest}: {args}");
+    assert!(args.contains("--restore latest"), "the runtime chooses, verifying each file: {args}");
     s.wait_pod_running("counter", 180).await;
+    // It restored chk-{previous}, not the corrupt chk-{newest}.
+    let restored = eventually("the runtime's restore point", 60, || async {
+        let logs = s.kubectl(&["logs", "counter-runtime-0"], None);
+        let text = String::from_utf8_lossy(&logs.stdout).to_string();
+        text.contains("restoring").then_some(text)
+    })
+    .await;
+    assert!(restored.contains(&format!("chk-{previous}")) && restored.contains(&format!("chk-{newest}")), "skips chk-{newest}, restores chk-{previous}: {restored}");
     progresses_then_exactly_once(s).await;
 }
 
@@ -274,7 +282,7 @@ async fn g_an_operator_killed_mid_upgrade_completes_it() {
     let jobs = s.jobs();
     eventually("the upgrade under way", 60, || async {
         let st = jobs.get("counter").await.ok()?.status?;
-        (st.operation.as_ref().is_some_and(|o| o.kind == "upgrade") || st.pending_upgrade.is_some()).then_some(())
+        (st.operation.as_ref().is_some_and(|o| o.kind == weir_crds::streamjob::OperationKind::Upgrade) || st.pending_upgrade.is_some()).then_some(())
     })
     .await;
     s.kill_operator();
@@ -285,7 +293,7 @@ async fn g_an_operator_killed_mid_upgrade_completes_it() {
     s.start_operator().await;
     let status = eventually("the upgrade done", 240, || async {
         let st = jobs.get("counter").await.ok()?.status?;
-        (st.phase.as_deref() == Some("Running") && st.pending_upgrade.is_none() && st.operation.is_none() && st.observed_generation == Some(2)).then_some(st)
+        (st.phase == Some(weir_crds::streamjob::Phase::Running) && st.pending_upgrade.is_none() && st.operation.is_none() && st.observed_generation == Some(2)).then_some(st)
     })
     .await;
     let savepoint = status.latest_savepoint.expect("the upgrade's savepoint").path;

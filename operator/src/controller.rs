@@ -25,7 +25,7 @@ use weir_crds::streamjob::{DesiredState, JobGraph, OperationStatus, StreamJob, S
 use crate::children::{self, JOB_LABEL};
 use crate::control_client;
 use crate::observe;
-use crate::plan::{self, Action, Desired, Observation, Operation, OperationKind, Phase, Plan, PlanState, SavepointProgress};
+use crate::plan::{self, Action, Desired, Observation, Operation, Phase, Plan, PlanState, SavepointProgress};
 
 /// The field manager of everything the operator applies.
 pub const FIELD_MANAGER: &str = "weir-operator";
@@ -132,60 +132,32 @@ impl ReconcileError {
     }
 }
 
-fn ms_to_rfc3339(ms: u64) -> Option<String> {
-    Timestamp::from_millisecond(ms as i64).ok().map(|t| t.to_string())
+fn ms_to_time(ms: u64) -> Option<Time> {
+    Timestamp::from_millisecond(ms as i64).ok().map(Time)
 }
 
-fn rfc3339_to_ms(s: &Option<String>) -> Option<u64> {
-    s.as_ref().and_then(|t| t.parse::<Timestamp>().ok()).map(|t| t.as_millisecond() as u64)
+fn time_to_ms(t: &Option<Time>) -> Option<u64> {
+    t.as_ref().map(|t| t.0.as_millisecond().max(0) as u64)
 }
 
 fn now_ms() -> u64 {
     Timestamp::now().as_millisecond() as u64
 }
 
-fn kind_name(k: OperationKind) -> &'static str {
-    match k {
-        OperationKind::Upgrade => "upgrade",
-        OperationKind::Suspend => "suspend",
-        OperationKind::Cancel => "cancel",
-        OperationKind::Savepoint => "savepoint",
-    }
-}
-
-fn kind_of(s: &str) -> OperationKind {
-    match s {
-        "upgrade" => OperationKind::Upgrade,
-        "suspend" => OperationKind::Suspend,
-        "cancel" => OperationKind::Cancel,
-        _ => OperationKind::Savepoint,
-    }
-}
-
-fn phase_of(s: &Option<String>) -> Option<Phase> {
-    use Phase::*;
-    let all = [Deploying, Running, Upgrading, Suspending, Suspended, Cancelling, Cancelled, Relaunching, Finished, Failed, Degraded];
-    s.as_deref().and_then(|s| all.into_iter().find(|p| p.as_str() == s))
-}
-
 /// Status → the planner's view.
 pub fn plan_state(status: &StreamJobStatus) -> PlanState {
     PlanState {
-        phase: phase_of(&status.phase),
-        operation: status.operation.as_ref().map(|o| Operation {
-            kind: kind_of(&o.kind),
-            started_at_ms: rfc3339_to_ms(&Some(o.started_at.clone())).unwrap_or(0),
-            generation: o.generation,
-        }),
+        phase: status.phase,
+        operation: status.operation.as_ref().map(|o| Operation { kind: o.kind, started_at_ms: o.started_at.0.as_millisecond().max(0) as u64, generation: o.generation }),
         pending_upgrade: status.pending_upgrade.clone(),
         recovery_point: status.recovery_point.clone(),
         relaunch_count: status.relaunch_count,
-        last_relaunch_ms: rfc3339_to_ms(&status.last_relaunch_time),
+        last_relaunch_ms: time_to_ms(&status.last_relaunch_time),
         observed_restart_nonce: status.observed_restart_nonce,
         observed_savepoint_nonce: status.observed_savepoint_nonce,
         latest_savepoint: status.latest_savepoint.clone(),
-        savepoint_history: status.savepoint_history.iter().map(|s| (s.clone(), rfc3339_to_ms(&s.completed_at).unwrap_or(0))).collect(),
-        last_savepoint_ms: rfc3339_to_ms(&status.last_savepoint_time),
+        savepoint_history: status.savepoint_history.iter().map(|s| (s.clone(), time_to_ms(&s.completed_at).unwrap_or(0))).collect(),
+        last_savepoint_ms: time_to_ms(&status.last_savepoint_time),
     }
 }
 
@@ -266,14 +238,14 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
         // The runtime already exited after the stop: its termination message names the savepoint.
         Some(_) if stopped_with.is_some() => {
             let path = stopped_with.unwrap_or_default();
-            Some(SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef { id: savepoint_id(&path), path, completed_at: ms_to_rfc3339(now_ms()) }))
+            Some(SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef { id: savepoint_id(&path), path, completed_at: ms_to_time(now_ms()) }))
         }
         Some(id) => Some(match control_client::savepoint_status(&control_url, token.as_deref().unwrap_or_default(), id).await {
             Ok(s) => match s.outcome {
                 CheckpointOutcome::InProgress => SavepointProgress::InProgress,
                 CheckpointOutcome::Completed => {
                     let path = s.path.unwrap_or_default();
-                    SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef { id: savepoint_id(&path), path, completed_at: ms_to_rfc3339(now_ms()) })
+                    SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef { id: savepoint_id(&path), path, completed_at: ms_to_time(now_ms()) })
                 }
                 CheckpointOutcome::Failed => SavepointProgress::Failed(s.failure.unwrap_or_default()),
             },
@@ -288,13 +260,18 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     // The runtime's own view of a running job: its id and newest checkpoint, for status.
     let mut job_id = status.job_id.clone();
     let mut latest_checkpoint = status.latest_checkpoint.clone();
+    let mut notices = Vec::new();
     if matches!(pods_phase, plan::PodsPhase::Running) && status.operation.is_none() {
         match control_client::job_status(&control_url, token.as_deref().unwrap_or_default()).await {
             Ok(job) => {
+                // A new run: tell what it did that a person should know (once per run).
+                if job_id.as_deref() != Some(job.job_id.as_str()) {
+                    notices = job.notices;
+                }
                 job_id = Some(job.job_id);
                 if let Some(c) = job.latest_checkpoint {
                     let completed = c.triggered_at_ms + c.duration_ms.unwrap_or(0);
-                    latest_checkpoint = Some(weir_crds::streamjob::SnapshotRef { id: c.id, path: c.path, completed_at: ms_to_rfc3339(completed) });
+                    latest_checkpoint = Some(weir_crds::streamjob::SnapshotRef { id: c.id, path: c.path, completed_at: ms_to_time(completed) });
                 }
             }
             Err(e) => tracing::debug!(job = %name, error = %e, "job status not readable"),
@@ -324,6 +301,10 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     } else {
         plan::plan(&desired, &current, &obs)
     };
+
+    for notice in notices {
+        p.events.push(plan::PlannedEvent { warning: true, reason: "OutputSuperseded", message: notice });
+    }
 
     // Apply.
     let mut request_id = status.operation.as_ref().and_then(|o| o.request_id);
@@ -405,7 +386,7 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     let mut new_status = status_from(&status, &p, generation, request_id, invalid.is_some());
     new_status.job_id = job_id;
     new_status.latest_checkpoint = latest_checkpoint;
-    ctx.metrics.phase(format!("{ns}/{name}"), if deleting { None } else { new_status.phase.clone() });
+    ctx.metrics.phase(format!("{ns}/{name}"), if deleting { None } else { new_status.phase.map(|p| p.as_str().to_string()) });
     if new_status != status {
         let mut patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new_status });
         // The write-ahead fields (an upgrade's target and restore point, the recovery point, a
@@ -433,7 +414,7 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     }
     Ok(match p.requeue_after_ms {
         Some(ms) => Requeue::requeue(Duration::from_millis(ms.max(200))),
-        None if new_status.phase.as_deref() == Some(Phase::Running.as_str()) => Requeue::requeue(ctx.settings.status_refresh),
+        None if new_status.phase == Some(Phase::Running) => Requeue::requeue(ctx.settings.status_refresh),
         None => Requeue::requeue(Duration::from_secs(60)),
     })
 }
@@ -583,25 +564,22 @@ pub fn status_from(old: &StreamJobStatus, p: &Plan, generation: i64, request_id:
     ];
     StreamJobStatus {
         observed_generation: Some(generation),
-        phase: Some(phase.as_str().to_string()),
+        phase: Some(phase),
         conditions,
         job_id: old.job_id.clone(),
         latest_checkpoint: old.latest_checkpoint.clone(),
         latest_savepoint: s.latest_savepoint.clone(),
-        savepoint_history: s.savepoint_history.iter().map(|(sp, at)| weir_crds::streamjob::SnapshotRef { completed_at: ms_to_rfc3339(*at), ..sp.clone() }).collect(),
+        savepoint_history: s.savepoint_history.iter().map(|(sp, at)| weir_crds::streamjob::SnapshotRef { completed_at: ms_to_time(*at), ..sp.clone() }).collect(),
         relaunch_count: s.relaunch_count,
         recovery_point: s.recovery_point.clone(),
         pending_upgrade: s.pending_upgrade.clone(),
         observed_restart_nonce: s.observed_restart_nonce,
         observed_savepoint_nonce: s.observed_savepoint_nonce,
-        operation: s.operation.as_ref().map(|o| OperationStatus {
-            kind: kind_name(o.kind).to_string(),
-            request_id,
-            started_at: ms_to_rfc3339(o.started_at_ms).unwrap_or_default(),
-            generation: o.generation,
+        operation: s.operation.as_ref().and_then(|o| {
+            Some(OperationStatus { kind: o.kind, request_id, started_at: ms_to_time(o.started_at_ms)?, generation: o.generation })
         }),
-        last_relaunch_time: s.last_relaunch_ms.and_then(ms_to_rfc3339),
-        last_savepoint_time: s.last_savepoint_ms.and_then(ms_to_rfc3339),
+        last_relaunch_time: s.last_relaunch_ms.and_then(ms_to_time),
+        last_savepoint_time: s.last_savepoint_ms.and_then(ms_to_time),
         last_error: if degraded_msg.is_empty() { old.last_error.clone() } else { Some(degraded_msg) },
     }
 }

@@ -31,8 +31,13 @@ pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
             .filter_map(|c| c.state.and_then(|s| s.terminated))
             .find(|t| t.exit_code != 0);
         if phase == "Failed" || terminated.is_some() {
+            // The runtime's termination message says why (e.g. each restore point and its
+            // defect when none could be restored), without secrets; bounded for status.
             let reason = terminated
-                .map(|t| format!("container exited {}{}", t.exit_code, t.reason.map(|r| format!(" ({r})")).unwrap_or_default()))
+                .map(|t| {
+                    let message = t.message.as_deref().map(str::trim).filter(|m| !m.is_empty()).map(|m| format!(": {}", truncate(m, 600))).unwrap_or_default();
+                    format!("container exited {}{}{message}", t.exit_code, t.reason.map(|r| format!(" ({r})")).unwrap_or_default())
+                })
                 .or(status.reason)
                 .unwrap_or_else(|| "pod failed".into());
             let name = p.metadata.name.clone().unwrap_or_default();
@@ -49,6 +54,18 @@ pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
         PodsPhase::Starting
     };
     (phase, hash)
+}
+
+/// At most `max` bytes of `s`, cut at a character boundary, with `…` when cut.
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
 }
 
 /// The savepoint a stopped runtime reported in its termination message (`savepoint=<path>`).

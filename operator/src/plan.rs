@@ -8,6 +8,7 @@
 //! any pod is deleted (`pending_upgrade`), so an operator restarted at any point resumes the
 //! same transition.
 
+pub use weir_crds::streamjob::{OperationKind, Phase};
 use weir_crds::streamjob::{DesiredState, OnSavepointFailure, PendingUpgrade, RestoreMode, SnapshotRef, StreamJobSpec, UpgradeMode};
 
 /// What the job's runtime pods look like.
@@ -47,19 +48,6 @@ pub enum SavepointProgress {
     Completed(SnapshotRef),
     /// The runtime reported a failure (or the request could not be made).
     Failed(String),
-}
-
-/// Why the operator is taking a savepoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OperationKind {
-    /// Stop-with-savepoint before deploying a new spec.
-    Upgrade,
-    /// Stop-with-savepoint for `state: suspended`.
-    Suspend,
-    /// Stop-with-savepoint for `state: cancelled` (or deletion).
-    Cancel,
-    /// A savepoint while running (trigger nonce or periodic).
-    Savepoint,
 }
 
 /// A savepoint operation in flight, as recorded in status.
@@ -115,51 +103,6 @@ pub struct PlanState {
     pub last_savepoint_ms: Option<u64>,
 }
 
-/// Lifecycle phases.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Phase {
-    /// Pods being created.
-    Deploying,
-    /// Processing.
-    Running,
-    /// A spec change is being applied.
-    Upgrading,
-    /// Stopping with a savepoint to suspend.
-    Suspending,
-    /// Stopped; resumable.
-    Suspended,
-    /// Stopping for good.
-    Cancelling,
-    /// Stopped for good.
-    Cancelled,
-    /// Waiting to relaunch after a failure.
-    Relaunching,
-    /// Bounded input ended.
-    Finished,
-    /// Relaunch limit reached.
-    Failed,
-    /// Needs a person (e.g. the newest checkpoint is too old to relaunch from).
-    Degraded,
-}
-
-impl Phase {
-    /// The word shown in status.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Phase::Deploying => "Deploying",
-            Phase::Running => "Running",
-            Phase::Upgrading => "Upgrading",
-            Phase::Suspending => "Suspending",
-            Phase::Suspended => "Suspended",
-            Phase::Cancelling => "Cancelling",
-            Phase::Cancelled => "Cancelled",
-            Phase::Relaunching => "Relaunching",
-            Phase::Finished => "Finished",
-            Phase::Failed => "Failed",
-            Phase::Degraded => "Degraded",
-        }
-    }
-}
 
 /// A step for the reconciler to carry out.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -350,9 +293,13 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
                     None => (None, RestoreMode::Latest),
                 },
                 Some(Phase::Finished) => return p,
-                // After a stop or a kill: the stop's savepoint has the highest id in the job's
-                // storage, so `latest` finds it, and falls back if it turns out to be corrupt.
-                _ => (current.recovery_point.clone().or_else(|| newest_valid(obs).map(|c| c.snapshot.clone())), RestoreMode::Latest),
+                // After a stop: exactly its savepoint. After a kill or a failure: the newest
+                // valid restore point, which the runtime verifies (falling back past a corrupt
+                // one the operator could not see).
+                _ => match current.recovery_point.clone() {
+                    Some(sp) if is_savepoint(&sp) => (Some(sp), RestoreMode::Snapshot),
+                    other => (other.or_else(|| newest_valid(obs).map(|c| c.snapshot.clone())), RestoreMode::Latest),
+                },
             };
             p.actions.push(Action::Deploy { restore_from: restore.clone(), mode });
             p.state.phase = Some(Phase::Deploying);
@@ -408,6 +355,11 @@ fn trim_history(spec: &StreamJobSpec, now_ms: u64, p: &mut Plan) {
         }
     }
     p.state.savepoint_history = kept;
+}
+
+/// Whether a snapshot is a savepoint (`.../savepoints/sp-<time>-<id>`).
+fn is_savepoint(s: &SnapshotRef) -> bool {
+    s.path.trim_end_matches('/').rsplit('/').nth(1) == Some(weir_checkpoint::layout::SAVEPOINTS)
 }
 
 fn describe(s: &Option<SnapshotRef>, mode: RestoreMode) -> String {
@@ -597,6 +549,10 @@ mod tests {
         SnapshotRef { id, path: format!("s3://b/ns/j/checkpoints/chk-{id}"), completed_at: None }
     }
 
+    fn sp(id: u64) -> SnapshotRef {
+        SnapshotRef { id, path: format!("s3://b/ns/j/savepoints/sp-1700000000000-{id}"), completed_at: None }
+    }
+
     fn chk(id: u64, at: u64, invalid: Option<&str>) -> FoundCheckpoint {
         FoundCheckpoint { snapshot: snap(id), completed_at_ms: at, invalid: invalid.map(str::to_string) }
     }
@@ -764,10 +720,10 @@ mod tests {
         let p1 = plan(&d, &state(Phase::Running), &running("h1"));
         assert_eq!(p1.actions, vec![Action::RequestSavepoint { stop: true }]);
         let mut o = running("h1");
-        o.savepoint = Some(SavepointProgress::Completed(snap(4)));
+        o.savepoint = Some(SavepointProgress::Completed(sp(4)));
         let p2 = plan(&d, &p1.state, &o);
         assert_eq!(p2.actions, vec![Action::DeletePods { grace_seconds: None }]);
-        assert_eq!(p2.state.recovery_point, Some(snap(4)));
+        assert_eq!(p2.state.recovery_point, Some(sp(4)));
         // The runtime exits after the savepoint and its pod terminates; newer-looking
         // checkpoints in storage do not replace the savepoint as the recovery point (a kubelet
         // shows the pod Succeeded or Terminating for a while).
@@ -776,7 +732,7 @@ mod tests {
         for pods in [PodsPhase::Succeeded, PodsPhase::Terminating, PodsPhase::Running] {
             let o = Observation { checkpoints: vec![chk(3, 999_000, None)], ..obs(pods, Some("h1")) };
             let p = plan(&d, &p2.state, &o);
-            assert_eq!(p.state.recovery_point, Some(snap(4)));
+            assert_eq!(p.state.recovery_point, Some(sp(4)));
             assert_eq!(p.actions, vec![Action::DeletePods { grace_seconds: None }]);
             assert_eq!(p.state.phase, Some(Phase::Suspending));
         }
@@ -784,7 +740,7 @@ mod tests {
         assert_eq!(p3.state.phase, Some(Phase::Suspended));
         s.state = DesiredState::Running;
         let p4 = plan(&desired(&s, "h1"), &p3.state, &obs(PodsPhase::Absent, None));
-        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(snap(4)), mode: RestoreMode::Latest }], "the savepoint has the highest id: latest finds it");
+        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(sp(4)), mode: RestoreMode::Snapshot }], "exactly the suspend savepoint");
     }
 
     #[test]
@@ -919,5 +875,13 @@ mod tests {
         assert_eq!(p.state.phase, Some(Phase::Finished));
         let p2 = plan(&desired(&s, "h1"), &p.state, &obs(PodsPhase::Absent, None));
         assert!(p2.actions.is_empty(), "a finished job is not redeployed");
+    }
+
+    #[test]
+    fn resuming_after_a_kill_lets_the_runtime_verify_the_checkpoint() {
+        let s = spec();
+        let st = PlanState { recovery_point: Some(snap(11)), ..state(Phase::Cancelled) };
+        let p = plan(&desired(&s, "h1"), &st, &obs(PodsPhase::Absent, None));
+        assert_eq!(p.actions, vec![Action::Deploy { restore_from: Some(snap(11)), mode: RestoreMode::Latest }]);
     }
 }

@@ -162,7 +162,7 @@ spec:
     let pods: Api<Pod> = Api::namespaced(admin.clone(), JOBS_NS);
     eventually("the runtime pod", 40, || async { pods.get_opt("rbac-runtime-0").await.unwrap() }).await;
     pods.patch_status("rbac-runtime-0", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": { "phase": "Running" } }))).await.unwrap();
-    eventually("Running", 40, || async { (jobs.get("rbac").await.unwrap().status?.phase.as_deref() == Some("Running")).then_some(()) }).await;
+    eventually("Running", 40, || async { (jobs.get("rbac").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Running)).then_some(()) }).await;
 
     // Delete: the savepoint cannot be taken, so the pods are killed, the recovery checkpoint
     // is looked up in storage (with the Secret), and the finalizer is removed.

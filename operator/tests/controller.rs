@@ -90,14 +90,14 @@ async fn lifecycle_against_a_real_api_server() {
     set_pod_phase(&pods, "orders-runtime-0", "Running").await;
     eventually("phase Running with Ready=True", || async {
         let s = jobs.get("orders").await.unwrap().status?;
-        (s.phase.as_deref() == Some("Running") && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True")).then_some(())
+        (s.phase == Some(weir_crds::streamjob::Phase::Running) && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True")).then_some(())
     })
     .await;
 
     // Suspend while the savepoint cannot be taken (the control URL is unreachable): killed.
     jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "state": "suspended" } }))).await.unwrap();
     eventually("pod killed", || async { pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(()) }).await;
-    eventually("phase Suspended", || async { (jobs.get("orders").await.unwrap().status?.phase.as_deref() == Some("Suspended")).then_some(()) }).await;
+    eventually("phase Suspended", || async { (jobs.get("orders").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Suspended)).then_some(()) }).await;
     let events: Api<Event> = Api::namespaced(client.clone(), ns);
     let evs = events.list(&ListParams::default()).await.unwrap();
     let killed = evs.items.iter().find(|e| e.reason.as_deref() == Some("SavepointFailedPodsKilled")).expect("a SavepointFailedPodsKilled event");
@@ -107,7 +107,7 @@ async fn lifecycle_against_a_real_api_server() {
     jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "state": "running" } }))).await.unwrap();
     eventually("pod again", || async { pods.get_opt("orders-runtime-0").await.unwrap() }).await;
     set_pod_phase(&pods, "orders-runtime-0", "Running").await;
-    eventually("Running again", || async { (jobs.get("orders").await.unwrap().status?.phase.as_deref() == Some("Running")).then_some(()) }).await;
+    eventually("Running again", || async { (jobs.get("orders").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Running)).then_some(()) }).await;
 
     // Stateless upgrade: a new spec hash replaces the pod.
     jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "parallelism": 2 } }))).await.unwrap();
@@ -120,7 +120,7 @@ async fn lifecycle_against_a_real_api_server() {
     set_pod_phase(&pods, "orders-runtime-0", "Running").await;
     eventually("upgrade finished", || async {
         let s = jobs.get("orders").await.unwrap().status?;
-        (s.phase.as_deref() == Some("Running") && s.pending_upgrade.is_none() && s.observed_generation == Some(4)).then_some(())
+        (s.phase == Some(weir_crds::streamjob::Phase::Running) && s.pending_upgrade.is_none() && s.observed_generation == Some(4)).then_some(())
     })
     .await;
 

@@ -102,3 +102,33 @@ async fn invalid_manifests_are_refused_with_field_and_reason() {
     set.data["spec"]["maxParallelism"] = serde_json::json!(128);
     api.replace("unset", &PostParams::default(), &set).await.expect("unset → 128 is no change");
 }
+
+/// Status fields the planner acts on are schema enums and timestamps: an unparsable
+/// `operation.startedAt` used to read as "started in 1970", a timed-out savepoint, and killed
+/// the job's pods. Now the API server refuses such a status, naming the field.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_status_with_an_unparsable_time_or_unknown_phase_is_refused() {
+    use kube::api::{Patch, PatchParams};
+    let server = TestApiServer::start().expect("API server starts");
+    let client = server.client().await.unwrap();
+    server.install_crd(&client).await.unwrap();
+    let ar = ApiResource::erase::<StreamJob>(&());
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), "default", &ar);
+    api.create(&PostParams::default(), &manifest("st", "", "")).await.unwrap();
+    let good = serde_json::json!({ "status": { "phase": "Running", "operation": { "kind": "cancel", "startedAt": "2026-11-30T12:00:00Z", "generation": 1 } } });
+    api.patch_status("st", &PatchParams::default(), &Patch::Merge(good)).await.expect("a well-formed status is stored");
+    let typed: Api<StreamJob> = Api::namespaced(client.clone(), "default");
+    let op = typed.get("st").await.unwrap().status.unwrap().operation.unwrap();
+    assert_eq!(op.kind, weir_crds::streamjob::OperationKind::Cancel);
+    for (status, field) in [
+        (serde_json::json!({ "operation": { "kind": "cancel", "startedAt": "yesterday", "generation": 1 } }), "status.operation.startedAt"),
+        (serde_json::json!({ "operation": { "kind": "nap", "startedAt": "2026-11-30T12:00:00Z", "generation": 1 } }), "status.operation.kind"),
+        (serde_json::json!({ "phase": "Sleeping" }), "status.phase"),
+        (serde_json::json!({ "lastRelaunchTime": "soon" }), "status.lastRelaunchTime"),
+    ] {
+        match api.patch_status("st", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": status }))).await {
+            Err(kube::Error::Api(e)) => assert!(e.code == 422 && e.message.contains(field), "{field}: {}", e.message),
+            other => panic!("{field}: a malformed status was stored: {other:?}"),
+        }
+    }
+}

@@ -1,6 +1,9 @@
 //! A runtime killed with SIGKILL is relaunched by the operator from the newest *valid*
-//! checkpoint in storage (the newest one is corrupted while the job is down), against a real
-//! API server and the real runtime run as a local process; the output stays exactly once.
+//! checkpoint in storage, against a real API server and the real runtime run as a local
+//! process; the output stays exactly once. The newest checkpoint is corrupted while the job is
+//! down, keeping every file's length, so only the runtime (which verifies checksums) can tell:
+//! the operator relaunches with `--restore latest` and the runtime falls back. (It used to pass
+//! the checkpoint it had checked by lengths only, and the job crash-looped into Failed.)
 
 use std::time::Duration;
 
@@ -49,11 +52,14 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     }
     local.kill();
     let newest = newest_complete(&chk).unwrap();
-    let metadata = chk.join(format!("chk-{newest}/_metadata"));
-    let mut bytes = std::fs::read(&metadata).unwrap();
-    let n = bytes.len();
-    bytes[n - 3] ^= 0x20;
-    std::fs::write(&metadata, bytes).unwrap();
+    let dir = chk.join(format!("chk-{newest}"));
+    let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(dir.join("_metadata")).unwrap()).unwrap();
+    // A file of this checkpoint only (not a shared base other checkpoints build on).
+    let own = meta.files().find(|f| !f.path.starts_with("..")).expect("the checkpoint has a file of its own").path.clone();
+    let mut bytes = std::fs::read(dir.join(&own)).unwrap();
+    let i = bytes.len() / 2;
+    bytes[i] ^= 0x20;
+    std::fs::write(dir.join(&own), bytes).unwrap();
     assert_eq!(wait_exit(&mut local, "the killed runtime", 10).await, 137);
 
     // The operator relaunches from the previous checkpoint.
@@ -63,14 +69,15 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     })
     .await;
     let args = second.spec.as_ref().unwrap().containers[0].args.as_ref().unwrap().join(" ");
-    assert!(args.contains("--restore ") && args.contains("/checkpoints/chk-"), "{args}");
-    assert!(!args.contains(&format!("/checkpoints/chk-{newest} ")) && !args.ends_with(&format!("/checkpoints/chk-{newest}")), "the corrupt checkpoint {newest} is skipped: {args}");
+    assert!(args.contains("--restore latest"), "the runtime chooses the restore point: {args}");
     let status = jobs.get("counter").await.unwrap().status.unwrap();
     assert_eq!(status.relaunch_count, 1);
     let mut local2 = LocalPod::start(&client, &second, &binary).await.unwrap();
     point_operator_at(&jobs, "counter", &local2.control_url).await;
     assert_eq!(wait_exit(&mut local2, "the relaunched runtime to finish", 90).await, 0, "{}", local2.log());
-    eventually("Finished", 30, || async { (jobs.get("counter").await.unwrap().status?.phase.as_deref() == Some("Finished")).then_some(()) }).await;
+    let log = local2.log();
+    assert!(log.contains("skipping a restore point") && log.contains(&format!("chk-{newest}")), "the corrupt checkpoint {newest} is skipped: {log}");
+    eventually("Finished", 30, || async { (jobs.get("counter").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Finished)).then_some(()) }).await;
     assert_eq!(assert_running_counts_exactly_once(out.path()), 20_000);
     controller.abort();
 }

@@ -36,7 +36,7 @@ async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
     let first_hash = first.metadata.labels.as_ref().unwrap()["weir.dev/spec-hash"].clone();
     let mut local = LocalPod::start(&client, &first, &binary).await.unwrap();
     point_operator_at(&jobs, "counter", &local.control_url).await;
-    eventually("Running", 30, || async { (jobs.get("counter").await.unwrap().status?.phase.as_deref() == Some("Running")).then_some(()) }).await;
+    eventually("Running", 30, || async { (jobs.get("counter").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Running)).then_some(()) }).await;
     let chk_dir = state.path().join("upgrade/counter/checkpoints");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while !std::fs::read_dir(&chk_dir).map(|d| d.flatten().any(|e| e.path().join("_metadata").exists())).unwrap_or(false) {
@@ -69,7 +69,7 @@ async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
     point_operator_at(&jobs, "counter", &local2.control_url).await;
     let code = wait_exit(&mut local2, "the new runtime to finish", 90).await;
     assert_eq!(code, 0, "new runtime log:\n{}", local2.log());
-    eventually("Finished", 30, || async { (jobs.get("counter").await.unwrap().status?.phase.as_deref() == Some("Finished")).then_some(()) }).await;
+    eventually("Finished", 30, || async { (jobs.get("counter").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Finished)).then_some(()) }).await;
 
     // Every running count of every key, exactly once, across the upgrade.
     assert_eq!(assert_running_counts_exactly_once(out.path()), 24_000, "one output per input record");

@@ -124,6 +124,7 @@ fn handle(req: &mut tiny_http::Request, token: Option<&str>, metrics: &JobMetric
                 latest_checkpoint: board.history.iter().find(|c| c.outcome == weir_crds::control::CheckpointOutcome::Completed).cloned(),
                 restored_from: board.restored_from.clone(),
                 epoch: board.epoch,
+                notices: board.notices.clone(),
                 last_error: board.last_error.clone(),
                 injected_faults: metrics.injected_faults.load(Ordering::Relaxed),
             };

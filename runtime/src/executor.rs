@@ -437,6 +437,15 @@ impl Executor<'_> {
                 let report = crate::io()
                     .block_on(sinks::file::recover(&storage, uid, self.epoch, &docs, &history, reason))
                     .map_err(|e| e.to_string())?;
+                if !report.superseded.is_empty() || !report.returned.is_empty() {
+                    let notice = format!(
+                        "sink `{uid}`: {} published file(s) outside the restored history moved to {}, {} of it moved back ({reason})",
+                        report.superseded.len(),
+                        storage.url_of(&format!("{}/{:06}", sinks::file::SUPERSEDED_DIR, self.epoch)),
+                        report.returned.len()
+                    );
+                    self.metrics.board().notices.push(notice);
+                }
                 if !report.superseded.is_empty() {
                     tracing::warn!(
                         sink = %uid,

@@ -144,6 +144,8 @@ fn human(n: f64) -> String {
 
 /// Exit code of a run stopped because a newer run of the job claimed a newer epoch.
 const EXIT_FENCED: u8 = 3;
+/// Exit code of a run that refused to start: restore points exist and none is valid.
+const EXIT_NO_VALID_STATE: u8 = 4;
 
 /// What `run` restores and where.
 struct RunArgs {
@@ -282,6 +284,10 @@ fn run(
         Err(e @ JobError::Fenced(_)) => {
             eprintln!("error: job `{}`: {e} ({summary})", job.spec.name);
             ExitCode::from(EXIT_FENCED)
+        }
+        Err(e @ JobError::Restore(weir_runtime::restore::RestoreError::NoValidRestorePoint { .. })) => {
+            eprintln!("error: job `{}`: {e}", job.spec.name);
+            ExitCode::from(EXIT_NO_VALID_STATE)
         }
         Err(e @ JobError::ExistingState { .. }) => {
             eprintln!("error: job `{}`: {e}", job.spec.name);

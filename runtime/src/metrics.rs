@@ -58,6 +58,8 @@ pub struct StatusBoard {
     pub restored_from: Option<String>,
     /// The fencing epoch of the current attempt (0 before the first claim).
     pub epoch: u64,
+    /// What a person should know of (output moved by a rewind), newest last.
+    pub notices: Vec<String>,
 }
 
 impl JobMetrics {
@@ -84,6 +86,7 @@ impl JobMetrics {
                 last_error: None,
                 restored_from: None,
                 epoch: 0,
+                notices: Vec::new(),
             }),
         }
     }

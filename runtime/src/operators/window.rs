@@ -345,4 +345,170 @@ mod tests {
         all.extend(rest);
         assert_eq!(rows(&all), brute_force(&[("a", 7), ("a", 12)], 10, 5));
     }
+
+    /// Window panes and timers against a model: random records (keys that come and go, in
+    /// event-time order as every source emits them), watermarks, checkpoints (full and
+    /// incremental) and crashes restored from the last checkpoint at parallelism 1 to 3, with
+    /// the records since that checkpoint replayed as a source would: the committed output
+    /// (what was emitted up to each restored checkpoint, then everything after) must be
+    /// exactly the windows computed the obvious way.
+    mod model {
+        use proptest::prelude::*;
+
+        use super::*;
+        use crate::value::key_group_range;
+        use weir_checkpoint::format::FileKind;
+
+        const MAX_PARALLELISM: u32 = 16;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Record(i64, i64),
+            Watermark(i64),
+            Checkpoint,
+            Crash(u32),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                10 => (0i64..12, 0i64..9).prop_map(|(k, dt)| Op::Record(k, dt)),
+                3 => (0i64..15).prop_map(Op::Watermark),
+                2 => Just(Op::Checkpoint),
+                1 => (1u32..=3).prop_map(Op::Crash),
+            ]
+        }
+
+        fn spec(size: u64, slide: u64) -> WindowSpec {
+            WindowSpec {
+                kind: if size == slide { WindowKind::Tumbling } else { WindowKind::Sliding },
+                size: HumanDuration::from_millis(size),
+                slide: Some(HumanDuration::from_millis(slide)),
+                aggregates: vec![
+                    AggregateFn { function: AggregateKind::Count, field: None, output: "n".into() },
+                    AggregateFn { function: AggregateKind::Sum, field: Some("v".into()), output: "s".into() },
+                ],
+            }
+        }
+
+        /// The subtasks of the window operator, each with its key groups and checkpoint chain.
+        struct Windows {
+            parts: Vec<(WindowOperator, (u32, u32), Vec<bytes::Bytes>)>,
+        }
+
+        impl Windows {
+            fn start(spec: &WindowSpec, parallelism: u32, snapshot: &[((u32, u32), Vec<bytes::Bytes>)]) -> Self {
+                let mut parts = Vec::new();
+                for s in 0..parallelism {
+                    let range = key_group_range(s, MAX_PARALLELISM, parallelism);
+                    let overlapping: Vec<_> = snapshot.iter().filter(|(r, _)| r.0 < range.1 && range.0 < r.1).collect();
+                    let same = overlapping.len() == 1 && overlapping[0].0 == range;
+                    let files: Vec<bytes::Bytes> = overlapping.iter().flat_map(|(_, c)| c.iter().cloned()).collect();
+                    let restore = KeyedRestore { files: files.clone(), continue_chain: same, chain: vec![] };
+                    let ctx = KeyedContext { uid: "w".into(), key: vec![0], max_parallelism: MAX_PARALLELISM, key_groups: range, incremental: true, full_every: 3 };
+                    let op = WindowOperator::new(ctx, spec, &["k".to_string(), "v".to_string()], (!snapshot.is_empty()).then_some(&restore)).unwrap();
+                    parts.push((op, range, if same { files } else { Vec::new() }));
+                }
+                Windows { parts }
+            }
+
+            fn record(&mut self, k: i64, t: i64, out: &mut Vec<Record>) {
+                let r = Record { time: t, fields: vec![Value::Int(k), Value::Int(t)] };
+                let kg = Key::of(&r, &[0]).key_group(MAX_PARALLELISM);
+                let part = self.parts.iter_mut().find(|(_, g, _)| kg >= g.0 && kg < g.1).unwrap();
+                part.0.process(vec![r], out).unwrap();
+            }
+
+            fn watermark(&mut self, wm: i64, out: &mut Vec<Record>) {
+                for (op, _, _) in &mut self.parts {
+                    op.on_watermark(wm, out).unwrap();
+                }
+            }
+
+            fn checkpoint(&mut self, id: u64) -> Vec<((u32, u32), Vec<bytes::Bytes>)> {
+                for (op, _, chain) in &mut self.parts {
+                    let keyed = op.snapshot(&Barrier { id, target: crate::message::SnapshotTarget::Checkpoint }).unwrap().keyed.unwrap();
+                    if keyed.kind == FileKind::KeyedFull {
+                        chain.clear();
+                    }
+                    chain.push(keyed.data);
+                }
+                self.parts.iter().map(|(_, r, c)| (*r, c.clone())).collect()
+            }
+        }
+
+        fn int(v: &Value) -> i64 {
+            if let Value::Int(i) = v {
+                *i
+            } else {
+                panic!("{v:?}")
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+            #[test]
+            fn windows_equal_the_model_through_crashes_and_rescales(ops in proptest::collection::vec(op(), 1..150), (size, slide) in prop_oneof![Just((10u64, 10u64)), Just((10, 5)), Just((12, 4))]) {
+                let spec = spec(size, slide);
+                let mut windows = Windows::start(&spec, 2, &[]);
+                let mut snapshot = Vec::new();
+                let mut committed: Vec<Record> = Vec::new();
+                let mut pending: Vec<Record> = Vec::new();
+                // What a source would replay after a crash: records and watermarks since the checkpoint.
+                let mut since: Vec<Op> = Vec::new();
+                let (mut t, mut wm, mut id) = (0i64, i64::MIN, 0u64);
+                let mut all: Vec<(i64, i64)> = Vec::new();
+                for op in ops {
+                    match op {
+                        Op::Record(k, dt) => {
+                            t += dt;
+                            all.push((k, t));
+                            windows.record(k, t, &mut pending);
+                            since.push(Op::Record(k, t));
+                        }
+                        Op::Watermark(lag) => {
+                            // Never ahead of the records: no record is ever late.
+                            let w = (t - lag).max(wm);
+                            wm = w;
+                            windows.watermark(w, &mut pending);
+                            since.push(Op::Watermark(w));
+                        }
+                        Op::Checkpoint => {
+                            id += 1;
+                            snapshot = windows.checkpoint(id);
+                            committed.append(&mut pending);
+                            since.clear();
+                        }
+                        Op::Crash(p) => {
+                            pending.clear();
+                            windows = Windows::start(&spec, p, &snapshot);
+                            for replay in &since {
+                                match replay {
+                                    Op::Record(k, t) => windows.record(*k, *t, &mut pending),
+                                    Op::Watermark(w) => windows.watermark(*w, &mut pending),
+                                    _ => unreachable!(),
+                                }
+                            }
+                        }
+                    }
+                }
+                windows.watermark(i64::MAX, &mut pending);
+                committed.append(&mut pending);
+                let mut got: Vec<(i64, i64, i64, i64, i64)> = committed.iter().map(|r| (int(&r.fields[0]), int(&r.fields[1]), int(&r.fields[2]), int(&r.fields[3]), int(&r.fields[4]))).collect();
+                got.sort();
+                let mut model: BTreeMap<(i64, i64), (i64, i64)> = BTreeMap::new();
+                for (k, t) in &all {
+                    let mut s = t - t.rem_euclid(slide as i64);
+                    while s > t - size as i64 {
+                        let e = model.entry((*k, s)).or_default();
+                        e.0 += 1;
+                        e.1 += t;
+                        s -= slide as i64;
+                    }
+                }
+                let want: Vec<(i64, i64, i64, i64, i64)> = model.into_iter().map(|((k, s), (n, sum))| (k, s, s + size as i64, n, sum)).collect();
+                prop_assert_eq!(got, want);
+            }
+        }
+    }
 }
