@@ -304,12 +304,12 @@ impl Scenario {
         let storage = self.storage(url);
         let mut out = Vec::new();
         for f in storage.list("").await.unwrap_or_default() {
-            let name = f.rsplit('/').next().unwrap_or(&f);
-            if name.starts_with('_') || name.starts_with('.') {
+            // Not output: staged files, commit manifests (`_commits/`), superseded output.
+            if f.split('/').any(|seg| seg.starts_with('_') || seg.starts_with('.')) {
                 continue;
             }
-            // A file can vanish between the listing and the read: a restored sink rolls back
-            // what was committed after its restore point. It is no longer committed output.
+            // A file can vanish between the listing and the read: a rewinding sink moves
+            // output outside the restored history under `_superseded/`.
             let bytes = match storage.get(&f).await {
                 Ok(b) => b,
                 Err(weir_checkpoint::StorageError::NotFound(_)) => continue,

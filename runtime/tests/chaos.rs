@@ -195,23 +195,37 @@ fn observe(out: &Path, seen: &mut Seen) {
 
 /// Every file seen so far is still there (or moved under `_superseded`) with its length; with
 /// `verify`, with its checksum too (the last pass: reading every file on each pass would
-/// cost the job its CPU).
+/// cost the job its CPU). A rewind may move a file between two looks, so a file is only
+/// reported after it was found neither in place nor moved, three looks in a row.
 fn check_seen(seen: &mut Seen, present: &BTreeSet<PathBuf>, verify: bool) {
+    let intact = |path: &Path, len: u64, crc: u32| {
+        if verify {
+            std::fs::read(path).is_ok_and(|data| data.len() as u64 == len && crc32c::crc32c(&data) == crc)
+        } else {
+            std::fs::metadata(path).is_ok_and(|m| m.len() == len)
+        }
+    };
     let mut violations = Vec::new();
     for (path, (len, crc)) in &seen.files {
-        let (now, where_) = if present.contains(path) { (Some(path.clone()), "in place") } else { (superseded_copy(path), "under _superseded") };
-        let Some(now) = now else {
-            violations.push(format!("published file {} disappeared", path.display()));
+        if present.contains(path) && intact(path, *len, *crc) {
             continue;
-        };
-        let ok = if verify {
-            std::fs::read(&now).is_ok_and(|data| data.len() as u64 == *len && crc32c::crc32c(&data) == *crc)
-        } else {
-            std::fs::metadata(&now).is_ok_and(|m| m.len() == *len)
-        };
-        if !ok {
-            violations.push(format!("{} changed ({where_})", path.display()));
         }
+        let mut verdict = None;
+        for _ in 0..3 {
+            let moved = superseded_copy(path);
+            verdict = match (intact(path, *len, *crc), moved) {
+                (true, _) => None,
+                (false, Some(m)) if intact(&m, *len, *crc) => None,
+                (false, Some(m)) => Some(format!("{} changed (moved to {})", path.display(), m.display())),
+                (false, None) if path.exists() => Some(format!("{} changed in place", path.display())),
+                (false, None) => Some(format!("published file {} disappeared", path.display())),
+            };
+            if verdict.is_none() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        violations.extend(verdict);
     }
     seen.violations.extend(violations);
 }

@@ -356,3 +356,38 @@ sinks:
     assert!(read > 0);
     assert_eq!(counted, read, "every record read before the stop is in a committed window");
 }
+
+/// A savepoint that does not stop the job commits nothing (as in Flink since 1.15): its
+/// transactions are published by the next checkpoint. (It used to publish them at once, so a
+/// `--restore latest` from an older checkpoint replayed records already published.)
+#[test]
+fn a_savepoint_that_does_not_stop_the_job_publishes_nothing() {
+    let mut p = JobParams::new("sp-no-commit");
+    p.rate = Some(5_000);
+    p.count = 1_000_000;
+    let (_d, out, chk) = workdir("sp-no-commit");
+    // Periodic checkpoints off: only the savepoint could publish anything.
+    let yaml = job_yaml(&p, &out).replace("  interval: 100ms\n", "  interval: 100ms\n  enabled: false\n");
+    let run = InProcess::start(&yaml, opts(&chk));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while run.metrics.records_in.load(Ordering::Relaxed) < 2_000 {
+        assert!(std::time::Instant::now() < deadline, "no records read");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let request = run.request_savepoint(false, false);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        let s = run.metrics.board().savepoints.get(&request).cloned();
+        if let Some(s) = s.filter(|s| s.outcome != weir_crds::control::CheckpointOutcome::InProgress) {
+            break s;
+        }
+        assert!(std::time::Instant::now() < deadline, "savepoint not done");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(status.outcome, weir_crds::control::CheckpointOutcome::Completed, "{status:?}");
+    // Tasks handle their instructions in order: a commit for the savepoint would come before
+    // the cancel.
+    run.requests.send(Request::Cancel).unwrap();
+    assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+    assert!(committed(&out).values().all(|lines| lines.is_empty()), "a plain savepoint published output");
+}
