@@ -428,14 +428,27 @@ impl Executor<'_> {
         }
     }
 
+    /// The newest checkpoint or savepoint id that completed (has `_metadata`), of any history.
+    fn newest_complete_id(&self) -> Result<u64, String> {
+        crate::io().block_on(async {
+            for point in recovery::restore_points(&self.storage).await.map_err(|e| e.to_string())? {
+                if self.storage.size(&layout::resolve(&point.dir, layout::METADATA)).await.map_err(|e| e.to_string())?.is_some() {
+                    return Ok(point.id);
+                }
+            }
+            Ok(0)
+        })
+    }
+
     fn recover_sinks(&self, restored: Option<&RestoredState>, reason: &str) -> Result<(), String> {
         let history = self.output_history(restored)?;
+        let newest_complete = self.newest_complete_id()?;
         for node in &self.job.nodes {
             if let (NodeKind::FileSink(spec), Some(uid)) = (&node.kind, &node.uid) {
                 let storage = Storage::open(&spec.path).map_err(|e| e.to_string())?;
                 let docs = restored.map(|r| r.operator_docs(uid)).unwrap_or_default();
                 let report = crate::io()
-                    .block_on(sinks::file::recover(&storage, uid, self.epoch, &docs, &history, reason))
+                    .block_on(sinks::file::recover(&storage, uid, self.epoch, sinks::file::RecoveryInput { restored_docs: &docs, history: &history, newest_complete, reason }))
                     .map_err(|e| e.to_string())?;
                 if !report.superseded.is_empty() || !report.returned.is_empty() {
                     let notice = format!(

@@ -295,110 +295,76 @@ impl OutputHistory {
     }
 }
 
-/// Recovery of sink `uid` before a run of `epoch` starts its tasks, restoring a point whose
-/// output history is `history` and whose sink state documents are `restored_docs`. `reason`
-/// says why that point was chosen; it goes into the superseded manifest.
-pub async fn recover(
-    storage: &Storage,
-    uid: &str,
-    epoch: u64,
-    restored_docs: &[&[u8]],
-    history: &OutputHistory,
-    reason: &str,
-) -> Result<RecoveryReport, RecoveryError> {
+/// What a recovery restores: the restore point's sink state documents and the history of its
+/// output, why it was chosen, and the newest complete restore point of the job (of any
+/// history), which bounds what staged data may still be needed.
+#[derive(Clone, Copy, Debug)]
+pub struct RecoveryInput<'a> {
+    /// The sink state documents of the restore point (none for a fresh start).
+    pub restored_docs: &'a [&'a [u8]],
+    /// Which output the sink must show.
+    pub history: &'a OutputHistory,
+    /// The newest complete checkpoint or savepoint id of the job: staged data of checkpoints
+    /// up to it may be pending in a restore point that a later start restores.
+    pub newest_complete: u64,
+    /// Why this restore point, for the superseded manifest.
+    pub reason: &'a str,
+}
+
+/// Recovery of sink `uid` before a run of `epoch` starts its tasks:
+/// 1. output outside the restored history moves under `_superseded/<epoch>/`, and output of
+///    it that an earlier rewind moved there comes back;
+/// 2. what the restored state pre-committed is committed, where it was staged;
+/// 3. staged data no restore point can need is discarded, and commit manifests a crash left
+///    unwritten are written.
+pub async fn recover(storage: &Storage, uid: &str, epoch: u64, input: RecoveryInput<'_>) -> Result<RecoveryReport, RecoveryError> {
+    let RecoveryInput { restored_docs, history, newest_complete, reason } = input;
     let fail = |step: &'static str| move |source| RecoveryError::Storage { uid: uid.to_string(), step, source };
     let mut report = RecoveryReport::default();
-    // 1. Commit what the restored state pre-committed, where it was staged.
-    let mut touched: BTreeMap<String, Storage> = BTreeMap::new();
+    let mut pending: Vec<Committable> = Vec::new();
     for doc in restored_docs {
         let state: SinkState = serde_json::from_slice(doc).map_err(|e| RecoveryError::State { uid: uid.to_string(), reason: e.to_string() })?;
-        for c in &state.pending {
-            let target = if c.sink.is_empty() || c.sink == storage.url() {
-                storage.clone()
-            } else {
-                match touched.get(&c.sink) {
-                    Some(s) => s.clone(),
-                    None => Storage::open(&c.sink).map_err(fail("opening the directory a transaction was staged in"))?,
-                }
-            };
-            if commit(&target, c).await.map_err(|source| RecoveryError::Recommit { uid: uid.to_string(), checkpoint: c.checkpoint, source })? {
-                report.recommitted += 1;
-            }
-            touched.insert(target.url().to_string(), target);
+        pending.extend(state.pending);
+    }
+    // Every directory involved: the sink's, and those transactions were staged in.
+    let mut dirs: BTreeMap<String, Storage> = BTreeMap::new();
+    dirs.insert(storage.url().to_string(), storage.clone());
+    for c in &pending {
+        if !c.sink.is_empty() && !dirs.contains_key(&c.sink) {
+            dirs.insert(c.sink.clone(), Storage::open(&c.sink).map_err(fail("opening the directory a transaction was staged in"))?);
         }
     }
-    touched.insert(storage.url().to_string(), storage.clone());
-    for dir in touched.values() {
-        let all = dir.list("").await.map_err(fail("listing the output"))?;
-        let names: Vec<&String> = all.iter().filter(|p| !p.contains('/')).collect();
+    for dir in dirs.values() {
+        rewind(dir, uid, epoch, history, reason, &mut report).await.map_err(|(step, source)| RecoveryError::Storage { uid: uid.to_string(), step, source })?;
+    }
+    for c in &pending {
+        let target = if c.sink.is_empty() { storage } else { &dirs[&c.sink] };
+        if commit(target, c).await.map_err(|source| RecoveryError::Recommit { uid: uid.to_string(), checkpoint: c.checkpoint, source })? {
+            report.recommitted += 1;
+        }
+    }
+    for dir in dirs.values() {
+        let names: Vec<String> = dir.list("").await.map_err(fail("listing the output"))?.into_iter().filter(|p| !p.contains('/')).collect();
         let mut published: BTreeMap<(u64, u64), Vec<String>> = BTreeMap::new();
-        let mut moving_out: Vec<(String, OutputName)> = Vec::new();
         for name in &names {
-            let Some(parsed) = parse_name(uid, name) else { continue };
-            if parsed.epoch >= epoch {
-                continue; // a newer run's files (this one is stale) or this run's own
-            }
+            let Some(parsed) = parse_name(uid, name).filter(|p| p.epoch < epoch) else { continue };
             if parsed.staged {
-                // 2. Staged by an older run and not committed above: never published.
-                dir.delete(name).await.map_err(fail("discarding staged files of older runs"))?;
-                report.discarded_staged += 1;
-            } else if history.wants(&parsed) == Some(false) {
-                moving_out.push(((*name).clone(), parsed));
+                // Staged by an older run and not committed above. Garbage when no complete
+                // restore point can list it as pending: its checkpoint never completed (it is
+                // newer than every complete one), or it belongs to the restored history (it
+                // would have been pending in the restore point, and committed above). Data
+                // staged for a complete checkpoint of another history is kept: a later start
+                // may restore that checkpoint and commit it.
+                if parsed.checkpoint > newest_complete || history.wants(&parsed) == Some(true) {
+                    dir.delete(name).await.map_err(fail("discarding staged files of older runs"))?;
+                    report.discarded_staged += 1;
+                }
             } else {
-                published.entry((parsed.epoch, parsed.checkpoint)).or_default().push((*name).clone());
-            }
-        }
-        // 3. Output of this history that an earlier rewind moved out comes back.
-        let mut coming_back: Vec<(String, String, OutputName)> = Vec::new();
-        for path in all.iter().filter(|p| p.starts_with(&format!("{SUPERSEDED_DIR}/"))) {
-            let Some(name) = path.rsplit('/').next() else { continue };
-            let Some(parsed) = parse_name(uid, name).filter(|p| !p.staged && p.epoch < epoch) else { continue };
-            if history.wants(&parsed) == Some(true) && !names.iter().any(|n| *n == name) && !coming_back.iter().any(|(_, n, _)| n == name) {
-                coming_back.push((path.clone(), name.to_string(), parsed));
-            }
-        }
-        // 4. A rewind: output outside this history moves under `_superseded/<epoch>/`.
-        if !moving_out.is_empty() || !coming_back.is_empty() {
-            let moved_dir = format!("{SUPERSEDED_DIR}/{epoch:06}");
-            let mut moved = Vec::new();
-            for (name, parsed) in &moving_out {
-                let len = dir.size(name).await.map_err(fail("reading superseded output"))?.unwrap_or(0);
-                moved.push(MovedFile { name: name.clone(), checkpoint: parsed.checkpoint, len });
-            }
-            let returned = coming_back.iter().map(|(from, name, parsed)| MovedFile { name: format!("{from} -> {name}"), checkpoint: parsed.checkpoint, len: 0 }).collect();
-            // The manifest first: a crash while moving leaves a record of every file meant to move.
-            let restored_checkpoint = match history {
-                OutputHistory::Lineage(l) => l.segments.first().map_or(0, |s| s.1),
-                OutputHistory::After(r) => *r,
-                OutputHistory::Fresh => 0,
-            };
-            let manifest = SupersededManifest { uid: uid.to_string(), epoch, restored_checkpoint, reason: reason.to_string(), moved: moved.clone(), returned };
-            let body = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
-            dir.put(&format!("{moved_dir}/_manifest-{uid}.json"), Bytes::from(body)).await.map_err(fail("writing the superseded manifest"))?;
-            for (name, _) in &moving_out {
-                dir.rename(name, &format!("{moved_dir}/{name}")).await.map_err(fail("moving superseded output"))?;
-                report.superseded.push(name.clone());
-            }
-            for (e, n) in moving_out.iter().map(|(_, p)| (p.epoch, p.checkpoint)).collect::<BTreeSet<_>>() {
-                let m = commit_manifest_name(e, n);
-                if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_some() {
-                    dir.rename(&m, &format!("{moved_dir}/{m}")).await.map_err(fail("moving superseded commit manifests"))?;
-                }
-            }
-            for (from, name, parsed) in &coming_back {
-                dir.rename(from, name).await.map_err(fail("bringing output of the restored history back"))?;
-                report.returned.push(name.clone());
-                // Its commit manifest is rebuilt below if it did not come back with it.
                 published.entry((parsed.epoch, parsed.checkpoint)).or_default().push(name.clone());
-                let m = commit_manifest_name(parsed.epoch, parsed.checkpoint);
-                let moved_manifest = format!("{}/{m}", from.rsplit_once('/').map_or("", |x| x.0));
-                if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_none() && dir.size(&moved_manifest).await.map_err(fail("reading commit manifests"))?.is_some() {
-                    dir.rename(&moved_manifest, &m).await.map_err(fail("bringing commit manifests back"))?;
-                }
             }
         }
-        // 5. Manifests a crash left unwritten (every subtask committed, the coordinator had not
-        //    yet written it): rebuilt from the published files themselves.
+        // Manifests a crash left unwritten (every subtask committed, the coordinator had not yet
+        // written it): rebuilt from the published files themselves.
         let existing: BTreeSet<String> = dir.list(COMMITS_DIR).await.map_err(fail("listing commit manifests"))?.into_iter().collect();
         for ((e, n), files) in published {
             if existing.contains(&commit_manifest_name(e, n)) {
@@ -415,6 +381,68 @@ pub async fn recover(
         }
     }
     Ok(report)
+}
+
+/// Moves output of `dir` outside `history` under `_superseded/<epoch>/` (with a manifest
+/// written first, so a crash while moving leaves a record of every file meant to move), and
+/// output of `history` that an earlier rewind moved out back in.
+async fn rewind(dir: &Storage, uid: &str, epoch: u64, history: &OutputHistory, reason: &str, report: &mut RecoveryReport) -> Result<(), (&'static str, StorageError)> {
+    let fail = |step: &'static str| move |source| (step, source);
+    let all = dir.list("").await.map_err(fail("listing the output"))?;
+    let names: BTreeSet<&str> = all.iter().filter(|p| !p.contains('/')).map(String::as_str).collect();
+    let mut moving_out: Vec<(String, OutputName)> = Vec::new();
+    for name in &names {
+        if let Some(parsed) = parse_name(uid, name).filter(|p| !p.staged && p.epoch < epoch && history.wants(p) == Some(false)) {
+            moving_out.push((name.to_string(), parsed));
+        }
+    }
+    let mut coming_back: Vec<(String, String, OutputName)> = Vec::new();
+    for path in all.iter().filter(|p| p.starts_with(&format!("{SUPERSEDED_DIR}/"))) {
+        let Some(name) = path.rsplit('/').next() else { continue };
+        let Some(parsed) = parse_name(uid, name).filter(|p| !p.staged && p.epoch < epoch) else { continue };
+        if history.wants(&parsed) == Some(true) && !names.contains(name) && !coming_back.iter().any(|(_, n, _)| n == name) {
+            coming_back.push((path.clone(), name.to_string(), parsed));
+        }
+    }
+    if moving_out.is_empty() && coming_back.is_empty() {
+        return Ok(());
+    }
+    let moved_dir = format!("{SUPERSEDED_DIR}/{epoch:06}");
+    let mut moved = Vec::new();
+    for (name, parsed) in &moving_out {
+        let len = dir.size(name).await.map_err(fail("reading superseded output"))?.unwrap_or(0);
+        moved.push(MovedFile { name: name.clone(), checkpoint: parsed.checkpoint, len });
+    }
+    let returned = coming_back.iter().map(|(from, name, parsed)| MovedFile { name: format!("{from} -> {name}"), checkpoint: parsed.checkpoint, len: 0 }).collect();
+    let restored_checkpoint = match history {
+        OutputHistory::Lineage(l) => l.segments.first().map_or(0, |s| s.1),
+        OutputHistory::After(r) => *r,
+        OutputHistory::Fresh => 0,
+    };
+    let manifest = SupersededManifest { uid: uid.to_string(), epoch, restored_checkpoint, reason: reason.to_string(), moved, returned };
+    let body = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
+    dir.put(&format!("{moved_dir}/_manifest-{uid}.json"), Bytes::from(body)).await.map_err(fail("writing the superseded manifest"))?;
+    for (name, _) in &moving_out {
+        dir.rename(name, &format!("{moved_dir}/{name}")).await.map_err(fail("moving superseded output"))?;
+        report.superseded.push(name.clone());
+    }
+    for (e, n) in moving_out.iter().map(|(_, p)| (p.epoch, p.checkpoint)).collect::<BTreeSet<_>>() {
+        let m = commit_manifest_name(e, n);
+        if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_some() {
+            dir.rename(&m, &format!("{moved_dir}/{m}")).await.map_err(fail("moving superseded commit manifests"))?;
+        }
+    }
+    for (from, name, parsed) in &coming_back {
+        dir.rename(from, name).await.map_err(fail("bringing output of the restored history back"))?;
+        report.returned.push(name.clone());
+        // Its commit manifest comes back too (or is rebuilt afterwards).
+        let m = commit_manifest_name(parsed.epoch, parsed.checkpoint);
+        let moved_manifest = format!("{}/{m}", from.rsplit_once('/').map_or("", |x| x.0));
+        if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_none() && dir.size(&moved_manifest).await.map_err(fail("reading commit manifests"))?.is_some() {
+            dir.rename(&moved_manifest, &m).await.map_err(fail("bringing commit manifests back"))?;
+        }
+    }
+    Ok(())
 }
 
 /// One file sink subtask.
@@ -514,6 +542,10 @@ mod tests {
         }
     }
 
+    fn input<'a>(docs: &'a [&'a [u8]], history: &'a OutputHistory, newest_complete: u64) -> RecoveryInput<'a> {
+        RecoveryInput { restored_docs: docs, history, newest_complete, reason: "test" }
+    }
+
     fn doc(pending: &[Committable]) -> Vec<u8> {
         serde_json::to_vec(&SinkState { pending: pending.to_vec() }).unwrap()
     }
@@ -557,7 +589,7 @@ mod tests {
         // Another sink's file, and a newer run's staged file: neither is touched.
         s.put(&published_name("o-2", 1, 9, 0), Bytes::from_static(b"z\n")).await.unwrap();
         s.put(&staged_name("o", 5, 9, 0), Bytes::from_static(b"y\n")).await.unwrap();
-        let report = recover(&s, "o", 2, &[&doc(&[c4.clone()])], &OutputHistory::After(4), "newest checkpoint").await.unwrap();
+        let report = recover(&s, "o", 2, input(&[&doc(&[c4.clone()])], &OutputHistory::After(4), 4)).await.unwrap();
         assert_eq!((report.recommitted, report.discarded_staged, report.superseded.len()), (1, 1, 0));
         assert_eq!(report.manifests_repaired, 2, "3 and 4 had no manifest yet");
         let left = s.list("").await.unwrap();
@@ -567,7 +599,7 @@ mod tests {
         let m: CommitManifest = serde_json::from_slice(&s.get(&commit_manifest_name(1, 4)).await.unwrap()).unwrap();
         assert_eq!(m.files, vec![ManifestFile { name: c4.published.clone(), len: 2, crc32c: crc32c::crc32c(b"b\n"), records: 1 }]);
         // A fresh start (no restore point) moves nothing and deletes nothing published.
-        let report = recover(&s, "o", 3, &[], &OutputHistory::Fresh, "fresh").await.unwrap();
+        let report = recover(&s, "o", 3, input(&[], &OutputHistory::Fresh, 4)).await.unwrap();
         assert!(report.superseded.is_empty());
         assert!(s.list("").await.unwrap().contains(&c3.published));
     }
@@ -581,7 +613,7 @@ mod tests {
             s.put(&c.published, Bytes::copy_from_slice(data)).await.unwrap();
             write_commit_manifest(&s, &CommitManifest { uid: "o".into(), epoch: 1, checkpoint: n, files: vec![] }).await.unwrap();
         }
-        let report = recover(&s, "o", 2, &[], &OutputHistory::After(4), "checkpoint 5 is corrupt").await.unwrap();
+        let report = recover(&s, "o", 2, RecoveryInput { reason: "checkpoint 5 is corrupt", ..input(&[], &OutputHistory::After(4), 6) }).await.unwrap();
         assert_eq!(report.superseded, vec![published_name("o", 1, 5, 0), published_name("o", 1, 6, 0)]);
         let left = s.list("").await.unwrap();
         assert!(left.contains(&published_name("o", 1, 3, 0)));
@@ -601,7 +633,7 @@ mod tests {
         let new = Storage::open(new_dir.path().to_str().unwrap()).unwrap();
         let c = committable(&old, 1, 4, 0, b"x\n");
         old.put(&c.staged, Bytes::from_static(b"x\n")).await.unwrap();
-        let report = recover(&new, "o", 2, &[&doc(&[c.clone()])], &OutputHistory::After(4), "upgrade").await.unwrap();
+        let report = recover(&new, "o", 2, input(&[&doc(&[c.clone()])], &OutputHistory::After(4), 4)).await.unwrap();
         assert_eq!(report.recommitted, 1);
         assert_eq!(&old.get(&c.published).await.unwrap()[..], b"x\n");
     }
@@ -623,12 +655,12 @@ mod tests {
         }
         // Epoch 2 rewinds to 4: 5 and 7 move out; it publishes 8.
         let to_4 = Lineage { segments: vec![(1, 4)], floor: 1 };
-        let r = recover(&s, "o", 2, &[], &OutputHistory::Lineage(to_4), "older savepoint").await.unwrap();
+        let r = recover(&s, "o", 2, input(&[], &OutputHistory::Lineage(to_4), 7)).await.unwrap();
         assert_eq!(r.superseded, vec![published_name("o", 1, 5, 0), published_name("o", 1, 7, 0)]);
         put(2, 8).await;
         // Epoch 3 restores the newer savepoint 6 of epoch 1: 5 comes back, 8 moves out, 7 stays out.
         let to_6 = Lineage { segments: vec![(1, 6)], floor: 1 };
-        let r = recover(&s, "o", 3, &[], &OutputHistory::Lineage(to_6), "newer savepoint").await.unwrap();
+        let r = recover(&s, "o", 3, input(&[], &OutputHistory::Lineage(to_6), 8)).await.unwrap();
         assert_eq!(r.returned, vec![published_name("o", 1, 5, 0)]);
         assert_eq!(r.superseded, vec![published_name("o", 2, 8, 0)]);
         let top: Vec<String> = s.list("").await.unwrap().into_iter().filter(|p| !p.contains('/') && is_output(p)).collect();
@@ -636,11 +668,175 @@ mod tests {
         // Output older than the history (before a fresh start) is never touched.
         put(1, 1).await;
         let fresh_history = Lineage { segments: vec![(3, 9)], floor: 3 };
-        let r = recover(&s, "o", 4, &[], &OutputHistory::Lineage(fresh_history), "after a fresh start").await.unwrap();
+        let r = recover(&s, "o", 4, input(&[], &OutputHistory::Lineage(fresh_history), 9)).await.unwrap();
         assert!(r.superseded.is_empty() && r.returned.is_empty(), "{r:?}");
     }
 
     fn is_output(name: &str) -> bool {
         !name.starts_with('.') && !name.starts_with('_')
+    }
+
+    /// The sink's transactions against a model: records written, barriers, checkpoint
+    /// completions with or without the commit that follows (a crash in between), crashes
+    /// restored from the newest complete checkpoint and rewinds to older ones, each run with
+    /// its own epoch claimed as the engine claims it. After a last checkpoint, the published
+    /// output must hold every record of the final history exactly once, and every file ever
+    /// published must still exist, in place or under `_superseded/`.
+    mod model {
+        use proptest::prelude::*;
+        use weir_checkpoint::epoch::{self, RestoredFrom};
+
+        use super::*;
+        use crate::value::Value;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Write(u64),
+            Barrier,
+            /// Complete the oldest barrier in flight; commit it unless `false` (a crash before
+            /// the commit, which the next op will usually be).
+            Complete(bool),
+            Crash,
+            /// Restore the n-th newest complete checkpoint (a rewind when n > 0).
+            Rewind(usize),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                6 => (1u64..20).prop_map(Op::Write),
+                3 => Just(Op::Barrier),
+                3 => any::<bool>().prop_map(Op::Complete),
+                1 => Just(Op::Crash),
+                1 => (0usize..3).prop_map(Op::Rewind),
+            ]
+        }
+
+        /// A complete checkpoint: its id, the epoch that wrote it, the sink's state document
+        /// and how many records came before its barrier.
+        #[derive(Clone)]
+        struct Point {
+            id: u64,
+            epoch: u64,
+            doc: Vec<u8>,
+            position: u64,
+        }
+
+        struct Run {
+            sink: FileSink,
+            epoch: u64,
+            position: u64,
+            in_flight: Vec<Point>,
+        }
+
+        fn start(out: &Storage, job: &Storage, from: Option<&Point>, newest_complete: u64) -> Run {
+            let restored = from.map(|p| RestoredFrom { id: p.id, epoch: p.epoch });
+            crate::io().block_on(async {
+                let history = match restored {
+                    None => OutputHistory::Fresh,
+                    Some(r) => OutputHistory::Lineage(epoch::lineage(job, r).await.unwrap().unwrap()),
+                };
+                let e = epoch::claim(job, "test", restored).await.unwrap();
+                let docs: Vec<&[u8]> = from.map(|p| vec![p.doc.as_slice()]).unwrap_or_default();
+                recover(out, "o", e, RecoveryInput { restored_docs: &docs, history: &history, newest_complete, reason: "test" }).await.unwrap();
+                let metrics = Arc::new(JobMetrics::new("j", "t"));
+                Run { sink: FileSink::new("o", 0, e, vec!["id".into()], out.clone(), metrics), epoch: e, position: from.map_or(0, |p| p.position), in_flight: Vec::new() }
+            })
+        }
+
+        fn published(out: &Storage) -> BTreeMap<String, Vec<u8>> {
+            crate::io().block_on(async {
+                let mut files = BTreeMap::new();
+                for path in out.list("").await.unwrap() {
+                    let name = path.rsplit('/').next().unwrap();
+                    if name.starts_with("part-") {
+                        let top = !path.contains('/');
+                        files.insert(format!("{}{name}", if top { "" } else { "moved:" }), out.get(&path).await.unwrap().to_vec());
+                    }
+                }
+                files
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+            #[test]
+            fn output_is_the_final_history_exactly_once(ops in proptest::collection::vec(op(), 1..60)) {
+                let dir = tempfile::tempdir().unwrap();
+                let out = Storage::open(dir.path().join("out").to_str().unwrap()).unwrap();
+                let job = Storage::open("memory://").unwrap();
+                let mut complete: Vec<Point> = Vec::new();
+                let mut next_id = 1u64;
+                let mut run = start(&out, &job, None, 0);
+                let mut ever: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+                let stage = |sink: &mut FileSink, id: u64| -> Vec<u8> {
+                    let parts = sink.snapshot(&Barrier { id, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
+                    crate::io().block_on(async {
+                        for w in &parts.staged {
+                            w.storage.put(&w.path, w.data.clone()).await.unwrap();
+                        }
+                    });
+                    parts.operator_doc.unwrap()
+                };
+                for op in ops {
+                    match op {
+                        Op::Write(n) => {
+                            let batch: Vec<Record> = (run.position..run.position + n).map(|i| Record { time: 0, fields: vec![Value::Int(i as i64)] }).collect();
+                            run.position += n;
+                            run.sink.process(batch, &mut Vec::new()).unwrap();
+                        }
+                        Op::Barrier => {
+                            let doc = stage(&mut run.sink, next_id);
+                            run.in_flight.push(Point { id: next_id, epoch: run.epoch, doc, position: run.position });
+                            next_id += 1;
+                        }
+                        Op::Complete(commit) => {
+                            if !run.in_flight.is_empty() {
+                                let p = run.in_flight.remove(0);
+                                let id = p.id;
+                                complete.push(p);
+                                if commit {
+                                    run.sink.on_checkpoint_complete(id).unwrap();
+                                }
+                            }
+                        }
+                        Op::Crash | Op::Rewind(_) => {
+                            let back = if let Op::Rewind(n) = op { n } else { 0 };
+                            // Never older than the oldest complete checkpoint: a start without
+                            // state on top of published output is `--fresh`, another test.
+                            let i = complete.len().checked_sub(1 + back).or(if complete.is_empty() { None } else { Some(0) });
+                            let from = i.map(|i| complete[i].clone());
+                            run = start(&out, &job, from.as_ref(), complete.last().map_or(0, |p| p.id));
+                        }
+                    }
+                    // Nothing published is ever lost or changed: at most moved.
+                    let now = published(&out);
+                    for (name, bytes) in &ever {
+                        let plain = name.trim_start_matches("moved:");
+                        let kept = [plain.to_string(), format!("moved:{plain}")].iter().any(|n| now.get(n) == Some(bytes));
+                        prop_assert!(kept, "{} lost or changed", plain);
+                    }
+                    for (name, bytes) in now {
+                        ever.insert(name.trim_start_matches("moved:").to_string(), bytes);
+                    }
+                }
+                // A last checkpoint, committed.
+                stage(&mut run.sink, next_id);
+                run.sink.on_checkpoint_complete(next_id).unwrap();
+                let mut ids: Vec<i64> = Vec::new();
+                for (name, bytes) in published(&out) {
+                    if name.starts_with("moved:") {
+                        continue;
+                    }
+                    for line in String::from_utf8(bytes).unwrap().lines() {
+                        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+                        ids.push(v["id"].as_i64().unwrap());
+                    }
+                }
+                ids.sort_unstable();
+                let want: Vec<i64> = (0..run.position as i64).collect();
+                prop_assert_eq!(ids, want);
+            }
+        }
     }
 }
