@@ -138,10 +138,12 @@ pub async fn claim(storage: &Storage, holder: &str, restored: Option<RestoredFro
     Err(EpochError::Contended(CLAIM_ATTEMPTS))
 }
 
-/// Succeeds while `mine` is still the newest epoch.
+/// Succeeds while `mine` is still the newest epoch. Claims are made one above the newest, so
+/// a newer run exists exactly when the claim of `mine + 1` does: one HEAD request, however
+/// many runs the job has had.
 pub async fn check(storage: &Storage, mine: u64) -> Result<(), EpochError> {
-    let newest = newest(storage).await?;
-    if newest > mine {
+    if storage.size(&layout::epoch_claim(mine + 1)).await?.is_some() {
+        let newest = newest(storage).await?;
         return Err(EpochError::Superseded { mine, newest });
     }
     Ok(())
