@@ -68,13 +68,15 @@ async fn upload(storage: &Storage, epoch: u64, faults: &Faults, chains: &mut Has
     let base = savepoint_dir.clone().unwrap_or_else(|| layout::checkpoint_dir(job.barrier.id));
     let mut ack = TaskAck { alignment_ms: job.alignment_ms, ..TaskAck::default() };
     let mut flags = Vec::new();
+    // Sink data joins the queue before anything can fail: the sink lists its transaction as
+    // pending from now on, so a later checkpoint must not complete without it.
+    for parts in job.parts.iter() {
+        unstaged.extend(parts.1.staged.iter().cloned());
+        ack.pending_commits.extend(parts.1.pending_commits.iter().cloned());
+    }
     let outcome: Result<(), String> = async {
         if savepoint_dir.is_some() && faults.fires(Fault::Savepoint) {
             return Err("injected fault: savepoint upload refused".to_string());
-        }
-        for parts in job.parts.iter() {
-            unstaged.extend(parts.1.staged.iter().cloned());
-            ack.pending_commits.extend(parts.1.pending_commits.iter().cloned());
         }
         while let Some(staged) = unstaged.first() {
             if faults.fires(Fault::Upload) {

@@ -391,3 +391,25 @@ fn a_savepoint_that_does_not_stop_the_job_publishes_nothing() {
     assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
     assert!(committed(&out).values().all(|lines| lines.is_empty()), "a plain savepoint published output");
 }
+
+/// A savepoint whose upload fails leaves the records it closed pending in the sink: the next
+/// checkpoint must stage and commit them. (The failure used to drop their staged data while
+/// the sink still listed the transaction, so every later commit and restore failed: found by
+/// the cluster scenario whose savepoints all fail.)
+#[test]
+fn a_failed_savepoint_loses_none_of_the_records_it_closed() {
+    let mut p = JobParams::new("sp-fails");
+    p.rate = Some(8_000);
+    let golden = golden_output(&p);
+    let (_d, out, chk) = workdir("sp-fails");
+    let plan = FaultPlan { seed: 3, savepoint_failure: 1.0, ..FaultPlan::default() };
+    let run = InProcess::start(&job_yaml(&p, &out), RunOptionsExt::with_faults(opts(&chk), plan));
+    run.wait_for_checkpoints(2, Duration::from_secs(60));
+    let request = run.request_savepoint(false, false);
+    let (r, m) = run.join();
+    assert_eq!(r.unwrap(), JobOutcome::Finished);
+    let status = m.board().savepoints.get(&request).cloned().unwrap();
+    assert_eq!(status.outcome, weir_crds::control::CheckpointOutcome::Failed, "{status:?}");
+    assert_eq!(m.restarts.load(Ordering::Relaxed), 0, "no commit failed");
+    assert_same_output(&golden, &committed(&out), "after a failed savepoint");
+}
