@@ -117,7 +117,9 @@ impl LocalPod {
         match self.pods.patch_status(&self.name, &PatchParams::default(), &Patch::Merge(patch)).await {
             Ok(_) => Ok(Some(code)),
             // The pod is gone or replaced: as for a kubelet, there is nothing left to report to.
+            // (A replaced pod answers 409, or 422 "metadata.uid: field is immutable".)
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(Some(code)),
+            Err(kube::Error::Api(s)) if s.code == 422 && s.message.contains("metadata.uid") => Ok(Some(code)),
             Err(e) => Err(e.into()),
         }
     }
