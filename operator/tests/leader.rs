@@ -70,3 +70,27 @@ async fn expiry_ignores_the_holders_clock() {
     tokio::time::timeout(Duration::from_secs(10), c.acquire()).await.expect("c takes the abandoned lease within its duration").unwrap();
     assert!(started.elapsed() >= Duration::from_millis(1900), "not before the lease duration passed");
 }
+
+/// A renewal that hangs (an API server that accepts the connection and never answers) must
+/// not keep a leader acting past its lease: `keep` gives up within two thirds of the lease,
+/// before another replica may take over. (Renewals used to have no timeout of their own.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_renewal_ends_leadership_before_the_lease_expires() {
+    // Accepts connections and reads them, never answers.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming().flatten() {
+            held.push(conn);
+        }
+    });
+    let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+    let client = kube::Client::try_from(config).unwrap();
+    let lease = Duration::from_secs(3);
+    let leader = LeaderElection::new(client, "default", "weir-operator", "a", lease);
+    let started = tokio::time::Instant::now();
+    let lost = tokio::time::timeout(Duration::from_secs(20), leader.keep()).await.expect("keep returns while the API server hangs");
+    assert!(lost.contains("not renewed in time"), "{lost}");
+    assert!(started.elapsed() < lease, "gave up after {:?}, not within the lease ({lease:?})", started.elapsed());
+}

@@ -46,20 +46,28 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     // Let a few checkpoints complete, then kill the runtime and corrupt its newest checkpoint.
     let chk = state.path().join("relaunch/counter/checkpoints");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while newest_complete(&chk).unwrap_or(0) < 3 {
-        assert!(tokio::time::Instant::now() < deadline, "no checkpoints; log:\n{}", local.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // ...and until the newest one's output is published, so the fallback must move it.
+    let published = |n: u64| std::fs::read_dir(out.path()).unwrap().flatten().any(|f| f.file_name().to_string_lossy().contains(&format!("-{n:010}-")));
+    let first_corrupt = loop {
+        assert!(tokio::time::Instant::now() < deadline, "no checkpoints with output; log:\n{}", local.log());
+        match newest_complete(&chk) {
+            Some(n) if n >= 3 && published(n) => break n,
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
     local.kill();
     let newest = newest_complete(&chk).unwrap();
-    let dir = chk.join(format!("chk-{newest}"));
-    let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(dir.join("_metadata")).unwrap()).unwrap();
-    // A file of this checkpoint only (not a shared base other checkpoints build on).
-    let own = meta.files().find(|f| !f.path.starts_with("..")).expect("the checkpoint has a file of its own").path.clone();
-    let mut bytes = std::fs::read(dir.join(&own)).unwrap();
-    let i = bytes.len() / 2;
-    bytes[i] ^= 0x20;
-    std::fs::write(dir.join(&own), bytes).unwrap();
+    for id in first_corrupt..=newest {
+        let dir = chk.join(format!("chk-{id}"));
+        let Ok(bytes) = std::fs::read(dir.join("_metadata")) else { continue };
+        let meta = weir_checkpoint::CheckpointMetadata::decode(&bytes).unwrap();
+        // A file of this checkpoint only (not a shared base other checkpoints build on).
+        let own = meta.files().find(|f| !f.path.starts_with("..")).expect("the checkpoint has a file of its own").path.clone();
+        let mut bytes = std::fs::read(dir.join(&own)).unwrap();
+        let i = bytes.len() / 2;
+        bytes[i] ^= 0x20;
+        std::fs::write(dir.join(&own), bytes).unwrap();
+    }
     assert_eq!(wait_exit(&mut local, "the killed runtime", 10).await, 137);
 
     // The operator relaunches from the previous checkpoint.
@@ -77,6 +85,15 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     assert_eq!(wait_exit(&mut local2, "the relaunched runtime to finish", 90).await, 0, "{}", local2.log());
     let log = local2.log();
     assert!(log.contains("skipping a restore point") && log.contains(&format!("chk-{newest}")), "the corrupt checkpoint {newest} is skipped: {log}");
+    // The output of checkpoint {first_corrupt} was published before the fallback: it moved
+    // under _superseded/, and the operator said so in an event.
+    assert!(out.path().join("_superseded").exists(), "{log}");
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
+    let moved = eventually("an OutputSuperseded event", 30, || async {
+        events.list(&Default::default()).await.unwrap().items.into_iter().find(|e| e.reason.as_deref() == Some("OutputSuperseded"))
+    })
+    .await;
+    assert!(moved.note.as_deref().unwrap_or_default().contains("_superseded"), "{moved:?}");
     eventually("Finished", 30, || async { (jobs.get("counter").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Finished)).then_some(()) }).await;
     assert_eq!(assert_running_counts_exactly_once(out.path()), 20_000);
     controller.abort();
