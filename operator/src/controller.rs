@@ -83,6 +83,10 @@ pub struct Context {
     pub pods: Store<Pod>,
     /// Control API tokens by `namespace/name`, read once from each job's Secret.
     pub tokens: std::sync::Mutex<BTreeMap<String, String>>,
+    /// Runtime notices already reported as events, by `namespace/name`: the run (job id) and
+    /// how many of its notices. (Kept in memory: a restarted operator reports a running job's
+    /// notices once more.)
+    pub notices_reported: std::sync::Mutex<BTreeMap<String, (String, usize)>>,
 }
 
 /// Why a reconcile failed; the category names Event reasons and metric labels.
@@ -264,9 +268,16 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     if matches!(pods_phase, plan::PodsPhase::Running) && status.operation.is_none() {
         match control_client::job_status(&control_url, token.as_deref().unwrap_or_default()).await {
             Ok(job) => {
-                // A new run: tell what it did that a person should know (once per run).
-                if job_id.as_deref() != Some(job.job_id.as_str()) {
-                    notices = job.notices;
+                // What the run did that a person should know, each notice once (a run adds
+                // them while it recovers, possibly after its first status was read).
+                {
+                    let mut reported = ctx.notices_reported.lock().unwrap_or_else(|e| e.into_inner());
+                    let entry = reported.entry(key.clone()).or_default();
+                    if entry.0 != job.job_id {
+                        *entry = (job.job_id.clone(), 0);
+                    }
+                    notices = job.notices.get(entry.1..).unwrap_or_default().to_vec();
+                    entry.1 = entry.1.max(job.notices.len());
                 }
                 job_id = Some(job.job_id);
                 if let Some(c) = job.latest_checkpoint {
@@ -387,24 +398,9 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     new_status.job_id = job_id;
     new_status.latest_checkpoint = latest_checkpoint;
     ctx.metrics.phase(format!("{ns}/{name}"), if deleting { None } else { new_status.phase.map(|p| p.as_str().to_string()) });
-    if new_status != status {
-        let mut patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new_status });
-        // The write-ahead fields (an upgrade's target and restore point, the recovery point, a
-        // savepoint in flight) are written only over the object this plan was made from: an
-        // operator that lost its lease, or a stale cache, gets a conflict instead of
-        // overwriting a newer decision.
-        let write_ahead = new_status.pending_upgrade != status.pending_upgrade || new_status.recovery_point != status.recovery_point || new_status.operation != status.operation;
-        if let (true, Some(rv)) = (write_ahead, sj.metadata.resource_version.as_ref()) {
-            patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
-        }
-        match jobs_api.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {
-                tracing::debug!(job = %name, "status changed since this reconcile read it; planning again");
-                return Ok(Requeue::requeue(Duration::from_millis(200)));
-            }
-            Err(e) => return Err(e.into()),
-        }
+    if write_status(&jobs_api, &sj, &status, &new_status).await? == StatusWrite::Conflict {
+        tracing::debug!(job = %name, "status changed since this reconcile read it; planning again");
+        return Ok(Requeue::requeue(Duration::from_millis(200)));
     }
     if deleting && p.actions.is_empty() && p.state.phase == Some(Phase::Cancelled) {
         // Stopped (with a savepoint, or killed): let the deletion proceed.
@@ -523,6 +519,39 @@ fn condition(type_: &str, on: bool, reason: &str, message: String, generation: i
     }
 }
 
+/// How a status write went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatusWrite {
+    /// Nothing changed: nothing written.
+    Unchanged,
+    /// Written.
+    Written,
+    /// The object changed since `sj` was read and the new status carries write-ahead fields:
+    /// not written. Plan again from the fresh object.
+    Conflict,
+}
+
+/// Writes `new` over `old` (the status of `sj` as read) by server-side apply. The write-ahead
+/// fields (an upgrade's target and restore point, the recovery point, a savepoint in flight)
+/// are written only over the object the plan was made from (its resourceVersion is a
+/// precondition): an operator that lost its lease, or planned from a stale cache, gets a
+/// conflict instead of overwriting a newer decision.
+pub async fn write_status(api: &Api<StreamJob>, sj: &StreamJob, old: &StreamJobStatus, new: &StreamJobStatus) -> Result<StatusWrite, kube::Error> {
+    if new == old {
+        return Ok(StatusWrite::Unchanged);
+    }
+    let mut patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new });
+    let write_ahead = new.pending_upgrade != old.pending_upgrade || new.recovery_point != old.recovery_point || new.operation != old.operation;
+    if let (true, Some(rv)) = (write_ahead, sj.metadata.resource_version.as_ref()) {
+        patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
+    }
+    match api.patch_status(&sj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await {
+        Ok(_) => Ok(StatusWrite::Written),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(StatusWrite::Conflict),
+        Err(e) => Err(e),
+    }
+}
+
 /// Deletes the pods that were observed, each with its uid as a precondition: a pod of the
 /// same name created since (a replacement) is never deleted by mistake. A pod already gone, or
 /// replaced, is not an error.
@@ -621,7 +650,7 @@ pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics:
         // Deletions too: a deleted pod is what an upgrade or relaunch waits for.
         .touched_objects();
     let concurrency = settings.max_concurrent_reconciles.max(1);
-    let ctx = Arc::new(Context { client: client.clone(), settings, recorder, metrics: metrics.clone(), pods: pod_store, tokens: Default::default() });
+    let ctx = Arc::new(Context { client: client.clone(), settings, recorder, metrics: metrics.clone(), pods: pod_store, tokens: Default::default(), notices_reported: Default::default() });
     // StreamJobs are cached without managed fields and kubectl's last-applied copy of the spec.
     let (job_store, job_writer) = reflector::store::<StreamJob>();
     let job_events = watcher(jobs, watcher::Config::default().any_semantic())

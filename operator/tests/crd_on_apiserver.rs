@@ -132,3 +132,39 @@ async fn a_status_with_an_unparsable_time_or_unknown_phase_is_refused() {
         }
     }
 }
+
+/// A write-ahead decision (an upgrade's restore point) is only written over the object it was
+/// planned from: an operator that was deposed while it planned, or planned from a stale
+/// cache, gets a conflict and the newer decision stays. (It used to overwrite it.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stale_writer_cannot_overwrite_the_write_ahead_status() {
+    use weir_crds::streamjob::{PendingUpgrade, RestoreMode, SnapshotRef, StreamJobStatus};
+    use weir_operator::controller::{write_status, StatusWrite};
+    let server = TestApiServer::start().expect("API server starts");
+    let client = server.client().await.unwrap();
+    server.install_crd(&client).await.unwrap();
+    let ar = ApiResource::erase::<StreamJob>(&());
+    Api::<DynamicObject>::namespaced_with(client.clone(), "default", &ar).create(&PostParams::default(), &manifest("wa", "", "")).await.unwrap();
+    let jobs: Api<StreamJob> = Api::namespaced(client.clone(), "default");
+    let upgrade = |id: u64| StreamJobStatus {
+        pending_upgrade: Some(PendingUpgrade {
+            target_generation: 2,
+            target_spec_hash: "h2".into(),
+            restore_from: Some(SnapshotRef { id, path: format!("s3://b/savepoints/sp-1-{id}"), completed_at: None }),
+            restore: Some(RestoreMode::Snapshot),
+        }),
+        ..StreamJobStatus::default()
+    };
+    // Two operators read the same object; the leader writes its decision first.
+    let stale = jobs.get("wa").await.unwrap();
+    let leader_view = jobs.get("wa").await.unwrap();
+    assert_eq!(write_status(&jobs, &leader_view, &StreamJobStatus::default(), &upgrade(7)).await.unwrap(), StatusWrite::Written);
+    // The deposed one, from its older read, is refused; the leader's decision stays.
+    assert_eq!(write_status(&jobs, &stale, &StreamJobStatus::default(), &upgrade(3)).await.unwrap(), StatusWrite::Conflict);
+    let stored = jobs.get("wa").await.unwrap().status.unwrap().pending_upgrade.unwrap();
+    assert_eq!(stored.restore_from.unwrap().id, 7);
+    // From a fresh read it may write.
+    let fresh = jobs.get("wa").await.unwrap();
+    let current = fresh.status.clone().unwrap();
+    assert_eq!(write_status(&jobs, &fresh, &current, &upgrade(9)).await.unwrap(), StatusWrite::Written);
+}

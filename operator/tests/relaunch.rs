@@ -34,7 +34,10 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
     let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let controller = tokio::spawn(run(client.clone(), Settings::new(state.path().display().to_string())));
+    // Status refreshed every second: the relaunched run is short, and its notices (output moved
+    // by the fallback) are read from its status while it runs.
+    let settings = Settings { status_refresh: Duration::from_secs(1), ..Settings::new(state.path().display().to_string()) };
+    let controller = tokio::spawn(run(client.clone(), settings));
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     jobs.create(&PostParams::default(), &counter_job(20000, out.path(), "  checkpointing: { interval: 200ms, retained: 3 }\n  relaunch: { backoff: 1s, limit: 3 }")).await.unwrap();
