@@ -50,7 +50,12 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     let chk = state.path().join("relaunch/counter/checkpoints");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     // ...and until the newest one's output is published, so the fallback must move it.
-    let published = |n: u64| std::fs::read_dir(out.path()).unwrap().flatten().any(|f| f.file_name().to_string_lossy().contains(&format!("-{n:010}-")));
+    let published = |n: u64| {
+        std::fs::read_dir(out.path()).unwrap().flatten().any(|f| {
+            let name = f.file_name().to_string_lossy().to_string();
+            name.starts_with("part-") && name.contains(&format!("-{n:010}-"))
+        })
+    };
     let first_corrupt = loop {
         assert!(tokio::time::Instant::now() < deadline, "no checkpoints with output; log:\n{}", local.log());
         match newest_complete(&chk) {
