@@ -35,7 +35,7 @@ pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
             // defect when none could be restored), without secrets; bounded for status.
             let reason = terminated
                 .map(|t| {
-                    let message = t.message.as_deref().map(str::trim).filter(|m| !m.is_empty()).map(|m| format!(": {}", truncate(m, 600))).unwrap_or_default();
+                    let message = t.message.as_deref().map(str::trim).filter(|m| !m.is_empty()).map(|m| format!(": {}", m.chars().take(600).collect::<String>())).unwrap_or_default();
                     format!("container exited {}{}{message}", t.exit_code, t.reason.map(|r| format!(" ({r})")).unwrap_or_default())
                 })
                 .or(status.reason)
@@ -54,18 +54,6 @@ pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
         PodsPhase::Starting
     };
     (phase, hash)
-}
-
-/// At most `max` bytes of `s`, cut at a character boundary, with `…` when cut.
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
 }
 
 /// The savepoint a stopped runtime reported in its termination message (`savepoint=<path>`).

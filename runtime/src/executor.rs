@@ -22,8 +22,8 @@ use crate::operators::keyed::{AggregateOperator, DedupeOperator, KeyedContext};
 use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
 use crate::operators::window::WindowOperator;
 use crate::plan::{self, Partition, Vertex};
-use crate::restore::{newest_valid, open_path, RestoreError, RestoredState, Selection};
-use crate::sinks::file::{Committable, FileSink};
+use crate::restore::{newest_valid, open_path, RestoreError, RestoredState};
+use crate::sinks::file::{CommitGroup, Committable, FileSink};
 use crate::sinks;
 use crate::sinks::stdout::{BlackholeSink, StdoutSink};
 use crate::sources::file::FileSource;
@@ -104,19 +104,16 @@ pub enum JobError {
     #[error(transparent)]
     Restore(#[from] RestoreError),
     /// The storage root holds state and neither a restore nor a fresh start was asked for.
-    #[error("{root} already holds this job's state (newest valid restore point: {newest}); pass --restore latest to continue from it, or --fresh to start without state (earlier output and snapshots are kept)")]
+    #[error("{root} already holds this job's state (newest restore point: {newest}); pass --restore latest to continue from it, or --fresh to start without state (earlier output and snapshots are kept)")]
     ExistingState {
         /// The storage root.
         root: String,
-        /// The newest valid restore point, or why there is none.
+        /// The newest complete checkpoint or savepoint.
         newest: String,
     },
     /// A newer run of this job claimed a newer epoch: this one stopped without writing more.
     #[error(transparent)]
     Fenced(weir_checkpoint::epoch::EpochError),
-    /// No epoch could be claimed.
-    #[error("claiming an epoch: {0}")]
-    Epoch(weir_checkpoint::epoch::EpochError),
     /// The job failed and its restart strategy gave up.
     #[error("job failed after {restarts} restart(s): {reason}")]
     Failed {
@@ -192,7 +189,15 @@ pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, 
         retention_running: Arc::default(),
         epoch: 0,
         commits: CommitTracker::default(),
-        sink_storages: HashMap::new(),
+        file_sinks: job
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(node, n)| match (&n.kind, &n.uid) {
+                (NodeKind::FileSink(f), Some(uid)) => Some(Storage::open(&f.path).map(|storage| FileSinkDir { node, uid: uid.clone(), storage })),
+                _ => None,
+            })
+            .collect::<Result<_, _>>()?,
     };
     let (initial, mut restore_reason) = exec.initial_restore()?;
     let mut restore = initial.clone();
@@ -275,42 +280,50 @@ struct Executor<'a> {
     epoch: u64,
     /// Transactions committed by checkpoint completions, until their manifests are written.
     commits: CommitTracker,
-    /// Sink output directories by URL (for commit manifests).
-    sink_storages: HashMap<String, Storage>,
+    /// The job's file sinks with their output directories, opened once per run.
+    file_sinks: Vec<FileSinkDir>,
+}
+
+/// A file sink node and its output directory.
+struct FileSinkDir {
+    node: usize,
+    uid: String,
+    storage: Storage,
 }
 
 /// Follows the transactions a completed checkpoint commits, so that the manifest of each
 /// sink's checkpoint N is written once every subtask committed its part of N.
 #[derive(Default)]
 struct CommitTracker {
-    /// What is to be committed, by (sink URL, uid, epoch, checkpoint).
-    expected: BTreeMap<(String, String, u64, u64), BTreeSet<Committable>>,
+    /// What is to be committed, by manifest.
+    expected: BTreeMap<CommitGroup, BTreeSet<Committable>>,
     /// What has been.
-    committed: BTreeMap<(String, String, u64, u64), BTreeSet<Committable>>,
-    /// Manifests written.
-    written: BTreeSet<(String, String, u64, u64)>,
+    committed: BTreeMap<CommitGroup, BTreeSet<Committable>>,
+    /// Manifests written, while a lagging task's acknowledgement may still list them.
+    written: BTreeSet<CommitGroup>,
 }
 
 impl CommitTracker {
-    fn group(c: &Committable) -> (String, String, u64, u64) {
-        (c.sink.clone(), c.uid.clone(), c.epoch, c.checkpoint)
-    }
-
-    /// The completion of checkpoint `id` commits these.
+    /// The completion of checkpoint `id` commits these (every sink subtask's pending list).
     fn expect(&mut self, id: u64, pending: impl IntoIterator<Item = Committable>) {
-        for c in pending.into_iter().filter(|c| c.checkpoint <= id) {
-            let g = Self::group(&c);
+        let pending: Vec<Committable> = pending.into_iter().filter(|c| c.checkpoint <= id).collect();
+        // A transaction older than every pending one was committed before this barrier: no
+        // later acknowledgement lists it again, so its group need not be remembered.
+        let floor = pending.iter().map(|c| c.checkpoint).min().unwrap_or(id + 1);
+        self.written.retain(|g| g.checkpoint >= floor);
+        for c in pending {
+            let g = c.group();
             if !self.written.contains(&g) {
                 self.expected.entry(g).or_default().insert(c);
             }
         }
     }
 
-    /// A task committed these; returns the groups now complete.
-    fn committed(&mut self, done: Vec<Committable>) -> Vec<((String, String, u64, u64), BTreeSet<Committable>)> {
+    /// A task committed these; returns the manifests of the groups now complete.
+    fn committed(&mut self, done: Vec<Committable>) -> Vec<(CommitGroup, sinks::file::CommitManifest)> {
         let mut ready = Vec::new();
         for c in done {
-            let g = Self::group(&c);
+            let g = c.group();
             if self.written.contains(&g) {
                 continue;
             }
@@ -320,7 +333,8 @@ impl CommitTracker {
                 self.expected.remove(&g);
                 let files = self.committed.remove(&g).unwrap_or_default();
                 self.written.insert(g.clone());
-                ready.push((g, files));
+                let manifest = sinks::file::CommitManifest::of(&g, &files);
+                ready.push((g, manifest));
             }
         }
         ready
@@ -339,15 +353,13 @@ impl Executor<'_> {
     fn initial_restore(&mut self) -> Result<(Option<RestoredState>, String), JobError> {
         let (restored, reason) = match &self.opts.restore {
             None => {
-                let points = crate::io().block_on(recovery::restore_points(&self.storage))?;
-                if !self.opts.fresh && !points.is_empty() {
-                    let newest = match crate::io().block_on(newest_valid(&self.storage, 0)) {
-                        Ok(Selection { restored: Some(r), .. }) => format!("{} (id {})", r.path, r.checkpoint_id),
-                        Ok(Selection { restored: None, .. }) => "none complete".to_string(),
-                        Err(e) => e.to_string(),
-                    };
-                    if newest != "none complete" {
-                        return Err(JobError::ExistingState { root: self.storage.url().to_string(), newest });
+                if !self.opts.fresh {
+                    let newest = crate::io().block_on(async {
+                        let points = recovery::restore_points(&self.storage).await?;
+                        recovery::newest_complete(&self.storage, &points).await
+                    })?;
+                    if let Some(p) = newest {
+                        return Err(JobError::ExistingState { root: self.storage.url().to_string(), newest: format!("{} (id {})", self.storage.url_of(&p.dir), p.id) });
                     }
                 }
                 (None, "fresh start".to_string())
@@ -428,52 +440,27 @@ impl Executor<'_> {
         }
     }
 
-    /// The newest checkpoint or savepoint id that completed (has `_metadata`), of any history.
-    fn newest_complete_id(&self) -> Result<u64, String> {
-        crate::io().block_on(async {
-            for point in recovery::restore_points(&self.storage).await.map_err(|e| e.to_string())? {
-                if self.storage.size(&layout::resolve(&point.dir, layout::METADATA)).await.map_err(|e| e.to_string())?.is_some() {
-                    return Ok(point.id);
-                }
-            }
-            Ok(0)
-        })
-    }
-
-    fn recover_sinks(&self, restored: Option<&RestoredState>, reason: &str) -> Result<(), String> {
+    /// Recovers every file sink; `newest_complete` is the newest complete restore point id of
+    /// any history (staged data up to it may still be needed).
+    fn recover_sinks(&self, restored: Option<&RestoredState>, reason: &str, newest_complete: u64) -> Result<(), String> {
         let history = self.output_history(restored)?;
-        let newest_complete = self.newest_complete_id()?;
-        for node in &self.job.nodes {
-            if let (NodeKind::FileSink(spec), Some(uid)) = (&node.kind, &node.uid) {
-                let storage = Storage::open(&spec.path).map_err(|e| e.to_string())?;
-                let docs = restored.map(|r| r.operator_docs(uid)).unwrap_or_default();
-                let report = crate::io()
-                    .block_on(sinks::file::recover(&storage, uid, self.epoch, sinks::file::RecoveryInput { restored_docs: &docs, history: &history, newest_complete, reason }))
-                    .map_err(|e| e.to_string())?;
-                if !report.superseded.is_empty() || !report.returned.is_empty() {
-                    let notice = format!(
-                        "sink `{uid}`: {} published file(s) outside the restored history moved to {}, {} of it moved back ({reason})",
-                        report.superseded.len(),
-                        storage.url_of(&format!("{}/{:06}", sinks::file::SUPERSEDED_DIR, self.epoch)),
-                        report.returned.len()
-                    );
-                    self.metrics.board().notices.push(notice);
-                }
-                if !report.superseded.is_empty() {
-                    tracing::warn!(
-                        sink = %uid,
-                        moved = report.superseded.len(),
-                        to = %storage.url_of(&format!("{}/{:06}", sinks::file::SUPERSEDED_DIR, self.epoch)),
-                        %reason,
-                        "output published after the restore point was moved out of the output (the job writes it again)"
-                    );
-                }
-                if !report.returned.is_empty() {
-                    tracing::warn!(sink = %uid, returned = report.returned.len(), %reason, "output of the restored history that an earlier rewind had moved out is back in the output");
-                }
-                if report != sinks::file::RecoveryReport::default() {
-                    tracing::info!(sink = %uid, recommitted = report.recommitted, discarded_staged = report.discarded_staged, manifests_repaired = report.manifests_repaired, "file sink recovered");
-                }
+        for sink in &self.file_sinks {
+            let uid = &sink.uid;
+            let docs = restored.map(|r| r.operator_docs(uid)).unwrap_or_default();
+            let input = sinks::file::RecoveryInput { restored_docs: &docs, history: &history, newest_complete, reason };
+            let report = crate::io().block_on(sinks::file::recover(&sink.storage, uid, self.epoch, input)).map_err(|e| e.to_string())?;
+            if !report.superseded.is_empty() || !report.returned.is_empty() {
+                let notice = format!(
+                    "sink `{uid}`: {} published file(s) outside the restored history moved to {}, {} moved back from an earlier rewind ({reason})",
+                    report.superseded.len(),
+                    sink.storage.url_of(&format!("{}/{:06}", sinks::file::SUPERSEDED_DIR, self.epoch)),
+                    report.returned.len()
+                );
+                tracing::warn!(sink = %uid, "{notice}");
+                self.metrics.board().notices.push(notice);
+            }
+            if report != sinks::file::RecoveryReport::default() {
+                tracing::info!(sink = %uid, recommitted = report.recommitted, discarded_staged = report.discarded_staged, manifests_repaired = report.manifests_repaired, "file sink recovered");
             }
         }
         Ok(())
@@ -488,12 +475,19 @@ impl Executor<'_> {
         self.metrics.board().epoch = self.epoch;
         tracing::info!(epoch = self.epoch, "claimed epoch");
         self.commits.reset();
-        let highest = match crate::io().block_on(recovery::highest_id(&self.storage)) {
-            Ok(h) => h,
+        // One listing serves both: ids are never reused, and staged data up to the newest
+        // complete restore point may still be needed.
+        let points = crate::io().block_on(async {
+            let points = recovery::restore_points(&self.storage).await?;
+            let complete = recovery::newest_complete(&self.storage, &points).await?;
+            Ok::<_, weir_checkpoint::StorageError>((points.first().map_or(0, |p| p.id), complete.map_or(0, |p| p.id)))
+        });
+        let (highest, newest_complete) = match points {
+            Ok(p) => p,
             Err(e) => return AttemptEnd::Failed(format!("listing checkpoints: {e}")),
         };
         self.next_id = self.next_id.max(highest + 1).max(restored.map_or(0, |r| r.checkpoint_id + 1));
-        if let Err(e) = self.recover_sinks(restored, reason) {
+        if let Err(e) = self.recover_sinks(restored, reason, newest_complete) {
             return AttemptEnd::Failed(format!("recovering sinks: {e}"));
         }
         let (events_tx, events) = unbounded();
@@ -545,13 +539,6 @@ impl Executor<'_> {
                 }
             }
         }
-        let mut sink_storage: HashMap<usize, Storage> = HashMap::new();
-        for (i, n) in job.nodes.iter().enumerate() {
-            if let NodeKind::FileSink(f) = &n.kind {
-                let s = Storage::open(&f.path).map_err(|e| TaskError::Commit { what: f.path.clone(), reason: e.to_string() })?;
-                sink_storage.insert(i, s);
-            }
-        }
         let mut running = Running { tasks: Vec::new(), uploaders: Vec::new(), controls: Vec::new(), source_tasks: Vec::new() };
         let mut built = Vec::new();
         for (vi, v) in vertices.iter().enumerate() {
@@ -580,7 +567,7 @@ impl Executor<'_> {
                 let chain_nodes = if head_node.kind.is_source() { &v.nodes[1..] } else { &v.nodes[..] };
                 let mut chain = Vec::new();
                 for &ni in chain_nodes {
-                    chain.push(self.build_operator(ni, v, subtask, key_groups, restored, &sink_storage, &mut chains)?);
+                    chain.push(self.build_operator(ni, v, subtask, key_groups, restored, &mut chains)?);
                 }
                 let name = format!("{}[{}/{}]", v.nodes.iter().map(|&n| job.nodes[n].name.as_str()).collect::<Vec<_>>().join("→"), subtask + 1, v.parallelism);
                 let task = Task {
@@ -647,7 +634,6 @@ impl Executor<'_> {
         subtask: u32,
         key_groups: (u32, u32),
         restored: Option<&RestoredState>,
-        sink_storage: &HashMap<usize, Storage>,
         chains: &mut HashMap<String, Vec<weir_checkpoint::FileRef>>,
     ) -> Result<ChainedOperator, TaskError> {
         let job = self.job;
@@ -675,7 +661,10 @@ impl Executor<'_> {
             NodeKind::Window(w) => Box::new(WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?),
             NodeKind::Aggregate(a) => Box::new(AggregateOperator::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?),
             NodeKind::Dedupe => Box::new(DedupeOperator::new(keyed(), keyed_restore.as_ref())?),
-            NodeKind::FileSink(_) => Box::new(FileSink::new(&uid, subtask, self.epoch, node.schema.clone(), sink_storage[&ni].clone(), self.metrics.clone())),
+            NodeKind::FileSink(_) => {
+                let storage = self.file_sinks.iter().find(|s| s.node == ni).map(|s| s.storage.clone()).expect("every file sink node was opened at start");
+                Box::new(FileSink::new(&uid, subtask, self.epoch, node.schema.clone(), storage, self.metrics.clone()))
+            }
             NodeKind::Stdout => Box::new(StdoutSink::new(node.schema.clone(), self.metrics.clone())),
             NodeKind::Blackhole => Box::new(BlackholeSink::new(self.metrics.clone())),
             NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) => unreachable!("not a chain element"),
@@ -898,18 +887,13 @@ impl Executor<'_> {
 
     /// Writes the commit manifests of every sink checkpoint that `committed` completed.
     fn write_manifests(&mut self, committed: Vec<Committable>) -> Result<(), weir_checkpoint::StorageError> {
-        for ((url, _, _, _), files) in self.commits.committed(committed) {
-            let storage = match self.sink_storages.get(&url) {
-                Some(s) => s.clone(),
-                None => {
-                    let s = Storage::open(&url)?;
-                    self.sink_storages.insert(url.clone(), s.clone());
-                    s
-                }
+        for (group, manifest) in self.commits.committed(committed) {
+            // Transactions of this run are staged in the sinks' own directories.
+            let storage = match self.file_sinks.iter().find(|s| s.storage.url() == group.sink) {
+                Some(s) => s.storage.clone(),
+                None => Storage::open(&group.sink)?,
             };
-            for manifest in sinks::file::manifests_of(&files).into_values() {
-                crate::io().block_on(sinks::file::write_commit_manifest(&storage, &manifest))?;
-            }
+            crate::io().block_on(sinks::file::write_commit_manifest(&storage, &manifest))?;
         }
         Ok(())
     }

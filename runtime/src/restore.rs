@@ -197,11 +197,11 @@ pub async fn open_path(path: &str) -> Result<(Storage, Restorable), RestoreError
         return Err(RestoreError::Invalid { path: path.to_string(), reason: "no such directory".into() });
     }
     let storage = Storage::open(&root)?;
-    let (verdict, metadata) = recovery::inspect(&storage, &dir).await?;
-    match (verdict, metadata) {
-        (Verdict::Valid, Some(metadata)) => Ok((storage, Restorable { dir, metadata })),
-        (Verdict::Invalid(reason), _) => Err(RestoreError::Invalid { path: path.to_string(), reason }),
-        (Verdict::Incomplete, _) | (Verdict::Valid, None) => Err(RestoreError::Invalid { path: path.to_string(), reason: "no _metadata: not a complete checkpoint or savepoint".into() }),
+    // Files are verified by the loader (length and checksum); here only the metadata.
+    match recovery::read_metadata(&storage, &dir).await? {
+        Ok(metadata) => Ok((storage, Restorable { dir, metadata })),
+        Err(Verdict::Invalid(reason)) => Err(RestoreError::Invalid { path: path.to_string(), reason }),
+        Err(_) => Err(RestoreError::Invalid { path: path.to_string(), reason: "no _metadata: not a complete checkpoint or savepoint".into() }),
     }
 }
 
@@ -272,14 +272,15 @@ pub async fn newest_valid(storage: &Storage, floor: u64) -> Result<Selection, Re
     let points = retrying("listing restore points", || async { Ok(recovery::restore_points(storage).await?) }).await?;
     let mut selection = Selection::default();
     for point in points.into_iter().filter(|p| p.id >= floor) {
-        let (verdict, metadata) = retrying(&point.dir, || async { Ok(recovery::inspect(storage, &point.dir).await?) }).await?;
-        let found = match (verdict, metadata) {
-            (Verdict::Valid, Some(metadata)) => Restorable { dir: point.dir.clone(), metadata },
-            (Verdict::Incomplete, _) | (Verdict::Valid, None) => continue,
-            (Verdict::Invalid(defect), _) => {
+        // The metadata, then every file read and verified by the loader (no separate pass of
+        // size checks: that would double the requests of a restore).
+        let found = match retrying(&point.dir, || async { Ok(recovery::read_metadata(storage, &point.dir).await?) }).await? {
+            Ok(metadata) => Restorable { dir: point.dir.clone(), metadata },
+            Err(Verdict::Invalid(defect)) => {
                 selection.skipped.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect });
                 continue;
             }
+            Err(_) => continue,
         };
         match retrying(&point.dir, || RestoredState::load(storage, &found)).await {
             Ok(r) => {

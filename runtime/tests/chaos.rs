@@ -488,13 +488,7 @@ fn rescaling_through_savepoints_between_random_kills() {
 
 #[test]
 fn the_file_source_survives_random_kills() {
-    let (d, _, _) = workdir("chaos-files-in");
-    let input = d.path().join("input");
-    std::fs::create_dir(&input).unwrap();
-    for f in 0..4 {
-        let text: String = (0..60_000u64).map(|i| format!("user{} item{} {}\n", mix64(i * 4 + f) % 500, mix64(i + f) % 40, i % 7)).collect();
-        std::fs::write(input.join(format!("part-{f}.txt")), text).unwrap();
-    }
+    let (_d, input) = input_files("chaos-files-in", 4, 60_000, |f, i| format!("user{} item{} {}", mix64(i * 4 + f) % 500, mix64(i + f) % 40, i % 7));
     let t = campaign(&file_source(input), Campaign { kills: kills(30), corrupt_every: None, rescale_every: None, rate: None }, 4);
     assert!(t.kills >= 3, "the file source finished before it could be killed: make the input larger ({t:?})");
 }

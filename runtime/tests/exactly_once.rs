@@ -240,13 +240,7 @@ fn retention_on_cancel_delete_removes_checkpoints() {
 
 #[test]
 fn file_source_with_cel_map_filter_and_dedupe_is_exactly_once_under_failures() {
-    let (d, _, _) = workdir("files-in");
-    let input = d.path().join("input");
-    std::fs::create_dir(&input).unwrap();
-    for f in 0..5 {
-        let text: String = (0..2000).map(|i| format!("User{} bought item{} x{}\n", (i * 7 + f) % 97, (i * 13 + f) % 50, i % 5)).collect();
-        std::fs::write(input.join(format!("part-{f}.txt")), text).unwrap();
-    }
+    let (_d, input) = input_files("files-in", 5, 2000, |f, i| format!("User{} bought item{} x{}", (i * 7 + f) % 97, (i * 13 + f) % 50, i % 5));
     let job = |out: &std::path::Path| {
         format!(
             r#"name: files

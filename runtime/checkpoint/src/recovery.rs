@@ -35,16 +35,23 @@ pub enum Verdict {
     Invalid(String),
 }
 
-/// Checks one snapshot directory (relative to `storage`).
-pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<CheckpointMetadata>), StorageError> {
+/// Reads and verifies the `_metadata` of a snapshot directory (relative to `storage`); the
+/// verdict when there is none ([`Verdict::Incomplete`]) or it does not verify.
+pub async fn read_metadata(storage: &Storage, dir: &str) -> Result<Result<CheckpointMetadata, Verdict>, StorageError> {
     let bytes = match storage.get(&layout::resolve(dir, layout::METADATA)).await {
         Ok(b) => b,
-        Err(StorageError::NotFound(_)) => return Ok((Verdict::Incomplete, None)),
+        Err(StorageError::NotFound(_)) => return Ok(Err(Verdict::Incomplete)),
         Err(e) => return Err(e),
     };
-    let metadata = match CheckpointMetadata::decode(&bytes) {
+    Ok(CheckpointMetadata::decode(&bytes).map_err(|e| Verdict::Invalid(e.to_string())))
+}
+
+/// Checks one snapshot directory (relative to `storage`): its metadata, and that every file it
+/// references exists with the recorded length (checksums are the loader's to verify).
+pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<CheckpointMetadata>), StorageError> {
+    let metadata = match read_metadata(storage, dir).await? {
         Ok(m) => m,
-        Err(e) => return Ok((Verdict::Invalid(e.to_string()), None)),
+        Err(verdict) => return Ok((verdict, None)),
     };
     let files: Vec<_> = metadata.files().cloned().collect();
     for f in files {
@@ -118,9 +125,18 @@ pub async fn restore_points(storage: &Storage) -> Result<Vec<RestorePoint>, Stor
 /// The highest checkpoint id used so far under a job root (checkpoints and savepoints), so a
 /// new run never reuses an id.
 pub async fn highest_id(storage: &Storage) -> Result<u64, StorageError> {
-    let chk = storage.list_dirs(layout::CHECKPOINTS).await?.iter().filter_map(|n| layout::parse_checkpoint_dir(n)).max().unwrap_or(0);
-    let sp = storage.list_dirs(layout::SAVEPOINTS).await?.iter().filter_map(|n| layout::parse_savepoint_dir(n)).map(|(_, id)| id).max().unwrap_or(0);
-    Ok(chk.max(sp))
+    Ok(restore_points(storage).await?.first().map_or(0, |p| p.id))
+}
+
+/// Of `points` (highest id first), the first that completed (has `_metadata`, verified or
+/// not): one HEAD request per incomplete directory above it.
+pub async fn newest_complete(storage: &Storage, points: &[RestorePoint]) -> Result<Option<RestorePoint>, StorageError> {
+    for point in points {
+        if storage.size(&layout::resolve(&point.dir, layout::METADATA)).await?.is_some() {
+            return Ok(Some(point.clone()));
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -180,14 +180,16 @@ impl Storage {
     /// durable when acknowledged).
     fn sync_local(&self, rels: &[&str]) -> std::io::Result<()> {
         let Some(local) = &self.local else { return Ok(()) };
+        let mut dirs = std::collections::BTreeSet::new();
         for rel in rels {
             let path = local.join(rel);
             if path.is_file() {
                 std::fs::File::open(&path)?.sync_all()?;
             }
-            if let Some(dir) = path.parent() {
-                std::fs::File::open(dir)?.sync_all()?;
-            }
+            dirs.extend(path.parent().map(|d| d.to_path_buf()));
+        }
+        for dir in dirs {
+            std::fs::File::open(dir)?.sync_all()?;
         }
         Ok(())
     }

@@ -253,21 +253,34 @@ pub async fn write_commit_manifest(storage: &Storage, manifest: &CommitManifest)
     }
 }
 
-/// Groups committed transactions into manifests, by `(sink URL, uid, epoch, checkpoint)`.
-pub fn manifests_of<'a>(committed: impl IntoIterator<Item = &'a Committable>) -> BTreeMap<(String, String, u64, u64), CommitManifest> {
-    let mut out: BTreeMap<(String, String, u64, u64), CommitManifest> = BTreeMap::new();
-    for c in committed {
-        let m = out
-            .entry((c.sink.clone(), c.uid.clone(), c.epoch, c.checkpoint))
-            .or_insert_with(|| CommitManifest { uid: c.uid.clone(), epoch: c.epoch, checkpoint: c.checkpoint, files: Vec::new() });
-        if !m.files.iter().any(|f| f.name == c.published) {
-            m.files.push(ManifestFile { name: c.published.clone(), len: c.len, crc32c: c.crc32c, records: c.records });
-        }
+/// What one commit manifest covers: a sink's (its directory's) checkpoint, staged in an epoch.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CommitGroup {
+    /// URL of the output directory.
+    pub sink: String,
+    /// The sink's uid.
+    pub uid: String,
+    /// Epoch of the run that staged it.
+    pub epoch: u64,
+    /// The checkpoint.
+    pub checkpoint: u64,
+}
+
+impl Committable {
+    /// The manifest this transaction belongs in.
+    pub fn group(&self) -> CommitGroup {
+        CommitGroup { sink: self.sink.clone(), uid: self.uid.clone(), epoch: self.epoch, checkpoint: self.checkpoint }
     }
-    for m in out.values_mut() {
-        m.files.sort_by(|a, b| a.name.cmp(&b.name));
+}
+
+impl CommitManifest {
+    /// The manifest of `group`, listing the committed transactions `files` (of that group).
+    pub fn of<'a>(group: &CommitGroup, files: impl IntoIterator<Item = &'a Committable>) -> CommitManifest {
+        let mut files: Vec<ManifestFile> = files.into_iter().map(|c| ManifestFile { name: c.published.clone(), len: c.len, crc32c: c.crc32c, records: c.records }).collect();
+        files.sort_by(|a, b| a.name.cmp(&b.name));
+        files.dedup_by(|a, b| a.name == b.name);
+        CommitManifest { uid: group.uid.clone(), epoch: group.epoch, checkpoint: group.checkpoint, files }
     }
-    out
 }
 
 /// Which output a recovery shows: the output of the history that led to the restore point.

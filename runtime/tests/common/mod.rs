@@ -437,3 +437,16 @@ pub fn record_faults(n: u64) {
     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
     writeln!(f, "{n}").unwrap();
 }
+
+/// A directory of `files` input files for the file source, `lines` lines each, line `i` of file
+/// `f` being `line(f, i)`; returns the temporary directory (keep it alive) and the input path.
+pub fn input_files(name: &str, files: u64, lines: u64, line: impl Fn(u64, u64) -> String) -> (tempfile::TempDir, PathBuf) {
+    let (d, _, _) = workdir(name);
+    let input = d.path().join("input");
+    std::fs::create_dir(&input).unwrap();
+    for f in 0..files {
+        let text: String = (0..lines).map(|i| line(f, i) + "\n").collect();
+        std::fs::write(input.join(format!("part-{f}.txt")), text).unwrap();
+    }
+    (d, input)
+}
