@@ -44,7 +44,9 @@ impl HumanDuration {
                 i += 1;
             }
             if start == i {
-                return Err(format!("`{text}` is not a duration: expected a number at position {start} (write e.g. 500ms, 1s, 2m, 1h)"));
+                return Err(format!(
+                    "`{text}` is not a duration: expected a number at position {start} (write e.g. 500ms, 1s, 2m, 1h)"
+                ));
             }
             let number: u128 = text[start..i].parse().map_err(|_| format!("`{text}`: number too large"))?;
             let unit_start = i;

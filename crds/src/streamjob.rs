@@ -26,7 +26,12 @@ use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionO
     doc = "A stream-processing job run by Weir, with exactly-once checkpoints, savepoints before upgrades and relaunch from the newest valid checkpoint.",
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Parallelism", type_ = "integer", json_path = ".spec.parallelism"),
-    printcolumn(name = "Checkpoint", type_ = "date", json_path = ".status.latestCheckpoint.completedAt", description = "When the newest checkpoint completed"),
+    printcolumn(
+        name = "Checkpoint",
+        type_ = "date",
+        json_path = ".status.latestCheckpoint.completedAt",
+        description = "When the newest checkpoint completed"
+    ),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[x_kube(validation = Rule::new("(has(self.maxParallelism) ? self.maxParallelism : 128) >= self.parallelism").message("maxParallelism (default 128) must be >= parallelism"))]
@@ -305,7 +310,12 @@ fn default_limit() -> u32 {
 
 impl Default for RelaunchPolicy {
     fn default() -> Self {
-        RelaunchPolicy { backoff: default_backoff(), max_backoff: default_max_backoff(), limit: default_limit(), max_checkpoint_age: None }
+        RelaunchPolicy {
+            backoff: default_backoff(),
+            max_backoff: default_max_backoff(),
+            limit: default_limit(),
+            max_checkpoint_age: None,
+        }
     }
 }
 
@@ -449,7 +459,6 @@ impl Phase {
         }
     }
 }
-
 
 /// Why the operator is taking a savepoint.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]

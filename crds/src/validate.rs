@@ -270,16 +270,21 @@ impl Validator {
                 _ => vec!["line".to_string()],
             };
             let parallelism = self.parallelism(spec, &path, s.parallelism);
-            self.add_node(&mut nodes, &mut by_name, &mut uids, Node {
-                name: s.name.clone(),
-                path,
-                uid: s.uid.clone(),
-                parallelism,
-                kind,
-                inputs: vec![],
-                schema,
-                key: vec![],
-            });
+            self.add_node(
+                &mut nodes,
+                &mut by_name,
+                &mut uids,
+                Node {
+                    name: s.name.clone(),
+                    path,
+                    uid: s.uid.clone(),
+                    parallelism,
+                    kind,
+                    inputs: vec![],
+                    schema,
+                    key: vec![],
+                },
+            );
         }
 
         let default_first_input = if spec.sources.len() == 1 { Some(spec.sources[0].name.clone()) } else { None };
@@ -289,7 +294,13 @@ impl Validator {
             if o.input.is_some() && o.inputs.is_some() {
                 self.err(format!("{path}.inputs"), "set input or inputs, not both");
             }
-            let inputs = self.inputs(&path, input_names(&o.input, &o.inputs), previous.as_deref(), &by_name, "a source or an earlier operator");
+            let inputs = self.inputs(
+                &path,
+                input_names(&o.input, &o.inputs),
+                previous.as_deref(),
+                &by_name,
+                "a source or an earlier operator",
+            );
             previous = Some(o.name.clone());
             let set: Vec<&str> = [
                 ("map", o.map.is_some()),
@@ -305,7 +316,11 @@ impl Validator {
             .map(|(n, _)| n)
             .collect();
             if set.len() != 1 {
-                let what = if set.is_empty() { "set exactly one of".to_string() } else { format!("{} are set; set only one of", set.join(" and ")) };
+                let what = if set.is_empty() {
+                    "set exactly one of".to_string()
+                } else {
+                    format!("{} are set; set only one of", set.join(" and "))
+                };
                 self.err(path.clone(), format!("{what}: map, filter, flatMap, keyBy, window, aggregate, dedupe"));
                 continue;
             }
@@ -328,16 +343,12 @@ impl Validator {
             let input_schema = self.union_schema(&path, &inputs, &nodes);
             let (schema, key) = self.operator(&path, &kind, &inputs, &input_schema, &nodes);
             let parallelism = self.parallelism(spec, &path, o.parallelism);
-            self.add_node(&mut nodes, &mut by_name, &mut uids, Node {
-                name: o.name.clone(),
-                path,
-                uid: o.uid.clone(),
-                parallelism,
-                kind,
-                inputs,
-                schema,
-                key,
-            });
+            self.add_node(
+                &mut nodes,
+                &mut by_name,
+                &mut uids,
+                Node { name: o.name.clone(), path, uid: o.uid.clone(), parallelism, kind, inputs, schema, key },
+            );
         }
 
         for (i, s) in spec.sinks.iter().enumerate() {
@@ -345,7 +356,13 @@ impl Validator {
             if s.input.is_some() && s.inputs.is_some() {
                 self.err(format!("{path}.inputs"), "set input or inputs, not both");
             }
-            let inputs = self.inputs(&path, input_names(&s.input, &s.inputs), previous.as_deref(), &by_name, "a source or an operator");
+            let inputs = self.inputs(
+                &path,
+                input_names(&s.input, &s.inputs),
+                previous.as_deref(),
+                &by_name,
+                "a source or an operator",
+            );
             let set = [s.file.is_some(), s.stdout.is_some(), s.blackhole.is_some()].iter().filter(|x| **x).count();
             if set != 1 {
                 self.err(path.clone(), "set exactly one of: file, stdout, blackhole");
@@ -364,16 +381,12 @@ impl Validator {
             let Some(inputs) = inputs else { continue };
             let schema = self.union_schema(&path, &inputs, &nodes);
             let parallelism = self.parallelism(spec, &path, s.parallelism);
-            self.add_node(&mut nodes, &mut by_name, &mut uids, Node {
-                name: s.name.clone(),
-                path,
-                uid: s.uid.clone(),
-                parallelism,
-                kind,
-                inputs,
-                schema,
-                key: vec![],
-            });
+            self.add_node(
+                &mut nodes,
+                &mut by_name,
+                &mut uids,
+                Node { name: s.name.clone(), path, uid: s.uid.clone(), parallelism, kind, inputs, schema, key: vec![] },
+            );
         }
 
         // Every non-sink node must feed something, or its work is silently lost.
@@ -389,9 +402,18 @@ impl Validator {
         nodes
     }
 
-    fn add_node(&mut self, nodes: &mut Vec<Node>, by_name: &mut HashMap<String, usize>, uids: &mut HashMap<String, String>, node: Node) {
+    fn add_node(
+        &mut self,
+        nodes: &mut Vec<Node>,
+        by_name: &mut HashMap<String, usize>,
+        uids: &mut HashMap<String, String>,
+        node: Node,
+    ) {
         if !valid_name(&node.name) {
-            self.err(format!("{}.name", node.path), "must be 1-63 letters, digits, '-', '_' or '.', not starting with a symbol");
+            self.err(
+                format!("{}.name", node.path),
+                "must be 1-63 letters, digits, '-', '_' or '.', not starting with a symbol",
+            );
         }
         if by_name.contains_key(&node.name) {
             self.err(format!("{}.name", node.path), format!("`{}` is already the name of another node", node.name));
@@ -399,7 +421,10 @@ impl Validator {
         match &node.uid {
             Some(uid) => {
                 if !valid_name(uid) {
-                    self.err(format!("{}.uid", node.path), "must be 1-63 letters, digits, '-', '_' or '.', not starting with a symbol");
+                    self.err(
+                        format!("{}.uid", node.path),
+                        "must be 1-63 letters, digits, '-', '_' or '.', not starting with a symbol",
+                    );
                 }
                 if let Some(other) = uids.get(uid) {
                     self.err(format!("{}.uid", node.path), format!("`{uid}` is already the uid of {other}"));
@@ -408,7 +433,11 @@ impl Validator {
             }
             None if node.kind.is_stateful() => self.err(
                 format!("{}.uid", node.path),
-                format!("required: `{}` is a stateful {} and its state is restored by uid", node.name, node.kind.label()),
+                format!(
+                    "required: `{}` is a stateful {} and its state is restored by uid",
+                    node.name,
+                    node.kind.label()
+                ),
             ),
             None => {}
         }
@@ -416,7 +445,14 @@ impl Validator {
         nodes.push(node);
     }
 
-    fn inputs(&mut self, path: &str, inputs: Option<Vec<&str>>, previous: Option<&str>, by_name: &HashMap<String, usize>, what: &str) -> Option<Vec<usize>> {
+    fn inputs(
+        &mut self,
+        path: &str,
+        inputs: Option<Vec<&str>>,
+        previous: Option<&str>,
+        by_name: &HashMap<String, usize>,
+        what: &str,
+    ) -> Option<Vec<usize>> {
         let names: Vec<String> = match inputs {
             Some(i) => i.into_iter().map(str::to_string).collect(),
             None => match previous {
@@ -455,7 +491,11 @@ impl Validator {
             if nodes[i].schema != first {
                 self.err(
                     format!("{path}.input"),
-                    format!("inputs have different fields ({} vs {}); map them to the same fields first", first.join(","), nodes[i].schema.join(",")),
+                    format!(
+                        "inputs have different fields ({} vs {}); map them to the same fields first",
+                        first.join(","),
+                        nodes[i].schema.join(",")
+                    ),
                 );
             }
         }
@@ -488,7 +528,8 @@ impl Validator {
             if !seen.insert(f.name.clone()) {
                 self.err(format!("{fpath}.name"), format!("`{}` appears twice", f.name));
             }
-            let kinds = [f.sequence.is_some(), f.modulo.is_some(), f.word.is_some(), f.text.is_some(), f.uniform.is_some()];
+            let kinds =
+                [f.sequence.is_some(), f.modulo.is_some(), f.word.is_some(), f.text.is_some(), f.uniform.is_some()];
             if kinds.iter().filter(|k| **k).count() != 1 {
                 self.err(fpath.clone(), "set exactly one of: sequence, modulo, word, text, uniform");
             }
@@ -524,7 +565,9 @@ impl Validator {
             let apath = format!("{path}[{j}]");
             match (&a.function, &a.field) {
                 (AggregateKind::Count, _) => {}
-                (_, None) => self.err(format!("{apath}.field"), format!("required for `{:?}`", a.function).to_lowercase()),
+                (_, None) => {
+                    self.err(format!("{apath}.field"), format!("required for `{:?}`", a.function).to_lowercase())
+                }
                 (_, Some(f)) => {
                     self.field(&format!("{apath}.field"), f, schema);
                 }
@@ -535,7 +578,14 @@ impl Validator {
         }
     }
 
-    fn operator(&mut self, path: &str, kind: &NodeKind, inputs: &[usize], schema: &[String], nodes: &[Node]) -> (Vec<String>, Vec<usize>) {
+    fn operator(
+        &mut self,
+        path: &str,
+        kind: &NodeKind,
+        inputs: &[usize],
+        schema: &[String],
+        nodes: &[Node],
+    ) -> (Vec<String>, Vec<usize>) {
         let keyed_input = || -> Option<&Node> {
             match inputs {
                 [one] if matches!(nodes[*one].kind, NodeKind::KeyBy(_)) => Some(&nodes[*one]),
@@ -631,7 +681,10 @@ impl Validator {
                         } else if s > w.size {
                             self.err(format!("{wpath}.slide"), "must be <= size");
                         } else if w.size.as_millis() / s.as_millis() > 1000 {
-                            self.err(format!("{wpath}.slide"), "size/slide must be <= 1000 (each record lands in size/slide windows)");
+                            self.err(
+                                format!("{wpath}.slide"),
+                                "size/slide must be <= 1000 (each record lands in size/slide windows)",
+                            );
                         }
                     }
                     _ => {}
@@ -678,6 +731,8 @@ pub fn check_storage_url(url: &str) -> Result<(), String> {
             }
         }
         Some(("memory", _)) => Ok(()),
-        Some((scheme, _)) => Err(format!("unsupported scheme `{scheme}` (use a path, file://, s3://, gs://, az:// or memory://)")),
+        Some((scheme, _)) => {
+            Err(format!("unsupported scheme `{scheme}` (use a path, file://, s3://, gs://, az:// or memory://)"))
+        }
     }
 }

@@ -8,7 +8,10 @@ fn committed_crds_match_the_rust_types() {
     let generated = weir_crds::streamjob::crd_yaml().unwrap();
     for path in [weir_crds::streamjob::CRD_PATH, weir_crds::streamjob::CHART_CRD_PATH] {
         let committed = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        assert!(committed == generated, "{path} is stale: run `cargo run -p weir-crds --bin crdgen -- --write` and commit it");
+        assert!(
+            committed == generated,
+            "{path} is stale: run `cargo run -p weir-crds --bin crdgen -- --write` and commit it"
+        );
     }
 }
 
@@ -48,7 +51,11 @@ fn schema_is_structural_and_documented() {
         }
         // Every property of our own types carries a description (`kubectl explain`).
         if let Some(props) = obj.get("properties").and_then(|p| p.as_object()) {
-            if path.contains("resources") || path.contains("tolerations") || path.contains("conditions") || path.starts_with("schema.properties.metadata") {
+            if path.contains("resources")
+                || path.contains("tolerations")
+                || path.contains("conditions")
+                || path.starts_with("schema.properties.metadata")
+            {
                 continue;
             }
             for (name, p) in props {
@@ -57,7 +64,12 @@ fn schema_is_structural_and_documented() {
         }
     }
     let text = serde_json::to_string(schema).unwrap();
-    for rule in ["self.maxParallelism : 128) >= self.parallelism", "oldSelf.maxParallelism : 128)", "self == oldSelf", "has(self.inline) != has(self.configMapRef)"] {
+    for rule in [
+        "self.maxParallelism : 128) >= self.parallelism",
+        "oldSelf.maxParallelism : 128)",
+        "self == oldSelf",
+        "has(self.inline) != has(self.configMapRef)",
+    ] {
         assert!(text.contains(rule), "CEL rule `{rule}` missing");
     }
     assert_eq!(crd["spec"]["names"]["shortNames"][0], "sj");
@@ -69,6 +81,11 @@ fn the_example_streamjob_is_valid() {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/streamjob.yaml")).unwrap();
     let sj: StreamJob = serde_yaml::from_str(&text).expect("examples/streamjob.yaml is a StreamJob");
     let inline = sj.spec.job.inline.expect("an inline job");
-    let job = weir_crds::JobSpec { sources: inline.sources, operators: inline.operators, sinks: inline.sinks, ..weir_crds::JobSpec::from_yaml("name: x\nsources: []\nsinks: []").unwrap() };
+    let job = weir_crds::JobSpec {
+        sources: inline.sources,
+        operators: inline.operators,
+        sinks: inline.sinks,
+        ..weir_crds::JobSpec::from_yaml("name: x\nsources: []\nsinks: []").unwrap()
+    };
     weir_crds::validate(&job).expect("its job graph validates");
 }

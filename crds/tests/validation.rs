@@ -54,32 +54,101 @@ fn each_mistake_names_its_field() {
         (with("size: 1s", "size: -1s"), "job.operators[1].window.size"),
         (with("type: tumbling", "type: hopping"), "job.operators[1].window.type: unknown variant `hopping`"),
         (with("size: 1s,", "size: 1s, slide: 1s,"), "job.operators[1].window.slide: only for sliding windows"),
-        (with("type: tumbling, size: 1s", "type: sliding, size: 1s"), "job.operators[1].window.slide: required for sliding windows"),
-        (with("type: tumbling, size: 1s", "type: sliding, size: 1s, slide: 2s"), "job.operators[1].window.slide: must be <= size"),
+        (
+            with("type: tumbling, size: 1s", "type: sliding, size: 1s"),
+            "job.operators[1].window.slide: required for sliding windows",
+        ),
+        (
+            with("type: tumbling, size: 1s", "type: sliding, size: 1s, slide: 2s"),
+            "job.operators[1].window.slide: must be <= size",
+        ),
         (with("    uid: totals\n", ""), "job.operators[1].uid: required: `totals` is a stateful window"),
         (with("uid: out, ", ""), "job.sinks[0].uid: required"),
-        (with("{ name: by-user, keyBy: { fields: [user] } }", "{ name: by-user, keyBy: { fields: [customer] } }"), "job.operators[0].keyBy.fields[0]: no field `customer`"),
+        (
+            with("{ name: by-user, keyBy: { fields: [user] } }", "{ name: by-user, keyBy: { fields: [customer] } }"),
+            "job.operators[0].keyBy.fields[0]: no field `customer`",
+        ),
         (with("field: amount", "field: price"), "job.operators[1].window.aggregates[0].field: no field `price`"),
-        (with("{ fn: sum, field: amount, as: total }", "{ fn: sum, as: total }"), "job.operators[1].window.aggregates[0].field: required for `sum`"),
+        (
+            with("{ fn: sum, field: amount, as: total }", "{ fn: sum, as: total }"),
+            "job.operators[1].window.aggregates[0].field: required for `sum`",
+        ),
         (with("parallelism: 2", "parallelism: 0"), "job.parallelism: must be > 0"),
         (with("parallelism: 2", "parallelism: 300"), "job.parallelism: must be <= maxParallelism (128)"),
-        (with("parallelism: 2", "parallelism: 2\ncheckpointing: { retained: 0 }"), "job.checkpointing.retained: must be >= 1"),
-        (with("parallelism: 2", "parallelism: 2\ncheckpointing: { interval: 0s }"), "job.checkpointing.interval: must be > 0"),
-        (with("parallelism: 2", "parallelism: 2\ncheckpointing: { interval: soon }"), "job.checkpointing.interval: `soon` is not a duration"),
-        (with("parallelism: 2", "parallelism: 2\ncheckpointing: { mode: exactly-twice }"), "job.checkpointing.mode: unknown variant `exactly-twice`"),
-        (with("parallelism: 2", "parallelism: 2\ncheckpointing: { storage: \"ftp://x\" }"), "job.checkpointing.storage: unsupported scheme `ftp`"),
-        (with("parallelism: 2", "parallelism: 2\ncheckpointing: { storage: \"s3://\" }"), "job.checkpointing.storage: needs a bucket"),
-        (with("parallelism: 2", "parallelism: 2\nrestart: { multiplier: 0.5 }"), "job.restart.multiplier: must be a number >= 1"),
-        (with("{ name: out, uid: out, file: { path: /tmp/out } }", "{ name: out, uid: out, file: { path: /tmp/out }, stdout: {} }"), "job.sinks[0]: set exactly one of: file, stdout, blackhole"),
-        (with("{ name: out, uid: out, file: { path: /tmp/out } }", "{ name: out, uid: orders, file: { path: /tmp/out } }"), "job.sinks[0].uid: `orders` is already the uid of job.sources[0]"),
-        (with("name: totals\n", "name: by-user\n"), "job.operators[1].name: `by-user` is already the name of another node"),
-        (with("{ name: by-user, keyBy: { fields: [user] } }", "{ name: by-user, input: nowhere, keyBy: { fields: [user] } }"), "job.operators[0].input: `nowhere` is not a source or an earlier operator"),
-        (with("{ name: by-user, keyBy: { fields: [user] } }", "{ name: by-user, filter: { expr: \"user > 1\" } }"), "job.operators[1].input: a window needs one keyed input"),
+        (
+            with("parallelism: 2", "parallelism: 2\ncheckpointing: { retained: 0 }"),
+            "job.checkpointing.retained: must be >= 1",
+        ),
+        (
+            with("parallelism: 2", "parallelism: 2\ncheckpointing: { interval: 0s }"),
+            "job.checkpointing.interval: must be > 0",
+        ),
+        (
+            with("parallelism: 2", "parallelism: 2\ncheckpointing: { interval: soon }"),
+            "job.checkpointing.interval: `soon` is not a duration",
+        ),
+        (
+            with("parallelism: 2", "parallelism: 2\ncheckpointing: { mode: exactly-twice }"),
+            "job.checkpointing.mode: unknown variant `exactly-twice`",
+        ),
+        (
+            with("parallelism: 2", "parallelism: 2\ncheckpointing: { storage: \"ftp://x\" }"),
+            "job.checkpointing.storage: unsupported scheme `ftp`",
+        ),
+        (
+            with("parallelism: 2", "parallelism: 2\ncheckpointing: { storage: \"s3://\" }"),
+            "job.checkpointing.storage: needs a bucket",
+        ),
+        (
+            with("parallelism: 2", "parallelism: 2\nrestart: { multiplier: 0.5 }"),
+            "job.restart.multiplier: must be a number >= 1",
+        ),
+        (
+            with(
+                "{ name: out, uid: out, file: { path: /tmp/out } }",
+                "{ name: out, uid: out, file: { path: /tmp/out }, stdout: {} }",
+            ),
+            "job.sinks[0]: set exactly one of: file, stdout, blackhole",
+        ),
+        (
+            with(
+                "{ name: out, uid: out, file: { path: /tmp/out } }",
+                "{ name: out, uid: orders, file: { path: /tmp/out } }",
+            ),
+            "job.sinks[0].uid: `orders` is already the uid of job.sources[0]",
+        ),
+        (
+            with("name: totals\n", "name: by-user\n"),
+            "job.operators[1].name: `by-user` is already the name of another node",
+        ),
+        (
+            with(
+                "{ name: by-user, keyBy: { fields: [user] } }",
+                "{ name: by-user, input: nowhere, keyBy: { fields: [user] } }",
+            ),
+            "job.operators[0].input: `nowhere` is not a source or an earlier operator",
+        ),
+        (
+            with("{ name: by-user, keyBy: { fields: [user] } }", "{ name: by-user, filter: { expr: \"user > 1\" } }"),
+            "job.operators[1].input: a window needs one keyed input",
+        ),
         (with("name: shop", "name: \"shop/1\""), "job.name: must be 1-63 letters"),
-        (with("{ name: amount, uniform: { min: 1, max: 9 } }", "{ name: amount, uniform: { min: 9, max: 1 } }"), "job.sources[0].generator.fields[2].uniform.max: must be >= min"),
-        (with("{ name: user, modulo: 10 }", "{ name: user, modulo: 10, sequence: {} }"), "job.sources[0].generator.fields[1]: set exactly one of"),
-        (with("count: 100", "count: 100\n      colour: red"), "job.sources[0].generator.colour: unknown field `colour`"),
-        (with("    generator:", "    file: { path: /tmp/in }\n    generator:"), "job.sources[0]: set only one of: generator, file"),
+        (
+            with("{ name: amount, uniform: { min: 1, max: 9 } }", "{ name: amount, uniform: { min: 9, max: 1 } }"),
+            "job.sources[0].generator.fields[2].uniform.max: must be >= min",
+        ),
+        (
+            with("{ name: user, modulo: 10 }", "{ name: user, modulo: 10, sequence: {} }"),
+            "job.sources[0].generator.fields[1]: set exactly one of",
+        ),
+        (
+            with("count: 100", "count: 100\n      colour: red"),
+            "job.sources[0].generator.colour: unknown field `colour`",
+        ),
+        (
+            with("    generator:", "    file: { path: /tmp/in }\n    generator:"),
+            "job.sources[0]: set only one of: generator, file",
+        ),
     ];
     assert!(cases.len() >= 15);
     for (yaml, expected) in &cases {
@@ -91,6 +160,9 @@ fn each_mistake_names_its_field() {
 #[test]
 fn unused_nodes_are_reported() {
     let yaml = with("sinks:\n", "  - { name: idle, input: orders, filter: { expr: \"true\" } }\nsinks:\n");
-    let yaml = yaml.replace("{ name: out, uid: out, file: { path: /tmp/out } }", "{ name: out, uid: out, input: totals, file: { path: /tmp/out } }");
+    let yaml = yaml.replace(
+        "{ name: out, uid: out, file: { path: /tmp/out } }",
+        "{ name: out, uid: out, input: totals, file: { path: /tmp/out } }",
+    );
     assert!(errors_of(&yaml).contains("job.operators[2]: `idle` feeds no operator or sink"), "{}", errors_of(&yaml));
 }

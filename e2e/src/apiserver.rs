@@ -36,7 +36,9 @@ pub fn assets() -> Result<PathBuf, ApiServerError> {
     let dir = match std::env::var("KUBEBUILDER_ASSETS") {
         Ok(d) if !d.is_empty() => PathBuf::from(d),
         _ => {
-            let cache = std::env::var("WEIR_CACHE").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/weir"));
+            let cache = std::env::var("WEIR_CACHE")
+                .map(PathBuf::from)
+                .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/weir"));
             cache.join("k8s/v1.35.8/bin")
         }
     };
@@ -62,7 +64,10 @@ impl TestApiServer {
     /// Starts etcd and kube-apiserver and waits until the API server is ready.
     pub fn start() -> Result<TestApiServer, ApiServerError> {
         let assets = assets()?;
-        let dir = tempfile::Builder::new().prefix("weir-apiserver-").tempdir().map_err(|e| ApiServerError::Start(e.to_string()))?;
+        let dir = tempfile::Builder::new()
+            .prefix("weir-apiserver-")
+            .tempdir()
+            .map_err(|e| ApiServerError::Start(e.to_string()))?;
         let script = repo_root().join("e2e/tools/start-apiserver.sh");
         let out = Command::new("bash")
             .arg(&script)
@@ -86,7 +91,9 @@ impl TestApiServer {
             .spawn()
             .ok();
         if !out.status.success() {
-            return Err(ApiServerError::Start(String::from_utf8_lossy(&out.stderr).lines().rev().take(15).collect::<Vec<_>>().join("\n")));
+            return Err(ApiServerError::Start(
+                String::from_utf8_lossy(&out.stderr).lines().rev().take(15).collect::<Vec<_>>().join("\n"),
+            ));
         }
         let kubeconfig = dir.path().join("kubeconfig");
         Ok(TestApiServer { dir, kubeconfig, watchdog })
@@ -100,7 +107,9 @@ impl TestApiServer {
     /// A client authenticated as the admin user.
     pub async fn client(&self) -> Result<kube::Client, ApiServerError> {
         let kc = Kubeconfig::read_from(&self.kubeconfig).map_err(|e| ApiServerError::Client(e.to_string()))?;
-        let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.map_err(|e| ApiServerError::Client(e.to_string()))?;
+        let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| ApiServerError::Client(e.to_string()))?;
         kube::Client::try_from(config).map_err(|e| ApiServerError::Client(e.to_string()))
     }
 
@@ -112,24 +121,40 @@ impl TestApiServer {
         let client = server.client().await?;
         server.install_crd(&client).await?;
         let create = |e: kube::Error| ApiServerError::Client(e.to_string());
-        let namespace = Namespace { metadata: kube::api::ObjectMeta { name: Some(ns.to_string()), ..Default::default() }, ..Default::default() };
+        let namespace = Namespace {
+            metadata: kube::api::ObjectMeta { name: Some(ns.to_string()), ..Default::default() },
+            ..Default::default()
+        };
         Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &namespace).await.map_err(create)?;
-        let sa = ServiceAccount { metadata: kube::api::ObjectMeta { name: Some("default".into()), ..Default::default() }, ..Default::default() };
-        Api::<ServiceAccount>::namespaced(client.clone(), ns).create(&PostParams::default(), &sa).await.map_err(create)?;
+        let sa = ServiceAccount {
+            metadata: kube::api::ObjectMeta { name: Some("default".into()), ..Default::default() },
+            ..Default::default()
+        };
+        Api::<ServiceAccount>::namespaced(client.clone(), ns)
+            .create(&PostParams::default(), &sa)
+            .await
+            .map_err(create)?;
         Ok((server, client))
     }
 
     /// Creates the StreamJob CRD from `crds/streamjob.yaml` and waits until it is established.
     pub async fn install_crd(&self, client: &kube::Client) -> Result<(), ApiServerError> {
-        let text = std::fs::read_to_string(repo_root().join("crds/streamjob.yaml")).map_err(|e| ApiServerError::Crd(e.to_string()))?;
-        let crd: CustomResourceDefinition = serde_yaml::from_str(&text).map_err(|e| ApiServerError::Crd(e.to_string()))?;
+        let text = std::fs::read_to_string(repo_root().join("crds/streamjob.yaml"))
+            .map_err(|e| ApiServerError::Crd(e.to_string()))?;
+        let crd: CustomResourceDefinition =
+            serde_yaml::from_str(&text).map_err(|e| ApiServerError::Crd(e.to_string()))?;
         let api: Api<CustomResourceDefinition> = Api::all(client.clone());
         api.create(&PostParams::default(), &crd).await.map_err(|e| ApiServerError::Crd(e.to_string()))?;
         let name = crd.metadata.name.clone().unwrap_or_default();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         loop {
             let got = api.get(&name).await.map_err(|e| ApiServerError::Crd(e.to_string()))?;
-            let established = got.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established" && c.status == "True");
+            let established = got
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
             if established {
                 return Ok(());
             }
@@ -143,7 +168,12 @@ impl TestApiServer {
 
 impl Drop for TestApiServer {
     fn drop(&mut self) {
-        let _ = Command::new("bash").arg(repo_root().join("e2e/tools/start-apiserver.sh")).arg("stop").arg(self.dir.path()).stderr(Stdio::null()).status();
+        let _ = Command::new("bash")
+            .arg(repo_root().join("e2e/tools/start-apiserver.sh"))
+            .arg("stop")
+            .arg(self.dir.path())
+            .stderr(Stdio::null())
+            .status();
         if let Some(mut w) = self.watchdog.take() {
             let _ = w.kill();
             let _ = w.wait();

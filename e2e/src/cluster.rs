@@ -102,31 +102,60 @@ pub struct Scenario {
 
 /// What S3 clients of this scenario need in their environment.
 pub fn s3_env(endpoint: &str) -> Vec<(String, String)> {
-    [("AWS_ACCESS_KEY_ID", "weire2e"), ("AWS_SECRET_ACCESS_KEY", "weire2esecret"), ("AWS_REGION", "us-east-1"), ("AWS_ENDPOINT", endpoint), ("AWS_ALLOW_HTTP", "true")]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
+    [
+        ("AWS_ACCESS_KEY_ID", "weire2e"),
+        ("AWS_SECRET_ACCESS_KEY", "weire2esecret"),
+        ("AWS_REGION", "us-east-1"),
+        ("AWS_ENDPOINT", endpoint),
+        ("AWS_ALLOW_HTTP", "true"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect()
 }
 
 impl Scenario {
     /// Sets up namespace `ns` (deleted first if a previous run left it), its S3 server, the
     /// `weir-s3` Secret the jobs use, and the operator.
     pub async fn start(ns: &str) -> Scenario {
-        let client = kube::Client::try_default().await.expect("a cluster in KUBECONFIG (bring one up with e2e/local/up)");
+        let client =
+            kube::Client::try_default().await.expect("a cluster in KUBECONFIG (bring one up with e2e/local/up)");
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("s3").join(BUCKET)).unwrap();
         std::fs::create_dir_all(dir.path().join("s3").join("weir-examples")).unwrap();
         let ip = node_ip();
-        let port = std::net::TcpListener::bind((ip.as_str(), 0)).expect("the node address is local (is the cluster up?)").local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind((ip.as_str(), 0))
+            .expect("the node address is local (is the cluster up?)")
+            .local_addr()
+            .unwrap()
+            .port();
         let mut cmd = Command::new(s3s_binary());
-        cmd.args(["--host", &ip, "--port", &port.to_string(), "--access-key", "weire2e", "--secret-key", "weire2esecret"]).arg(dir.path().join("s3"));
+        cmd.args([
+            "--host",
+            &ip,
+            "--port",
+            &port.to_string(),
+            "--access-key",
+            "weire2e",
+            "--secret-key",
+            "weire2esecret",
+        ])
+        .arg(dir.path().join("s3"));
         let s3 = Guarded::spawn(cmd).expect("s3s-fs starts (bash .ci/install-tools.sh builds it)");
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect((ip.as_str(), port)).is_err() {
             assert!(Instant::now() < deadline, "s3s-fs did not listen on {ip}:{port}");
             std::thread::sleep(Duration::from_millis(50));
         }
-        let mut s = Scenario { ns: ns.to_string(), client, s3_endpoint: format!("http://{ip}:{port}"), dir, s3: Some(s3), operator: None, operator_starts: 0 };
+        let mut s = Scenario {
+            ns: ns.to_string(),
+            client,
+            s3_endpoint: format!("http://{ip}:{port}"),
+            dir,
+            s3: Some(s3),
+            operator: None,
+            operator_starts: 0,
+        };
         s.apply_crd().await;
         s.create_namespace().await;
         s.put_secret("weir-s3", &[]).await;
@@ -162,7 +191,11 @@ impl Scenario {
         api.create(&PostParams::default(), &ns).await.unwrap();
         // The controller-manager creates the default ServiceAccount pods need.
         crate::eventually("the default ServiceAccount", 60, || async {
-            Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(self.client.clone(), &self.ns).get_opt("default").await.ok().flatten()
+            Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(self.client.clone(), &self.ns)
+                .get_opt("default")
+                .await
+                .ok()
+                .flatten()
         })
         .await;
     }
@@ -173,21 +206,32 @@ impl Scenario {
         if let Ok(list) = jobs.list(&ListParams::default()).await {
             for j in list.items {
                 let name = j.metadata.name.clone().unwrap_or_default();
-                let _ = jobs.patch(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": null } }))).await;
+                let _ = jobs
+                    .patch(
+                        &name,
+                        &PatchParams::default(),
+                        &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": null } })),
+                    )
+                    .await;
             }
         }
         let api: Api<Namespace> = Api::all(self.client.clone());
         let _ = api.delete(&self.ns, &DeleteParams::default()).await;
-        crate::eventually("the old namespace gone", 180, || async { api.get_opt(&self.ns).await.unwrap().is_none().then_some(()) }).await;
+        crate::eventually("the old namespace gone", 180, || async {
+            api.get_opt(&self.ns).await.unwrap().is_none().then_some(())
+        })
+        .await;
     }
 
     /// Creates or replaces Secret `name` with the S3 settings plus `extra` entries.
     pub async fn put_secret(&self, name: &str, extra: &[(&str, &str)]) {
-        let mut data: serde_json::Map<String, serde_json::Value> = s3_env(&self.s3_endpoint).into_iter().map(|(k, v)| (k, v.into())).collect();
+        let mut data: serde_json::Map<String, serde_json::Value> =
+            s3_env(&self.s3_endpoint).into_iter().map(|(k, v)| (k, v.into())).collect();
         for (k, v) in extra {
             data.insert(k.to_string(), (*v).into());
         }
-        let secret: Secret = serde_json::from_value(serde_json::json!({ "metadata": { "name": name }, "stringData": data })).unwrap();
+        let secret: Secret =
+            serde_json::from_value(serde_json::json!({ "metadata": { "name": name }, "stringData": data })).unwrap();
         let api: Api<Secret> = Api::namespaced(self.client.clone(), &self.ns);
         let _ = api.delete(name, &DeleteParams::default()).await;
         api.create(&PostParams::default(), &secret).await.unwrap();
@@ -229,7 +273,11 @@ impl Scenario {
             if ready.is_some() {
                 break;
             }
-            assert!(Instant::now() < deadline, "weir-operator not ready after 60 s; its log:\n{}", std::fs::read_to_string(self.operator_log()).unwrap_or_default());
+            assert!(
+                Instant::now() < deadline,
+                "weir-operator not ready after 60 s; its log:\n{}",
+                std::fs::read_to_string(self.operator_log()).unwrap_or_default()
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
@@ -276,7 +324,10 @@ impl Scenario {
     /// Waits until the job's status phase is `phase`.
     pub async fn wait_phase(&self, job: &str, phase: &str, secs: u64) -> weir_crds::streamjob::StreamJobStatus {
         let jobs = self.jobs();
-        crate::eventually(&format!("{job} in phase {phase}"), secs, || async { jobs.get(job).await.ok()?.status.filter(|s| s.phase.map(|p| p.as_str()) == Some(phase)) }).await
+        crate::eventually(&format!("{job} in phase {phase}"), secs, || async {
+            jobs.get(job).await.ok()?.status.filter(|s| s.phase.map(|p| p.as_str()) == Some(phase))
+        })
+        .await
     }
 
     /// Waits until the job's pod runs in its container (Running, ready, with a pod IP) and
@@ -287,8 +338,16 @@ impl Scenario {
         crate::eventually(&format!("pod {name} running"), secs, || async {
             let p = pods.get_opt(&name).await.ok()??;
             let st = p.status.as_ref()?;
-            let ready = st.container_statuses.as_ref()?.iter().all(|c| c.ready && c.state.as_ref().is_some_and(|s| s.running.is_some()));
-            (p.metadata.deletion_timestamp.is_none() && st.phase.as_deref() == Some("Running") && ready && st.pod_ip.is_some()).then_some(p)
+            let ready = st
+                .container_statuses
+                .as_ref()?
+                .iter()
+                .all(|c| c.ready && c.state.as_ref().is_some_and(|s| s.running.is_some()));
+            (p.metadata.deletion_timestamp.is_none()
+                && st.phase.as_deref() == Some("Running")
+                && ready
+                && st.pod_ip.is_some())
+            .then_some(p)
         })
         .await
     }
@@ -338,7 +397,10 @@ impl Scenario {
         for j in jobs.list(&ListParams::default()).await.unwrap().items {
             let _ = jobs.delete(&j.metadata.name.unwrap_or_default(), &DeleteParams::default()).await;
         }
-        crate::eventually("the StreamJobs deleted", 120, || async { jobs.list(&ListParams::default()).await.ok()?.items.is_empty().then_some(()) }).await;
+        crate::eventually("the StreamJobs deleted", 120, || async {
+            jobs.list(&ListParams::default()).await.ok()?.items.is_empty().then_some(())
+        })
+        .await;
         let _ = Api::<Namespace>::all(self.client.clone()).delete(&self.ns, &DeleteParams::default()).await;
         self.operator.take();
         self.s3.take();
@@ -355,11 +417,19 @@ impl Scenario {
             vec!["logs", "-l", "weir.dev/job", "--all-containers", "--tail", "200", "--prefix"],
         ] {
             let out = self.kubectl(&args, None);
-            eprintln!("----- kubectl {} -----\n{}{}", args.join(" "), String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            eprintln!(
+                "----- kubectl {} -----\n{}{}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         let log = std::fs::read_to_string(self.operator_log()).unwrap_or_default();
         let tail: Vec<&str> = log.lines().rev().take(200).collect();
-        eprintln!("----- operator log (last 200 lines) -----\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        eprintln!(
+            "----- operator log (last 200 lines) -----\n{}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
     }
 }
 
@@ -383,7 +453,8 @@ pub fn assert_running_counts_exactly_once(records: &[serde_json::Value]) -> usiz
         let expected: Vec<i64> = (1..=counts.len() as i64).collect();
         if counts != expected {
             let dup: Vec<i64> = counts.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect();
-            let missing: Vec<i64> = expected.iter().filter(|n| counts.binary_search(n).is_err()).copied().take(10).collect();
+            let missing: Vec<i64> =
+                expected.iter().filter(|n| counts.binary_search(n).is_err()).copied().take(10).collect();
             panic!("key {k}: counts are not 1..{} exactly once: duplicated {dup:?}, missing {missing:?}", counts.len());
         }
     }

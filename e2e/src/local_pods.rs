@@ -60,7 +60,9 @@ impl LocalPod {
                 }
             }
             if let Some(sec) = &v.secret {
-                let got = Api::<Secret>::namespaced(client.clone(), &ns).get(sec.secret_name.as_deref().unwrap_or_default()).await?;
+                let got = Api::<Secret>::namespaced(client.clone(), &ns)
+                    .get(sec.secret_name.as_deref().unwrap_or_default())
+                    .await?;
                 for (k, bytes) in got.data.unwrap_or_default() {
                     std::fs::write(local.join(k), bytes.0)?;
                 }
@@ -83,7 +85,9 @@ impl LocalPod {
                     }
                 }
                 // The longest mount path that prefixes the argument, once.
-                if let Some((mount, local)) = mounts.iter().filter(|(m, _)| a.starts_with(m.as_str())).max_by_key(|(m, _)| m.len()) {
+                if let Some((mount, local)) =
+                    mounts.iter().filter(|(m, _)| a.starts_with(m.as_str())).max_by_key(|(m, _)| m.len())
+                {
                     a = format!("{}{}", local.display(), &a[mount.len()..]);
                 }
                 if a == "/dev/termination-log" {
@@ -97,8 +101,20 @@ impl LocalPod {
         let log = std::fs::File::create(dir.path().join("runtime.log"))?;
         let child = Command::new(binary).args(&args).current_dir(&work).stdout(Stdio::null()).stderr(log).spawn()?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        pods.patch_status(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": { "phase": "Running" } }))).await?;
-        Ok(LocalPod { child, dir, control_url: format!("http://127.0.0.1:{port}"), name, uid: pod.metadata.uid.clone(), pods })
+        pods.patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "status": { "phase": "Running" } })),
+        )
+        .await?;
+        Ok(LocalPod {
+            child,
+            dir,
+            control_url: format!("http://127.0.0.1:{port}"),
+            name,
+            uid: pod.metadata.uid.clone(),
+            pods,
+        })
     }
 
     /// When the process has exited: reports it in the pod's status (phase, exit code,

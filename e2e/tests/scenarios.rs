@@ -49,7 +49,10 @@ fn output(ns: &str) -> String {
 }
 
 async fn patch_spec(s: &Scenario, spec: serde_json::Value) {
-    s.jobs().patch("counter", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": spec }))).await.unwrap();
+    s.jobs()
+        .patch("counter", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": spec })))
+        .await
+        .unwrap();
 }
 
 /// Suspends (stop with savepoint: everything before it is committed) and checks the output.
@@ -83,9 +86,15 @@ async fn a_the_example_runs_checkpoints_and_commits() {
     s.apply(&example.replace("weir.local/weir-runtime:dev", &runtime_image()));
     s.wait_phase("counter", "Running", 180).await;
     let pod = s.wait_pod_running("counter", 120).await;
-    assert!(pod.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0].container_id.is_some(), "a real container");
+    assert!(
+        pod.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0].container_id.is_some(),
+        "a real container"
+    );
     let jobs = s.jobs();
-    let chk = eventually("a completed checkpoint in status", 60, || async { jobs.get("counter").await.ok()?.status?.latest_checkpoint }).await;
+    let chk = eventually("a completed checkpoint in status", 60, || async {
+        jobs.get("counter").await.ok()?.status?.latest_checkpoint
+    })
+    .await;
     assert!(chk.path.contains(&format!("state/{}/counter/checkpoints/chk-", s.ns)), "{chk:?}");
     assert!(chk.completed_at.is_some());
     s.wait_output("s3://weir-examples/counter", 200, 60).await;
@@ -116,9 +125,16 @@ async fn b_gitops_upgrade_takes_a_savepoint_and_stays_exactly_once() {
     let status = s.wait_phase("counter", "Running", 180).await;
     let savepoint = status.latest_savepoint.expect("the upgrade's savepoint in status").path;
     assert!(savepoint.contains("/savepoints/"), "{savepoint}");
-    assert!(container_args(&second).contains(&format!("--restore {savepoint}")), "restored from the savepoint: {}", container_args(&second));
+    assert!(
+        container_args(&second).contains(&format!("--restore {savepoint}")),
+        "restored from the savepoint: {}",
+        container_args(&second)
+    );
     s.wait_pod_running("counter", 120).await;
-    eventually("v2 records committed", 90, || async { s.committed(&output(&s.ns)).await.iter().any(|r| r["v"] == "v2").then_some(()) }).await;
+    eventually("v2 records committed", 90, || async {
+        s.committed(&output(&s.ns)).await.iter().any(|r| r["v"] == "v2").then_some(())
+    })
+    .await;
     let records = suspend_and_check(&s).await;
     // Per key, every v1 count precedes every v2 count: the state went across the upgrade.
     let mut last_v1: std::collections::BTreeMap<i64, i64> = Default::default();
@@ -128,7 +144,10 @@ async fn b_gitops_upgrade_takes_a_savepoint_and_stays_exactly_once() {
     }
     for r in records.iter().filter(|r| r["v"] == "v2") {
         let k = r["k"].as_i64().unwrap();
-        assert!(r["n"].as_i64().unwrap() > last_v1.get(&k).copied().unwrap_or(0), "key {k}: a v2 count not after the v1 counts");
+        assert!(
+            r["n"].as_i64().unwrap() > last_v1.get(&k).copied().unwrap_or(0),
+            "key {k}: a v2 count not after the v1 counts"
+        );
     }
     s.finish().await;
 }
@@ -153,14 +172,21 @@ async fn c_a_killed_pod_and_a_killed_process_relaunch_from_the_newest_checkpoint
         (p.metadata.uid.as_deref() != Some(uid.as_str())).then_some(p)
     })
     .await;
-    assert!(container_args(&second).contains("--restore latest"), "restores the newest valid checkpoint: {}", container_args(&second));
+    assert!(
+        container_args(&second).contains("--restore latest"),
+        "restores the newest valid checkpoint: {}",
+        container_args(&second)
+    );
     let second = s.wait_pod_running("counter", 180).await;
     let before = s.committed(&output(&s.ns)).await.len();
     s.wait_output(&output(&s.ns), before + 100, 90).await;
 
     // 2. The runtime process in the container is killed.
     let uid2 = second.metadata.uid.clone().unwrap();
-    let pids = eventually("the runtime's process on the node", 30, || async { Some(runtime_pids(&uid2)).filter(|p| !p.is_empty()) }).await;
+    let pids = eventually("the runtime's process on the node", 30, || async {
+        Some(runtime_pids(&uid2)).filter(|p| !p.is_empty())
+    })
+    .await;
     for pid in pids {
         let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
     }
@@ -191,7 +217,10 @@ async fn d_cancel_whose_savepoint_fails_kills_the_pods_and_resumes_exactly_once(
     let asked = Instant::now();
     patch_spec(&s, serde_json::json!({ "state": "cancelled" })).await;
     let pods = s.pods();
-    eventually("the pods gone", 25 + 5, || async { pods.get_opt("counter-runtime-0").await.ok()?.is_none().then_some(()) }).await;
+    eventually("the pods gone", 25 + 5, || async {
+        pods.get_opt("counter-runtime-0").await.ok()?.is_none().then_some(())
+    })
+    .await;
     let took = asked.elapsed();
     assert!(took < Duration::from_secs(25), "pods gone {took:?} after cancel (savepoint timeout 20 s + 5 s)");
     let status = s.wait_phase("counter", "Cancelled", 60).await;
@@ -204,7 +233,12 @@ async fn d_cancel_whose_savepoint_fails_kills_the_pods_and_resumes_exactly_once(
     s.put_secret("weir-s3", &[]).await;
     patch_spec(&s, serde_json::json!({ "state": "running" })).await;
     let pod = s.wait_pod_running("counter", 180).await;
-    assert!(container_args(&pod).contains("--restore latest"), "the runtime verifies the recovery checkpoint {}: {}", recovery.path, container_args(&pod));
+    assert!(
+        container_args(&pod).contains("--restore latest"),
+        "the runtime verifies the recovery checkpoint {}: {}",
+        recovery.path,
+        container_args(&pod)
+    );
     progresses_then_exactly_once(s).await;
 }
 
@@ -238,7 +272,8 @@ async fn f_a_corrupt_newest_checkpoint_is_skipped_on_relaunch() {
     let pod = s.wait_pod_running("counter", 180).await;
     s.wait_output(&output(&s.ns), 300, 90).await;
     let checkpoints = s.storage(&format!("s3://{BUCKET}/state/{}/counter/checkpoints", s.ns));
-    eventually("two checkpoints", 60, || async { (checkpoints.list_dirs("").await.ok()?.len() >= 2).then_some(()) }).await;
+    eventually("two checkpoints", 60, || async { (checkpoints.list_dirs("").await.ok()?.len() >= 2).then_some(()) })
+        .await;
 
     // The job goes down while no operator watches; its newest checkpoint is then corrupted.
     s.kill_operator();
@@ -246,7 +281,13 @@ async fn f_a_corrupt_newest_checkpoint_is_skipped_on_relaunch() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let uid = pod.metadata.uid.clone().unwrap();
     eventually("the runtime process gone", 60, || async { runtime_pids(&uid).is_empty().then_some(()) }).await;
-    let mut ids: Vec<u64> = checkpoints.list_dirs("").await.unwrap().iter().filter_map(|d| d.trim_end_matches('/').rsplit("chk-").next()?.parse().ok()).collect();
+    let mut ids: Vec<u64> = checkpoints
+        .list_dirs("")
+        .await
+        .unwrap()
+        .iter()
+        .filter_map(|d| d.trim_end_matches('/').rsplit("chk-").next()?.parse().ok())
+        .collect();
     ids.sort_unstable();
     let newest = *ids.last().unwrap();
     let previous = ids[ids.len() - 2];
@@ -254,7 +295,8 @@ async fn f_a_corrupt_newest_checkpoint_is_skipped_on_relaunch() {
 
     s.start_operator().await;
     let pods = s.pods();
-    let relaunched = eventually("the job relaunched", 180, || async { pods.get_opt("counter-runtime-0").await.ok()? }).await;
+    let relaunched =
+        eventually("the job relaunched", 180, || async { pods.get_opt("counter-runtime-0").await.ok()? }).await;
     let args = container_args(&relaunched);
     assert!(args.contains("--restore latest"), "the runtime chooses, verifying each file: {args}");
     s.wait_pod_running("counter", 180).await;
@@ -265,7 +307,10 @@ async fn f_a_corrupt_newest_checkpoint_is_skipped_on_relaunch() {
         text.contains("restoring").then_some(text)
     })
     .await;
-    assert!(restored.contains(&format!("chk-{previous}")) && restored.contains(&format!("chk-{newest}")), "skips chk-{newest}, restores chk-{previous}: {restored}");
+    assert!(
+        restored.contains(&format!("chk-{previous}")) && restored.contains(&format!("chk-{newest}")),
+        "skips chk-{newest}, restores chk-{previous}: {restored}"
+    );
     progresses_then_exactly_once(s).await;
 }
 
@@ -282,7 +327,9 @@ async fn g_an_operator_killed_mid_upgrade_completes_it() {
     let jobs = s.jobs();
     eventually("the upgrade under way", 60, || async {
         let st = jobs.get("counter").await.ok()?.status?;
-        (st.operation.as_ref().is_some_and(|o| o.kind == weir_crds::streamjob::OperationKind::Upgrade) || st.pending_upgrade.is_some()).then_some(())
+        (st.operation.as_ref().is_some_and(|o| o.kind == weir_crds::streamjob::OperationKind::Upgrade)
+            || st.pending_upgrade.is_some())
+        .then_some(())
     })
     .await;
     s.kill_operator();
@@ -293,13 +340,20 @@ async fn g_an_operator_killed_mid_upgrade_completes_it() {
     s.start_operator().await;
     let status = eventually("the upgrade done", 240, || async {
         let st = jobs.get("counter").await.ok()?.status?;
-        (st.phase == Some(weir_crds::streamjob::Phase::Running) && st.pending_upgrade.is_none() && st.operation.is_none() && st.observed_generation == Some(2)).then_some(st)
+        (st.phase == Some(weir_crds::streamjob::Phase::Running)
+            && st.pending_upgrade.is_none()
+            && st.operation.is_none()
+            && st.observed_generation == Some(2))
+        .then_some(st)
     })
     .await;
     let savepoint = status.latest_savepoint.expect("the upgrade's savepoint").path;
     let pod = s.wait_pod_running("counter", 120).await;
     assert!(container_args(&pod).contains(&format!("--restore {savepoint}")), "{}", container_args(&pod));
-    eventually("v2 records committed", 90, || async { s.committed(&output(&s.ns)).await.iter().any(|r| r["v"] == "v2").then_some(()) }).await;
+    eventually("v2 records committed", 90, || async {
+        s.committed(&output(&s.ns)).await.iter().any(|r| r["v"] == "v2").then_some(())
+    })
+    .await;
     suspend_and_check(&s).await;
     s.finish().await;
 }
@@ -329,7 +383,13 @@ async fn h_invalid_manifests_are_refused_with_a_clear_message() {
     s.apply(&valid.replace("{ name: counts, uid: counts,", "{ name: counts,"));
     let jobs = s.jobs();
     let condition = eventually("Degraded=True", 60, || async {
-        jobs.get("counter").await.ok()?.status?.conditions.into_iter().find(|c| c.type_ == "Degraded" && c.status == "True")
+        jobs.get("counter")
+            .await
+            .ok()?
+            .status?
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "Degraded" && c.status == "True")
     })
     .await;
     assert_eq!(condition.reason, "InvalidJob");

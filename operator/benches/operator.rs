@@ -14,7 +14,12 @@ use weir_e2e::apiserver::TestApiServer;
 /// Resident memory of a process, MiB.
 fn rss_mib(pid: u32) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok()).unwrap_or(0.0) / 1024.0
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+        / 1024.0
 }
 
 /// One plain HTTP GET on loopback; the body.
@@ -24,7 +29,8 @@ fn http_get(addr: &str, path: &str) -> Option<String> {
     write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
-    text.starts_with("HTTP/1.1 200").then(|| text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    text.starts_with("HTTP/1.1 200")
+        .then(|| text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
 }
 
 fn metric(text: &str, name: &str) -> f64 {
@@ -65,7 +71,8 @@ async fn main() {
         return;
     }
     let smoke = !std::env::args().any(|a| a == "--bench");
-    let n: usize = std::env::var("WEIR_BENCH_JOBS").ok().and_then(|v| v.parse().ok()).unwrap_or(if smoke { 20 } else { 1000 });
+    let n: usize =
+        std::env::var("WEIR_BENCH_JOBS").ok().and_then(|v| v.parse().ok()).unwrap_or(if smoke { 20 } else { 1000 });
     let ns = "bench";
     let (server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
     let storage = tempfile::tempdir().unwrap();
@@ -73,7 +80,14 @@ async fn main() {
     // The real operator binary, as users run it out of cluster.
     let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_weir-operator"))
-        .args(["--kubeconfig", &server.kubeconfig().display().to_string(), "--default-storage", &storage.path().display().to_string(), "--http-addr", &http])
+        .args([
+            "--kubeconfig",
+            &server.kubeconfig().display().to_string(),
+            "--default-storage",
+            &storage.path().display().to_string(),
+            "--http-addr",
+            &http,
+        ])
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("weir-operator starts");
@@ -99,7 +113,11 @@ async fn main() {
         if i % 50 == 0 {
             let pod = format!("{name}-runtime-0");
             while pods.get_opt(&pod).await.unwrap().is_none() {
-                assert!(t0.elapsed() < Duration::from_secs(120), "no pod for {name}; operator metrics:\n{}", http_get(&http, "/metrics").unwrap_or_default());
+                assert!(
+                    t0.elapsed() < Duration::from_secs(120),
+                    "no pod for {name}; operator metrics:\n{}",
+                    http_get(&http, "/metrics").unwrap_or_default()
+                );
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             to_pod.push(t0.elapsed().as_millis() as u64);
@@ -131,9 +149,18 @@ async fn main() {
         metric(&m, "weir_operator_reconcile_seconds{quantile=\"0.5\"}") * 1000.0,
         metric(&m, "weir_operator_reconcile_seconds{quantile=\"0.99\"}") * 1000.0
     );
-    println!("| create → pod exists (sampled, p50 / max) | {} ms / {} ms |", to_pod[to_pod.len() / 2], to_pod[to_pod.len() - 1]);
+    println!(
+        "| create → pod exists (sampled, p50 / max) | {} ms / {} ms |",
+        to_pod[to_pod.len() / 2],
+        to_pod[to_pod.len() - 1]
+    );
     println!("| all {n} jobs deployed | {:.1} s |", all_deployed.as_secs_f64());
-    let failed: f64 = m.lines().filter(|l| l.starts_with("weir_operator_reconcile_errors_total{")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum::<f64>().abs();
+    let failed: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("weir_operator_reconcile_errors_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>()
+        .abs();
     println!("| failed reconciles | {failed} |");
     if smoke {
         assert!(reconciles as usize >= n);

@@ -6,11 +6,13 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, HTTPGetAction, Pod,
-    PodSecurityContext, PodSpec, Probe, SeccompProfile, SecretEnvSource, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec,
-    Volume, VolumeMount,
+    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource,
+    HTTPGetAction, Pod, PodSecurityContext, PodSpec, Probe, SeccompProfile, SecretEnvSource, SecretVolumeSource,
+    SecurityContext, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
-use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec};
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
@@ -126,13 +128,23 @@ fn meta(sj: &StreamJob, name: String, extra_labels: BTreeMap<String, String>) ->
     let owner = sj.controller_owner_ref(&()).ok_or(BuildError::MissingMetadata("uid"))?;
     let mut l = labels(&job);
     l.extend(extra_labels);
-    Ok(ObjectMeta { name: Some(name), namespace: Some(namespace), labels: Some(l), owner_references: Some(vec![owner]), ..ObjectMeta::default() })
+    Ok(ObjectMeta {
+        name: Some(name),
+        namespace: Some(namespace),
+        labels: Some(l),
+        owner_references: Some(vec![owner]),
+        ..ObjectMeta::default()
+    })
 }
 
 /// The ConfigMap holding the job file.
 pub fn config_map(sj: &StreamJob, job_yaml: String) -> Result<ConfigMap, BuildError> {
     let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
-    Ok(ConfigMap { metadata: meta(sj, config_map_name(&job), BTreeMap::new())?, data: Some(BTreeMap::from([("job.yaml".to_string(), job_yaml)])), ..ConfigMap::default() })
+    Ok(ConfigMap {
+        metadata: meta(sj, config_map_name(&job), BTreeMap::new())?,
+        data: Some(BTreeMap::from([("job.yaml".to_string(), job_yaml)])),
+        ..ConfigMap::default()
+    })
 }
 
 /// Who may reach a job's control API (savepoints, stop, cancel, metrics) when NetworkPolicies
@@ -156,10 +168,16 @@ pub fn network_policy_name(job: &str) -> String {
 /// else to any other port of theirs.
 pub fn network_policy(sj: &StreamJob, ingress: &ControlIngress) -> Result<NetworkPolicy, BuildError> {
     let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
-    let namespace_is = |ns: &str| LabelSelector { match_labels: Some(BTreeMap::from([("kubernetes.io/metadata.name".to_string(), ns.to_string())])), ..LabelSelector::default() };
+    let namespace_is = |ns: &str| LabelSelector {
+        match_labels: Some(BTreeMap::from([("kubernetes.io/metadata.name".to_string(), ns.to_string())])),
+        ..LabelSelector::default()
+    };
     let mut from = vec![NetworkPolicyPeer {
         namespace_selector: Some(namespace_is(&ingress.operator_namespace)),
-        pod_selector: Some(LabelSelector { match_labels: Some(ingress.operator_pod_labels.clone()), ..LabelSelector::default() }),
+        pod_selector: Some(LabelSelector {
+            match_labels: Some(ingress.operator_pod_labels.clone()),
+            ..LabelSelector::default()
+        }),
         ..NetworkPolicyPeer::default()
     }];
     for ns in &ingress.extra_namespaces {
@@ -168,11 +186,18 @@ pub fn network_policy(sj: &StreamJob, ingress: &ControlIngress) -> Result<Networ
     Ok(NetworkPolicy {
         metadata: meta(sj, network_policy_name(&job), BTreeMap::new())?,
         spec: Some(NetworkPolicySpec {
-            pod_selector: Some(LabelSelector { match_labels: Some(BTreeMap::from([(JOB_LABEL.to_string(), job.clone())])), ..LabelSelector::default() }),
+            pod_selector: Some(LabelSelector {
+                match_labels: Some(BTreeMap::from([(JOB_LABEL.to_string(), job.clone())])),
+                ..LabelSelector::default()
+            }),
             policy_types: Some(vec!["Ingress".into()]),
             ingress: Some(vec![NetworkPolicyIngressRule {
                 from: Some(from),
-                ports: Some(vec![NetworkPolicyPort { port: Some(IntOrString::Int(CONTROL_PORT)), protocol: Some("TCP".into()), ..NetworkPolicyPort::default() }]),
+                ports: Some(vec![NetworkPolicyPort {
+                    port: Some(IntOrString::Int(CONTROL_PORT)),
+                    protocol: Some("TCP".into()),
+                    ..NetworkPolicyPort::default()
+                }]),
             }]),
             ..NetworkPolicySpec::default()
         }),
@@ -189,7 +214,12 @@ pub fn service(sj: &StreamJob) -> Result<Service, BuildError> {
             // job (a /24 service range would otherwise cap a cluster at ~250 jobs).
             cluster_ip: Some("None".into()),
             selector: Some(BTreeMap::from([(JOB_LABEL.to_string(), job.clone())])),
-            ports: Some(vec![ServicePort { name: Some("control".into()), port: CONTROL_PORT, target_port: Some(IntOrString::Int(CONTROL_PORT)), ..ServicePort::default() }]),
+            ports: Some(vec![ServicePort {
+                name: Some("control".into()),
+                port: CONTROL_PORT,
+                target_port: Some(IntOrString::Int(CONTROL_PORT)),
+                ..ServicePort::default()
+            }]),
             ..ServiceSpec::default()
         }),
         ..Service::default()
@@ -198,7 +228,13 @@ pub fn service(sj: &StreamJob) -> Result<Service, BuildError> {
 
 /// The runtime pod, restoring as `mode` says: exactly `restore_from`, the newest valid restore
 /// point in the job's storage, or no state.
-pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Option<&SnapshotRef>, mode: RestoreMode) -> Result<Pod, BuildError> {
+pub fn pod(
+    sj: &StreamJob,
+    spec_hash: &str,
+    storage_root: &str,
+    restore_from: Option<&SnapshotRef>,
+    mode: RestoreMode,
+) -> Result<Pod, BuildError> {
     let s = &sj.spec;
     let job = sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?;
     let overrides = s.pod_template.clone().unwrap_or_default();
@@ -213,7 +249,8 @@ pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Op
         (RestoreMode::Fresh, _) => vec!["--fresh".into()],
         (RestoreMode::Latest, _) | (RestoreMode::Snapshot, None) => vec!["--restore".into(), "latest".into()],
     };
-    let mut args = vec!["run".to_string(), format!("{JOB_DIR}/job.yaml"), "--checkpoint-dir".into(), storage_root.to_string()];
+    let mut args =
+        vec!["run".to_string(), format!("{JOB_DIR}/job.yaml"), "--checkpoint-dir".into(), storage_root.to_string()];
     args.extend(restore);
     args.extend([
         "--control-addr".into(),
@@ -233,11 +270,24 @@ pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Op
         image_pull_policy: s.image_pull_policy.clone(),
         command: Some(vec!["weir-runtime".into()]),
         args: Some(args),
-        ports: Some(vec![ContainerPort { name: Some("control".into()), container_port: CONTROL_PORT, ..ContainerPort::default() }]),
-        env_from: s.checkpointing.credentials_secret.as_ref().map(|r| vec![EnvFromSource { secret_ref: Some(SecretEnvSource { name: r.name.clone(), optional: Some(false) }), ..EnvFromSource::default() }]),
+        ports: Some(vec![ContainerPort {
+            name: Some("control".into()),
+            container_port: CONTROL_PORT,
+            ..ContainerPort::default()
+        }]),
+        env_from: s.checkpointing.credentials_secret.as_ref().map(|r| {
+            vec![EnvFromSource {
+                secret_ref: Some(SecretEnvSource { name: r.name.clone(), optional: Some(false) }),
+                ..EnvFromSource::default()
+            }]
+        }),
         resources: s.resources.clone(),
         readiness_probe: Some(Probe {
-            http_get: Some(HTTPGetAction { path: Some("/healthz".into()), port: IntOrString::Int(CONTROL_PORT), ..HTTPGetAction::default() }),
+            http_get: Some(HTTPGetAction {
+                path: Some("/healthz".into()),
+                port: IntOrString::Int(CONTROL_PORT),
+                ..HTTPGetAction::default()
+            }),
             period_seconds: Some(5),
             ..Probe::default()
         }),
@@ -250,8 +300,18 @@ pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Op
             ..SecurityContext::default()
         }),
         volume_mounts: Some(vec![
-            VolumeMount { name: "job".into(), mount_path: JOB_DIR.into(), read_only: Some(true), ..VolumeMount::default() },
-            VolumeMount { name: "token".into(), mount_path: TOKEN_DIR.into(), read_only: Some(true), ..VolumeMount::default() },
+            VolumeMount {
+                name: "job".into(),
+                mount_path: JOB_DIR.into(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            },
+            VolumeMount {
+                name: "token".into(),
+                mount_path: TOKEN_DIR.into(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            },
             VolumeMount { name: "scratch".into(), mount_path: "/tmp".into(), ..VolumeMount::default() },
         ]),
         working_dir: Some("/tmp".into()),
@@ -267,7 +327,8 @@ pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Op
             automount_service_account_token: Some(false),
             node_selector: (!overrides.node_selector.is_empty()).then(|| overrides.node_selector.clone()),
             tolerations: (!overrides.tolerations.is_empty()).then(|| overrides.tolerations.clone()),
-            image_pull_secrets: (!overrides.image_pull_secrets.is_empty()).then(|| overrides.image_pull_secrets.clone()),
+            image_pull_secrets: (!overrides.image_pull_secrets.is_empty())
+                .then(|| overrides.image_pull_secrets.clone()),
             security_context: Some(PodSecurityContext {
                 run_as_non_root: Some(true),
                 run_as_user: Some(RUNTIME_UID),
@@ -277,9 +338,27 @@ pub fn pod(sj: &StreamJob, spec_hash: &str, storage_root: &str, restore_from: Op
                 ..PodSecurityContext::default()
             }),
             volumes: Some(vec![
-                Volume { name: "job".into(), config_map: Some(ConfigMapVolumeSource { name: config_map_name(&job), ..ConfigMapVolumeSource::default() }), ..Volume::default() },
-                Volume { name: "token".into(), secret: Some(SecretVolumeSource { secret_name: Some(token_secret_name(&job)), ..SecretVolumeSource::default() }), ..Volume::default() },
-                Volume { name: "scratch".into(), empty_dir: Some(EmptyDirVolumeSource::default()), ..Volume::default() },
+                Volume {
+                    name: "job".into(),
+                    config_map: Some(ConfigMapVolumeSource {
+                        name: config_map_name(&job),
+                        ..ConfigMapVolumeSource::default()
+                    }),
+                    ..Volume::default()
+                },
+                Volume {
+                    name: "token".into(),
+                    secret: Some(SecretVolumeSource {
+                        secret_name: Some(token_secret_name(&job)),
+                        ..SecretVolumeSource::default()
+                    }),
+                    ..Volume::default()
+                },
+                Volume {
+                    name: "scratch".into(),
+                    empty_dir: Some(EmptyDirVolumeSource::default()),
+                    ..Volume::default()
+                },
             ]),
             ..PodSpec::default()
         }),
@@ -306,8 +385,14 @@ mod tests {
         assert_eq!(rule.ports.as_ref().unwrap()[0].port, Some(IntOrString::Int(CONTROL_PORT)));
         let from = rule.from.as_ref().unwrap();
         assert_eq!(from.len(), 2);
-        assert_eq!(from[0].namespace_selector.as_ref().unwrap().match_labels.as_ref().unwrap()["kubernetes.io/metadata.name"], "weir-system");
-        assert_eq!(from[0].pod_selector.as_ref().unwrap().match_labels.as_ref().unwrap()["app.kubernetes.io/name"], "weir-operator");
+        assert_eq!(
+            from[0].namespace_selector.as_ref().unwrap().match_labels.as_ref().unwrap()["kubernetes.io/metadata.name"],
+            "weir-system"
+        );
+        assert_eq!(
+            from[0].pod_selector.as_ref().unwrap().match_labels.as_ref().unwrap()["app.kubernetes.io/name"],
+            "weir-operator"
+        );
         assert!(from[1].pod_selector.is_none(), "every pod of the monitoring namespace");
     }
     use weir_crds::streamjob::{JobSource, StreamJobSpec};
@@ -336,7 +421,18 @@ checkpointing: { interval: 5s, credentialsSecret: { name: s3-creds } }
         let sj = sj();
         let root = storage_root("s3://bucket/weir/", "shop", "orders");
         assert_eq!(root, "s3://bucket/weir/shop/orders");
-        let p = pod(&sj, "abc", &root, Some(&SnapshotRef { id: 3, path: "s3://bucket/weir/shop/orders/savepoints/sp-1-3".into(), completed_at: None }), RestoreMode::Snapshot).unwrap();
+        let p = pod(
+            &sj,
+            "abc",
+            &root,
+            Some(&SnapshotRef {
+                id: 3,
+                path: "s3://bucket/weir/shop/orders/savepoints/sp-1-3".into(),
+                completed_at: None,
+            }),
+            RestoreMode::Snapshot,
+        )
+        .unwrap();
         let labels = p.metadata.labels.as_ref().unwrap();
         assert_eq!(labels[SPEC_HASH_LABEL], "abc");
         assert_eq!(labels[JOB_LABEL], "orders");

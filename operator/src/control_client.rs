@@ -32,7 +32,8 @@ pub enum ControlError {
 }
 
 async fn call(base: &str, method: &str, path: &str, token: &str, body: &str) -> Result<(u16, String), ControlError> {
-    let authority = base.strip_prefix("http://").ok_or_else(|| ControlError::BadUrl(base.to_string()))?.trim_end_matches('/');
+    let authority =
+        base.strip_prefix("http://").ok_or_else(|| ControlError::BadUrl(base.to_string()))?.trim_end_matches('/');
     let io = |reason: String| ControlError::Io { url: base.to_string(), reason };
     let exchange = async {
         let mut stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| io(e.to_string()))?;
@@ -45,9 +46,15 @@ async fn call(base: &str, method: &str, path: &str, token: &str, body: &str) -> 
         stream.read_to_end(&mut resp).await.map_err(|e| io(e.to_string()))?;
         Ok::<Vec<u8>, ControlError>(resp)
     };
-    let resp = tokio::time::timeout(Duration::from_secs(15), exchange).await.map_err(|_| io("timed out after 15s".into()))??;
+    let resp = tokio::time::timeout(Duration::from_secs(15), exchange)
+        .await
+        .map_err(|_| io("timed out after 15s".into()))??;
     let text = String::from_utf8_lossy(&resp).to_string();
-    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| io("malformed HTTP response".into()))?;
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| io("malformed HTTP response".into()))?;
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
     Ok((status, body))
 }
@@ -56,7 +63,8 @@ fn parse<T: serde::de::DeserializeOwned>(status: u16, body: String) -> Result<T,
     if !(200..300).contains(&status) {
         return Err(ControlError::Status { status, body });
     }
-    serde_json::from_str(&body).map_err(|e| ControlError::Status { status, body: format!("unreadable answer ({e}): {body}") })
+    serde_json::from_str(&body)
+        .map_err(|e| ControlError::Status { status, body: format!("unreadable answer ({e}): {body}") })
 }
 
 /// Asks for a savepoint (and a stop after it when `stop`); answers at once with its request.

@@ -14,8 +14,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{self, Action as Requeue, Controller};
-use kube::runtime::reflector::{self, Store};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use weir_checkpoint::Storage;
@@ -65,7 +65,14 @@ impl Settings {
     /// Defaults: control API through Services, 16 concurrent reconciles, status refreshed
     /// every 30 s, no NetworkPolicy, all namespaces.
     pub fn new(default_storage: impl Into<String>) -> Settings {
-        Settings { default_storage: default_storage.into(), control_address: ControlAddress::Service, max_concurrent_reconciles: 16, status_refresh: Duration::from_secs(30), control_ingress: None, namespace: None }
+        Settings {
+            default_storage: default_storage.into(),
+            control_address: ControlAddress::Service,
+            max_concurrent_reconciles: 16,
+            status_refresh: Duration::from_secs(30),
+            control_ingress: None,
+            namespace: None,
+        }
     }
 }
 
@@ -152,7 +159,11 @@ fn now_ms() -> u64 {
 pub fn plan_state(status: &StreamJobStatus) -> PlanState {
     PlanState {
         phase: status.phase,
-        operation: status.operation.as_ref().map(|o| Operation { kind: o.kind, started_at_ms: o.started_at.0.as_millisecond().max(0) as u64, generation: o.generation }),
+        operation: status.operation.as_ref().map(|o| Operation {
+            kind: o.kind,
+            started_at_ms: o.started_at.0.as_millisecond().max(0) as u64,
+            generation: o.generation,
+        }),
         pending_upgrade: status.pending_upgrade.clone(),
         recovery_point: status.recovery_point.clone(),
         relaunch_count: status.relaunch_count,
@@ -160,7 +171,11 @@ pub fn plan_state(status: &StreamJobStatus) -> PlanState {
         observed_restart_nonce: status.observed_restart_nonce,
         observed_savepoint_nonce: status.observed_savepoint_nonce,
         latest_savepoint: status.latest_savepoint.clone(),
-        savepoint_history: status.savepoint_history.iter().map(|s| (s.clone(), time_to_ms(&s.completed_at).unwrap_or(0))).collect(),
+        savepoint_history: status
+            .savepoint_history
+            .iter()
+            .map(|s| (s.clone(), time_to_ms(&s.completed_at).unwrap_or(0)))
+            .collect(),
         last_savepoint_ms: time_to_ms(&status.last_savepoint_time),
     }
 }
@@ -206,7 +221,13 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     if !deleting && !finalizers.iter().any(|f| f == FINALIZER) {
         let mut with = finalizers.clone();
         with.push(FINALIZER.to_string());
-        jobs_api.patch(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": with } }))).await?;
+        jobs_api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": with } })),
+            )
+            .await?;
     }
     if deleting && !finalizers.iter().any(|f| f == FINALIZER) {
         return Ok(Requeue::await_change());
@@ -224,7 +245,9 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let mut listed: Vec<Pod> = ctx
         .pods
-        .state_filter(|p| p.metadata.namespace.as_deref() == Some(ns.as_str()) && p.labels().get(JOB_LABEL) == Some(&name))
+        .state_filter(|p| {
+            p.metadata.namespace.as_deref() == Some(ns.as_str()) && p.labels().get(JOB_LABEL) == Some(&name)
+        })
         .iter()
         .map(|p| Pod::clone(p))
         .collect();
@@ -242,24 +265,34 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
         // The runtime already exited after the stop: its termination message names the savepoint.
         Some(_) if stopped_with.is_some() => {
             let path = stopped_with.unwrap_or_default();
-            Some(SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef { id: savepoint_id(&path), path, completed_at: ms_to_time(now_ms()) }))
+            Some(SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef {
+                id: savepoint_id(&path),
+                path,
+                completed_at: ms_to_time(now_ms()),
+            }))
         }
-        Some(id) => Some(match control_client::savepoint_status(&control_url, token.as_deref().unwrap_or_default(), id).await {
-            Ok(s) => match s.outcome {
-                CheckpointOutcome::InProgress => SavepointProgress::InProgress,
-                CheckpointOutcome::Completed => {
-                    let path = s.path.unwrap_or_default();
-                    SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef { id: savepoint_id(&path), path, completed_at: ms_to_time(now_ms()) })
+        Some(id) => {
+            Some(match control_client::savepoint_status(&control_url, token.as_deref().unwrap_or_default(), id).await {
+                Ok(s) => match s.outcome {
+                    CheckpointOutcome::InProgress => SavepointProgress::InProgress,
+                    CheckpointOutcome::Completed => {
+                        let path = s.path.unwrap_or_default();
+                        SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef {
+                            id: savepoint_id(&path),
+                            path,
+                            completed_at: ms_to_time(now_ms()),
+                        })
+                    }
+                    CheckpointOutcome::Failed => SavepointProgress::Failed(s.failure.unwrap_or_default()),
+                },
+                // A runtime that stopped answering has not produced the savepoint.
+                Err(e) if matches!(pods_phase, plan::PodsPhase::Running) => {
+                    tracing::debug!(job = %name, error = %e, "savepoint status not readable yet");
+                    SavepointProgress::InProgress
                 }
-                CheckpointOutcome::Failed => SavepointProgress::Failed(s.failure.unwrap_or_default()),
-            },
-            // A runtime that stopped answering has not produced the savepoint.
-            Err(e) if matches!(pods_phase, plan::PodsPhase::Running) => {
-                tracing::debug!(job = %name, error = %e, "savepoint status not readable yet");
-                SavepointProgress::InProgress
-            }
-            Err(e) => SavepointProgress::Failed(e.to_string()),
-        }),
+                Err(e) => SavepointProgress::Failed(e.to_string()),
+            })
+        }
     };
     // The runtime's own view of a running job: its id and newest checkpoint, for status.
     let mut job_id = status.job_id.clone();
@@ -282,13 +315,23 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
                 job_id = Some(job.job_id);
                 if let Some(c) = job.latest_checkpoint {
                     let completed = c.triggered_at_ms + c.duration_ms.unwrap_or(0);
-                    latest_checkpoint = Some(weir_crds::streamjob::SnapshotRef { id: c.id, path: c.path, completed_at: ms_to_time(completed) });
+                    latest_checkpoint = Some(weir_crds::streamjob::SnapshotRef {
+                        id: c.id,
+                        path: c.path,
+                        completed_at: ms_to_time(completed),
+                    });
                 }
             }
             Err(e) => tracing::debug!(job = %name, error = %e, "job status not readable"),
         }
     }
-    let mut obs = Observation { now_ms: now_ms(), pods: pods_phase, pods_spec_hash: pods_hash, savepoint, checkpoints: Vec::new() };
+    let mut obs = Observation {
+        now_ms: now_ms(),
+        pods: pods_phase,
+        pods_spec_hash: pods_hash,
+        savepoint,
+        checkpoints: Vec::new(),
+    };
 
     // Validate: a job graph the runtime would refuse is reported, not deployed.
     let graph = job_graph(&client, &sj, &ns).await?;
@@ -308,7 +351,11 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
         obs.checkpoints = storage.checkpoints().await?;
     }
     let mut p = if let (Some(reason), true) = (&invalid, effective.state == DesiredState::Running) {
-        Plan { state: current.clone(), degraded: Some(format!("the job graph is invalid: {reason}")), ..Plan::default() }
+        Plan {
+            state: current.clone(),
+            degraded: Some(format!("the job graph is invalid: {reason}")),
+            ..Plan::default()
+        }
     } else {
         plan::plan(&desired, &current, &obs)
     };
@@ -324,15 +371,28 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
             Action::Deploy { restore_from, mode } => {
                 // The pod reads its token from this Secret: make sure it exists.
                 token = Some(ensure_token(&client, &sj, &ns, &name).await?);
-                ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), token.clone().unwrap_or_default());
+                ctx.tokens
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key.clone(), token.clone().unwrap_or_default());
                 let pp = PatchParams::apply(FIELD_MANAGER).force();
                 let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
-                cms.patch(&children::config_map_name(&name), &pp, &Patch::Apply(children::config_map(&sj, job_yaml.clone())?)).await?;
+                cms.patch(
+                    &children::config_map_name(&name),
+                    &pp,
+                    &Patch::Apply(children::config_map(&sj, job_yaml.clone())?),
+                )
+                .await?;
                 let svcs: Api<Service> = Api::namespaced(client.clone(), &ns);
                 svcs.patch(&children::service_name(&name), &pp, &Patch::Apply(children::service(&sj)?)).await?;
                 if let Some(ingress) = &ctx.settings.control_ingress {
                     let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), &ns);
-                    nps.patch(&children::network_policy_name(&name), &pp, &Patch::Apply(children::network_policy(&sj, ingress)?)).await?;
+                    nps.patch(
+                        &children::network_policy_name(&name),
+                        &pp,
+                        &Patch::Apply(children::network_policy(&sj, ingress)?),
+                    )
+                    .await?;
                 }
                 let pod = children::pod(&sj, &hash, &root, restore_from.as_ref(), mode)?;
                 pods.patch(&children::pod_name(&name), &pp, &Patch::Apply(pod)).await?;
@@ -342,30 +402,36 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
                 // Savepoints live under the job's storage root; anything else is left alone.
                 let storage = storage.open().await?;
                 match path.strip_prefix(storage.url()).map(|rel| rel.trim_start_matches('/').to_string()) {
-                    Some(rel) if rel.starts_with(weir_checkpoint::layout::SAVEPOINTS) => storage.delete_dir(&rel).await?,
+                    Some(rel) if rel.starts_with(weir_checkpoint::layout::SAVEPOINTS) => {
+                        storage.delete_dir(&rel).await?
+                    }
                     _ => tracing::warn!(job = %name, %path, "not deleting a savepoint outside the job's storage root"),
                 }
             }
-            Action::RequestSavepoint { stop } => match control_client::request_savepoint(&control_url, token.as_deref().unwrap_or_default(), stop).await {
-                Ok(s) => request_id = Some(s.request_id),
-                Err(e) => {
-                    // The savepoint cannot even start: plan again with that failure (e.g. kill).
-                    let mut failed = Observation { savepoint: Some(SavepointProgress::Failed(e.to_string())), ..obs.clone() };
-                    if failed.checkpoints.is_empty() && plan::needs_checkpoints(&desired, &p.state, &failed) {
-                        failed.checkpoints = storage.checkpoints().await?;
-                    }
-                    let mut retry = plan::plan(&desired, &p.state, &failed);
-                    retry.events.splice(0..0, p.events.drain(..));
-                    for a in &retry.actions {
-                        if let Action::DeletePods { grace_seconds } = a {
-                            delete_pods(&pods, &listed, *grace_seconds).await?;
+            Action::RequestSavepoint { stop } => {
+                match control_client::request_savepoint(&control_url, token.as_deref().unwrap_or_default(), stop).await
+                {
+                    Ok(s) => request_id = Some(s.request_id),
+                    Err(e) => {
+                        // The savepoint cannot even start: plan again with that failure (e.g. kill).
+                        let mut failed =
+                            Observation { savepoint: Some(SavepointProgress::Failed(e.to_string())), ..obs.clone() };
+                        if failed.checkpoints.is_empty() && plan::needs_checkpoints(&desired, &p.state, &failed) {
+                            failed.checkpoints = storage.checkpoints().await?;
                         }
+                        let mut retry = plan::plan(&desired, &p.state, &failed);
+                        retry.events.splice(0..0, p.events.drain(..));
+                        for a in &retry.actions {
+                            if let Action::DeletePods { grace_seconds } = a {
+                                delete_pods(&pods, &listed, *grace_seconds).await?;
+                            }
+                        }
+                        request_id = None;
+                        p = retry;
+                        break;
                     }
-                    request_id = None;
-                    p = retry;
-                    break;
                 }
-            },
+            }
         }
     }
 
@@ -397,7 +463,8 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     let mut new_status = status_from(&status, &p, generation, request_id, invalid.is_some());
     new_status.job_id = job_id;
     new_status.latest_checkpoint = latest_checkpoint;
-    ctx.metrics.phase(format!("{ns}/{name}"), if deleting { None } else { new_status.phase.map(|p| p.as_str().to_string()) });
+    ctx.metrics
+        .phase(format!("{ns}/{name}"), if deleting { None } else { new_status.phase.map(|p| p.as_str().to_string()) });
     if write_status(&jobs_api, &sj, &status, &new_status).await? == StatusWrite::Conflict {
         tracing::debug!(job = %name, "status changed since this reconcile read it; planning again");
         return Ok(Requeue::requeue(Duration::from_millis(200)));
@@ -405,7 +472,13 @@ async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeu
     if deleting && p.actions.is_empty() && p.state.phase == Some(Phase::Cancelled) {
         // Stopped (with a savepoint, or killed): let the deletion proceed.
         let rest: Vec<String> = finalizers.into_iter().filter(|f| f != FINALIZER).collect();
-        jobs_api.patch(&name, &PatchParams::default(), &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": rest } }))).await?;
+        jobs_api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": rest } })),
+            )
+            .await?;
         return Ok(Requeue::await_change());
     }
     Ok(match p.requeue_after_ms {
@@ -451,7 +524,10 @@ impl StorageAccess<'_> {
         let mut env = Vec::new();
         if let Some(secret) = &self.sj.spec.checkpointing.credentials_secret {
             let secrets: Api<Secret> = Api::namespaced(self.client.clone(), self.ns);
-            let found = secrets.get(&secret.name).await.map_err(|e| ReconcileError::CredentialsSecret { name: secret.name.clone(), reason: e.to_string() })?;
+            let found = secrets
+                .get(&secret.name)
+                .await
+                .map_err(|e| ReconcileError::CredentialsSecret { name: secret.name.clone(), reason: e.to_string() })?;
             for (k, v) in found.data.unwrap_or_default() {
                 env.push((k, String::from_utf8_lossy(&v.0).to_string()));
             }
@@ -500,15 +576,30 @@ async fn job_graph(client: &kube::Client, sj: &StreamJob, ns: &str) -> Result<Jo
     }
     let r = sj.spec.job.config_map_ref.clone().unwrap_or_default();
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
-    let cm = cms.get(&r.name).await.map_err(|e| ReconcileError::JobConfigMap { name: r.name.clone(), reason: e.to_string() })?;
-    let text = cm.data.and_then(|d| d.get(&r.key).cloned()).ok_or_else(|| ReconcileError::JobConfigMap { name: r.name.clone(), reason: format!("no key `{}`", r.key) })?;
-    let spec = weir_crds::JobSpec::from_yaml(&text).map_err(|e| ReconcileError::JobConfigMap { name: r.name.clone(), reason: e.to_string() })?;
+    let cm = cms
+        .get(&r.name)
+        .await
+        .map_err(|e| ReconcileError::JobConfigMap { name: r.name.clone(), reason: e.to_string() })?;
+    let text = cm
+        .data
+        .and_then(|d| d.get(&r.key).cloned())
+        .ok_or_else(|| ReconcileError::JobConfigMap { name: r.name.clone(), reason: format!("no key `{}`", r.key) })?;
+    let spec = weir_crds::JobSpec::from_yaml(&text)
+        .map_err(|e| ReconcileError::JobConfigMap { name: r.name.clone(), reason: e.to_string() })?;
     Ok(JobGraph { sources: spec.sources, operators: spec.operators, sinks: spec.sinks })
 }
 
-fn condition(type_: &str, on: bool, reason: &str, message: String, generation: i64, previous: &[Condition]) -> Condition {
+fn condition(
+    type_: &str,
+    on: bool,
+    reason: &str,
+    message: String,
+    generation: i64,
+    previous: &[Condition],
+) -> Condition {
     let status = if on { "True" } else { "False" }.to_string();
-    let since = previous.iter().find(|c| c.type_ == type_ && c.status == status).map(|c| c.last_transition_time.clone());
+    let since =
+        previous.iter().find(|c| c.type_ == type_ && c.status == status).map(|c| c.last_transition_time.clone());
     Condition {
         type_: type_.to_string(),
         status,
@@ -536,12 +627,19 @@ pub enum StatusWrite {
 /// are written only over the object the plan was made from (its resourceVersion is a
 /// precondition): an operator that lost its lease, or planned from a stale cache, gets a
 /// conflict instead of overwriting a newer decision.
-pub async fn write_status(api: &Api<StreamJob>, sj: &StreamJob, old: &StreamJobStatus, new: &StreamJobStatus) -> Result<StatusWrite, kube::Error> {
+pub async fn write_status(
+    api: &Api<StreamJob>,
+    sj: &StreamJob,
+    old: &StreamJobStatus,
+    new: &StreamJobStatus,
+) -> Result<StatusWrite, kube::Error> {
     if new == old {
         return Ok(StatusWrite::Unchanged);
     }
     let mut patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new });
-    let write_ahead = new.pending_upgrade != old.pending_upgrade || new.recovery_point != old.recovery_point || new.operation != old.operation;
+    let write_ahead = new.pending_upgrade != old.pending_upgrade
+        || new.recovery_point != old.recovery_point
+        || new.operation != old.operation;
     if let (true, Some(rv)) = (write_ahead, sj.metadata.resource_version.as_ref()) {
         patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
     }
@@ -559,7 +657,11 @@ async fn delete_pods(pods: &Api<Pod>, listed: &[Pod], grace_seconds: Option<i64>
     for pod in listed {
         let dp = DeleteParams {
             grace_period_seconds: grace_seconds.map(|g| g.max(0) as u32),
-            preconditions: pod.metadata.uid.clone().map(|uid| kube::api::Preconditions { uid: Some(uid), resource_version: None }),
+            preconditions: pod
+                .metadata
+                .uid
+                .clone()
+                .map(|uid| kube::api::Preconditions { uid: Some(uid), resource_version: None }),
             ..DeleteParams::default()
         };
         match pods.delete(&pod.name_any(), &dp).await {
@@ -572,20 +674,49 @@ async fn delete_pods(pods: &Api<Pod>, listed: &[Pod], grace_seconds: Option<i64>
 }
 
 /// The status to write after a plan.
-pub fn status_from(old: &StreamJobStatus, p: &Plan, generation: i64, request_id: Option<u64>, invalid: bool) -> StreamJobStatus {
+pub fn status_from(
+    old: &StreamJobStatus,
+    p: &Plan,
+    generation: i64,
+    request_id: Option<u64>,
+    invalid: bool,
+) -> StreamJobStatus {
     let s = &p.state;
     let phase = s.phase.unwrap_or(Phase::Deploying);
     let phase = if p.degraded.is_some() && !matches!(phase, Phase::Failed) { Phase::Degraded } else { phase };
     let ready = phase == Phase::Running;
-    let progressing = matches!(phase, Phase::Deploying | Phase::Upgrading | Phase::Suspending | Phase::Cancelling | Phase::Relaunching);
+    let progressing = matches!(
+        phase,
+        Phase::Deploying | Phase::Upgrading | Phase::Suspending | Phase::Cancelling | Phase::Relaunching
+    );
     let degraded_msg = p.degraded.clone().unwrap_or_default();
     let conditions = vec![
-        condition("Ready", ready, phase.as_str(), format!("the job is {}", phase.as_str().to_lowercase()), generation, &old.conditions),
-        condition("Progressing", progressing, phase.as_str(), if progressing { format!("{} in progress", phase.as_str()) } else { "no transition in progress".into() }, generation, &old.conditions),
+        condition(
+            "Ready",
+            ready,
+            phase.as_str(),
+            format!("the job is {}", phase.as_str().to_lowercase()),
+            generation,
+            &old.conditions,
+        ),
+        condition(
+            "Progressing",
+            progressing,
+            phase.as_str(),
+            if progressing { format!("{} in progress", phase.as_str()) } else { "no transition in progress".into() },
+            generation,
+            &old.conditions,
+        ),
         condition(
             "Degraded",
             p.degraded.is_some(),
-            if invalid { "InvalidJob" } else if p.degraded.is_some() { "NeedsAttention" } else { "AsExpected" },
+            if invalid {
+                "InvalidJob"
+            } else if p.degraded.is_some() {
+                "NeedsAttention"
+            } else {
+                "AsExpected"
+            },
             if degraded_msg.is_empty() { "no problem".into() } else { degraded_msg.clone() },
             generation,
             &old.conditions,
@@ -598,14 +729,23 @@ pub fn status_from(old: &StreamJobStatus, p: &Plan, generation: i64, request_id:
         job_id: old.job_id.clone(),
         latest_checkpoint: old.latest_checkpoint.clone(),
         latest_savepoint: s.latest_savepoint.clone(),
-        savepoint_history: s.savepoint_history.iter().map(|(sp, at)| weir_crds::streamjob::SnapshotRef { completed_at: ms_to_time(*at), ..sp.clone() }).collect(),
+        savepoint_history: s
+            .savepoint_history
+            .iter()
+            .map(|(sp, at)| weir_crds::streamjob::SnapshotRef { completed_at: ms_to_time(*at), ..sp.clone() })
+            .collect(),
         relaunch_count: s.relaunch_count,
         recovery_point: s.recovery_point.clone(),
         pending_upgrade: s.pending_upgrade.clone(),
         observed_restart_nonce: s.observed_restart_nonce,
         observed_savepoint_nonce: s.observed_savepoint_nonce,
         operation: s.operation.as_ref().and_then(|o| {
-            Some(OperationStatus { kind: o.kind, request_id, started_at: ms_to_time(o.started_at_ms)?, generation: o.generation })
+            Some(OperationStatus {
+                kind: o.kind,
+                request_id,
+                started_at: ms_to_time(o.started_at_ms)?,
+                generation: o.generation,
+            })
         }),
         last_relaunch_time: s.last_relaunch_ms.and_then(ms_to_time),
         last_savepoint_time: s.last_savepoint_ms.and_then(ms_to_time),
@@ -617,7 +757,9 @@ fn error_policy(sj: Arc<StreamJob>, error: &ReconcileError, _ctx: Arc<Context>) 
     tracing::warn!(job = %sj.name_any(), category = error.category(), %error, "reconcile failed");
     // Transient API or storage trouble retries soon; a broken job graph ConfigMap waits longer.
     match error {
-        ReconcileError::JobConfigMap { .. } | ReconcileError::Metadata(_) | ReconcileError::Build(_) => Requeue::requeue(Duration::from_secs(60)),
+        ReconcileError::JobConfigMap { .. } | ReconcileError::Metadata(_) | ReconcileError::Build(_) => {
+            Requeue::requeue(Duration::from_secs(60))
+        }
         _ => Requeue::requeue(Duration::from_secs(5)),
     }
 }
@@ -633,7 +775,10 @@ pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics:
         Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
-    let recorder = Recorder::new(client.clone(), Reporter { controller: FIELD_MANAGER.into(), instance: std::env::var("POD_NAME").ok() });
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter { controller: FIELD_MANAGER.into(), instance: std::env::var("POD_NAME").ok() },
+    );
     metrics.ready.store(true, std::sync::atomic::Ordering::Relaxed);
     // One watch of the runtime pods feeds both the cache that reconciles read and the
     // controller's triggers. Pod specs and managed fields are dropped: only metadata and status
@@ -650,7 +795,15 @@ pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics:
         // Deletions too: a deleted pod is what an upgrade or relaunch waits for.
         .touched_objects();
     let concurrency = settings.max_concurrent_reconciles.max(1);
-    let ctx = Arc::new(Context { client: client.clone(), settings, recorder, metrics: metrics.clone(), pods: pod_store, tokens: Default::default(), notices_reported: Default::default() });
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        settings,
+        recorder,
+        metrics: metrics.clone(),
+        pods: pod_store,
+        tokens: Default::default(),
+        notices_reported: Default::default(),
+    });
     // StreamJobs are cached without managed fields and kubectl's last-applied copy of the spec.
     let (job_store, job_writer) = reflector::store::<StreamJob>();
     let job_events = watcher(jobs, watcher::Config::default().any_semantic())

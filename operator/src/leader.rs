@@ -30,7 +30,13 @@ struct ObservedRecord {
 impl LeaderElection {
     /// A candidate `identity` for the lease `namespace/name`, held for `lease` per renewal.
     pub fn new(client: kube::Client, namespace: &str, name: &str, identity: &str, lease: Duration) -> Self {
-        LeaderElection { api: Api::namespaced(client, namespace), name: name.to_string(), identity: identity.to_string(), lease, observed: std::sync::Mutex::new(None) }
+        LeaderElection {
+            api: Api::namespaced(client, namespace),
+            name: name.to_string(),
+            identity: identity.to_string(),
+            lease,
+            observed: std::sync::Mutex::new(None),
+        }
     }
 
     fn spec(&self, acquired: Option<MicroTime>) -> LeaseSpec {
@@ -63,7 +69,11 @@ impl LeaderElection {
         // Expiry is judged as client-go does: by how long *this* process has seen the same
         // record unchanged, on its own monotonic clock. The holder's renewTime was written by
         // another host's clock, which may be ahead or behind ours.
-        let record = ObservedRecord { holder: spec.holder_identity.clone(), renew_time: spec.renew_time.clone(), resource_version: lease.metadata.resource_version.clone() };
+        let record = ObservedRecord {
+            holder: spec.holder_identity.clone(),
+            renew_time: spec.renew_time.clone(),
+            resource_version: lease.metadata.resource_version.clone(),
+        };
         let now = tokio::time::Instant::now();
         let duration = spec.lease_duration_seconds.map(|s| Duration::from_secs(s.max(0) as u64));
         let expired = {
@@ -112,7 +122,9 @@ impl LeaderElection {
             match attempt {
                 Ok(Ok(true)) => last_renewal = tokio::time::Instant::now(),
                 Ok(Ok(false)) => return format!("lease {} taken by another replica", self.name),
-                Ok(Err(e)) if last_renewal.elapsed() < deadline => tracing::warn!(error = %e, "lease renewal failed; retrying"),
+                Ok(Err(e)) if last_renewal.elapsed() < deadline => {
+                    tracing::warn!(error = %e, "lease renewal failed; retrying")
+                }
                 Err(_) if last_renewal.elapsed() < deadline => tracing::warn!("lease renewal timed out; retrying"),
                 Ok(Err(e)) => return format!("lease {} not renewed in time: {e}", self.name),
                 Err(_) => return format!("lease {} not renewed in time: renewals time out", self.name),

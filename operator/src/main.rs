@@ -62,7 +62,11 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_target(false).init();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
     let args = Args::parse();
     let config = match &args.kubeconfig {
         Some(path) => {
@@ -73,11 +77,17 @@ async fn main() -> anyhow::Result<()> {
     };
     let client = kube::Client::try_from(config)?;
     let metrics = OperatorMetrics::shared();
-    let http = serve(&args.http_addr, metrics.clone()).with_context(|| format!("serving metrics on {}", args.http_addr))?;
+    let http =
+        serve(&args.http_addr, metrics.clone()).with_context(|| format!("serving metrics on {}", args.http_addr))?;
     tracing::info!(%http, "metrics and health endpoints listening");
     wait_for_crd(&client, Duration::from_secs(args.crd_wait_secs)).await?;
-    let identity = args.identity.clone().unwrap_or_else(|| std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| format!("weir-operator-{}", std::process::id())));
-    let election = LeaderElection::new(client.clone(), &args.lease_namespace, "weir-operator", &identity, Duration::from_secs(15));
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| format!("weir-operator-{}", std::process::id()))
+    });
+    let election =
+        LeaderElection::new(client.clone(), &args.lease_namespace, "weir-operator", &identity, Duration::from_secs(15));
     tracing::info!(%identity, "waiting for the leader lease");
     election.acquire().await?;
     tracing::info!(default_storage = %args.default_storage, %identity, "leader: weir-operator running");
@@ -107,11 +117,20 @@ async fn wait_for_crd(client: &kube::Client, timeout: Duration) -> anyhow::Resul
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         if let Some(crd) = api.get_opt(name).await? {
-            if crd.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| c.type_ == "Established" && c.status == "True") {
+            if crd
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+            {
                 return Ok(());
             }
         }
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "CRD {name} not established after {timeout:?}: apply crds/streamjob.yaml first");
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "CRD {name} not established after {timeout:?}: apply crds/streamjob.yaml first"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

@@ -89,9 +89,17 @@ impl OperatorMetrics {
         let _ = writeln!(out, "# HELP weir_operator_reconciles_total Reconciles run.\n# TYPE weir_operator_reconciles_total counter\nweir_operator_reconciles_total {}", self.reconciles.load(Ordering::Relaxed));
         let _ = writeln!(out, "# HELP weir_operator_reconcile_seconds Reconcile durations (quantiles over recent reconciles).\n# TYPE weir_operator_reconcile_seconds summary");
         for q in [0.5, 0.9, 0.99] {
-            let _ = writeln!(out, "weir_operator_reconcile_seconds{{quantile=\"{q}\"}} {:.6}", self.reconcile_quantile(q) as f64 / 1e6);
+            let _ = writeln!(
+                out,
+                "weir_operator_reconcile_seconds{{quantile=\"{q}\"}} {:.6}",
+                self.reconcile_quantile(q) as f64 / 1e6
+            );
         }
-        let _ = writeln!(out, "weir_operator_reconcile_seconds_sum {:.6}", self.reconcile_micros.load(Ordering::Relaxed) as f64 / 1e6);
+        let _ = writeln!(
+            out,
+            "weir_operator_reconcile_seconds_sum {:.6}",
+            self.reconcile_micros.load(Ordering::Relaxed) as f64 / 1e6
+        );
         let _ = writeln!(out, "weir_operator_reconcile_seconds_count {}", self.reconciles.load(Ordering::Relaxed));
         let _ = writeln!(out, "# HELP weir_operator_reconcile_errors_total Failed reconciles by category.\n# TYPE weir_operator_reconcile_errors_total counter");
         for (category, n) in self.errors.lock().unwrap_or_else(|e| e.into_inner()).iter() {
@@ -117,7 +125,8 @@ impl OperatorMetrics {
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `addr` from a thread of its own.
 pub fn serve(addr: &str, metrics: Arc<OperatorMetrics>) -> std::io::Result<std::net::SocketAddr> {
-    let server = tiny_http::Server::http(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?;
+    let server =
+        tiny_http::Server::http(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?;
     let bound = server.server_addr().to_ip().ok_or_else(|| std::io::Error::other("not an IP listener"))?;
     std::thread::Builder::new().name("weir-operator-http".into()).spawn(move || {
         for req in server.incoming_requests() {

@@ -35,8 +35,18 @@ pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
             // defect when none could be restored), without secrets; bounded for status.
             let reason = terminated
                 .map(|t| {
-                    let message = t.message.as_deref().map(str::trim).filter(|m| !m.is_empty()).map(|m| format!(": {}", m.chars().take(600).collect::<String>())).unwrap_or_default();
-                    format!("container exited {}{}{message}", t.exit_code, t.reason.map(|r| format!(" ({r})")).unwrap_or_default())
+                    let message = t
+                        .message
+                        .as_deref()
+                        .map(str::trim)
+                        .filter(|m| !m.is_empty())
+                        .map(|m| format!(": {}", m.chars().take(600).collect::<String>()))
+                        .unwrap_or_default();
+                    format!(
+                        "container exited {}{}{message}",
+                        t.exit_code,
+                        t.reason.map(|r| format!(" ({r})")).unwrap_or_default()
+                    )
                 })
                 .or(status.reason)
                 .unwrap_or_else(|| "pod failed".into());
@@ -63,7 +73,9 @@ pub fn stopped_with_savepoint(pods: &[Pod]) -> Option<String> {
         .flatten()
         .filter_map(|c| c.state.as_ref()?.terminated.as_ref())
         .filter(|t| t.exit_code == 0)
-        .find_map(|t| t.message.as_deref()?.lines().find_map(|l| l.strip_prefix("savepoint=").map(|p| p.trim().to_string())))
+        .find_map(|t| {
+            t.message.as_deref()?.lines().find_map(|l| l.strip_prefix("savepoint=").map(|p| p.trim().to_string()))
+        })
 }
 
 /// The checkpoints under a job's storage root, newest first, each with its verdict.
@@ -93,7 +105,10 @@ mod tests {
     use weir_checkpoint::metadata::{CheckpointMetadata, SnapshotKind, FORMAT_VERSION};
 
     fn pod(phase: &str, hash: &str, exit: Option<i32>) -> Pod {
-        let mut p: Pod = serde_yaml::from_str(&format!("metadata: {{ name: p, labels: {{ {SPEC_HASH_LABEL}: {hash} }} }}\nstatus: {{ phase: {phase} }}")).unwrap();
+        let mut p: Pod = serde_yaml::from_str(&format!(
+            "metadata: {{ name: p, labels: {{ {SPEC_HASH_LABEL}: {hash} }} }}\nstatus: {{ phase: {phase} }}"
+        ))
+        .unwrap();
         if let Some(code) = exit {
             let cs: k8s_openapi::api::core::v1::ContainerStatus =
                 serde_yaml::from_str(&format!("{{ name: runtime, image: x, imageID: x, ready: false, restartCount: 0, state: {{ terminated: {{ exitCode: {code}, reason: OOMKilled }} }} }}")).unwrap();
@@ -116,7 +131,8 @@ mod tests {
     fn a_stopped_runtime_reports_its_savepoint() {
         let mut p = pod("Succeeded", "h1", Some(0));
         let cs = &mut p.status.as_mut().unwrap().container_statuses.as_mut().unwrap()[0];
-        cs.state.as_mut().unwrap().terminated.as_mut().unwrap().message = Some("savepoint=s3://b/ns/j/savepoints/sp-1-9\n".into());
+        cs.state.as_mut().unwrap().terminated.as_mut().unwrap().message =
+            Some("savepoint=s3://b/ns/j/savepoints/sp-1-9\n".into());
         assert_eq!(stopped_with_savepoint(&[p]), Some("s3://b/ns/j/savepoints/sp-1-9".into()));
         assert_eq!(stopped_with_savepoint(&[pod("Running", "h1", None)]), None);
     }
@@ -125,7 +141,16 @@ mod tests {
     async fn checkpoints_carry_verdicts_newest_first() {
         let s = Storage::open("memory://").unwrap();
         for id in [1u64, 2] {
-            let m = CheckpointMetadata { format_version: FORMAT_VERSION, checkpoint_id: id, kind: SnapshotKind::Checkpoint, job_name: "j".into(), epoch: 1, created_at_ms: id * 1000, max_parallelism: 8, operators: BTreeMap::new() };
+            let m = CheckpointMetadata {
+                format_version: FORMAT_VERSION,
+                checkpoint_id: id,
+                kind: SnapshotKind::Checkpoint,
+                job_name: "j".into(),
+                epoch: 1,
+                created_at_ms: id * 1000,
+                max_parallelism: 8,
+                operators: BTreeMap::new(),
+            };
             s.put(&format!("checkpoints/chk-{id}/_metadata"), Bytes::from(m.encode())).await.unwrap();
         }
         s.put("checkpoints/chk-3/op/0.state", Bytes::from_static(b"x")).await.unwrap();

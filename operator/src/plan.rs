@@ -8,8 +8,10 @@
 //! any pod is deleted (`pending_upgrade`), so an operator restarted at any point resumes the
 //! same transition.
 
+use weir_crds::streamjob::{
+    DesiredState, OnSavepointFailure, PendingUpgrade, RestoreMode, SnapshotRef, StreamJobSpec, UpgradeMode,
+};
 pub use weir_crds::streamjob::{OperationKind, Phase};
-use weir_crds::streamjob::{DesiredState, OnSavepointFailure, PendingUpgrade, RestoreMode, SnapshotRef, StreamJobSpec, UpgradeMode};
 
 /// What the job's runtime pods look like.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,7 +104,6 @@ pub struct PlanState {
     /// When the last savepoint was taken.
     pub last_savepoint_ms: Option<u64>,
 }
-
 
 /// A step for the reconciler to carry out.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -203,7 +204,9 @@ pub fn needs_checkpoints(desired: &Desired<'_>, current: &PlanState, obs: &Obser
     if let Some(op) = &current.operation {
         let timed_out = obs.now_ms.saturating_sub(op.started_at_ms) > spec.savepoint.timeout.as_millis();
         let failing = timed_out || matches!(obs.savepoint, Some(SavepointProgress::Failed(_)));
-        return failing && matches!(op.kind, OperationKind::Suspend | OperationKind::Cancel) && spec.savepoint.on_cancel_failure == OnSavepointFailure::Kill;
+        return failing
+            && matches!(op.kind, OperationKind::Suspend | OperationKind::Cancel)
+            && spec.savepoint.on_cancel_failure == OnSavepointFailure::Kill;
     }
     if spec.state != DesiredState::Running {
         return current.recovery_point.is_none() && !matches!(obs.pods, PodsPhase::Absent | PodsPhase::Running);
@@ -214,7 +217,9 @@ pub fn needs_checkpoints(desired: &Desired<'_>, current: &PlanState, obs: &Obser
     match &obs.pods {
         PodsPhase::Absent => current.phase.is_some_and(|p| p != Phase::Finished) && current.recovery_point.is_none(),
         PodsPhase::Failed(_) => current.relaunch_count < spec.relaunch.limit,
-        PodsPhase::Running => spec.upgrade_mode == UpgradeMode::LastState && obs.pods_spec_hash.as_deref() != Some(desired.spec_hash),
+        PodsPhase::Running => {
+            spec.upgrade_mode == UpgradeMode::LastState && obs.pods_spec_hash.as_deref() != Some(desired.spec_hash)
+        }
         PodsPhase::Starting | PodsPhase::Terminating | PodsPhase::Succeeded => false,
     }
 }
@@ -246,7 +251,11 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             p.actions.push(Action::RequestSavepoint { stop: true });
             p.state.operation = Some(Operation { kind, started_at_ms: obs.now_ms, generation: desired.generation });
             p.state.phase = Some(stopping);
-            p.event(false, "SavepointRequested", format!("taking a savepoint to {}", if kind == OperationKind::Suspend { "suspend" } else { "cancel" }));
+            p.event(
+                false,
+                "SavepointRequested",
+                format!("taking a savepoint to {}", if kind == OperationKind::Suspend { "suspend" } else { "cancel" }),
+            );
             p.requeue_after_ms = Some(POLL_MS);
         } else if pods_exist {
             // Never ran (starting, failed): nothing to save; the newest valid checkpoint is the
@@ -271,7 +280,11 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
         } else if !pods_exist {
             let mode = up.restore_mode();
             p.actions.push(Action::Deploy { restore_from: up.restore_from.clone(), mode });
-            p.event(false, "Deploying", format!("deploying generation {} from {}", up.target_generation, describe(&up.restore_from, mode)));
+            p.event(
+                false,
+                "Deploying",
+                format!("deploying generation {} from {}", up.target_generation, describe(&up.restore_from, mode)),
+            );
             p.requeue_after_ms = Some(WATCH_MS);
         } else if matches!(obs.pods, PodsPhase::Running) {
             p.state.pending_upgrade = None;
@@ -318,15 +331,24 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
         PodsPhase::Running => {
             p.state.phase = Some(Phase::Running);
             p.state.observed_restart_nonce = spec.restart_nonce;
-            let nonce_changed = spec.savepoint.trigger_nonce.is_some() && spec.savepoint.trigger_nonce != current.observed_savepoint_nonce;
+            let nonce_changed = spec.savepoint.trigger_nonce.is_some()
+                && spec.savepoint.trigger_nonce != current.observed_savepoint_nonce;
             let periodic_due = spec.savepoint.periodic_interval.is_some_and(|i| {
                 current.last_savepoint_ms.is_none_or(|t| obs.now_ms.saturating_sub(t) >= i.as_millis())
             });
             if nonce_changed || periodic_due {
                 p.state.observed_savepoint_nonce = spec.savepoint.trigger_nonce;
-                p.state.operation = Some(Operation { kind: OperationKind::Savepoint, started_at_ms: obs.now_ms, generation: desired.generation });
+                p.state.operation = Some(Operation {
+                    kind: OperationKind::Savepoint,
+                    started_at_ms: obs.now_ms,
+                    generation: desired.generation,
+                });
                 p.actions.push(Action::RequestSavepoint { stop: false });
-                p.event(false, "SavepointRequested", if nonce_changed { "savepoint.triggerNonce changed" } else { "periodic savepoint due" });
+                p.event(
+                    false,
+                    "SavepointRequested",
+                    if nonce_changed { "savepoint.triggerNonce changed" } else { "periodic savepoint due" },
+                );
                 p.requeue_after_ms = Some(POLL_MS);
             } else if let Some(i) = spec.savepoint.periodic_interval {
                 let since = current.last_savepoint_ms.map_or(0, |t| obs.now_ms.saturating_sub(t));
@@ -376,8 +398,16 @@ fn start_upgrade(desired: &Desired<'_>, obs: &Observation, p: &mut Plan) {
     match desired.spec.upgrade_mode {
         UpgradeMode::Savepoint => {
             p.actions.push(Action::RequestSavepoint { stop: true });
-            p.state.operation = Some(Operation { kind: OperationKind::Upgrade, started_at_ms: obs.now_ms, generation: desired.generation });
-            p.event(false, "SavepointRequested", format!("spec changed (generation {}): stopping with a savepoint", desired.generation));
+            p.state.operation = Some(Operation {
+                kind: OperationKind::Upgrade,
+                started_at_ms: obs.now_ms,
+                generation: desired.generation,
+            });
+            p.event(
+                false,
+                "SavepointRequested",
+                format!("spec changed (generation {}): stopping with a savepoint", desired.generation),
+            );
             p.requeue_after_ms = Some(POLL_MS);
         }
         UpgradeMode::LastState | UpgradeMode::Stateless => {
@@ -387,8 +417,20 @@ fn start_upgrade(desired: &Desired<'_>, obs: &Observation, p: &mut Plan) {
                 (None, RestoreMode::Fresh)
             };
             // Write-ahead: the next reconcile deletes the pods.
-            p.state.pending_upgrade = Some(PendingUpgrade { target_generation: desired.generation, target_spec_hash: desired.spec_hash.to_string(), restore_from: from, restore: Some(mode) });
-            p.event(false, "Upgrading", format!("spec changed (generation {}): redeploying ({:?})", desired.generation, desired.spec.upgrade_mode));
+            p.state.pending_upgrade = Some(PendingUpgrade {
+                target_generation: desired.generation,
+                target_spec_hash: desired.spec_hash.to_string(),
+                restore_from: from,
+                restore: Some(mode),
+            });
+            p.event(
+                false,
+                "Upgrading",
+                format!(
+                    "spec changed (generation {}): redeploying ({:?})",
+                    desired.generation, desired.spec.upgrade_mode
+                ),
+            );
             p.requeue_after_ms = Some(0);
         }
     }
@@ -420,7 +462,11 @@ fn relaunch(desired: &Desired<'_>, current: &PlanState, obs: &Observation, reaso
             return;
         }
     }
-    let backoff = policy.backoff.as_millis().saturating_mul(1u64 << current.relaunch_count.min(20)).min(policy.max_backoff.as_millis());
+    let backoff = policy
+        .backoff
+        .as_millis()
+        .saturating_mul(1u64 << current.relaunch_count.min(20))
+        .min(policy.max_backoff.as_millis());
     if let Some(last) = current.last_relaunch_ms {
         let wait = (last + backoff).saturating_sub(obs.now_ms);
         if wait > 0 && current.relaunch_count > 0 {
@@ -429,7 +475,12 @@ fn relaunch(desired: &Desired<'_>, current: &PlanState, obs: &Observation, reaso
             return;
         }
     }
-    let skipped: Vec<String> = obs.checkpoints.iter().take_while(|c| c.invalid.is_some()).map(|c| format!("{} ({})", c.snapshot.id, c.invalid.as_deref().unwrap_or(""))).collect();
+    let skipped: Vec<String> = obs
+        .checkpoints
+        .iter()
+        .take_while(|c| c.invalid.is_some())
+        .map(|c| format!("{} ({})", c.snapshot.id, c.invalid.as_deref().unwrap_or("")))
+        .collect();
     let from = newest.map(|c| c.snapshot.clone()).or_else(|| current.recovery_point.clone());
     p.actions.push(Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) });
     // The runtime picks the restore point: it verifies every file (the operator checked
@@ -451,13 +502,21 @@ fn relaunch(desired: &Desired<'_>, current: &PlanState, obs: &Observation, reaso
     p.requeue_after_ms = Some(0);
 }
 
-fn continue_operation(desired: &Desired<'_>, current: &PlanState, obs: &Observation, op: Operation, mut p: Plan) -> Plan {
+fn continue_operation(
+    desired: &Desired<'_>,
+    current: &PlanState,
+    obs: &Observation,
+    op: Operation,
+    mut p: Plan,
+) -> Plan {
     let spec = desired.spec;
     let timed_out = obs.now_ms.saturating_sub(op.started_at_ms) > spec.savepoint.timeout.as_millis();
     let progress = obs.savepoint.clone().unwrap_or(SavepointProgress::InProgress);
     let failure = match (&progress, timed_out) {
         (SavepointProgress::Failed(r), _) => Some(r.clone()),
-        (SavepointProgress::InProgress, true) => Some(format!("no savepoint after savepoint.timeout {}", spec.savepoint.timeout)),
+        (SavepointProgress::InProgress, true) => {
+            Some(format!("no savepoint after savepoint.timeout {}", spec.savepoint.timeout))
+        }
         _ => None,
     };
     match (op.kind, progress, failure) {
@@ -484,7 +543,8 @@ fn continue_operation(desired: &Desired<'_>, current: &PlanState, obs: &Observat
                 OperationKind::Suspend | OperationKind::Cancel => {
                     p.state.recovery_point = Some(sp);
                     p.actions.push(Action::DeletePods { grace_seconds: None });
-                    p.state.phase = Some(if op.kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
+                    p.state.phase =
+                        Some(if op.kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
                     p.requeue_after_ms = Some(WATCH_MS);
                 }
             }
@@ -492,12 +552,22 @@ fn continue_operation(desired: &Desired<'_>, current: &PlanState, obs: &Observat
         (kind, _, Some(reason)) => {
             p.state.operation = None;
             match kind {
-                OperationKind::Suspend | OperationKind::Cancel if spec.savepoint.on_cancel_failure == OnSavepointFailure::Kill => {
+                OperationKind::Suspend | OperationKind::Cancel
+                    if spec.savepoint.on_cancel_failure == OnSavepointFailure::Kill =>
+                {
                     let recovery = newest_valid(obs).map(|c| c.snapshot.clone());
                     p.actions.push(Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) });
                     p.state.recovery_point = recovery.clone();
-                    p.state.phase = Some(if kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
-                    p.event(true, "SavepointFailedPodsKilled", format!("savepoint failed ({reason}): pods killed; the job resumes from {}", describe(&recovery, RestoreMode::Latest)));
+                    p.state.phase =
+                        Some(if kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
+                    p.event(
+                        true,
+                        "SavepointFailedPodsKilled",
+                        format!(
+                            "savepoint failed ({reason}): pods killed; the job resumes from {}",
+                            describe(&recovery, RestoreMode::Latest)
+                        ),
+                    );
                     p.requeue_after_ms = Some(WATCH_MS);
                 }
                 OperationKind::Upgrade => {
@@ -558,7 +628,13 @@ mod tests {
     }
 
     fn obs(pods: PodsPhase, hash: Option<&str>) -> Observation {
-        Observation { now_ms: 1_000_000, pods, pods_spec_hash: hash.map(str::to_string), savepoint: None, checkpoints: vec![] }
+        Observation {
+            now_ms: 1_000_000,
+            pods,
+            pods_spec_hash: hash.map(str::to_string),
+            savepoint: None,
+            checkpoints: vec![],
+        }
     }
 
     fn running(hash: &str) -> Observation {
@@ -585,14 +661,36 @@ mod tests {
             PodsPhase::Succeeded,
             PodsPhase::Terminating,
         ];
-        let progress = [None, Some(SavepointProgress::InProgress), Some(SavepointProgress::Failed("x".into())), Some(SavepointProgress::Completed(snap(40)))];
+        let progress = [
+            None,
+            Some(SavepointProgress::InProgress),
+            Some(SavepointProgress::Failed("x".into())),
+            Some(SavepointProgress::Completed(snap(40))),
+        ];
         let kinds = [OperationKind::Upgrade, OperationKind::Suspend, OperationKind::Cancel, OperationKind::Savepoint];
-        let mut states = vec![PlanState::default(), state(Phase::Running), state(Phase::Finished), state(Phase::Suspended), PlanState { relaunch_count: 10, ..state(Phase::Running) }];
+        let mut states = vec![
+            PlanState::default(),
+            state(Phase::Running),
+            state(Phase::Finished),
+            state(Phase::Suspended),
+            PlanState { relaunch_count: 10, ..state(Phase::Running) },
+        ];
         states.push(PlanState { recovery_point: Some(snap(3)), ..state(Phase::Suspended) });
-        states.push(PlanState { pending_upgrade: Some(PendingUpgrade { target_generation: 2, target_spec_hash: "h2".into(), restore_from: None, restore: None }), ..state(Phase::Upgrading) });
+        states.push(PlanState {
+            pending_upgrade: Some(PendingUpgrade {
+                target_generation: 2,
+                target_spec_hash: "h2".into(),
+                restore_from: None,
+                restore: None,
+            }),
+            ..state(Phase::Upgrading)
+        });
         for started in [999_000, 0] {
             for kind in kinds {
-                states.push(PlanState { operation: Some(Operation { kind, started_at_ms: started, generation: 2 }), ..state(Phase::Running) });
+                states.push(PlanState {
+                    operation: Some(Operation { kind, started_at_ms: started, generation: 2 }),
+                    ..state(Phase::Running)
+                });
             }
         }
         let mut reads = 0;
@@ -611,7 +709,10 @@ mod tests {
                                 let base = Observation { savepoint: sp.clone(), ..obs(phase.clone(), hash) };
                                 let without = plan(&d, current, &base);
                                 let mut changed = false;
-                                for found in [vec![chk(9, 999_000, None)], vec![chk(9, 999_000, Some("corrupt")), chk(8, 998_000, None)]] {
+                                for found in [
+                                    vec![chk(9, 999_000, None)],
+                                    vec![chk(9, 999_000, Some("corrupt")), chk(8, 998_000, None)],
+                                ] {
                                     let with = plan(&d, current, &Observation { checkpoints: found, ..base.clone() });
                                     changed |= with != without;
                                 }
@@ -631,9 +732,20 @@ mod tests {
         let d = desired(&s, "h1");
         assert!(!needs_checkpoints(&d, &state(Phase::Running), &running("h1")));
         assert!(!needs_checkpoints(&d, &state(Phase::Deploying), &obs(PodsPhase::Starting, Some("h1"))));
-        let op = PlanState { operation: Some(Operation { kind: OperationKind::Cancel, started_at_ms: 999_000, generation: 2 }), ..state(Phase::Cancelling) };
-        assert!(!needs_checkpoints(&d, &op, &Observation { savepoint: Some(SavepointProgress::InProgress), ..running("h1") }));
-        assert!(needs_checkpoints(&d, &op, &Observation { savepoint: Some(SavepointProgress::Failed("disk full".into())), ..running("h1") }));
+        let op = PlanState {
+            operation: Some(Operation { kind: OperationKind::Cancel, started_at_ms: 999_000, generation: 2 }),
+            ..state(Phase::Cancelling)
+        };
+        assert!(!needs_checkpoints(
+            &d,
+            &op,
+            &Observation { savepoint: Some(SavepointProgress::InProgress), ..running("h1") }
+        ));
+        assert!(needs_checkpoints(
+            &d,
+            &op,
+            &Observation { savepoint: Some(SavepointProgress::Failed("disk full".into())), ..running("h1") }
+        ));
         assert!(needs_checkpoints(&d, &state(Phase::Running), &obs(PodsPhase::Failed("exit 137".into()), Some("h1"))));
     }
 
@@ -642,7 +754,13 @@ mod tests {
         let mut s = spec();
         s.initial_savepoint = Some("s3://b/sp".into());
         let p = plan(&desired(&s, "h1"), &PlanState::default(), &obs(PodsPhase::Absent, None));
-        assert_eq!(p.actions, vec![Action::Deploy { restore_from: Some(SnapshotRef { id: 0, path: "s3://b/sp".into(), completed_at: None }), mode: RestoreMode::Snapshot }]);
+        assert_eq!(
+            p.actions,
+            vec![Action::Deploy {
+                restore_from: Some(SnapshotRef { id: 0, path: "s3://b/sp".into(), completed_at: None }),
+                mode: RestoreMode::Snapshot
+            }]
+        );
         assert_eq!(p.state.phase, Some(Phase::Deploying));
     }
 
@@ -672,7 +790,11 @@ mod tests {
         let p3 = plan(&d, &p2.state, &running("h1"));
         assert_eq!(p3.actions, vec![Action::DeletePods { grace_seconds: None }]);
         let p4 = plan(&d, &p3.state, &obs(PodsPhase::Absent, None));
-        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(snap(7)), mode: RestoreMode::Snapshot }], "exactly the upgrade's savepoint");
+        assert_eq!(
+            p4.actions,
+            vec![Action::Deploy { restore_from: Some(snap(7)), mode: RestoreMode::Snapshot }],
+            "exactly the upgrade's savepoint"
+        );
         let p5 = plan(&d, &p4.state, &running("h2"));
         assert!(p5.state.pending_upgrade.is_none());
         assert_eq!(p5.state.phase, Some(Phase::Running));
@@ -685,10 +807,18 @@ mod tests {
         // The status says: upgrade to h2 from savepoint 7; pods were already deleted.
         let st = PlanState {
             phase: Some(Phase::Upgrading),
-            pending_upgrade: Some(PendingUpgrade { target_generation: 2, target_spec_hash: "h2".into(), restore_from: Some(snap(7)), restore: None }),
+            pending_upgrade: Some(PendingUpgrade {
+                target_generation: 2,
+                target_spec_hash: "h2".into(),
+                restore_from: Some(snap(7)),
+                restore: None,
+            }),
             ..PlanState::default()
         };
-        assert_eq!(plan(&d, &st, &obs(PodsPhase::Absent, None)).actions, vec![Action::Deploy { restore_from: Some(snap(7)), mode: RestoreMode::Snapshot }]);
+        assert_eq!(
+            plan(&d, &st, &obs(PodsPhase::Absent, None)).actions,
+            vec![Action::Deploy { restore_from: Some(snap(7)), mode: RestoreMode::Snapshot }]
+        );
         // Or the old pods are still there: delete them, never take a second savepoint.
         assert_eq!(plan(&d, &st, &running("h1")).actions, vec![Action::DeletePods { grace_seconds: None }]);
     }
@@ -740,7 +870,11 @@ mod tests {
         assert_eq!(p3.state.phase, Some(Phase::Suspended));
         s.state = DesiredState::Running;
         let p4 = plan(&desired(&s, "h1"), &p3.state, &obs(PodsPhase::Absent, None));
-        assert_eq!(p4.actions, vec![Action::Deploy { restore_from: Some(sp(4)), mode: RestoreMode::Snapshot }], "exactly the suspend savepoint");
+        assert_eq!(
+            p4.actions,
+            vec![Action::Deploy { restore_from: Some(sp(4)), mode: RestoreMode::Snapshot }],
+            "exactly the suspend savepoint"
+        );
     }
 
     #[test]
@@ -756,7 +890,11 @@ mod tests {
         let p2 = plan(&d, &p1.state, &o);
         assert_eq!(p2.actions, vec![Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) }]);
         assert_eq!(p2.state.recovery_point, Some(snap(11)), "the newest *valid* checkpoint");
-        assert!(p2.events.iter().any(|e| e.reason == "SavepointFailedPodsKilled" && e.message.contains("chk-11")), "{:?}", p2.events);
+        assert!(
+            p2.events.iter().any(|e| e.reason == "SavepointFailedPodsKilled" && e.message.contains("chk-11")),
+            "{:?}",
+            p2.events
+        );
         // Before the timeout, it waits.
         let mut early = running("h1");
         early.now_ms += 10_000;
@@ -764,7 +902,10 @@ mod tests {
         // A reported failure kills at once too.
         let mut failed = running("h1");
         failed.savepoint = Some(SavepointProgress::Failed("storage unwritable".into()));
-        assert_eq!(plan(&d, &p1.state, &failed).actions, vec![Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) }]);
+        assert_eq!(
+            plan(&d, &p1.state, &failed).actions,
+            vec![Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) }]
+        );
     }
 
     #[test]
@@ -776,7 +917,11 @@ mod tests {
         assert_eq!(p.actions, vec![Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) }]);
         assert_eq!(p.state.pending_upgrade.unwrap().restore_from, Some(snap(7)));
         assert_eq!(p.state.relaunch_count, 1);
-        assert!(p.events[0].message.contains("skipping invalid checkpoint(s) 8 (missing file)"), "{}", p.events[0].message);
+        assert!(
+            p.events[0].message.contains("skipping invalid checkpoint(s) 8 (missing file)"),
+            "{}",
+            p.events[0].message
+        );
     }
 
     #[test]
@@ -797,7 +942,12 @@ mod tests {
         s.relaunch.backoff = HumanDuration::from_secs(10);
         s.relaunch.limit = 2;
         let o = obs(PodsPhase::Failed("Error".into()), Some("h1"));
-        let st = PlanState { phase: Some(Phase::Running), relaunch_count: 1, last_relaunch_ms: Some(o.now_ms - 5_000), ..PlanState::default() };
+        let st = PlanState {
+            phase: Some(Phase::Running),
+            relaunch_count: 1,
+            last_relaunch_ms: Some(o.now_ms - 5_000),
+            ..PlanState::default()
+        };
         let p = plan(&desired(&s, "h1"), &st, &o);
         assert!(p.actions.is_empty(), "backoff is 20s after one relaunch");
         assert_eq!(p.requeue_after_ms, Some(15_000));
@@ -848,12 +998,19 @@ mod tests {
     fn periodic_savepoints() {
         let mut s = spec();
         s.savepoint.periodic_interval = Some(HumanDuration::from_secs(60));
-        let st = PlanState { phase: Some(Phase::Running), last_savepoint_ms: Some(1_000_000 - 30_000), ..PlanState::default() };
+        let st = PlanState {
+            phase: Some(Phase::Running),
+            last_savepoint_ms: Some(1_000_000 - 30_000),
+            ..PlanState::default()
+        };
         let p = plan(&desired(&s, "h1"), &st, &running("h1"));
         assert!(p.actions.is_empty());
         assert_eq!(p.requeue_after_ms, Some(30_000));
         let st = PlanState { last_savepoint_ms: Some(1_000_000 - 61_000), ..st };
-        assert_eq!(plan(&desired(&s, "h1"), &st, &running("h1")).actions, vec![Action::RequestSavepoint { stop: false }]);
+        assert_eq!(
+            plan(&desired(&s, "h1"), &st, &running("h1")).actions,
+            vec![Action::RequestSavepoint { stop: false }]
+        );
     }
 
     #[test]

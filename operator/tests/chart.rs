@@ -70,13 +70,29 @@ fn chart_lints_and_refuses_bad_values_with_a_reason() {
 /// The rendered chart, parsed per document.
 fn rendered(storage: &str) -> Vec<serde_yaml::Value> {
     let chart = chart().display().to_string();
-    let (ok, out) = helm_run(&["template", "weir-operator", &chart, "--kube-version", KUBE_VERSION, "--namespace", RELEASE_NS, "--set", &format!("defaultStorage={storage}")]);
+    let (ok, out) = helm_run(&[
+        "template",
+        "weir-operator",
+        &chart,
+        "--kube-version",
+        KUBE_VERSION,
+        "--namespace",
+        RELEASE_NS,
+        "--set",
+        &format!("defaultStorage={storage}"),
+    ]);
     assert!(ok, "helm template failed:\n{out}");
-    out.split("\n---").filter_map(|doc| serde_yaml::from_str::<serde_yaml::Value>(doc).ok()).filter(|v| v.get("kind").is_some()).collect()
+    out.split("\n---")
+        .filter_map(|doc| serde_yaml::from_str::<serde_yaml::Value>(doc).ok())
+        .filter(|v| v.get("kind").is_some())
+        .collect()
 }
 
 fn of_kind<T: serde::de::DeserializeOwned>(docs: &[serde_yaml::Value], kind: &str) -> Vec<T> {
-    docs.iter().filter(|d| d["kind"].as_str() == Some(kind)).map(|d| serde_yaml::from_value(d.clone()).unwrap()).collect()
+    docs.iter()
+        .filter(|d| d["kind"].as_str() == Some(kind))
+        .map(|d| serde_yaml::from_value(d.clone()).unwrap())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -85,7 +101,10 @@ async fn the_operator_runs_its_whole_lifecycle_with_only_the_charts_rbac() {
     let storage = tempfile::tempdir().unwrap();
     let docs = rendered(&storage.path().display().to_string());
     let pp = PostParams::default();
-    let ns = Namespace { metadata: kube::api::ObjectMeta { name: Some(RELEASE_NS.into()), ..Default::default() }, ..Default::default() };
+    let ns = Namespace {
+        metadata: kube::api::ObjectMeta { name: Some(RELEASE_NS.into()), ..Default::default() },
+        ..Default::default()
+    };
     Api::<Namespace>::all(admin.clone()).create(&pp, &ns).await.unwrap();
     for sa in of_kind::<ServiceAccount>(&docs, "ServiceAccount") {
         Api::<ServiceAccount>::namespaced(admin.clone(), RELEASE_NS).create(&pp, &sa).await.unwrap();
@@ -111,7 +130,10 @@ async fn the_operator_runs_its_whole_lifecycle_with_only_the_charts_rbac() {
     // The operator pod meets the restricted Pod Security profile.
     let pod_spec = deployments[0].spec.as_ref().unwrap().template.spec.as_ref().unwrap();
     let psc = pod_spec.security_context.as_ref().unwrap();
-    assert_eq!((psc.run_as_non_root, psc.seccomp_profile.as_ref().map(|s| s.type_.as_str())), (Some(true), Some("RuntimeDefault")));
+    assert_eq!(
+        (psc.run_as_non_root, psc.seccomp_profile.as_ref().map(|s| s.type_.as_str())),
+        (Some(true), Some("RuntimeDefault"))
+    );
     let csc = pod_spec.containers[0].security_context.as_ref().unwrap();
     assert_eq!(csc.allow_privilege_escalation, Some(false));
     assert_eq!(csc.capabilities.as_ref().unwrap().drop.as_deref(), Some(&["ALL".to_string()][..]));
@@ -121,24 +143,46 @@ async fn the_operator_runs_its_whole_lifecycle_with_only_the_charts_rbac() {
     let kc = Kubeconfig::read_from(server.kubeconfig()).unwrap();
     let mut config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap();
     config.auth_info.impersonate = Some(format!("system:serviceaccount:{RELEASE_NS}:{sa_name}"));
-    config.auth_info.impersonate_groups = Some(vec!["system:serviceaccounts".into(), format!("system:serviceaccounts:{RELEASE_NS}"), "system:authenticated".into()]);
+    config.auth_info.impersonate_groups = Some(vec![
+        "system:serviceaccounts".into(),
+        format!("system:serviceaccounts:{RELEASE_NS}"),
+        "system:authenticated".into(),
+    ]);
     let operator = kube::Client::try_from(config).unwrap();
 
     // Least privilege: no listing of Secrets, no access to other Leases.
     let forbidden = |r: Result<_, kube::Error>| matches!(r, Err(kube::Error::Api(s)) if s.code == 403);
-    assert!(forbidden(Api::<Secret>::namespaced(operator.clone(), JOBS_NS).list(&ListParams::default()).await.map(|_| ())));
-    assert!(forbidden(Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(operator.clone(), RELEASE_NS).get("someone-else").await.map(|_| ())));
+    assert!(forbidden(
+        Api::<Secret>::namespaced(operator.clone(), JOBS_NS).list(&ListParams::default()).await.map(|_| ())
+    ));
+    assert!(forbidden(
+        Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(operator.clone(), RELEASE_NS)
+            .get("someone-else")
+            .await
+            .map(|_| ())
+    ));
 
-    let election = LeaderElection::new(operator.clone(), RELEASE_NS, "weir-operator", "chart-test", std::time::Duration::from_secs(15));
+    let election = LeaderElection::new(
+        operator.clone(),
+        RELEASE_NS,
+        "weir-operator",
+        "chart-test",
+        std::time::Duration::from_secs(15),
+    );
     election.acquire().await.expect("the chart's Role allows the Lease");
     let metrics = OperatorMetrics::shared();
-    let ingress = ControlIngress { operator_namespace: RELEASE_NS.into(), operator_pod_labels: [("app.kubernetes.io/name".to_string(), "weir-operator".to_string())].into(), extra_namespaces: vec![] };
+    let ingress = ControlIngress {
+        operator_namespace: RELEASE_NS.into(),
+        operator_pod_labels: [("app.kubernetes.io/name".to_string(), "weir-operator".to_string())].into(),
+        extra_namespaces: vec![],
+    };
     let settings = Settings { control_ingress: Some(ingress), ..Settings::new(storage.path().display().to_string()) };
     let controller = tokio::spawn(run_with_metrics(operator.clone(), settings, metrics.clone()));
 
     // A job whose storage reads need its credentials Secret.
     let secrets: Api<Secret> = Api::namespaced(admin.clone(), JOBS_NS);
-    let creds: Secret = serde_yaml::from_str("metadata: { name: store-creds }\nstringData: { AWS_REGION: us-east-1 }").unwrap();
+    let creds: Secret =
+        serde_yaml::from_str("metadata: { name: store-creds }\nstringData: { AWS_REGION: us-east-1 }").unwrap();
     secrets.create(&pp, &creds).await.unwrap();
     let jobs: Api<StreamJob> = Api::namespaced(admin.clone(), JOBS_NS);
     let job: StreamJob = serde_yaml::from_str(
@@ -161,16 +205,32 @@ spec:
     jobs.create(&pp, &job).await.unwrap();
     let pods: Api<Pod> = Api::namespaced(admin.clone(), JOBS_NS);
     eventually("the runtime pod", 40, || async { pods.get_opt("rbac-runtime-0").await.unwrap() }).await;
-    pods.patch_status("rbac-runtime-0", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": { "phase": "Running" } }))).await.unwrap();
-    eventually("Running", 40, || async { (jobs.get("rbac").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Running)).then_some(()) }).await;
+    pods.patch_status(
+        "rbac-runtime-0",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "status": { "phase": "Running" } })),
+    )
+    .await
+    .unwrap();
+    eventually("Running", 40, || async {
+        (jobs.get("rbac").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Running)).then_some(())
+    })
+    .await;
 
     // Delete: the savepoint cannot be taken, so the pods are killed, the recovery checkpoint
     // is looked up in storage (with the Secret), and the finalizer is removed.
     jobs.delete("rbac", &DeleteParams::default()).await.unwrap();
-    eventually("the StreamJob gone", 40, || async { jobs.get_opt("rbac").await.unwrap().is_none().then_some(()) }).await;
+    eventually("the StreamJob gone", 40, || async { jobs.get_opt("rbac").await.unwrap().is_none().then_some(()) })
+        .await;
     assert!(pods.get_opt("rbac-runtime-0").await.unwrap().is_none(), "pods killed");
-    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(admin.clone(), JOBS_NS).list(&ListParams::default()).await.unwrap();
-    assert!(events.items.iter().any(|e| e.reason.as_deref() == Some("SavepointFailedPodsKilled")), "events recorded by the ServiceAccount");
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(admin.clone(), JOBS_NS)
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(
+        events.items.iter().any(|e| e.reason.as_deref() == Some("SavepointFailedPodsKilled")),
+        "events recorded by the ServiceAccount"
+    );
     let errors = metrics.errors.lock().unwrap().clone();
     assert!(errors.is_empty(), "no reconcile failed (a 403 would show here): {errors:?}");
     controller.abort();

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
-use k8s_openapi::api::networking::v1::NetworkPolicy;
 use weir_operator::children::ControlIngress;
 use weir_operator::controller::{run_with_metrics, Settings};
 use weir_operator::metrics::OperatorMetrics;
@@ -80,7 +80,10 @@ async fn lifecycle_against_a_real_api_server() {
     assert!(Api::<ConfigMap>::namespaced(client.clone(), ns).get_opt("orders-job").await.unwrap().is_some());
     let svc = Api::<Service>::namespaced(client.clone(), ns).get("orders-control").await.unwrap();
     assert_eq!(svc.spec.unwrap().cluster_ip.as_deref(), Some("None"), "headless: no cluster IP per job");
-    let policy = Api::<NetworkPolicy>::namespaced(client.clone(), ns).get("orders-control").await.expect("the control API's NetworkPolicy");
+    let policy = Api::<NetworkPolicy>::namespaced(client.clone(), ns)
+        .get("orders-control")
+        .await
+        .expect("the control API's NetworkPolicy");
     assert_eq!(policy.spec.unwrap().ingress.unwrap()[0].from.as_ref().unwrap().len(), 1, "only the operator's pods");
     let token = Api::<Secret>::namespaced(client.clone(), ns).get("orders-control-token").await.unwrap();
     assert!(token.data.unwrap()["token"].0.len() >= 32, "a random per-job token");
@@ -90,27 +93,50 @@ async fn lifecycle_against_a_real_api_server() {
     set_pod_phase(&pods, "orders-runtime-0", "Running").await;
     eventually("phase Running with Ready=True", || async {
         let s = jobs.get("orders").await.unwrap().status?;
-        (s.phase == Some(weir_crds::streamjob::Phase::Running) && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True")).then_some(())
+        (s.phase == Some(weir_crds::streamjob::Phase::Running)
+            && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        .then_some(())
     })
     .await;
 
     // Suspend while the savepoint cannot be taken (the control URL is unreachable): killed.
-    jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "state": "suspended" } }))).await.unwrap();
-    eventually("pod killed", || async { pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(()) }).await;
-    eventually("phase Suspended", || async { (jobs.get("orders").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Suspended)).then_some(()) }).await;
+    jobs.patch(
+        "orders",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": { "state": "suspended" } })),
+    )
+    .await
+    .unwrap();
+    eventually("pod killed", || async { pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(()) })
+        .await;
+    eventually("phase Suspended", || async {
+        (jobs.get("orders").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Suspended)).then_some(())
+    })
+    .await;
     let events: Api<Event> = Api::namespaced(client.clone(), ns);
     let evs = events.list(&ListParams::default()).await.unwrap();
-    let killed = evs.items.iter().find(|e| e.reason.as_deref() == Some("SavepointFailedPodsKilled")).expect("a SavepointFailedPodsKilled event");
+    let killed = evs
+        .items
+        .iter()
+        .find(|e| e.reason.as_deref() == Some("SavepointFailedPodsKilled"))
+        .expect("a SavepointFailedPodsKilled event");
     assert!(killed.note.as_deref().unwrap_or("").contains("pods killed"), "{:?}", killed.note);
 
     // Resume: deployed again.
-    jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "state": "running" } }))).await.unwrap();
+    jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "state": "running" } })))
+        .await
+        .unwrap();
     eventually("pod again", || async { pods.get_opt("orders-runtime-0").await.unwrap() }).await;
     set_pod_phase(&pods, "orders-runtime-0", "Running").await;
-    eventually("Running again", || async { (jobs.get("orders").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Running)).then_some(()) }).await;
+    eventually("Running again", || async {
+        (jobs.get("orders").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Running)).then_some(())
+    })
+    .await;
 
     // Stateless upgrade: a new spec hash replaces the pod.
-    jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "parallelism": 2 } }))).await.unwrap();
+    jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "parallelism": 2 } })))
+        .await
+        .unwrap();
     let upgraded = eventually("pod with the new spec hash", || async {
         let p = pods.get_opt("orders-runtime-0").await.unwrap()?;
         (p.metadata.labels.as_ref()?["weir.dev/spec-hash"] != first_hash).then_some(p)
@@ -120,7 +146,10 @@ async fn lifecycle_against_a_real_api_server() {
     set_pod_phase(&pods, "orders-runtime-0", "Running").await;
     eventually("upgrade finished", || async {
         let s = jobs.get("orders").await.unwrap().status?;
-        (s.phase == Some(weir_crds::streamjob::Phase::Running) && s.pending_upgrade.is_none() && s.observed_generation == Some(4)).then_some(())
+        (s.phase == Some(weir_crds::streamjob::Phase::Running)
+            && s.pending_upgrade.is_none()
+            && s.observed_generation == Some(4))
+        .then_some(())
     })
     .await;
 
@@ -142,9 +171,19 @@ async fn lifecycle_against_a_real_api_server() {
 
     // Deleting a running job: the finalizer holds it until it is stopped; the savepoint cannot
     // be taken here, so the pods are killed, then the StreamJob goes away.
-    assert!(jobs.get("orders").await.unwrap().metadata.finalizers.unwrap_or_default().contains(&"weir.dev/stop-with-savepoint".to_string()));
+    assert!(jobs
+        .get("orders")
+        .await
+        .unwrap()
+        .metadata
+        .finalizers
+        .unwrap_or_default()
+        .contains(&"weir.dev/stop-with-savepoint".to_string()));
     jobs.delete("orders", &Default::default()).await.unwrap();
-    eventually("pod killed on delete", || async { pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(()) }).await;
+    eventually("pod killed on delete", || async {
+        pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(())
+    })
+    .await;
     eventually("StreamJob deleted", || async { jobs.get_opt("orders").await.unwrap().is_none().then_some(()) }).await;
     let text = metrics.render();
     assert!(text.contains("weir_operator_pod_kills_total 2"), "suspend and delete both killed:\n{text}");

@@ -63,11 +63,23 @@ async fn invalid_manifests_are_refused_with_field_and_reason() {
         ("relaunch: { backoff: 10s", "relaunch: { backoff: 10", "spec.relaunch.backoff"),
         ("  parallelism: 2\n", "  parallelism: 2\n  upgradeMode: yolo\n", "spec.upgradeMode"),
         ("  parallelism: 2\n", "  parallelism: 2\n  state: paused\n", "spec.state"),
-        ("  parallelism: 2\n", "  parallelism: 2\n  imagePullPolicy: Sometimes\n", "must be Always, IfNotPresent or Never"),
+        (
+            "  parallelism: 2\n",
+            "  parallelism: 2\n  imagePullPolicy: Sometimes\n",
+            "must be Always, IfNotPresent or Never",
+        ),
         ("  image: weir-runtime:dev\n", "", "spec.image"),
-        ("  job:\n    inline:", "  job:\n    configMapRef: { name: jobs }\n    inline:", "set exactly one of inline or configMapRef"),
+        (
+            "  job:\n    inline:",
+            "  job:\n    configMapRef: { name: jobs }\n    inline:",
+            "set exactly one of inline or configMapRef",
+        ),
         ("checkpointing: { interval: 5s,", "checkpointing: { mode: twice, interval: 5s,", "spec.checkpointing.mode"),
-        ("checkpointing: { interval: 5s,", "checkpointing: { maxConcurrent: 0, interval: 5s,", "spec.checkpointing.maxConcurrent"),
+        (
+            "checkpointing: { interval: 5s,",
+            "checkpointing: { maxConcurrent: 0, interval: 5s,",
+            "spec.checkpointing.maxConcurrent",
+        ),
         ("type: tumbling", "type: hopping", "spec.job.inline.operators[1].window.type"),
         ("{ fn: count, as: n }", "{ fn: median, as: n }", "fn"),
     ];
@@ -92,7 +104,9 @@ async fn invalid_manifests_are_refused_with_field_and_reason() {
     }
     // Unset means 128: setting it later to another value is the same change, refused; to 128,
     // accepted.
-    api.create(&PostParams::default(), &manifest("unset", "  maxParallelism: 64\n", "")).await.expect("a job without maxParallelism");
+    api.create(&PostParams::default(), &manifest("unset", "  maxParallelism: 64\n", ""))
+        .await
+        .expect("a job without maxParallelism");
     let mut set = api.get("unset").await.unwrap();
     set.data["spec"]["maxParallelism"] = serde_json::json!(64);
     match api.replace("unset", &PostParams::default(), &set).await {
@@ -121,12 +135,21 @@ async fn a_status_with_an_unparsable_time_or_unknown_phase_is_refused() {
     let op = typed.get("st").await.unwrap().status.unwrap().operation.unwrap();
     assert_eq!(op.kind, weir_crds::streamjob::OperationKind::Cancel);
     for (status, field) in [
-        (serde_json::json!({ "operation": { "kind": "cancel", "startedAt": "yesterday", "generation": 1 } }), "status.operation.startedAt"),
-        (serde_json::json!({ "operation": { "kind": "nap", "startedAt": "2026-11-30T12:00:00Z", "generation": 1 } }), "status.operation.kind"),
+        (
+            serde_json::json!({ "operation": { "kind": "cancel", "startedAt": "yesterday", "generation": 1 } }),
+            "status.operation.startedAt",
+        ),
+        (
+            serde_json::json!({ "operation": { "kind": "nap", "startedAt": "2026-11-30T12:00:00Z", "generation": 1 } }),
+            "status.operation.kind",
+        ),
         (serde_json::json!({ "phase": "Sleeping" }), "status.phase"),
         (serde_json::json!({ "lastRelaunchTime": "soon" }), "status.lastRelaunchTime"),
     ] {
-        match api.patch_status("st", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": status }))).await {
+        match api
+            .patch_status("st", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "status": status })))
+            .await
+        {
             Err(kube::Error::Api(e)) => assert!(e.code == 422 && e.message.contains(field), "{field}: {}", e.message),
             other => panic!("{field}: a malformed status was stored: {other:?}"),
         }
@@ -144,7 +167,10 @@ async fn a_stale_writer_cannot_overwrite_the_write_ahead_status() {
     let client = server.client().await.unwrap();
     server.install_crd(&client).await.unwrap();
     let ar = ApiResource::erase::<StreamJob>(&());
-    Api::<DynamicObject>::namespaced_with(client.clone(), "default", &ar).create(&PostParams::default(), &manifest("wa", "", "")).await.unwrap();
+    Api::<DynamicObject>::namespaced_with(client.clone(), "default", &ar)
+        .create(&PostParams::default(), &manifest("wa", "", ""))
+        .await
+        .unwrap();
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), "default");
     let upgrade = |id: u64| StreamJobStatus {
         pending_upgrade: Some(PendingUpgrade {
@@ -158,9 +184,15 @@ async fn a_stale_writer_cannot_overwrite_the_write_ahead_status() {
     // Two operators read the same object; the leader writes its decision first.
     let stale = jobs.get("wa").await.unwrap();
     let leader_view = jobs.get("wa").await.unwrap();
-    assert_eq!(write_status(&jobs, &leader_view, &StreamJobStatus::default(), &upgrade(7)).await.unwrap(), StatusWrite::Written);
+    assert_eq!(
+        write_status(&jobs, &leader_view, &StreamJobStatus::default(), &upgrade(7)).await.unwrap(),
+        StatusWrite::Written
+    );
     // The deposed one, from its older read, is refused; the leader's decision stays.
-    assert_eq!(write_status(&jobs, &stale, &StreamJobStatus::default(), &upgrade(3)).await.unwrap(), StatusWrite::Conflict);
+    assert_eq!(
+        write_status(&jobs, &stale, &StreamJobStatus::default(), &upgrade(3)).await.unwrap(),
+        StatusWrite::Conflict
+    );
     let stored = jobs.get("wa").await.unwrap().status.unwrap().pending_upgrade.unwrap();
     assert_eq!(stored.restore_from.unwrap().id, 7);
     // From a fresh read it may write.

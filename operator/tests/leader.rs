@@ -42,14 +42,23 @@ async fn expiry_ignores_the_holders_clock() {
         let leases = leases.clone();
         async move {
             let renew = MicroTime(Timestamp::now().checked_add(SignedDuration::from_secs(offset_secs)).unwrap());
-            let spec = LeaseSpec { holder_identity: Some(holder.into()), lease_duration_seconds: Some(2), renew_time: Some(renew.clone()), acquire_time: Some(renew), ..LeaseSpec::default() };
+            let spec = LeaseSpec {
+                holder_identity: Some(holder.into()),
+                lease_duration_seconds: Some(2),
+                renew_time: Some(renew.clone()),
+                acquire_time: Some(renew),
+                ..LeaseSpec::default()
+            };
             match leases.get_opt(name).await.unwrap() {
                 Some(mut l) => {
                     l.spec = Some(spec);
                     leases.replace(name, &PostParams::default(), &l).await.unwrap();
                 }
                 None => {
-                    let l = Lease { metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() }, spec: Some(spec) };
+                    let l = Lease {
+                        metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
+                        spec: Some(spec),
+                    };
                     leases.create(&PostParams::default(), &l).await.unwrap();
                 }
             }
@@ -67,7 +76,10 @@ async fn expiry_ignores_the_holders_clock() {
     write("ahead", "fast-clock", 3600).await;
     let c = LeaderElection::new(client.clone(), "default", "ahead", "c", Duration::from_secs(2));
     let started = tokio::time::Instant::now();
-    tokio::time::timeout(Duration::from_secs(10), c.acquire()).await.expect("c takes the abandoned lease within its duration").unwrap();
+    tokio::time::timeout(Duration::from_secs(10), c.acquire())
+        .await
+        .expect("c takes the abandoned lease within its duration")
+        .unwrap();
     assert!(started.elapsed() >= Duration::from_millis(1900), "not before the lease duration passed");
 }
 
@@ -90,7 +102,9 @@ async fn a_hung_renewal_ends_leadership_before_the_lease_expires() {
     let lease = Duration::from_secs(3);
     let leader = LeaderElection::new(client, "default", "weir-operator", "a", lease);
     let started = tokio::time::Instant::now();
-    let lost = tokio::time::timeout(Duration::from_secs(20), leader.keep()).await.expect("keep returns while the API server hangs");
+    let lost = tokio::time::timeout(Duration::from_secs(20), leader.keep())
+        .await
+        .expect("keep returns while the API server hangs");
     assert!(lost.contains("not renewed in time"), "{lost}");
     assert!(started.elapsed() < lease, "gave up after {:?}, not within the lease ({lease:?})", started.elapsed());
 }

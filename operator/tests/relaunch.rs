@@ -36,11 +36,21 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     // Status refreshed every second: the relaunched run is short, and its notices (output moved
     // by the fallback) are read from its status while it runs.
-    let settings = Settings { status_refresh: Duration::from_secs(1), ..Settings::new(state.path().display().to_string()) };
+    let settings =
+        Settings { status_refresh: Duration::from_secs(1), ..Settings::new(state.path().display().to_string()) };
     let controller = tokio::spawn(run(client.clone(), settings));
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    jobs.create(&PostParams::default(), &counter_job(20000, out.path(), "  checkpointing: { interval: 200ms, retained: 3 }\n  relaunch: { backoff: 1s, limit: 3 }")).await.unwrap();
+    jobs.create(
+        &PostParams::default(),
+        &counter_job(
+            20000,
+            out.path(),
+            "  checkpointing: { interval: 200ms, retained: 3 }\n  relaunch: { backoff: 1s, limit: 3 }",
+        ),
+    )
+    .await
+    .unwrap();
     let first = eventually("first pod", 30, || async { pods.get_opt("counter-runtime-0").await.unwrap() }).await;
     let first_uid = first.metadata.uid.clone();
     let mut local = LocalPod::start(&client, &first, &binary).await.unwrap();
@@ -70,7 +80,12 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
         let Ok(bytes) = std::fs::read(dir.join("_metadata")) else { continue };
         let meta = weir_checkpoint::CheckpointMetadata::decode(&bytes).unwrap();
         // A file of this checkpoint only (not a shared base other checkpoints build on).
-        let own = meta.files().find(|f| !f.path.starts_with("..")).expect("the checkpoint has a file of its own").path.clone();
+        let own = meta
+            .files()
+            .find(|f| !f.path.starts_with(".."))
+            .expect("the checkpoint has a file of its own")
+            .path
+            .clone();
         let mut bytes = std::fs::read(dir.join(&own)).unwrap();
         let i = bytes.len() / 2;
         bytes[i] ^= 0x20;
@@ -86,23 +101,38 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     .await;
     let args = second.spec.as_ref().unwrap().containers[0].args.as_ref().unwrap().join(" ");
     assert!(args.contains("--restore latest"), "the runtime chooses the restore point: {args}");
-    let status = jobs.get("counter").await.unwrap().status.unwrap();
-    assert_eq!(status.relaunch_count, 1);
+    // The pod is created before the status that counts it is written: wait for the count.
+    eventually("relaunchCount 1", 10, || async {
+        (jobs.get("counter").await.unwrap().status?.relaunch_count == 1).then_some(())
+    })
+    .await;
     let mut local2 = LocalPod::start(&client, &second, &binary).await.unwrap();
     point_operator_at(&jobs, "counter", &local2.control_url).await;
     assert_eq!(wait_exit(&mut local2, "the relaunched runtime to finish", 90).await, 0, "{}", local2.log());
     let log = local2.log();
-    assert!(log.contains("skipping a restore point") && log.contains(&format!("chk-{newest}")), "the corrupt checkpoint {newest} is skipped: {log}");
+    assert!(
+        log.contains("skipping a restore point") && log.contains(&format!("chk-{newest}")),
+        "the corrupt checkpoint {newest} is skipped: {log}"
+    );
     // The output of checkpoint {first_corrupt} was published before the fallback: it moved
     // under _superseded/, and the operator said so in an event.
     assert!(out.path().join("_superseded").exists(), "{log}");
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
     let moved = eventually("an OutputSuperseded event", 30, || async {
-        events.list(&Default::default()).await.unwrap().items.into_iter().find(|e| e.reason.as_deref() == Some("OutputSuperseded"))
+        events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("OutputSuperseded"))
     })
     .await;
     assert!(moved.note.as_deref().unwrap_or_default().contains("_superseded"), "{moved:?}");
-    eventually("Finished", 30, || async { (jobs.get("counter").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Finished)).then_some(()) }).await;
+    eventually("Finished", 30, || async {
+        (jobs.get("counter").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Finished)).then_some(())
+    })
+    .await;
     assert_eq!(assert_running_counts_exactly_once(out.path()), 20_000);
     controller.abort();
 }

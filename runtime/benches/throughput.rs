@@ -23,7 +23,8 @@ fn cpu_seconds() -> f64 {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
     let after = stat.rsplit(')').next().unwrap_or("");
     let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 = fields.get(11).and_then(|u| u.parse::<f64>().ok()).unwrap_or(0.0) + fields.get(12).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+    let ticks: f64 = fields.get(11).and_then(|u| u.parse::<f64>().ok()).unwrap_or(0.0)
+        + fields.get(12).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
     ticks / 100.0
 }
 
@@ -65,7 +66,8 @@ fn run(yaml: &str, dir: &std::path::Path) -> Run {
     let wall = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu0;
     let board = metrics.board();
-    let done: Vec<_> = board.history.iter().filter(|c| c.outcome == weir_crds::control::CheckpointOutcome::Completed).collect();
+    let done: Vec<_> =
+        board.history.iter().filter(|c| c.outcome == weir_crds::control::CheckpointOutcome::Completed).collect();
     Run {
         records: metrics.records_in.load(Ordering::Relaxed),
         wall,
@@ -137,8 +139,16 @@ fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize) -> (f64,
     let t0 = Instant::now();
     let restored = weir_runtime::io().block_on(weir_runtime::restore::RestoredState::load(&storage, newest)).unwrap();
     let keyed = restored.keyed_for("counts", (0, 128), 1).expect("counts state");
-    let ctx = weir_runtime::operators::keyed::KeyedContext { uid: "counts".into(), key: vec![0], max_parallelism: 128, key_groups: (0, 128), incremental: true, full_every: 10 };
-    let state: weir_runtime::state::KeyedState<weir_runtime::operators::accumulators::AccList> = ctx.state(Some(&keyed)).unwrap();
+    let ctx = weir_runtime::operators::keyed::KeyedContext {
+        uid: "counts".into(),
+        key: vec![0],
+        max_parallelism: 128,
+        key_groups: (0, 128),
+        incremental: true,
+        full_every: 10,
+    };
+    let state: weir_runtime::state::KeyedState<weir_runtime::operators::accumulators::AccList> =
+        ctx.state(Some(&keyed)).unwrap();
     let secs = t0.elapsed().as_secs_f64();
     assert_eq!(state.len(), expected_keys, "every key restored");
     (secs / (restored.bytes as f64 / (1u64 << 30) as f64), restored.bytes)
@@ -168,7 +178,12 @@ fn main() {
     println!();
     println!("| job | checkpoints | records | records/s | records/CPU-s | vs baseline | checkpoints done | p50 ms | p99 ms | mean KiB |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
-    for (name, ck, r) in [("keyed count, 1M keys", "off", &off), ("keyed count, 1M keys", "1 s", &on), ("sliding window 10s/1s, 1K keys", "off", &w_off), ("sliding window 10s/1s, 1K keys", "1 s", &w_on)] {
+    for (name, ck, r) in [
+        ("keyed count, 1M keys", "off", &off),
+        ("keyed count, 1M keys", "1 s", &on),
+        ("sliding window 10s/1s, 1K keys", "off", &w_off),
+        ("sliding window 10s/1s, 1K keys", "1 s", &w_on),
+    ] {
         let mean_kib = if r.bytes.is_empty() { 0 } else { r.bytes.iter().sum::<u64>() / r.bytes.len() as u64 / 1024 };
         println!(
             "| {name} | {ck} | {} | {:.2}M | {:.2}M | {:.2}× | {} | {} | {} | {} |",
@@ -183,13 +198,25 @@ fn main() {
         );
     }
     println!();
-    println!("checkpoint overhead, keyed count: {:+.1}% records/s, {:+.1}% records/CPU-s", (1.0 - on.rate() / off.rate()) * 100.0, (1.0 - on.per_cpu() / off.per_cpu()) * 100.0);
-    println!("checkpoint overhead, sliding window: {:+.1}% records/s, {:+.1}% records/CPU-s", (1.0 - w_on.rate() / w_off.rate()) * 100.0, (1.0 - w_on.per_cpu() / w_off.per_cpu()) * 100.0);
+    println!(
+        "checkpoint overhead, keyed count: {:+.1}% records/s, {:+.1}% records/CPU-s",
+        (1.0 - on.rate() / off.rate()) * 100.0,
+        (1.0 - on.per_cpu() / off.per_cpu()) * 100.0
+    );
+    println!(
+        "checkpoint overhead, sliding window: {:+.1}% records/s, {:+.1}% records/CPU-s",
+        (1.0 - w_on.rate() / w_off.rate()) * 100.0,
+        (1.0 - w_on.per_cpu() / w_off.per_cpu()) * 100.0
+    );
     if smoke {
         assert_eq!(off.records, count_records);
         assert_eq!(on.records, count_records);
         assert!(on.checkpoints >= 1, "at least the final checkpoint");
         println!("1 passed, 0 failed");
     }
-    println!("restore: {:.2} s per GiB (newest keyed-count checkpoint, {} MiB, read + verified + rebuilt)", restore_s_per_gib, restore_bytes >> 20);
+    println!(
+        "restore: {:.2} s per GiB (newest keyed-count checkpoint, {} MiB, read + verified + rebuilt)",
+        restore_s_per_gib,
+        restore_bytes >> 20
+    );
 }

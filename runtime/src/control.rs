@@ -56,9 +56,9 @@ impl Drop for ControlServer {
 
 fn json<T: Serialize>(status: u16, body: &T) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
     let data = serde_json::to_vec_pretty(body).unwrap_or_default();
-    tiny_http::Response::from_data(data)
-        .with_status_code(status)
-        .with_header(tiny_http::Header::from_bytes(&b"Content-Type"[..], &b"application/json"[..]).expect("static header"))
+    tiny_http::Response::from_data(data).with_status_code(status).with_header(
+        tiny_http::Header::from_bytes(&b"Content-Type"[..], &b"application/json"[..]).expect("static header"),
+    )
 }
 
 fn error(status: u16, msg: &str) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
@@ -66,8 +66,15 @@ fn error(status: u16, msg: &str) -> tiny_http::Response<std::io::Cursor<Vec<u8>>
 }
 
 /// Starts serving on `addr` (e.g. `127.0.0.1:8081`, port 0 for any).
-pub fn serve(addr: &str, token: Option<String>, metrics: Arc<JobMetrics>, requests: Sender<Request>) -> std::io::Result<ControlServer> {
-    let server = Arc::new(tiny_http::Server::http(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?);
+pub fn serve(
+    addr: &str,
+    token: Option<String>,
+    metrics: Arc<JobMetrics>,
+    requests: Sender<Request>,
+) -> std::io::Result<ControlServer> {
+    let server = Arc::new(
+        tiny_http::Server::http(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?,
+    );
     let bound = server.server_addr().to_ip().ok_or_else(|| std::io::Error::other("not an IP listener"))?;
     let s = server.clone();
     let in_flight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -94,7 +101,11 @@ pub fn serve(addr: &str, token: Option<String>, metrics: Arc<JobMetrics>, reques
 fn authorized(req: &tiny_http::Request, token: Option<&str>) -> bool {
     let Some(token) = token else { return true };
     req.headers().iter().any(|h| {
-        h.field.equiv("Authorization") && h.value.as_str().strip_prefix("Bearer ").is_some_and(|t| constant_time_eq(t.trim().as_bytes(), token.as_bytes()))
+        h.field.equiv("Authorization")
+            && h.value
+                .as_str()
+                .strip_prefix("Bearer ")
+                .is_some_and(|t| constant_time_eq(t.trim().as_bytes(), token.as_bytes()))
     })
 }
 
@@ -102,7 +113,12 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn handle(req: &mut tiny_http::Request, token: Option<&str>, metrics: &JobMetrics, requests: &Sender<Request>) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+fn handle(
+    req: &mut tiny_http::Request,
+    token: Option<&str>,
+    metrics: &JobMetrics,
+    requests: &Sender<Request>,
+) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
     use tiny_http::Method;
     let path = req.url().split('?').next().unwrap_or("").to_string();
     if path == "/healthz" {
@@ -121,7 +137,11 @@ fn handle(req: &mut tiny_http::Request, token: Option<&str>, metrics: &JobMetric
                 restarts: metrics.restarts.load(Ordering::Relaxed) as u32,
                 records_in: metrics.records_in.load(Ordering::Relaxed),
                 records_out: metrics.records_out.load(Ordering::Relaxed),
-                latest_checkpoint: board.history.iter().find(|c| c.outcome == weir_crds::control::CheckpointOutcome::Completed).cloned(),
+                latest_checkpoint: board
+                    .history
+                    .iter()
+                    .find(|c| c.outcome == weir_crds::control::CheckpointOutcome::Completed)
+                    .cloned(),
                 restored_from: board.restored_from.clone(),
                 epoch: board.epoch,
                 notices: board.notices.clone(),
@@ -132,11 +152,14 @@ fn handle(req: &mut tiny_http::Request, token: Option<&str>, metrics: &JobMetric
         }
         (Method::Get, "/v1/checkpoints") => {
             let board = metrics.board();
-            json(200, &CheckpointHistory {
-                checkpoints: board.history.iter().cloned().collect(),
-                completed: metrics.checkpoints_completed.load(Ordering::Relaxed),
-                failed: metrics.checkpoints_failed.load(Ordering::Relaxed),
-            })
+            json(
+                200,
+                &CheckpointHistory {
+                    checkpoints: board.history.iter().cloned().collect(),
+                    completed: metrics.checkpoints_completed.load(Ordering::Relaxed),
+                    failed: metrics.checkpoints_failed.load(Ordering::Relaxed),
+                },
+            )
         }
         (Method::Get, "/v1/checkpoints/latest") => match metrics.latest_completed() {
             Some(c) => json(200, &c),
@@ -178,7 +201,9 @@ fn handle(req: &mut tiny_http::Request, token: Option<&str>, metrics: &JobMetric
             }
         }
         (Method::Get, p) if p.starts_with("/v1/savepoints/") => {
-            let Ok(id) = p["/v1/savepoints/".len()..].parse::<u64>() else { return error(400, "savepoint request id must be a number") };
+            let Ok(id) = p["/v1/savepoints/".len()..].parse::<u64>() else {
+                return error(400, "savepoint request id must be a number");
+            };
             match metrics.board().savepoints.get(&id) {
                 Some(s) => json(200, s),
                 None => error(404, "no such savepoint request"),
@@ -189,7 +214,10 @@ fn handle(req: &mut tiny_http::Request, token: Option<&str>, metrics: &JobMetric
             json(202, &serde_json::json!({"cancelling": true}))
         }
         (Method::Get, "/metrics") => tiny_http::Response::from_data(metrics.render_prometheus().into_bytes())
-            .with_header(tiny_http::Header::from_bytes(&b"Content-Type"[..], &b"text/plain; version=0.0.4"[..]).expect("static header")),
+            .with_header(
+                tiny_http::Header::from_bytes(&b"Content-Type"[..], &b"text/plain; version=0.0.4"[..])
+                    .expect("static header"),
+            ),
         _ => error(404, "no such endpoint"),
     }
 }

@@ -9,7 +9,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
 use weir_checkpoint::protocol::{Action, Coordinator, CoordinatorConfig, TaskId, TriggerKind};
-use weir_checkpoint::{epoch, layout, recovery, retention, CheckpointMetadata, OperatorSnapshot, SnapshotKind, Storage};
+use weir_checkpoint::{
+    epoch, layout, recovery, retention, CheckpointMetadata, OperatorSnapshot, SnapshotKind, Storage,
+};
 use weir_crds::control::{CheckpointInfo, CheckpointKind, CheckpointOutcome, JobState, SavepointStatus};
 use weir_crds::job::{RestartStrategyKind, RetentionOnCancel};
 use weir_crds::validate::{NodeKind, ValidatedJob};
@@ -23,8 +25,8 @@ use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
 use crate::operators::window::WindowOperator;
 use crate::plan::{self, Partition, Vertex};
 use crate::restore::{newest_valid, open_path, RestoreError, RestoredState};
-use crate::sinks::file::{CommitGroup, Committable, FileSink};
 use crate::sinks;
+use crate::sinks::file::{CommitGroup, Committable, FileSink};
 use crate::sinks::stdout::{BlackholeSink, StdoutSink};
 use crate::sources::file::FileSource;
 use crate::sources::generator::GeneratorSource;
@@ -126,7 +128,10 @@ pub enum JobError {
 
 /// The storage root a job uses: the override, the job file's, or `./.weir/<job>`.
 pub fn storage_url(job: &ValidatedJob, opts: &RunOptions) -> String {
-    opts.checkpoint_dir.clone().or_else(|| job.spec.checkpointing.storage.clone()).unwrap_or_else(|| format!(".weir/{}", job.spec.name))
+    opts.checkpoint_dir
+        .clone()
+        .or_else(|| job.spec.checkpointing.storage.clone())
+        .unwrap_or_else(|| format!(".weir/{}", job.spec.name))
 }
 
 fn now_ms() -> u64 {
@@ -173,7 +178,12 @@ impl Running {
 }
 
 /// Runs a job to its end.
-pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, requests: Receiver<Request>) -> Result<JobOutcome, JobError> {
+pub fn run_job(
+    job: &ValidatedJob,
+    opts: &RunOptions,
+    metrics: Arc<JobMetrics>,
+    requests: Receiver<Request>,
+) -> Result<JobOutcome, JobError> {
     let storage = Storage::open(&storage_url(job, opts))?;
     let faults = Faults::new(opts.faults.clone(), metrics.clone());
     let mut exec = Executor {
@@ -194,7 +204,9 @@ pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, 
             .iter()
             .enumerate()
             .filter_map(|(node, n)| match (&n.kind, &n.uid) {
-                (NodeKind::FileSink(f), Some(uid)) => Some(Storage::open(&f.path).map(|storage| FileSinkDir { node, uid: uid.clone(), storage })),
+                (NodeKind::FileSink(f), Some(uid)) => {
+                    Some(Storage::open(&f.path).map(|storage| FileSinkDir { node, uid: uid.clone(), storage }))
+                }
                 _ => None,
             })
             .collect::<Result<_, _>>()?,
@@ -220,12 +232,19 @@ pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, 
                     JobOutcome::Cancelled => JobState::Cancelled,
                 };
                 exec.wait_for_retention();
-                if outcome == JobOutcome::Cancelled && job.spec.checkpointing.retention_on_cancel == RetentionOnCancel::Delete {
+                if outcome == JobOutcome::Cancelled
+                    && job.spec.checkpointing.retention_on_cancel == RetentionOnCancel::Delete
+                {
                     crate::io().block_on(exec.storage.delete_dir(layout::CHECKPOINTS))?;
                 } else {
                     // Leave storage as retention says, not as the last background pass got to.
                     let in_flight_from = exec.next_id;
-                    crate::io().block_on(retention::apply(&exec.storage, job.spec.checkpointing.retained as usize, in_flight_from, exec.epoch))?;
+                    crate::io().block_on(retention::apply(
+                        &exec.storage,
+                        job.spec.checkpointing.retained as usize,
+                        in_flight_from,
+                        exec.epoch,
+                    ))?;
                 }
                 metrics.set_state(state);
                 return Ok(outcome);
@@ -259,7 +278,11 @@ pub fn run_job(job: &ValidatedJob, opts: &RunOptions, metrics: Arc<JobMetrics>, 
                     return Err(JobError::Fenced(e));
                 }
                 (restore, restore_reason) = exec.failover_restore(initial.as_ref())?;
-                tracing::info!(restarts, from = restore.as_ref().map(|r| r.path.as_str()).unwrap_or("scratch"), "restarting job");
+                tracing::info!(
+                    restarts,
+                    from = restore.as_ref().map(|r| r.path.as_str()).unwrap_or("scratch"),
+                    "restarting job"
+                );
             }
         }
     }
@@ -359,7 +382,10 @@ impl Executor<'_> {
                         recovery::newest_complete(&self.storage, &points).await
                     })?;
                     if let Some(p) = newest {
-                        return Err(JobError::ExistingState { root: self.storage.url().to_string(), newest: format!("{} (id {})", self.storage.url_of(&p.dir), p.id) });
+                        return Err(JobError::ExistingState {
+                            root: self.storage.url().to_string(),
+                            newest: format!("{} (id {})", self.storage.url_of(&p.dir), p.id),
+                        });
                     }
                 }
                 (None, "fresh start".to_string())
@@ -399,14 +425,16 @@ impl Executor<'_> {
     }
 
     fn check_compatible(&self, r: &RestoredState) -> Result<(), JobError> {
-        let incompatible = |reason: String| JobError::Restore(RestoreError::Incompatible { path: r.path.clone(), reason });
+        let incompatible =
+            |reason: String| JobError::Restore(RestoreError::Incompatible { path: r.path.clone(), reason });
         if r.max_parallelism != self.job.spec.max_parallelism {
             return Err(incompatible(format!(
                 "maxParallelism is {} in the snapshot and {} in the job; it cannot change once state exists",
                 r.max_parallelism, self.job.spec.max_parallelism
             )));
         }
-        let uids: BTreeSet<&str> = self.job.nodes.iter().filter(|n| n.kind.is_stateful()).filter_map(|n| n.uid.as_deref()).collect();
+        let uids: BTreeSet<&str> =
+            self.job.nodes.iter().filter(|n| n.kind.is_stateful()).filter_map(|n| n.uid.as_deref()).collect();
         let unmatched: Vec<&str> = r.operators.keys().map(String::as_str).filter(|u| !uids.contains(u)).collect();
         if !unmatched.is_empty() {
             if self.opts.allow_non_restored_state {
@@ -434,7 +462,10 @@ impl Executor<'_> {
     fn output_history(&self, restored: Option<&RestoredState>) -> Result<sinks::file::OutputHistory, String> {
         use sinks::file::OutputHistory;
         let Some(from) = self.restored_from(restored) else { return Ok(OutputHistory::Fresh) };
-        match crate::io().block_on(epoch::lineage(&self.storage, from)).map_err(|e| format!("tracing the restore point's history: {e}"))? {
+        match crate::io()
+            .block_on(epoch::lineage(&self.storage, from))
+            .map_err(|e| format!("tracing the restore point's history: {e}"))?
+        {
             Some(lineage) => Ok(OutputHistory::Lineage(lineage)),
             None => Ok(OutputHistory::After(from.id)),
         }
@@ -442,13 +473,20 @@ impl Executor<'_> {
 
     /// Recovers every file sink; `newest_complete` is the newest complete restore point id of
     /// any history (staged data up to it may still be needed).
-    fn recover_sinks(&self, restored: Option<&RestoredState>, reason: &str, newest_complete: u64) -> Result<(), String> {
+    fn recover_sinks(
+        &self,
+        restored: Option<&RestoredState>,
+        reason: &str,
+        newest_complete: u64,
+    ) -> Result<(), String> {
         let history = self.output_history(restored)?;
         for sink in &self.file_sinks {
             let uid = &sink.uid;
             let docs = restored.map(|r| r.operator_docs(uid)).unwrap_or_default();
             let input = sinks::file::RecoveryInput { restored_docs: &docs, history: &history, newest_complete, reason };
-            let report = crate::io().block_on(sinks::file::recover(&sink.storage, uid, self.epoch, input)).map_err(|e| e.to_string())?;
+            let report = crate::io()
+                .block_on(sinks::file::recover(&sink.storage, uid, self.epoch, input))
+                .map_err(|e| e.to_string())?;
             if !report.superseded.is_empty() || !report.returned.is_empty() {
                 let notice = format!(
                     "sink `{uid}`: {} published file(s) outside the restored history moved to {}, {} moved back from an earlier rewind ({reason})",
@@ -513,8 +551,10 @@ impl Executor<'_> {
             total += v.parallelism;
         }
         // Channels per edge.
-        let mut inputs: Vec<Vec<Vec<Receiver<crate::message::Message>>>> = vertices.iter().map(|v| vec![Vec::new(); v.parallelism as usize]).collect();
-        let mut outputs: Vec<Vec<Vec<Output>>> = vertices.iter().map(|v| (0..v.parallelism).map(|_| Vec::new()).collect()).collect();
+        let mut inputs: Vec<Vec<Vec<Receiver<crate::message::Message>>>> =
+            vertices.iter().map(|v| vec![Vec::new(); v.parallelism as usize]).collect();
+        let mut outputs: Vec<Vec<Vec<Output>>> =
+            vertices.iter().map(|v| (0..v.parallelism).map(|_| Vec::new()).collect()).collect();
         for (to, v) in vertices.iter().enumerate() {
             for edge in &v.inputs {
                 let from_p = vertices[edge.from].parallelism;
@@ -522,7 +562,12 @@ impl Executor<'_> {
                     for i in 0..from_p {
                         let (tx, rx) = bounded(CHANNEL_CAPACITY);
                         inputs[to][i as usize].push(rx);
-                        outputs[edge.from][i as usize].push(Output::new(vec![tx], Partition::Forward, spec.max_parallelism, i));
+                        outputs[edge.from][i as usize].push(Output::new(
+                            vec![tx],
+                            Partition::Forward,
+                            spec.max_parallelism,
+                            i,
+                        ));
                     }
                 } else {
                     let mut senders: Vec<Vec<Sender<_>>> = vec![Vec::new(); from_p as usize];
@@ -534,12 +579,18 @@ impl Executor<'_> {
                         }
                     }
                     for (i, s) in senders.into_iter().enumerate() {
-                        outputs[edge.from][i].push(Output::new(s, edge.partition.clone(), spec.max_parallelism, i as u32));
+                        outputs[edge.from][i].push(Output::new(
+                            s,
+                            edge.partition.clone(),
+                            spec.max_parallelism,
+                            i as u32,
+                        ));
                     }
                 }
             }
         }
-        let mut running = Running { tasks: Vec::new(), uploaders: Vec::new(), controls: Vec::new(), source_tasks: Vec::new() };
+        let mut running =
+            Running { tasks: Vec::new(), uploaders: Vec::new(), controls: Vec::new(), source_tasks: Vec::new() };
         let mut built = Vec::new();
         for (vi, v) in vertices.iter().enumerate() {
             let mut vertex_inputs = std::mem::take(&mut inputs[vi]);
@@ -555,7 +606,9 @@ impl Executor<'_> {
                     let uid = head_node.uid.clone().unwrap_or_default();
                     let docs = restored.map(|r| r.operator_docs(&uid)).unwrap_or_default();
                     let source: Box<dyn Source> = match &head_node.kind {
-                        NodeKind::Generator(g) => Box::new(GeneratorSource::new(g, spec.max_parallelism, subtask, v.parallelism, &docs)?),
+                        NodeKind::Generator(g) => {
+                            Box::new(GeneratorSource::new(g, spec.max_parallelism, subtask, v.parallelism, &docs)?)
+                        }
                         NodeKind::FileSource(f) => Box::new(FileSource::new(&f.path, subtask, v.parallelism, &docs)?),
                         _ => unreachable!("is_source"),
                     };
@@ -569,7 +622,12 @@ impl Executor<'_> {
                 for &ni in chain_nodes {
                     chain.push(self.build_operator(ni, v, subtask, key_groups, restored, &mut chains)?);
                 }
-                let name = format!("{}[{}/{}]", v.nodes.iter().map(|&n| job.nodes[n].name.as_str()).collect::<Vec<_>>().join("→"), subtask + 1, v.parallelism);
+                let name = format!(
+                    "{}[{}/{}]",
+                    v.nodes.iter().map(|&n| job.nodes[n].name.as_str()).collect::<Vec<_>>().join("→"),
+                    subtask + 1,
+                    v.parallelism
+                );
                 let task = Task {
                     id,
                     name: name.clone(),
@@ -614,7 +672,11 @@ impl Executor<'_> {
                             Ok(Ok(TaskEnd::Cancelled)) | Ok(Err(TaskError::Shutdown)) => return,
                             Ok(Err(e)) => Event::TaskFailed { task: id, error: format!("{name}: {e}") },
                             Err(panic) => {
-                                let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                                let msg = panic
+                                    .downcast_ref::<String>()
+                                    .cloned()
+                                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                                    .unwrap_or_default();
                                 Event::TaskFailed { task: id, error: format!("{name} panicked: {msg}") }
                             }
                         };
@@ -659,15 +721,24 @@ impl Executor<'_> {
             NodeKind::Filter(f) => Box::new(FilterOperator::new(&f.expr, input_schema)?),
             NodeKind::FlatMap(f) => Box::new(FlatMapOperator::new(f, input_schema)?),
             NodeKind::Window(w) => Box::new(WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?),
-            NodeKind::Aggregate(a) => Box::new(AggregateOperator::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?),
+            NodeKind::Aggregate(a) => {
+                Box::new(AggregateOperator::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?)
+            }
             NodeKind::Dedupe => Box::new(DedupeOperator::new(keyed(), keyed_restore.as_ref())?),
             NodeKind::FileSink(_) => {
-                let storage = self.file_sinks.iter().find(|s| s.node == ni).map(|s| s.storage.clone()).expect("every file sink node was opened at start");
+                let storage = self
+                    .file_sinks
+                    .iter()
+                    .find(|s| s.node == ni)
+                    .map(|s| s.storage.clone())
+                    .expect("every file sink node was opened at start");
                 Box::new(FileSink::new(&uid, subtask, self.epoch, node.schema.clone(), storage, self.metrics.clone()))
             }
             NodeKind::Stdout => Box::new(StdoutSink::new(node.schema.clone(), self.metrics.clone())),
             NodeKind::Blackhole => Box::new(BlackholeSink::new(self.metrics.clone())),
-            NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) => unreachable!("not a chain element"),
+            NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) => {
+                unreachable!("not a chain element")
+            }
         };
         Ok(ChainedOperator { uid: node.uid.clone().filter(|_| node.kind.is_stateful()), op })
     }
@@ -695,7 +766,15 @@ impl Executor<'_> {
                     Request::Savepoint { stop, drain, reply } => {
                         let request = self.next_request;
                         self.next_request += 1;
-                        self.metrics.board().savepoints.insert(request, SavepointStatus { request_id: request, outcome: CheckpointOutcome::InProgress, path: None, failure: None });
+                        self.metrics.board().savepoints.insert(
+                            request,
+                            SavepointStatus {
+                                request_id: request,
+                                outcome: CheckpointOutcome::InProgress,
+                                path: None,
+                                failure: None,
+                            },
+                        );
                         coord.request_savepoint(request, stop, drain);
                         let _ = reply.send(request);
                     }
@@ -758,7 +837,9 @@ impl Executor<'_> {
                         let dir = layout::savepoint_dir(now, id);
                         (SnapshotTarget::Savepoint { dir: dir.clone() }, dir, stop, drain)
                     }
-                    TriggerKind::Checkpoint => (SnapshotTarget::Checkpoint, layout::checkpoint_dir(id), is_final, false),
+                    TriggerKind::Checkpoint => {
+                        (SnapshotTarget::Checkpoint, layout::checkpoint_dir(id), is_final, false)
+                    }
                 };
                 started.insert(id, (now, kind, dir.clone()));
                 self.record(id, kind, &dir, now, CheckpointOutcome::InProgress, 0, None);
@@ -774,14 +855,21 @@ impl Executor<'_> {
                 if let Err(e) = crate::io().block_on(epoch::check(&self.storage, self.epoch)) {
                     return Err(fenced_or_failed(e));
                 }
-                let write = crate::io().block_on(self.storage.put_if_absent(&layout::resolve(&dir, layout::METADATA), bytes::Bytes::from(metadata.encode())));
+                let write = crate::io().block_on(
+                    self.storage
+                        .put_if_absent(&layout::resolve(&dir, layout::METADATA), bytes::Bytes::from(metadata.encode())),
+                );
                 match write {
                     Ok(()) => {}
                     Err(weir_checkpoint::StorageError::AlreadyExists(path)) => {
                         if let Err(e) = crate::io().block_on(epoch::check(&self.storage, self.epoch)) {
                             return Err(fenced_or_failed(e));
                         }
-                        return Ok(coord.completion_failed(id, &format!("{path} was written by another run"), now_ms()));
+                        return Ok(coord.completion_failed(
+                            id,
+                            &format!("{path} was written by another run"),
+                            now_ms(),
+                        ));
                     }
                     Err(e) => return Ok(coord.completion_failed(id, &e.to_string(), now_ms())),
                 }
@@ -790,11 +878,16 @@ impl Executor<'_> {
                 self.record(id, kind, &dir, t0, CheckpointOutcome::Completed, bytes, None);
                 tracing::debug!(checkpoint = id, bytes, "checkpoint complete");
                 if self.faults.fires(Fault::AbortBeforeCommit) {
-                    tracing::error!(checkpoint = id, "injected fault: aborting the process after checkpoint completion, before commit");
+                    tracing::error!(
+                        checkpoint = id,
+                        "injected fault: aborting the process after checkpoint completion, before commit"
+                    );
                     std::process::abort();
                 }
                 if self.faults.fires(Fault::CrashBeforeCommit) {
-                    return Err(AttemptEnd::Failed(format!("injected fault: crash after checkpoint {id} completed, before commit")));
+                    return Err(AttemptEnd::Failed(format!(
+                        "injected fault: crash after checkpoint {id} completed, before commit"
+                    )));
                 }
                 let stop = matches!(kind, TriggerKind::Savepoint { stop: true, .. });
                 // Commit on checkpoints and on a savepoint that stops the job; a savepoint
@@ -834,7 +927,16 @@ impl Executor<'_> {
     /// Records a checkpoint's progress in the history and, once it ended, in the status of
     /// the savepoint request that asked for it.
     #[allow(clippy::too_many_arguments)]
-    fn record(&mut self, id: u64, kind: TriggerKind, dir: &str, t0: u64, outcome: CheckpointOutcome, bytes: u64, failure: Option<String>) {
+    fn record(
+        &mut self,
+        id: u64,
+        kind: TriggerKind,
+        dir: &str,
+        t0: u64,
+        outcome: CheckpointOutcome,
+        bytes: u64,
+        failure: Option<String>,
+    ) {
         let path = self.storage.url_of(dir);
         let ended = outcome != CheckpointOutcome::InProgress;
         self.metrics.record_checkpoint(CheckpointInfo {
@@ -852,7 +954,10 @@ impl Executor<'_> {
         }
         if let Some(request) = self.savepoint_requests.remove(&id) {
             let path = (outcome == CheckpointOutcome::Completed).then_some(path);
-            self.metrics.board().savepoints.insert(request, SavepointStatus { request_id: request, outcome, path, failure });
+            self.metrics
+                .board()
+                .savepoints
+                .insert(request, SavepointStatus { request_id: request, outcome, path, failure });
         }
     }
 
@@ -875,7 +980,10 @@ impl Executor<'_> {
         let mine = self.epoch;
         crate::io().spawn(async move {
             let result = match epoch::check(&storage, mine).await {
-                Ok(()) => retention::apply(&storage, retained, in_flight_from, mine).await.map(|_| ()).map_err(|e| e.to_string()),
+                Ok(()) => retention::apply(&storage, retained, in_flight_from, mine)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
             if let Err(e) = result {
@@ -902,7 +1010,9 @@ impl Executor<'_> {
         let mut operators: BTreeMap<String, OperatorSnapshot> = BTreeMap::new();
         for ack in acks.values() {
             for op in &ack.operators {
-                let entry = operators.entry(op.uid.clone()).or_insert_with(|| OperatorSnapshot { parallelism: op.parallelism, subtasks: Vec::new() });
+                let entry = operators
+                    .entry(op.uid.clone())
+                    .or_insert_with(|| OperatorSnapshot { parallelism: op.parallelism, subtasks: Vec::new() });
                 entry.subtasks.push(op.snapshot.clone());
             }
         }

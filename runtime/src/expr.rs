@@ -73,13 +73,18 @@ impl Expr {
     /// Compiles `text` against the fields of `schema`.
     pub fn compile(text: &str, schema: &[String]) -> Result<Expr, ExprError> {
         let env = env();
-        let program = env.compile(text).map_err(|e| ExprError::Compile { expr: text.to_string(), reason: e.to_string() })?;
+        let program =
+            env.compile(text).map_err(|e| ExprError::Compile { expr: text.to_string(), reason: e.to_string() })?;
         let mut inputs = Vec::new();
         for name in program.references().variables() {
             match schema.iter().position(|f| f == name) {
                 Some(pos) => inputs.push((pos, name.to_string())),
                 None => {
-                    return Err(ExprError::UnknownVariable { expr: text.to_string(), name: name.to_string(), fields: schema.join(", ") })
+                    return Err(ExprError::UnknownVariable {
+                        expr: text.to_string(),
+                        name: name.to_string(),
+                        fields: schema.join(", "),
+                    })
                 }
             }
         }
@@ -98,7 +103,8 @@ impl Expr {
     /// Evaluates to a field value.
     pub fn eval_value(&self, record: &Record) -> Result<Value, ExprError> {
         let v = self.eval(record)?;
-        from_cel(&v).ok_or_else(|| ExprError::Eval { expr: self.text.clone(), reason: format!("result {v:?} is not a scalar") })
+        from_cel(&v)
+            .ok_or_else(|| ExprError::Eval { expr: self.text.clone(), reason: format!("result {v:?} is not a scalar") })
     }
 
     /// Evaluates a predicate.
@@ -114,7 +120,12 @@ impl Expr {
         match self.eval(record)? {
             cel::Value::List(items) => items
                 .iter()
-                .map(|v| from_cel(v).ok_or_else(|| ExprError::Eval { expr: self.text.clone(), reason: format!("list element {v:?} is not a scalar") }))
+                .map(|v| {
+                    from_cel(v).ok_or_else(|| ExprError::Eval {
+                        expr: self.text.clone(),
+                        reason: format!("list element {v:?} is not a scalar"),
+                    })
+                })
                 .collect(),
             other => Err(ExprError::Eval { expr: self.text.clone(), reason: format!("must be a list, got {other:?}") }),
         }
@@ -159,7 +170,10 @@ mod tests {
         let p = Expr::compile("n > 10 && word.startsWith('a')", &schema).unwrap();
         assert!(p.eval_bool(&rec(vec![Value::str("abc"), Value::Int(11)])).unwrap());
         let l = Expr::compile("word.split(' ')", &schema).unwrap();
-        assert_eq!(l.eval_list(&rec(vec![Value::str("a b"), Value::Int(0)])).unwrap(), vec![Value::str("a"), Value::str("b")]);
+        assert_eq!(
+            l.eval_list(&rec(vec![Value::str("a b"), Value::Int(0)])).unwrap(),
+            vec![Value::str("a"), Value::str("b")]
+        );
     }
 
     #[test]

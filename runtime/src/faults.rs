@@ -43,7 +43,11 @@ impl FaultPlan {
                 "commit-abort" => plan.abort_before_commit = num(v)?,
                 "savepoint" => plan.savepoint_failure = num(v)?,
                 "max" => plan.max_faults = v.parse().map_err(|_| format!("`{part}`: not an integer"))?,
-                other => return Err(format!("unknown fault `{other}` (panic, upload, commit-crash, commit-abort, savepoint, seed, max)")),
+                other => {
+                    return Err(format!(
+                        "unknown fault `{other}` (panic, upload, commit-crash, commit-abort, savepoint, seed, max)"
+                    ))
+                }
             }
         }
         Ok(plan)
@@ -101,7 +105,8 @@ impl Faults {
             return false;
         }
         let draw = self.draws.fetch_add(1, Ordering::Relaxed);
-        let x = (mix64(plan.seed ^ mix64(draw.wrapping_add(fault as u64 * 0x1000_0000))) >> 11) as f64 / (1u64 << 53) as f64;
+        let x = (mix64(plan.seed ^ mix64(draw.wrapping_add(fault as u64 * 0x1000_0000))) >> 11) as f64
+            / (1u64 << 53) as f64;
         if x < p {
             self.metrics.injected_faults.fetch_add(1, Ordering::Relaxed);
             true

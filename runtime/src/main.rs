@@ -13,7 +13,11 @@ use weir_runtime::faults::FaultPlan;
 use weir_runtime::metrics::JobMetrics;
 
 #[derive(Parser)]
-#[command(name = "weir-runtime", version, about = "Weir's stream engine: run a job, take savepoints, inspect checkpoints")]
+#[command(
+    name = "weir-runtime",
+    version,
+    about = "Weir's stream engine: run a job, take savepoints, inspect checkpoints"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -99,11 +103,28 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Run { job, checkpoint_dir, restore, allow_non_restored_state, fresh, control_addr, token_file, quiet, termination_log } => {
-            run(&job, RunArgs { checkpoint_dir, restore, allow: allow_non_restored_state, fresh }, control_addr, token_file, quiet, termination_log.as_deref())
-        }
+        Command::Run {
+            job,
+            checkpoint_dir,
+            restore,
+            allow_non_restored_state,
+            fresh,
+            control_addr,
+            token_file,
+            quiet,
+            termination_log,
+        } => run(
+            &job,
+            RunArgs { checkpoint_dir, restore, allow: allow_non_restored_state, fresh },
+            control_addr,
+            token_file,
+            quiet,
+            termination_log.as_deref(),
+        ),
         Command::Validate { job } => validate(&job),
-        Command::Savepoint { addr, stop, drain, token_file, timeout_secs } => savepoint(&addr, stop, drain, token_file, timeout_secs),
+        Command::Savepoint { addr, stop, drain, token_file, timeout_secs } => {
+            savepoint(&addr, stop, drain, token_file, timeout_secs)
+        }
         Command::Checkpoints { dir } => checkpoints(&dir),
     }
 }
@@ -190,7 +211,17 @@ fn run(
         holder: Some(format!("{host} pid {}", std::process::id())),
         faults,
     };
-    let job_id = format!("{:016x}", weir_runtime::value::mix64(std::process::id() as u64 ^ Instant::now().elapsed().as_nanos() as u64 ^ std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)));
+    let job_id = format!(
+        "{:016x}",
+        weir_runtime::value::mix64(
+            std::process::id() as u64
+                ^ Instant::now().elapsed().as_nanos() as u64
+                ^ std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(0)
+        )
+    );
     let metrics = Arc::new(JobMetrics::new(&job.spec.name, &job_id));
     let (req_tx, req_rx) = crossbeam_channel::unbounded();
     let _server = match &control_addr {
@@ -369,7 +400,9 @@ fn savepoint(addr: &str, stop: bool, drain: bool, token_file: Option<String>, ti
     }
     let deadline = Instant::now() + Duration::from_secs(timeout_secs);
     while Instant::now() < deadline {
-        if let Ok((200, text)) = http(addr, "GET", &format!("/v1/savepoints/{}", accepted.request_id), token.as_deref(), "") {
+        if let Ok((200, text)) =
+            http(addr, "GET", &format!("/v1/savepoints/{}", accepted.request_id), token.as_deref(), "")
+        {
             if let Some(code) = serde_json::from_str(&text).ok().as_ref().and_then(finished_savepoint) {
                 return code;
             }
@@ -400,8 +433,12 @@ fn checkpoints(dir: &str) -> ExitCode {
                 let path = storage.url_of(&weir_checkpoint::layout::checkpoint_dir(id));
                 match verdict {
                     weir_checkpoint::recovery::Verdict::Valid => println!("{id:>8}  {:<8}  {bytes:>12}  {path}", "yes"),
-                    weir_checkpoint::recovery::Verdict::Invalid(why) => println!("{id:>8}  {:<8}  {bytes:>12}  {path}  ({why})", "NO"),
-                    weir_checkpoint::recovery::Verdict::Incomplete => println!("{id:>8}  {:<8}  {bytes:>12}  {path}  (never completed)", "no"),
+                    weir_checkpoint::recovery::Verdict::Invalid(why) => {
+                        println!("{id:>8}  {:<8}  {bytes:>12}  {path}  ({why})", "NO")
+                    }
+                    weir_checkpoint::recovery::Verdict::Incomplete => {
+                        println!("{id:>8}  {:<8}  {bytes:>12}  {path}  (never completed)", "no")
+                    }
                 }
             }
             ExitCode::SUCCESS

@@ -133,17 +133,72 @@ impl JobMetrics {
         let mut counter = |name: &str, help: &str, kind: &str, v: u64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{job=\"{job}\"}} {v}");
         };
-        counter("weir_records_in_total", "Records read by sources.", "counter", self.records_in.load(Ordering::Relaxed));
-        counter("weir_records_out_total", "Records written by sinks.", "counter", self.records_out.load(Ordering::Relaxed));
-        counter("weir_checkpoints_completed_total", "Completed checkpoints and savepoints.", "counter", self.checkpoints_completed.load(Ordering::Relaxed));
-        counter("weir_checkpoints_failed_total", "Failed checkpoints and savepoints.", "counter", self.checkpoints_failed.load(Ordering::Relaxed));
-        counter("weir_checkpoint_duration_ms_sum", "Sum of completed checkpoint durations in ms.", "counter", self.checkpoint_duration_ms_sum.load(Ordering::Relaxed));
-        counter("weir_last_checkpoint_duration_ms", "Duration of the newest completed checkpoint in ms.", "gauge", self.last_checkpoint_duration_ms.load(Ordering::Relaxed));
-        counter("weir_last_checkpoint_size_bytes", "Bytes written by the newest completed checkpoint.", "gauge", self.last_checkpoint_bytes.load(Ordering::Relaxed));
-        counter("weir_checkpoint_alignment_ms_total", "Time tasks spent aligning barriers in ms.", "counter", self.alignment_ms.load(Ordering::Relaxed));
-        counter("weir_restarts_total", "In-process restarts from the newest checkpoint.", "counter", self.restarts.load(Ordering::Relaxed));
-        counter("weir_late_records_total", "Records dropped by windows as late.", "counter", self.late_records.load(Ordering::Relaxed));
-        counter("weir_injected_faults_total", "Faults injected by the test hook.", "counter", self.injected_faults.load(Ordering::Relaxed));
+        counter(
+            "weir_records_in_total",
+            "Records read by sources.",
+            "counter",
+            self.records_in.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_records_out_total",
+            "Records written by sinks.",
+            "counter",
+            self.records_out.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_checkpoints_completed_total",
+            "Completed checkpoints and savepoints.",
+            "counter",
+            self.checkpoints_completed.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_checkpoints_failed_total",
+            "Failed checkpoints and savepoints.",
+            "counter",
+            self.checkpoints_failed.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_checkpoint_duration_ms_sum",
+            "Sum of completed checkpoint durations in ms.",
+            "counter",
+            self.checkpoint_duration_ms_sum.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_last_checkpoint_duration_ms",
+            "Duration of the newest completed checkpoint in ms.",
+            "gauge",
+            self.last_checkpoint_duration_ms.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_last_checkpoint_size_bytes",
+            "Bytes written by the newest completed checkpoint.",
+            "gauge",
+            self.last_checkpoint_bytes.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_checkpoint_alignment_ms_total",
+            "Time tasks spent aligning barriers in ms.",
+            "counter",
+            self.alignment_ms.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_restarts_total",
+            "In-process restarts from the newest checkpoint.",
+            "counter",
+            self.restarts.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_late_records_total",
+            "Records dropped by windows as late.",
+            "counter",
+            self.late_records.load(Ordering::Relaxed),
+        );
+        counter(
+            "weir_injected_faults_total",
+            "Faults injected by the test hook.",
+            "counter",
+            self.injected_faults.load(Ordering::Relaxed),
+        );
         out
     }
 }

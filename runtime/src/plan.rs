@@ -41,11 +41,17 @@ pub struct Vertex {
 pub fn build(job: &ValidatedJob) -> Vec<Vertex> {
     let nodes = &job.nodes;
     // Effective inputs of every non-keyBy node: (upstream non-keyBy node, key fields if keyed).
-    fn resolve(nodes: &[weir_crds::validate::Node], input: usize, key: Option<Vec<usize>>, out: &mut Vec<(usize, Option<Vec<usize>>)>) {
+    fn resolve(
+        nodes: &[weir_crds::validate::Node],
+        input: usize,
+        key: Option<Vec<usize>>,
+        out: &mut Vec<(usize, Option<Vec<usize>>)>,
+    ) {
         match &nodes[input].kind {
             NodeKind::KeyBy(k) => {
                 let schema = &nodes[input].schema;
-                let key = key.or_else(|| Some(k.fields.iter().filter_map(|f| schema.iter().position(|s| s == f)).collect()));
+                let key =
+                    key.or_else(|| Some(k.fields.iter().filter_map(|f| schema.iter().position(|s| s == f)).collect()));
                 for &up in &nodes[input].inputs {
                     resolve(nodes, up, key.clone(), out);
                 }

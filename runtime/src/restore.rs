@@ -109,12 +109,17 @@ impl RestoredState {
         for (uid, op) in &m.operators {
             let mut subtasks = Vec::new();
             for s in &op.subtasks {
-                let mut sub = RestoredSubtask { key_groups: s.key_groups, keyed_refs: s.keyed_state.clone(), ..Default::default() };
+                let mut sub = RestoredSubtask {
+                    key_groups: s.key_groups,
+                    keyed_refs: s.keyed_state.clone(),
+                    ..Default::default()
+                };
                 if let Some(f) = &s.operator_state {
                     let data = read_verified(storage, found, f).await?;
                     bytes += data.len() as u64;
                     let (_, body) = weir_checkpoint::format::open(&data).map_err(|e| corrupt(storage, found, f, e))?;
-                    let doc = weir_checkpoint::format::operator_document(body).map_err(|e| corrupt(storage, found, f, e))?;
+                    let doc =
+                        weir_checkpoint::format::operator_document(body).map_err(|e| corrupt(storage, found, f, e))?;
                     sub.operator_doc = Some(doc.to_vec());
                 }
                 for f in &s.keyed_state {
@@ -141,14 +146,20 @@ impl RestoredState {
 
     /// Every subtask's operator document of `uid` (sources and sinks redistribute the union).
     pub fn operator_docs(&self, uid: &str) -> Vec<&[u8]> {
-        self.operators.get(uid).map(|op| op.subtasks.iter().filter_map(|s| s.operator_doc.as_deref()).collect()).unwrap_or_default()
+        self.operators
+            .get(uid)
+            .map(|op| op.subtasks.iter().filter_map(|s| s.operator_doc.as_deref()).collect())
+            .unwrap_or_default()
     }
 
     /// The keyed state for a subtask owning `key_groups` at `parallelism`.
     pub fn keyed_for(&self, uid: &str, key_groups: (u32, u32), parallelism: u32) -> Option<KeyedRestore> {
         let op = self.operators.get(uid)?;
-        let overlapping: Vec<&RestoredSubtask> =
-            op.subtasks.iter().filter(|s| s.key_groups.0 < key_groups.1 && key_groups.0 < s.key_groups.1 && !s.keyed_files.is_empty()).collect();
+        let overlapping: Vec<&RestoredSubtask> = op
+            .subtasks
+            .iter()
+            .filter(|s| s.key_groups.0 < key_groups.1 && key_groups.0 < s.key_groups.1 && !s.keyed_files.is_empty())
+            .collect();
         let same = op.parallelism == parallelism && overlapping.len() == 1 && overlapping[0].key_groups == key_groups;
         let continue_chain = same && self.kind == SnapshotKind::Checkpoint;
         Some(KeyedRestore {
@@ -167,15 +178,23 @@ async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Re
     let path = found.resolve(&f.path);
     let data = match storage.get(&path).await {
         Ok(d) => d,
-        Err(StorageError::NotFound(_)) => return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() }),
+        Err(StorageError::NotFound(_)) => {
+            return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() })
+        }
         Err(e) => return Err(e.into()),
     };
     if data.len() as u64 != f.len {
-        return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: format!("{} bytes, metadata says {}", data.len(), f.len) });
+        return Err(RestoreError::CorruptFile {
+            path: storage.url_of(&path),
+            reason: format!("{} bytes, metadata says {}", data.len(), f.len),
+        });
     }
     let crc = crc32c::crc32c(&data);
     if crc != f.crc32c {
-        return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: format!("crc32c {crc:08x}, metadata says {:08x}", f.crc32c) });
+        return Err(RestoreError::CorruptFile {
+            path: storage.url_of(&path),
+            reason: format!("crc32c {crc:08x}, metadata says {:08x}", f.crc32c),
+        });
     }
     Ok(data)
 }
@@ -201,7 +220,10 @@ pub async fn open_path(path: &str) -> Result<(Storage, Restorable), RestoreError
     match recovery::read_metadata(&storage, &dir).await? {
         Ok(metadata) => Ok((storage, Restorable { dir, metadata })),
         Err(Verdict::Invalid(reason)) => Err(RestoreError::Invalid { path: path.to_string(), reason }),
-        Err(_) => Err(RestoreError::Invalid { path: path.to_string(), reason: "no _metadata: not a complete checkpoint or savepoint".into() }),
+        Err(_) => Err(RestoreError::Invalid {
+            path: path.to_string(),
+            reason: "no _metadata: not a complete checkpoint or savepoint".into(),
+        }),
     }
 }
 
@@ -233,7 +255,12 @@ impl Selection {
             return format!("restored the newest restore point, {} (id {})", r.path, r.checkpoint_id);
         }
         let defects: Vec<String> = self.skipped.iter().map(|s| format!("{} ({})", s.path, s.defect)).collect();
-        format!("restored {} (id {}) because newer restore points are corrupt: {}", r.path, r.checkpoint_id, defects.join("; "))
+        format!(
+            "restored {} (id {}) because newer restore points are corrupt: {}",
+            r.path,
+            r.checkpoint_id,
+            defects.join("; ")
+        )
     }
 }
 
@@ -274,21 +301,26 @@ pub async fn newest_valid(storage: &Storage, floor: u64) -> Result<Selection, Re
     for point in points.into_iter().filter(|p| p.id >= floor) {
         // The metadata, then every file read and verified by the loader (no separate pass of
         // size checks: that would double the requests of a restore).
-        let found = match retrying(&point.dir, || async { Ok(recovery::read_metadata(storage, &point.dir).await?) }).await? {
-            Ok(metadata) => Restorable { dir: point.dir.clone(), metadata },
-            Err(Verdict::Invalid(defect)) => {
-                selection.skipped.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect });
-                continue;
-            }
-            Err(_) => continue,
-        };
+        let found =
+            match retrying(&point.dir, || async { Ok(recovery::read_metadata(storage, &point.dir).await?) }).await? {
+                Ok(metadata) => Restorable { dir: point.dir.clone(), metadata },
+                Err(Verdict::Invalid(defect)) => {
+                    selection.skipped.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect });
+                    continue;
+                }
+                Err(_) => continue,
+            };
         match retrying(&point.dir, || RestoredState::load(storage, &found)).await {
             Ok(r) => {
                 selection.restored = Some(r);
                 return Ok(selection);
             }
             Err(RestoreError::Storage(e)) => return Err(RestoreError::Storage(e)),
-            Err(e) => selection.skipped.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect: e.to_string() }),
+            Err(e) => selection.skipped.push(Skipped {
+                id: point.id,
+                path: storage.url_of(&point.dir),
+                defect: e.to_string(),
+            }),
         }
     }
     if !selection.skipped.is_empty() {
@@ -305,7 +337,10 @@ mod tests {
     use futures::stream::BoxStream;
     use object_store::memory::InMemory;
     use object_store::path::Path;
-    use object_store::{GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore, PutMultipartOptions, PutOptions, PutPayload, PutResult};
+    use object_store::{
+        GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore, PutMultipartOptions, PutOptions,
+        PutPayload, PutResult,
+    };
     use weir_checkpoint::format::{FileKind, StateFileWriter};
     use weir_checkpoint::metadata::FORMAT_VERSION;
     use weir_checkpoint::{layout, CheckpointMetadata, OperatorSnapshot, SubtaskSnapshot};
@@ -330,7 +365,11 @@ mod tests {
         async fn put_opts(&self, l: &Path, p: PutPayload, o: PutOptions) -> object_store::Result<PutResult> {
             self.inner.put_opts(l, p, o).await
         }
-        async fn put_multipart_opts(&self, l: &Path, o: PutMultipartOptions) -> object_store::Result<Box<dyn MultipartUpload>> {
+        async fn put_multipart_opts(
+            &self,
+            l: &Path,
+            o: PutMultipartOptions,
+        ) -> object_store::Result<Box<dyn MultipartUpload>> {
             self.inner.put_multipart_opts(l, o).await
         }
         async fn get_opts(&self, l: &Path, o: GetOptions) -> object_store::Result<GetResult> {
@@ -366,7 +405,12 @@ mod tests {
         let dir = layout::checkpoint_dir(id);
         let len = data.len() as u64;
         s.put(&layout::resolve(&dir, &rel), data).await.unwrap();
-        let subtask = SubtaskSnapshot { subtask: 0, key_groups: (0, 8), operator_state: Some(FileRef { path: rel, len, crc32c }), keyed_state: vec![] };
+        let subtask = SubtaskSnapshot {
+            subtask: 0,
+            key_groups: (0, 8),
+            operator_state: Some(FileRef { path: rel, len, crc32c }),
+            keyed_state: vec![],
+        };
         let m = CheckpointMetadata {
             format_version: FORMAT_VERSION,
             checkpoint_id: id,
@@ -414,7 +458,10 @@ mod tests {
         let (_, s) = store();
         assert!(newest_valid(&s, 0).await.unwrap().restored.is_none(), "an empty root is a fresh start");
         s.put("checkpoints/chk-9/src/0-1.state", bytes::Bytes::from_static(b"x")).await.unwrap();
-        assert!(newest_valid(&s, 0).await.unwrap().restored.is_none(), "a checkpoint that never completed is not a defect");
+        assert!(
+            newest_valid(&s, 0).await.unwrap().restored.is_none(),
+            "a checkpoint that never completed is not a defect"
+        );
         checkpoint(&s, 1).await;
         checkpoint(&s, 2).await;
         corrupt(&s, 2).await;
@@ -424,6 +471,12 @@ mod tests {
         assert!(selection.reason().contains("newer restore points are corrupt"), "{}", selection.reason());
         corrupt(&s, 1).await;
         let err = newest_valid(&s, 0).await.unwrap_err().to_string();
-        assert!(err.contains("refusing to start without the job's state") && err.contains("chk-2") && err.contains("chk-1") && err.contains("crc32c"), "{err}");
+        assert!(
+            err.contains("refusing to start without the job's state")
+                && err.contains("chk-2")
+                && err.contains("chk-1")
+                && err.contains("crc32c"),
+            "{err}"
+        );
     }
 }

@@ -161,7 +161,9 @@ impl<V: StateValue> KeyedState<V> {
     /// previous snapshot, or a full image when due. Cost: O(changed keys) for an increment
     /// (a sequential scan replaces per-key lookups when most keys changed).
     pub fn snapshot_checkpoint(&mut self) -> KeyedSnapshot {
-        let full = !self.incremental || self.force_full.swap(false, Ordering::AcqRel) || self.increments_since_full + 1 >= self.full_every;
+        let full = !self.incremental
+            || self.force_full.swap(false, Ordering::AcqRel)
+            || self.increments_since_full + 1 >= self.full_every;
         let scan = std::mem::take(&mut self.scan) || self.changed.len() * 4 > self.map.len();
         if full {
             self.increments_since_full = 0;
@@ -411,13 +413,26 @@ mod model_tests {
 
     impl Subtasks {
         fn new(parallelism: u32, full_every: u32) -> Self {
-            let parts = (0..parallelism).map(|s| (KeyedState::new(MAX_PARALLELISM, true, full_every), key_group_range(s, MAX_PARALLELISM, parallelism), Vec::new())).collect();
+            let parts = (0..parallelism)
+                .map(|s| {
+                    (
+                        KeyedState::new(MAX_PARALLELISM, true, full_every),
+                        key_group_range(s, MAX_PARALLELISM, parallelism),
+                        Vec::new(),
+                    )
+                })
+                .collect();
             Subtasks { parts }
         }
 
         fn owner(&mut self, k: &Key) -> &mut KeyedState<i64> {
             let kg = k.key_group(MAX_PARALLELISM);
-            &mut self.parts.iter_mut().find(|(_, r, _)| kg >= r.0 && kg < r.1).expect("a subtask owns every key group").0
+            &mut self
+                .parts
+                .iter_mut()
+                .find(|(_, r, _)| kg >= r.0 && kg < r.1)
+                .expect("a subtask owns every key group")
+                .0
         }
 
         fn contents(&self) -> BTreeMap<i64, i64> {
@@ -449,7 +464,12 @@ mod model_tests {
 
         /// Restores `snapshot` at `parallelism`, as the engine does: a subtask whose key groups
         /// are unchanged continues the chain of a checkpoint, any other starts a new one.
-        fn restore(snapshot: &[((u32, u32), Vec<Bytes>)], parallelism: u32, full_every: u32, from_checkpoint: bool) -> Self {
+        fn restore(
+            snapshot: &[((u32, u32), Vec<Bytes>)],
+            parallelism: u32,
+            full_every: u32,
+            from_checkpoint: bool,
+        ) -> Self {
             let mut parts = Vec::new();
             for s in 0..parallelism {
                 let range = key_group_range(s, MAX_PARALLELISM, parallelism);
@@ -546,6 +566,10 @@ mod model_tests {
             r.restore_file(open(f).unwrap().1, (0, MAX_PARALLELISM)).unwrap();
         }
         r.after_restore(true, chain.len());
-        assert_eq!(r.snapshot_checkpoint().kind, FileKind::KeyedFull, "a chain holds at most fullEvery (3) files: the next one is a full image");
+        assert_eq!(
+            r.snapshot_checkpoint().kind,
+            FileKind::KeyedFull,
+            "a chain holds at most fullEvery (3) files: the next one is a full image"
+        );
     }
 }

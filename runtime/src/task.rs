@@ -56,7 +56,8 @@ impl Output {
                 if n == 1 {
                     return self.senders[0].send(Message::Records(batch)).map_err(|_| TaskError::Shutdown);
                 }
-                let mut parts: Vec<Vec<Record>> = (0..n).map(|_| Vec::with_capacity(batch.len() / n as usize + 8)).collect();
+                let mut parts: Vec<Vec<Record>> =
+                    (0..n).map(|_| Vec::with_capacity(batch.len() / n as usize + 8)).collect();
                 for r in batch {
                     let kg = Key::of(&r, fields).key_group(self.max_parallelism);
                     parts[subtask_for_key_group(kg, self.max_parallelism, n) as usize].push(r);
@@ -201,11 +202,17 @@ impl Task {
     }
 
     /// Snapshot (synchronous), forward the barrier, hand off the upload.
-    fn checkpoint(&mut self, barrier: Barrier, source: Option<(&str, &dyn Source)>, alignment: Duration) -> Result<(), TaskError> {
+    fn checkpoint(
+        &mut self,
+        barrier: Barrier,
+        source: Option<(&str, &dyn Source)>,
+        alignment: Duration,
+    ) -> Result<(), TaskError> {
         let mut parts = Vec::new();
         if let Some((uid, src)) = source {
             let doc = src.snapshot();
-            parts.push((uid.to_string(), crate::operator::StateParts { operator_doc: Some(doc), ..Default::default() }));
+            parts
+                .push((uid.to_string(), crate::operator::StateParts { operator_doc: Some(doc), ..Default::default() }));
         }
         for c in &mut self.chain {
             let p = c.op.snapshot(&barrier)?;
@@ -354,7 +361,8 @@ impl Task {
     }
 
     fn run_inputs(mut self, receivers: Vec<Receiver<Message>>) -> Result<TaskEnd, TaskError> {
-        let mut inputs: Vec<InputState> = receivers.into_iter().map(|rx| InputState { rx, watermark: i64::MIN, ended: false }).collect();
+        let mut inputs: Vec<InputState> =
+            receivers.into_iter().map(|rx| InputState { rx, watermark: i64::MIN, ended: false }).collect();
         let mut watermark = i64::MIN;
         // Barriers being aligned, by id. Channels are FIFO, so every input delivers N before
         // N+1 and alignments complete in id order. In exactly-once mode an input that
@@ -399,7 +407,10 @@ impl Task {
                 }
                 Message::Barrier(b) => {
                     let n = inputs.len();
-                    aligning.entry(b.id).or_insert_with(|| Alignment { barrier: b, started: Instant::now(), seen: vec![false; n] }).seen[i] = true;
+                    aligning
+                        .entry(b.id)
+                        .or_insert_with(|| Alignment { barrier: b, started: Instant::now(), seen: vec![false; n] })
+                        .seen[i] = true;
                     self.complete_alignments(&inputs, &mut aligning)?;
                 }
                 Message::End => {
@@ -419,7 +430,11 @@ impl Task {
     }
 
     /// Snapshots every barrier, oldest first, that each input has delivered (or ended before).
-    fn complete_alignments(&mut self, inputs: &[InputState], aligning: &mut BTreeMap<u64, Alignment>) -> Result<(), TaskError> {
+    fn complete_alignments(
+        &mut self,
+        inputs: &[InputState],
+        aligning: &mut BTreeMap<u64, Alignment>,
+    ) -> Result<(), TaskError> {
         while let Some(entry) = aligning.first_entry() {
             if !inputs.iter().zip(&entry.get().seen).all(|(x, seen)| x.ended || *seen) {
                 break;
@@ -483,7 +498,10 @@ mod tests {
         assert_eq!(task.run().unwrap(), TaskEnd::Finished);
         let snapshotted: Vec<u64> = uploads_rx.try_iter().map(|u| u.barrier.id).collect();
         assert_eq!(snapshotted, vec![1, 2]);
-        let declines: Vec<String> = events_rx.try_iter().filter_map(|e| if let Event::Decline { reason, .. } = e { Some(reason) } else { None }).collect();
+        let declines: Vec<String> = events_rx
+            .try_iter()
+            .filter_map(|e| if let Event::Decline { reason, .. } = e { Some(reason) } else { None })
+            .collect();
         assert!(declines.is_empty(), "{declines:?}");
     }
 }

@@ -43,8 +43,16 @@ struct Chain {
 }
 
 /// Runs the uploader of one task until its task drops the sender.
-pub fn run(jobs: Receiver<UploadJob>, storage: Storage, epoch: u64, events: Sender<Event>, faults: Faults, restored_chains: HashMap<String, Vec<FileRef>>) {
-    let mut chains: HashMap<String, Chain> = restored_chains.into_iter().map(|(uid, files)| (uid, Chain { files, broken: false })).collect();
+pub fn run(
+    jobs: Receiver<UploadJob>,
+    storage: Storage,
+    epoch: u64,
+    events: Sender<Event>,
+    faults: Faults,
+    restored_chains: HashMap<String, Vec<FileRef>>,
+) {
+    let mut chains: HashMap<String, Chain> =
+        restored_chains.into_iter().map(|(uid, files)| (uid, Chain { files, broken: false })).collect();
     let mut unstaged: Vec<StagedWrite> = Vec::new();
     for job in jobs {
         let id = job.barrier.id;
@@ -60,7 +68,14 @@ pub fn run(jobs: Receiver<UploadJob>, storage: Storage, epoch: u64, events: Send
     }
 }
 
-async fn upload(storage: &Storage, epoch: u64, faults: &Faults, chains: &mut HashMap<String, Chain>, unstaged: &mut Vec<StagedWrite>, job: UploadJob) -> Result<TaskAck, String> {
+async fn upload(
+    storage: &Storage,
+    epoch: u64,
+    faults: &Faults,
+    chains: &mut HashMap<String, Chain>,
+    unstaged: &mut Vec<StagedWrite>,
+    job: UploadJob,
+) -> Result<TaskAck, String> {
     let savepoint_dir = match &job.barrier.target {
         SnapshotTarget::Savepoint { dir } => Some(dir.clone()),
         SnapshotTarget::Checkpoint => None,
@@ -83,14 +98,23 @@ async fn upload(storage: &Storage, epoch: u64, faults: &Faults, chains: &mut Has
                 return Err(format!("injected fault: staging {} failed", staged.path));
             }
             ack.bytes += staged.data.len() as u64;
-            staged.storage.put(&staged.path, staged.data.clone()).await.map_err(|e| format!("staging sink data: {e}"))?;
+            staged
+                .storage
+                .put(&staged.path, staged.data.clone())
+                .await
+                .map_err(|e| format!("staging sink data: {e}"))?;
             unstaged.remove(0);
         }
         for (uid, parts) in job.parts {
             if let Some(flag) = &parts.force_full {
                 flags.push((uid.clone(), flag.clone()));
             }
-            let mut snap = SubtaskSnapshot { subtask: job.subtask, key_groups: job.key_groups, operator_state: None, keyed_state: Vec::new() };
+            let mut snap = SubtaskSnapshot {
+                subtask: job.subtask,
+                key_groups: job.key_groups,
+                operator_state: None,
+                keyed_state: Vec::new(),
+            };
             if let Some(doc) = parts.operator_doc {
                 let mut w = StateFileWriter::new(FileKind::OperatorState, doc.len());
                 w.document(&doc);
@@ -100,7 +124,10 @@ async fn upload(storage: &Storage, epoch: u64, faults: &Faults, chains: &mut Has
                     return Err(format!("injected fault: upload of {rel} failed"));
                 }
                 let len = data.len() as u64;
-                storage.put(&layout::resolve(&base, &rel), data).await.map_err(|e| format!("uploading operator state of `{uid}`: {e}"))?;
+                storage
+                    .put(&layout::resolve(&base, &rel), data)
+                    .await
+                    .map_err(|e| format!("uploading operator state of `{uid}`: {e}"))?;
                 ack.bytes += len;
                 snap.operator_state = Some(FileRef { path: rel, len, crc32c: crc });
             }
@@ -119,7 +146,10 @@ async fn upload(storage: &Storage, epoch: u64, faults: &Faults, chains: &mut Has
                     return Err(format!("injected fault: upload of {rel} failed"));
                 }
                 let len = data.len() as u64;
-                storage.put(&layout::resolve(&base, &rel), data).await.map_err(|e| format!("uploading keyed state of `{uid}`: {e}"))?;
+                storage
+                    .put(&layout::resolve(&base, &rel), data)
+                    .await
+                    .map_err(|e| format!("uploading keyed state of `{uid}`: {e}"))?;
                 ack.bytes += len;
                 let file = FileRef { path: rel, len, crc32c: crc };
                 if savepoint_dir.is_some() {

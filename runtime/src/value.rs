@@ -91,7 +91,9 @@ impl Value {
             Value::Null => serde_json::Value::Null,
             Value::Bool(b) => (*b).into(),
             Value::Int(i) => (*i).into(),
-            Value::Float(f) => serde_json::Number::from_f64(*f).map(serde_json::Value::Number).unwrap_or(serde_json::Value::Null),
+            Value::Float(f) => {
+                serde_json::Number::from_f64(*f).map(serde_json::Value::Number).unwrap_or(serde_json::Value::Null)
+            }
             Value::Str(s) => serde_json::Value::String(s.to_string()),
         }
     }
@@ -320,7 +322,8 @@ mod tests {
 
     #[test]
     fn keys_encode_and_hash_stably() {
-        let k = Key::Many(vec![Value::str("a"), Value::Int(-5), Value::Float(1.5), Value::Null, Value::Bool(true)].into());
+        let k =
+            Key::Many(vec![Value::str("a"), Value::Int(-5), Value::Float(1.5), Value::Null, Value::Bool(true)].into());
         let mut e = Encoder::default();
         k.encode(&mut e);
         let back = Key::decode(&mut Decoder::new(&e.buf)).unwrap();
@@ -333,7 +336,11 @@ mod tests {
     #[test]
     fn json_lines() {
         let mut out = Vec::new();
-        write_json_line(&["w".into(), "n".into(), "x".into()], &Record { time: 0, fields: vec![Value::str("a\"b"), Value::Int(3), Value::Float(0.5)] }, &mut out);
+        write_json_line(
+            &["w".into(), "n".into(), "x".into()],
+            &Record { time: 0, fields: vec![Value::str("a\"b"), Value::Int(3), Value::Float(0.5)] },
+            &mut out,
+        );
         assert_eq!(String::from_utf8(out).unwrap(), "{\"w\":\"a\\\"b\",\"n\":3,\"x\":0.5}\n");
     }
 }

@@ -33,7 +33,8 @@ fn seed() -> u64 {
     static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *SEED.get_or_init(|| {
         let seed = std::env::var("WEIR_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) % 1_000_000
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+                % 1_000_000
         });
         eprintln!("chaos seed: {seed} (replay with WEIR_CHAOS_SEED={seed})");
         seed
@@ -274,7 +275,8 @@ fn assert_manifests(out: &Path) {
             // Only `*.json`: a process killed inside a write leaves the store's temporary
             // `<name>#<n>` behind, which no reader takes for a manifest.
             for m in manifests.flatten().filter(|m| m.file_name().to_string_lossy().ends_with(".json")) {
-                let doc: weir_runtime::sinks::file::CommitManifest = serde_json::from_slice(&std::fs::read(m.path()).unwrap()).unwrap();
+                let doc: weir_runtime::sinks::file::CommitManifest =
+                    serde_json::from_slice(&std::fs::read(m.path()).unwrap()).unwrap();
                 for f in doc.files {
                     listed.insert(f.name, (f.len, f.crc32c));
                 }
@@ -286,9 +288,19 @@ fn assert_manifests(out: &Path) {
                 continue;
             }
             let data = std::fs::read(f.path()).unwrap();
-            assert_eq!(listed.remove(&name), Some((data.len() as u64, crc32c::crc32c(&data))), "{}: no commit manifest lists {name} as it is", sink.path().display());
+            assert_eq!(
+                listed.remove(&name),
+                Some((data.len() as u64, crc32c::crc32c(&data))),
+                "{}: no commit manifest lists {name} as it is",
+                sink.path().display()
+            );
         }
-        assert!(listed.is_empty(), "{}: manifests list files that are not published: {:?}", sink.path().display(), listed.keys().take(5).collect::<Vec<_>>());
+        assert!(
+            listed.is_empty(),
+            "{}: manifests list files that are not published: {:?}",
+            sink.path().display(),
+            listed.keys().take(5).collect::<Vec<_>>()
+        );
     }
 }
 
@@ -349,10 +361,17 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
     let (_g, golden_out, golden_chk) = workdir(&format!("chaos-{}-golden", shape.name));
     let golden_job = golden_out.parent().unwrap().join("job.yaml");
     std::fs::write(&golden_job, (shape.yaml)(&golden_out, None, 2)).unwrap();
-    let status = bin().args(["run", golden_job.to_str().unwrap(), "--checkpoint-dir", golden_chk.to_str().unwrap(), "--quiet"]).status().unwrap();
+    let status = bin()
+        .args(["run", golden_job.to_str().unwrap(), "--checkpoint-dir", golden_chk.to_str().unwrap(), "--quiet"])
+        .status()
+        .unwrap();
     assert!(status.success(), "{}: the undisturbed run failed", shape.name);
     let golden = committed(&golden_out);
-    assert!(golden.values().all(|v| !v.is_empty()), "{}: every sink of the undisturbed run wrote something", shape.name);
+    assert!(
+        golden.values().all(|v| !v.is_empty()),
+        "{}: every sink of the undisturbed run wrote something",
+        shape.name
+    );
 
     let (dir, out, chk) = workdir(&format!("chaos-{}", shape.name));
     let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
@@ -401,7 +420,11 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
                 if after_progress && progressed.is_none() && newest_complete(&storage) > before {
                     progressed = Some(Instant::now());
                 }
-                let due = if after_progress { progressed.is_some_and(|t| t.elapsed() >= delay) } else { started.elapsed() >= delay };
+                let due = if after_progress {
+                    progressed.is_some_and(|t| t.elapsed() >= delay)
+                } else {
+                    started.elapsed() >= delay
+                };
                 if due {
                     break None;
                 }
@@ -416,7 +439,10 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
         match status {
             None if rescale => {
                 // Rescale: stop with a savepoint, restart it at another parallelism.
-                let sp = bin().args(["savepoint", &format!("127.0.0.1:{port}"), "--stop", "--timeout-secs", "60"]).output().unwrap();
+                let sp = bin()
+                    .args(["savepoint", &format!("127.0.0.1:{port}"), "--stop", "--timeout-secs", "60"])
+                    .output()
+                    .unwrap();
                 if sp.status.success() {
                     let status = child.wait().unwrap();
                     assert!(status.success(), "{}: the stopped run failed: {}", shape.name, stderr(&mut child));
@@ -449,18 +475,32 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
             Some(s) if s.success() => break,
             Some(s) => {
                 let err = stderr(&mut child);
-                assert!(self_abort && err.contains("injected fault: aborting"), "{}: round {round} failed with {s}: {err}", shape.name);
+                assert!(
+                    self_abort && err.contains("injected fault: aborting"),
+                    "{}: round {round} failed with {s}: {err}",
+                    shape.name
+                );
                 tally.aborts += 1;
             }
         }
     }
     let violations = reader.finish(&out);
-    assert!(violations.is_empty(), "{} (seed {}): published output disappeared or changed: {:?}", shape.name, seed(), &violations[..violations.len().min(5)]);
+    assert!(
+        violations.is_empty(),
+        "{} (seed {}): published output disappeared or changed: {:?}",
+        shape.name,
+        seed(),
+        &violations[..violations.len().min(5)]
+    );
     assert_same_output(&golden, &committed(&out), &format!("{} (seed {}, {tally:?})", shape.name, seed()));
     assert_manifests(&out);
     if tally.corrupted == 0 {
         for sink in std::fs::read_dir(&out).unwrap().flatten() {
-            assert!(!sink.path().join("_superseded").exists(), "{}: output was superseded although no checkpoint was corrupt", shape.name);
+            assert!(
+                !sink.path().join("_superseded").exists(),
+                "{}: output was superseded although no checkpoint was corrupt",
+                shape.name
+            );
         }
     }
     eprintln!("{}: {tally:?} (seed {})", shape.name, seed());
@@ -470,25 +510,43 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
 
 #[test]
 fn sparse_event_time_windows_survive_random_kills_and_corrupt_checkpoints() {
-    let t = campaign(&sparse_windows(), Campaign { kills: kills(70), corrupt_every: Some(6), rescale_every: None, rate: Some(4_000) }, 1);
+    let t = campaign(
+        &sparse_windows(),
+        Campaign { kills: kills(70), corrupt_every: Some(6), rescale_every: None, rate: Some(4_000) },
+        1,
+    );
     assert!(t.kills >= kills(70), "{t:?}");
 }
 
 #[test]
 fn a_multi_stage_graph_survives_random_kills() {
-    let t = campaign(&pipeline(), Campaign { kills: kills(70), corrupt_every: None, rescale_every: None, rate: Some(1_500) }, 2);
+    let t = campaign(
+        &pipeline(),
+        Campaign { kills: kills(70), corrupt_every: None, rescale_every: None, rate: Some(1_500) },
+        2,
+    );
     assert!(t.kills >= kills(70), "{t:?}");
 }
 
 #[test]
 fn rescaling_through_savepoints_between_random_kills() {
-    let t = campaign(&pipeline(), Campaign { kills: kills(60), corrupt_every: Some(9), rescale_every: Some(5), rate: Some(1_500) }, 3);
+    let t = campaign(
+        &pipeline(),
+        Campaign { kills: kills(60), corrupt_every: Some(9), rescale_every: Some(5), rate: Some(1_500) },
+        3,
+    );
     assert!(t.kills >= kills(60) && t.rescales >= 1, "{t:?}");
 }
 
 #[test]
 fn the_file_source_survives_random_kills() {
-    let (_d, input) = input_files("chaos-files-in", 4, 60_000, |f, i| format!("user{} item{} {}", mix64(i * 4 + f) % 500, mix64(i + f) % 40, i % 7));
-    let t = campaign(&file_source(input), Campaign { kills: kills(30), corrupt_every: None, rescale_every: None, rate: None }, 4);
+    let (_d, input) = input_files("chaos-files-in", 4, 60_000, |f, i| {
+        format!("user{} item{} {}", mix64(i * 4 + f) % 500, mix64(i + f) % 40, i % 7)
+    });
+    let t = campaign(
+        &file_source(input),
+        Campaign { kills: kills(30), corrupt_every: None, rescale_every: None, rate: None },
+        4,
+    );
     assert!(t.kills >= 3, "the file source finished before it could be killed: make the input larger ({t:?})");
 }

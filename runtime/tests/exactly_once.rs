@@ -12,7 +12,6 @@ use common::*;
 use weir_runtime::executor::{JobOutcome, Request};
 use weir_runtime::faults::FaultPlan;
 
-
 #[test]
 fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
     let p = JobParams::new("faults");
@@ -20,17 +19,33 @@ fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
     assert_eq!(golden["counts"].len(), 12_000, "one running count per record");
     let mut ids = golden["ids"].clone();
     ids.dedup();
-    assert!(ids.len() == golden["ids"].len() && ids.len() > 2000, "each id once: {} of {}", ids.len(), golden["ids"].len());
+    assert!(
+        ids.len() == golden["ids"].len() && ids.len() > 2000,
+        "each id once: {} of {}",
+        ids.len(),
+        golden["ids"].len()
+    );
     let mut injected = 0;
     for seed in 1..=4u64 {
         let (_d, out, chk) = workdir(&format!("faults-{seed}"));
-        let plan = FaultPlan { seed, task_panic: 0.04, upload_failure: 0.05, crash_before_commit: 0.3, max_faults: 14, ..FaultPlan::default() };
+        let plan = FaultPlan {
+            seed,
+            task_panic: 0.04,
+            upload_failure: 0.05,
+            crash_before_commit: 0.3,
+            max_faults: 14,
+            ..FaultPlan::default()
+        };
         let (outcome, m) = run_to_end(&job_yaml(&p, &out), common::RunOptionsExt::with_faults(opts(&chk), plan));
         assert_eq!(outcome, JobOutcome::Finished);
         let n = m.injected_faults.load(Ordering::Relaxed);
         assert!(n >= 5, "seed {seed}: only {n} faults fired");
         injected += n;
-        assert_same_output(&golden, &committed(&out), &format!("seed {seed} with {n} faults, {} restarts", m.restarts.load(Ordering::Relaxed)));
+        assert_same_output(
+            &golden,
+            &committed(&out),
+            &format!("seed {seed} with {n} faults, {} restarts", m.restarts.load(Ordering::Relaxed)),
+        );
         assert_retention(&chk, 3);
     }
     eprintln!("injected faults in this test: {injected}");
@@ -134,7 +149,13 @@ fn savepoints_restore_with_an_added_operator_and_refuse_a_vanished_uid() {
     // A new stateful operator (and its sink) is fine: it starts empty.
     let mut added = p.clone();
     added.extra_operators = "  - { name: by-word-2, input: events, keyBy: { fields: [word] } }\n  - { name: word-totals, uid: word-totals, aggregate: { aggregates: [ { fn: sum, field: amount, as: total } ] } }\n".into();
-    let added_yaml = job_yaml(&added, &out).replace("sinks:\n", &format!("sinks:\n  - {{ name: totals-out, input: word-totals, uid: totals-out, file: {{ path: {}/totals }} }}\n", out.display()));
+    let added_yaml = job_yaml(&added, &out).replace(
+        "sinks:\n",
+        &format!(
+            "sinks:\n  - {{ name: totals-out, input: word-totals, uid: totals-out, file: {{ path: {}/totals }} }}\n",
+            out.display()
+        ),
+    );
     let (outcome, _) = run_to_end(&added_yaml, RunOptionsExt::restore_path(opts(&chk), &savepoint));
     assert_eq!(outcome, JobOutcome::Finished);
 
@@ -177,7 +198,10 @@ fn all_published(out: &std::path::Path) -> std::collections::BTreeMap<String, Ve
             for f in std::fs::read_dir(&d).unwrap().flatten() {
                 let name = f.file_name().to_string_lossy().to_string();
                 if name.starts_with("part-") {
-                    all.insert(format!("{}/{name}", sink.file_name().to_string_lossy()), std::fs::read(f.path()).unwrap());
+                    all.insert(
+                        format!("{}/{name}", sink.file_name().to_string_lossy()),
+                        std::fs::read(f.path()).unwrap(),
+                    );
                 }
             }
         }
@@ -240,7 +264,9 @@ fn retention_on_cancel_delete_removes_checkpoints() {
 
 #[test]
 fn file_source_with_cel_map_filter_and_dedupe_is_exactly_once_under_failures() {
-    let (_d, input) = input_files("files-in", 5, 2000, |f, i| format!("User{} bought item{} x{}", (i * 7 + f) % 97, (i * 13 + f) % 50, i % 5));
+    let (_d, input) = input_files("files-in", 5, 2000, |f, i| {
+        format!("User{} bought item{} x{}", (i * 7 + f) % 97, (i * 13 + f) % 50, i % 5)
+    });
     let job = |out: &std::path::Path| {
         format!(
             r#"name: files
@@ -283,11 +309,19 @@ sinks:
 /// At most `retained` checkpoint directories remain, all complete, and every shared file is
 /// referenced by one of them.
 fn assert_retention(chk: &std::path::Path, retained: usize) {
-    let dirs: Vec<_> = std::fs::read_dir(chk.join("checkpoints")).unwrap().flatten().map(|e| e.file_name().to_string_lossy().to_string()).filter(|n| n.starts_with("chk-")).collect();
+    let dirs: Vec<_> = std::fs::read_dir(chk.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("chk-"))
+        .collect();
     assert!(dirs.len() <= retained, "{} checkpoint directories left: {dirs:?}", dirs.len());
     let mut referenced = std::collections::BTreeSet::new();
     for d in &dirs {
-        let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(chk.join("checkpoints").join(d).join("_metadata")).unwrap()).expect("complete and valid");
+        let meta = weir_checkpoint::CheckpointMetadata::decode(
+            &std::fs::read(chk.join("checkpoints").join(d).join("_metadata")).unwrap(),
+        )
+        .expect("complete and valid");
         for f in meta.files() {
             referenced.insert(weir_checkpoint::layout::resolve(&format!("checkpoints/{d}"), &f.path));
         }
@@ -295,7 +329,8 @@ fn assert_retention(chk: &std::path::Path, retained: usize) {
     let shared = chk.join("checkpoints/shared");
     for uid in std::fs::read_dir(&shared).unwrap().flatten() {
         for f in std::fs::read_dir(uid.path()).unwrap().flatten() {
-            let rel = format!("checkpoints/shared/{}/{}", uid.file_name().to_string_lossy(), f.file_name().to_string_lossy());
+            let rel =
+                format!("checkpoints/shared/{}/{}", uid.file_name().to_string_lossy(), f.file_name().to_string_lossy());
             assert!(referenced.contains(&rel), "unreferenced shared file {rel} left behind");
         }
     }

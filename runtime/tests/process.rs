@@ -40,7 +40,15 @@ fn sigkill_and_restart_with_restore_latest_until_done_is_exactly_once() {
     let report = kill_restart_loop(
         |round| {
             let mut cmd = bin();
-            cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--restore", "latest", "--quiet"]);
+            cmd.args([
+                "run",
+                job_file.to_str().unwrap(),
+                "--checkpoint-dir",
+                chk.to_str().unwrap(),
+                "--restore",
+                "latest",
+                "--quiet",
+            ]);
             // Some runs abort themselves after a checkpoint completes, before its commit.
             if round % 3 == 1 {
                 cmd.env("WEIR_FAULTS", format!("seed={round},commit-abort=1,max=1"));
@@ -69,7 +77,11 @@ fn try_http(addr: &str, method: &str, path: &str, token: Option<&str>) -> std::i
     write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 0\r\nConnection: close\r\n\r\n")?;
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
-    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| std::io::Error::other(format!("malformed response: {resp:?}")))?;
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("malformed response: {resp:?}")))?;
     Ok((status, resp.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()))
 }
 
@@ -93,7 +105,17 @@ fn control_api_requires_the_token_and_stop_with_savepoint_works() {
     std::fs::write(&token_file, "s3cret-token\n").unwrap();
     let addr = format!("127.0.0.1:{}", free_port());
     let mut child = bin()
-        .args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--control-addr", &addr, "--token-file", token_file.to_str().unwrap(), "--quiet"])
+        .args([
+            "run",
+            job_file.to_str().unwrap(),
+            "--checkpoint-dir",
+            chk.to_str().unwrap(),
+            "--control-addr",
+            &addr,
+            "--token-file",
+            token_file.to_str().unwrap(),
+            "--quiet",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -123,7 +145,8 @@ fn control_api_requires_the_token_and_stop_with_savepoint_works() {
     assert!(sp.status.success(), "{}", String::from_utf8_lossy(&sp.stderr));
     let savepoint = String::from_utf8_lossy(&sp.stdout).trim().to_string();
     assert!(savepoint.contains("/savepoints/sp-"), "{savepoint}");
-    let status = wait_with_deadline(&mut child, Instant::now() + Duration::from_secs(20)).expect("stops after the savepoint");
+    let status =
+        wait_with_deadline(&mut child, Instant::now() + Duration::from_secs(20)).expect("stops after the savepoint");
     assert!(status.success());
     let mut stdout = String::new();
     child.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
@@ -158,7 +181,8 @@ fn invalid_job_files_are_refused_with_field_paths() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains(expected), "case {i}: expected `{expected}` in:\n{err}");
     }
-    let ok = bin().args(["validate", concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/wordcount.yaml")]).output().unwrap();
+    let ok =
+        bin().args(["validate", concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/wordcount.yaml")]).output().unwrap();
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
 }
 
@@ -173,7 +197,13 @@ fn a_second_run_needs_restore_or_fresh_and_never_deletes_earlier_output() {
     let (dir, out, chk) = workdir("twice");
     let job_file = dir.path().join("job.yaml");
     std::fs::write(&job_file, job_yaml(&p, &out)).unwrap();
-    let run = |extra: &[&str]| bin().args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--quiet"]).args(extra).output().unwrap();
+    let run = |extra: &[&str]| {
+        bin()
+            .args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--quiet"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
     let first = run(&[]);
     assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
     let snapshot = |out: &std::path::Path| -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
@@ -193,7 +223,13 @@ fn a_second_run_needs_restore_or_fresh_and_never_deletes_earlier_output() {
     let second = run(&[]);
     let err = String::from_utf8_lossy(&second.stderr);
     assert_eq!(second.status.code(), Some(2), "{err}");
-    assert!(err.contains("already holds this job's state") && err.contains("chk-") && err.contains("--restore latest") && err.contains("--fresh"), "{err}");
+    assert!(
+        err.contains("already holds this job's state")
+            && err.contains("chk-")
+            && err.contains("--restore latest")
+            && err.contains("--fresh"),
+        "{err}"
+    );
     assert_eq!(snapshot(&out), after_first, "a refused run touches nothing");
 
     let fresh = run(&["--fresh"]);

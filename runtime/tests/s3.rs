@@ -25,7 +25,10 @@ fn s3s_binary() -> String {
     }
     let home = std::env::var("HOME").unwrap_or_default();
     let default = format!("{home}/.cache/weir/tools/bin/s3s-fs");
-    assert!(std::path::Path::new(&default).exists(), "s3s-fs not found: run `bash .ci/install-tools.sh` (or set WEIR_S3S_BIN)");
+    assert!(
+        std::path::Path::new(&default).exists(),
+        "s3s-fs not found: run `bash .ci/install-tools.sh` (or set WEIR_S3S_BIN)"
+    );
     default
 }
 
@@ -103,15 +106,24 @@ fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
     let report = kill_restart_loop(
         |_| {
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_weir-runtime"));
-            cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", &chk, "--restore", "latest", "--quiet"]).envs(s3_env(&srv.endpoint));
+            cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", &chk, "--restore", "latest", "--quiet"])
+                .envs(s3_env(&srv.endpoint));
             cmd
         },
         || newest_complete(&storage),
         4,
     );
     let kills = report.kills;
-    assert_same_output(&golden, &committed_at(&out, &["counts", "windows", "ids"]), &format!("S3 run with {kills} SIGKILLs"));
-    let listing = Command::new(env!("CARGO_BIN_EXE_weir-runtime")).args(["checkpoints", &chk]).envs(s3_env(&srv.endpoint)).output().unwrap();
+    assert_same_output(
+        &golden,
+        &committed_at(&out, &["counts", "windows", "ids"]),
+        &format!("S3 run with {kills} SIGKILLs"),
+    );
+    let listing = Command::new(env!("CARGO_BIN_EXE_weir-runtime"))
+        .args(["checkpoints", &chk])
+        .envs(s3_env(&srv.endpoint))
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&listing.stdout);
     assert!(listing.status.success() && text.contains("yes"), "{text}{}", String::from_utf8_lossy(&listing.stderr));
 }
@@ -119,7 +131,12 @@ fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
 #[test]
 fn a_frozen_runtime_woken_after_its_replacement_started_is_fenced_on_s3() {
     let srv = server();
-    zombie_scenario("zombie-s3", &format!("s3://{BUCKET}/jobs/zombie"), &format!("s3://{BUCKET}/out-zombie"), &s3_env(&srv.endpoint));
+    zombie_scenario(
+        "zombie-s3",
+        &format!("s3://{BUCKET}/jobs/zombie"),
+        &format!("s3://{BUCKET}/out-zombie"),
+        &s3_env(&srv.endpoint),
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -129,6 +146,12 @@ async fn epochs_are_claimed_create_only_on_s3() {
     let a = weir_checkpoint::epoch::claim(&s, "a", None).await.unwrap();
     let b = weir_checkpoint::epoch::claim(&s, "b", None).await.unwrap();
     assert_eq!((a, b), (1, 2));
-    assert!(matches!(s.put_if_absent(&weir_checkpoint::layout::epoch_claim(2), Bytes::from_static(b"x")).await, Err(weir_checkpoint::StorageError::AlreadyExists(_))));
-    assert!(matches!(weir_checkpoint::epoch::check(&s, a).await, Err(weir_checkpoint::epoch::EpochError::Superseded { .. })));
+    assert!(matches!(
+        s.put_if_absent(&weir_checkpoint::layout::epoch_claim(2), Bytes::from_static(b"x")).await,
+        Err(weir_checkpoint::StorageError::AlreadyExists(_))
+    ));
+    assert!(matches!(
+        weir_checkpoint::epoch::check(&s, a).await,
+        Err(weir_checkpoint::epoch::EpochError::Superseded { .. })
+    ));
 }

@@ -29,7 +29,6 @@ pub async fn point_operator_at(jobs: &Api<StreamJob>, name: &str, url: &str) {
     jobs.patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
 }
 
-
 /// Reads a file sink directory of running counts (`{"k":..,"n":..}`) and checks that every
 /// count of every key is there exactly once; returns the number of records.
 pub fn assert_running_counts_exactly_once(dir: &std::path::Path) -> usize {

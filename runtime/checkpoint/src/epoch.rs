@@ -128,7 +128,8 @@ pub async fn newest(storage: &Storage) -> Result<u64, StorageError> {
 pub async fn claim(storage: &Storage, holder: &str, restored: Option<RestoredFrom>) -> Result<u64, EpochError> {
     for _ in 0..CLAIM_ATTEMPTS {
         let next = newest(storage).await? + 1;
-        let body = serde_json::to_vec(&Claim { epoch: next, holder: holder.to_string(), restored }).expect("claim serializes");
+        let body =
+            serde_json::to_vec(&Claim { epoch: next, holder: holder.to_string(), restored }).expect("claim serializes");
         match storage.put_if_absent(&layout::epoch_claim(next), Bytes::from(body)).await {
             Ok(()) => return Ok(next),
             Err(StorageError::AlreadyExists(_)) => continue,

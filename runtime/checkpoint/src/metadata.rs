@@ -115,7 +115,11 @@ impl CheckpointMetadata {
         if parts.next() != Some(MAGIC) {
             return Err(MetadataError::BadHeader);
         }
-        let version: u32 = parts.next().and_then(|v| v.strip_prefix('v')).and_then(|v| v.parse().ok()).ok_or(MetadataError::BadHeader)?;
+        let version: u32 = parts
+            .next()
+            .and_then(|v| v.strip_prefix('v'))
+            .and_then(|v| v.parse().ok())
+            .ok_or(MetadataError::BadHeader)?;
         if version > FORMAT_VERSION {
             return Err(MetadataError::UnsupportedVersion(version));
         }
@@ -190,7 +194,10 @@ mod tests {
         bytes[last] ^= 0x20;
         assert!(matches!(CheckpointMetadata::decode(&bytes), Err(MetadataError::ChecksumMismatch { .. })));
         let full = sample().encode();
-        assert!(matches!(CheckpointMetadata::decode(&full[..full.len() / 2]), Err(MetadataError::ChecksumMismatch { .. })));
+        assert!(matches!(
+            CheckpointMetadata::decode(&full[..full.len() / 2]),
+            Err(MetadataError::ChecksumMismatch { .. })
+        ));
         assert_eq!(CheckpointMetadata::decode(b"garbage"), Err(MetadataError::BadHeader));
     }
 

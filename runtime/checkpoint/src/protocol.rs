@@ -219,14 +219,17 @@ impl<A> Coordinator<A> {
         self.next_id += 1;
         self.last_trigger_ms = Some(now_ms);
         let is_final = self.sources_finished && !kind.is_savepoint();
-        self.pending.insert(id, Pending {
-            kind,
-            is_final,
-            triggered_ms: now_ms,
-            awaiting: self.tasks.clone(),
-            acks: BTreeMap::new(),
-            completing: false,
-        });
+        self.pending.insert(
+            id,
+            Pending {
+                kind,
+                is_final,
+                triggered_ms: now_ms,
+                awaiting: self.tasks.clone(),
+                acks: BTreeMap::new(),
+                completing: false,
+            },
+        );
         Action::Trigger { id, kind, is_final }
     }
 
@@ -263,7 +266,8 @@ impl<A> Coordinator<A> {
         if !p.kind.is_savepoint() {
             self.consecutive_failures = 0;
         }
-        let older: Vec<u64> = self.pending.range(..id).filter(|(_, p)| !p.kind.is_savepoint()).map(|(i, _)| *i).collect();
+        let older: Vec<u64> =
+            self.pending.range(..id).filter(|(_, p)| !p.kind.is_savepoint()).map(|(i, _)| *i).collect();
         for old in older {
             if let Some(p) = self.pending.remove(&old) {
                 actions.push(Action::Abort { id: old, kind: p.kind, reason: format!("subsumed by checkpoint {id}") });
@@ -309,7 +313,14 @@ mod tests {
     use super::*;
 
     fn config() -> CoordinatorConfig {
-        CoordinatorConfig { periodic: true, interval_ms: 1000, min_pause_ms: 0, timeout_ms: 5000, max_concurrent: 1, tolerable_failures: 0 }
+        CoordinatorConfig {
+            periodic: true,
+            interval_ms: 1000,
+            min_pause_ms: 0,
+            timeout_ms: 5000,
+            max_concurrent: 1,
+            tolerable_failures: 0,
+        }
     }
 
     fn triggers(actions: &[Action<()>]) -> Vec<u64> {
@@ -353,7 +364,8 @@ mod tests {
 
     #[test]
     fn min_pause_counts_from_the_end_of_the_previous_checkpoint() {
-        let mut c = Coordinator::<()>::new(CoordinatorConfig { min_pause_ms: 800, max_concurrent: 3, ..config() }, [0], 1, 0);
+        let mut c =
+            Coordinator::<()>::new(CoordinatorConfig { min_pause_ms: 800, max_concurrent: 3, ..config() }, [0], 1, 0);
         assert_eq!(triggers(&c.poll(1000)), vec![1]);
         // Pending with min pause set: never concurrent.
         assert!(triggers(&c.poll(2000)).is_empty());
@@ -406,7 +418,10 @@ mod tests {
         let mut c = Coordinator::<()>::new(config(), [0], 1, 0);
         c.request_savepoint(9, false, false);
         let a = c.poll(10);
-        assert!(matches!(a.as_slice(), [Action::Trigger { id: 1, kind: TriggerKind::Savepoint { request: 9, .. }, .. }]));
+        assert!(matches!(
+            a.as_slice(),
+            [Action::Trigger { id: 1, kind: TriggerKind::Savepoint { request: 9, .. }, .. }]
+        ));
         let f = c.decline(1, 0, "disk full", 20);
         assert!(!f.iter().any(|x| matches!(x, Action::FailJob { .. })), "savepoint failure does not fail the job");
     }

@@ -59,7 +59,10 @@ pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<Ch
         match storage.size(&path).await? {
             None => return Ok((Verdict::Invalid(format!("missing file {}", f.path)), Some(metadata))),
             Some(len) if len != f.len => {
-                return Ok((Verdict::Invalid(format!("file {} has {len} bytes, metadata says {}", f.path, f.len)), Some(metadata)))
+                return Ok((
+                    Verdict::Invalid(format!("file {} has {len} bytes, metadata says {}", f.path, f.len)),
+                    Some(metadata),
+                ))
             }
             Some(_) => {}
         }
@@ -68,8 +71,11 @@ pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<Ch
 }
 
 /// Every checkpoint directory of a job root, newest first, with its verdict.
-pub async fn list_checkpoints(storage: &Storage) -> Result<Vec<(u64, Verdict, Option<CheckpointMetadata>)>, StorageError> {
-    let mut ids: Vec<u64> = storage.list_dirs(layout::CHECKPOINTS).await?.iter().filter_map(|n| layout::parse_checkpoint_dir(n)).collect();
+pub async fn list_checkpoints(
+    storage: &Storage,
+) -> Result<Vec<(u64, Verdict, Option<CheckpointMetadata>)>, StorageError> {
+    let mut ids: Vec<u64> =
+        storage.list_dirs(layout::CHECKPOINTS).await?.iter().filter_map(|n| layout::parse_checkpoint_dir(n)).collect();
     ids.sort_unstable_by(|a, b| b.cmp(a));
     let mut out = Vec::new();
     for id in ids {
@@ -88,7 +94,9 @@ pub async fn restorable_checkpoints(storage: &Storage) -> Result<(Vec<Restorable
         match (verdict, meta) {
             (Verdict::Valid, Some(metadata)) => valid.push(Restorable { dir: layout::checkpoint_dir(id), metadata }),
             (Verdict::Invalid(reason), _) if valid.is_empty() => skipped.push((id, reason)),
-            (Verdict::Incomplete, _) if valid.is_empty() => skipped.push((id, "no _metadata (incomplete or aborted)".to_string())),
+            (Verdict::Incomplete, _) if valid.is_empty() => {
+                skipped.push((id, "no _metadata (incomplete or aborted)".to_string()))
+            }
             _ => {}
         }
     }
@@ -151,11 +159,28 @@ mod tests {
         let rel = layout::shared_keyed_file("op", 0, id, 0);
         s.put(&layout::resolve(&dir, &rel), Bytes::from(vec![1u8; file_len])).await.unwrap();
         let mut operators = BTreeMap::new();
-        operators.insert("op".to_string(), OperatorSnapshot {
-            parallelism: 1,
-            subtasks: vec![SubtaskSnapshot { subtask: 0, key_groups: (0, 8), operator_state: None, keyed_state: vec![FileRef { path: rel, len: file_len as u64, crc32c: 0 }] }],
-        });
-        let m = CheckpointMetadata { format_version: FORMAT_VERSION, checkpoint_id: id, kind: SnapshotKind::Checkpoint, job_name: "j".into(), epoch: 1, created_at_ms: 0, max_parallelism: 8, operators };
+        operators.insert(
+            "op".to_string(),
+            OperatorSnapshot {
+                parallelism: 1,
+                subtasks: vec![SubtaskSnapshot {
+                    subtask: 0,
+                    key_groups: (0, 8),
+                    operator_state: None,
+                    keyed_state: vec![FileRef { path: rel, len: file_len as u64, crc32c: 0 }],
+                }],
+            },
+        );
+        let m = CheckpointMetadata {
+            format_version: FORMAT_VERSION,
+            checkpoint_id: id,
+            kind: SnapshotKind::Checkpoint,
+            job_name: "j".into(),
+            epoch: 1,
+            created_at_ms: 0,
+            max_parallelism: 8,
+            operators,
+        };
         s.put(&format!("{dir}/_metadata"), Bytes::from(m.encode())).await.unwrap();
     }
 

@@ -37,13 +37,20 @@ pub struct RetentionPlan {
 /// Plans retention. `in_flight_from`: ids at or above it may still be written and are never
 /// touched; `epoch`: the epoch of the run applying it (files of newer epochs are never
 /// touched).
-pub fn plan(found: &[FoundCheckpoint], shared_files: &[String], retained: usize, in_flight_from: u64, epoch: u64) -> RetentionPlan {
+pub fn plan(
+    found: &[FoundCheckpoint],
+    shared_files: &[String],
+    retained: usize,
+    in_flight_from: u64,
+    epoch: u64,
+) -> RetentionPlan {
     let mut complete: Vec<&FoundCheckpoint> = found.iter().filter(|c| c.references.is_some()).collect();
     complete.sort_by_key(|c| std::cmp::Reverse(c.id));
     let mut kept: Vec<&FoundCheckpoint> = complete.iter().take(retained.max(1)).copied().collect();
     let Some(&newest) = kept.first() else { return RetentionPlan::default() };
     let shared_prefix = format!("{}/{}/", layout::CHECKPOINTS, layout::SHARED);
-    let newest_shared: BTreeSet<&String> = newest.references.iter().flatten().filter(|f| f.starts_with(&shared_prefix)).collect();
+    let newest_shared: BTreeSet<&String> =
+        newest.references.iter().flatten().filter(|f| f.starts_with(&shared_prefix)).collect();
     let independent = |c: &FoundCheckpoint| c.references.iter().flatten().all(|f| !newest_shared.contains(f));
     // A newest checkpoint without keyed-state files shares no base with any other.
     if !newest_shared.is_empty() && !kept[1..].iter().any(|c| independent(c)) {
@@ -57,7 +64,11 @@ pub fn plan(found: &[FoundCheckpoint], shared_files: &[String], retained: usize,
     let kept_ids: BTreeSet<u64> = kept.iter().map(|c| c.id).collect();
     let delete_checkpoints: Vec<u64> = found
         .iter()
-        .filter(|c| !kept_ids.contains(&c.id) && c.id < in_flight_from && (c.id < oldest_kept || (c.references.is_none() && c.id < newest_complete)))
+        .filter(|c| {
+            !kept_ids.contains(&c.id)
+                && c.id < in_flight_from
+                && (c.id < oldest_kept || (c.references.is_none() && c.id < newest_complete))
+        })
         .map(|c| c.id)
         .collect();
     let referenced: BTreeSet<&String> = kept.iter().flat_map(|c| c.references.as_ref().into_iter().flatten()).collect();
@@ -66,7 +77,8 @@ pub fn plan(found: &[FoundCheckpoint], shared_files: &[String], retained: usize,
         .filter(|f| !referenced.contains(f))
         .filter(|f| {
             let name = f.rsplit('/').next().unwrap_or("");
-            layout::shared_file_creator(name).is_some_and(|creator| creator <= newest_complete && creator < in_flight_from)
+            layout::shared_file_creator(name)
+                .is_some_and(|creator| creator <= newest_complete && creator < in_flight_from)
                 && layout::shared_file_epoch(name).is_some_and(|e| e <= epoch)
         })
         .cloned()
@@ -81,7 +93,9 @@ pub async fn scan(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageErro
         let Some(id) = layout::parse_checkpoint_dir(&name) else { continue };
         let dir = layout::checkpoint_dir(id);
         let references = match storage.get(&format!("{dir}/{}", layout::METADATA)).await {
-            Ok(bytes) => CheckpointMetadata::decode(&bytes).ok().map(|m| m.files().map(|f| layout::resolve(&dir, &f.path)).collect()),
+            Ok(bytes) => CheckpointMetadata::decode(&bytes)
+                .ok()
+                .map(|m| m.files().map(|f| layout::resolve(&dir, &f.path)).collect()),
             Err(StorageError::NotFound(_)) => None,
             Err(e) => return Err(e),
         };
@@ -92,7 +106,12 @@ pub async fn scan(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageErro
 }
 
 /// Applies retention to a job root for a run of `epoch`; returns what was deleted.
-pub async fn apply(storage: &Storage, retained: usize, in_flight_from: u64, epoch: u64) -> Result<RetentionPlan, StorageError> {
+pub async fn apply(
+    storage: &Storage,
+    retained: usize,
+    in_flight_from: u64,
+    epoch: u64,
+) -> Result<RetentionPlan, StorageError> {
     let found = scan(storage).await?;
     let shared = storage.list(&format!("{}/{}", layout::CHECKPOINTS, layout::SHARED)).await?;
     let plan = plan(&found, &shared, retained, in_flight_from, epoch);
@@ -125,15 +144,21 @@ mod tests {
             chk(3, &["checkpoints/shared/op/0-3-0.kv"]),
             chk(4, &["checkpoints/shared/op/0-4-0.kv"]),
         ];
-        let files = vec![shared("0-1-0.kv"), shared("0-2-0.kv"), shared("0-3-0.kv"), shared("0-4-0.kv"), shared("0-5-0.kv")];
+        let files =
+            vec![shared("0-1-0.kv"), shared("0-2-0.kv"), shared("0-3-0.kv"), shared("0-4-0.kv"), shared("0-5-0.kv")];
         let p = plan(&found, &files, 2, 5, 0);
         assert_eq!(p.delete_checkpoints, vec![1, 2]);
-        assert_eq!(p.delete_shared, vec![shared("0-1-0.kv"), shared("0-2-0.kv")], "0-5 belongs to a checkpoint in flight");
+        assert_eq!(
+            p.delete_shared,
+            vec![shared("0-1-0.kv"), shared("0-2-0.kv")],
+            "0-5 belongs to a checkpoint in flight"
+        );
     }
 
     #[test]
     fn never_deletes_the_newest_and_skips_incomplete_ones_in_flight() {
-        let found = vec![chk(1, &[]), FoundCheckpoint { id: 2, references: None }, FoundCheckpoint { id: 3, references: None }];
+        let found =
+            vec![chk(1, &[]), FoundCheckpoint { id: 2, references: None }, FoundCheckpoint { id: 3, references: None }];
         let p = plan(&found, &[], 0, 3, 0);
         assert_eq!(p.delete_checkpoints, Vec::<u64>::new(), "2 is incomplete but newer than the newest complete (1)");
         let found = vec![FoundCheckpoint { id: 1, references: None }, chk(2, &[]), chk(3, &[])];
@@ -155,9 +180,13 @@ mod tests {
             chk(2, &["checkpoints/shared/op/0-1-0.kv", "checkpoints/shared/op/0-2-0.kv"]),
             chk(3, &["checkpoints/shared/op/0-3-0.kv"]),
             chk(4, &["checkpoints/shared/op/0-3-0.kv", "checkpoints/shared/op/0-4-0.kv"]),
-            chk(5, &["checkpoints/shared/op/0-3-0.kv", "checkpoints/shared/op/0-4-0.kv", "checkpoints/shared/op/0-5-0.kv"]),
+            chk(
+                5,
+                &["checkpoints/shared/op/0-3-0.kv", "checkpoints/shared/op/0-4-0.kv", "checkpoints/shared/op/0-5-0.kv"],
+            ),
         ];
-        let files: Vec<String> = ["0-1-0.kv", "0-2-0.kv", "0-3-0.kv", "0-4-0.kv", "0-5-0.kv"].iter().map(|n| shared(n)).collect();
+        let files: Vec<String> =
+            ["0-1-0.kv", "0-2-0.kv", "0-3-0.kv", "0-4-0.kv", "0-5-0.kv"].iter().map(|n| shared(n)).collect();
         let p = plan(&found, &files, 3, 6, 0);
         assert_eq!(p.delete_checkpoints, vec![1], "3, 4, 5 share 0-3-0.kv: 2 is kept as well");
         assert_eq!(p.delete_shared, Vec::<String>::new(), "2 still needs 0-1-0.kv");
@@ -172,6 +201,10 @@ mod tests {
     fn never_deletes_files_of_a_newer_epoch() {
         let found = vec![chk(5, &[]), chk(6, &["checkpoints/shared/op/0-6-1.kv"])];
         let p = plan(&found, &[shared("0-3-2.kv"), shared("0-4-1.kv")], 1, 7, 1);
-        assert_eq!(p.delete_shared, vec![shared("0-4-1.kv")], "0-3-2.kv was written by epoch 2, newer than this run's 1");
+        assert_eq!(
+            p.delete_shared,
+            vec![shared("0-4-1.kv")],
+            "0-3-2.kv was written by epoch 2, newer than this run's 1"
+        );
     }
 }

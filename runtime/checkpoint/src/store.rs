@@ -56,7 +56,11 @@ pub fn s3_credentials_configured(var: impl Fn(&str) -> Option<String>) -> bool {
 }
 
 fn local_io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(std::io::Error) -> StorageError + 'a {
-    move |e| StorageError::Io { op, path: path.to_string(), source: object_store::Error::Generic { store: "local", source: Box::new(e) } }
+    move |e| StorageError::Io {
+        op,
+        path: path.to_string(),
+        source: object_store::Error::Generic { store: "local", source: Box::new(e) },
+    }
 }
 
 /// A job's storage root.
@@ -72,7 +76,9 @@ pub struct Storage {
 fn io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(object_store::Error) -> StorageError + 'a {
     move |source| match source {
         object_store::Error::NotFound { .. } => StorageError::NotFound(path.to_string()),
-        object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. } => StorageError::AlreadyExists(path.to_string()),
+        object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. } => {
+            StorageError::AlreadyExists(path.to_string())
+        }
         source => StorageError::Io { op, path: path.to_string(), source },
     }
 }
@@ -94,7 +100,9 @@ impl Storage {
             if bucket.is_empty() {
                 return Err(fail("needs a bucket: s3://bucket/prefix".into()));
             }
-            let var = |k: &str| env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).or_else(|| std::env::var(k).ok());
+            let var = |k: &str| {
+                env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).or_else(|| std::env::var(k).ok())
+            };
             if !s3_credentials_configured(var) {
                 return Err(fail(
                     "no S3 credentials in the environment (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, use web identity, \
@@ -109,14 +117,26 @@ impl Storage {
                 }
             }
             let store = builder.build().map_err(|e| fail(e.to_string()))?;
-            return Ok(Storage { store: Arc::new(store), prefix: prefix.trim_matches('/').to_string(), url: url.to_string(), local: None });
+            return Ok(Storage {
+                store: Arc::new(store),
+                prefix: prefix.trim_matches('/').to_string(),
+                url: url.to_string(),
+                local: None,
+            });
         }
         if let Some(rest) = url.strip_prefix("memory://") {
-            return Ok(Storage { store: Arc::new(InMemory::new()), prefix: rest.trim_matches('/').to_string(), url: url.to_string(), local: None });
+            return Ok(Storage {
+                store: Arc::new(InMemory::new()),
+                prefix: rest.trim_matches('/').to_string(),
+                url: url.to_string(),
+                local: None,
+            });
         }
         let path = match url.strip_prefix("file://") {
             Some(p) => p.to_string(),
-            None if url.contains("://") => return Err(fail("unsupported scheme (use a path, file://, s3:// or memory://)".into())),
+            None if url.contains("://") => {
+                return Err(fail("unsupported scheme (use a path, file://, s3:// or memory://)".into()))
+            }
             None => url.to_string(),
         };
         std::fs::create_dir_all(&path).map_err(|e| fail(format!("cannot create directory: {e}")))?;
@@ -260,7 +280,11 @@ impl Storage {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => {
-                    return Err(StorageError::Io { op: "rmdir", path: dir.to_string(), source: object_store::Error::Generic { store: "local", source: Box::new(e) } })
+                    return Err(StorageError::Io {
+                        op: "rmdir",
+                        path: dir.to_string(),
+                        source: object_store::Error::Generic { store: "local", source: Box::new(e) },
+                    })
                 }
             }
         }
@@ -293,16 +317,28 @@ mod tests {
     async fn put_if_absent_refuses_a_second_writer() {
         for url in ["memory://", ""] {
             let dir = tempfile::tempdir().unwrap();
-            let s = if url.is_empty() { Storage::open(dir.path().to_str().unwrap()).unwrap() } else { Storage::open(url).unwrap() };
+            let s = if url.is_empty() {
+                Storage::open(dir.path().to_str().unwrap()).unwrap()
+            } else {
+                Storage::open(url).unwrap()
+            };
             s.put_if_absent("x/claim", Bytes::from_static(b"1")).await.unwrap();
-            assert!(matches!(s.put_if_absent("x/claim", Bytes::from_static(b"2")).await, Err(StorageError::AlreadyExists(_))), "{url}");
+            assert!(
+                matches!(
+                    s.put_if_absent("x/claim", Bytes::from_static(b"2")).await,
+                    Err(StorageError::AlreadyExists(_))
+                ),
+                "{url}"
+            );
             assert_eq!(&s.get("x/claim").await.unwrap()[..], b"1", "{url}: the first write stays");
         }
     }
 
     #[test]
     fn s3_needs_credentials_from_the_environment() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
         assert!(!s3_credentials_configured(env(&[])));
         assert!(!s3_credentials_configured(env(&[("AWS_ACCESS_KEY_ID", "a")])));
         assert!(s3_credentials_configured(env(&[("AWS_ACCESS_KEY_ID", "a"), ("AWS_SECRET_ACCESS_KEY", "b")])));

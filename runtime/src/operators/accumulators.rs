@@ -38,7 +38,10 @@ impl Aggregates {
     /// Binds aggregate specs to an input schema.
     pub fn new(specs: &[AggregateFn], input: &[String]) -> Self {
         Aggregates {
-            specs: specs.iter().map(|a| (a.function, a.field.as_ref().and_then(|f| input.iter().position(|x| x == f)))).collect(),
+            specs: specs
+                .iter()
+                .map(|a| (a.function, a.field.as_ref().and_then(|f| input.iter().position(|x| x == f))))
+                .collect(),
         }
     }
 
@@ -227,7 +230,11 @@ mod tests {
         ]
         .into_iter()
         .enumerate()
-        .map(|(i, (function, field))| AggregateFn { function, field: field.map(str::to_string), output: format!("o{i}") })
+        .map(|(i, (function, field))| AggregateFn {
+            function,
+            field: field.map(str::to_string),
+            output: format!("o{i}"),
+        })
         .collect();
         let a = Aggregates::new(&specs, &["x".to_string()]);
         let mut accs = a.init();

@@ -32,8 +32,11 @@ impl KeyedContext {
         let mut state = KeyedState::new(self.max_parallelism, self.incremental, self.full_every);
         if let Some(r) = restore {
             for file in &r.files {
-                let (_, body) = weir_checkpoint::format::open(file).map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
-                state.restore_file(body, self.key_groups).map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
+                let (_, body) = weir_checkpoint::format::open(file)
+                    .map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
+                state
+                    .restore_file(body, self.key_groups)
+                    .map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
             }
             state.after_restore(r.continue_chain, r.files.len());
         }
@@ -44,7 +47,11 @@ impl KeyedContext {
 /// The snapshot parts of keyed state for a barrier.
 pub fn snapshot_keyed<V: StateValue>(state: &mut KeyedState<V>, barrier: &Barrier) -> StateParts {
     let keyed = if barrier.is_savepoint() { state.snapshot_full_copy() } else { state.snapshot_checkpoint() };
-    StateParts { keyed: Some(keyed), force_full: (!barrier.is_savepoint()).then(|| state.force_full_flag()), ..StateParts::default() }
+    StateParts {
+        keyed: Some(keyed),
+        force_full: (!barrier.is_savepoint()).then(|| state.force_full_flag()),
+        ..StateParts::default()
+    }
 }
 
 /// Running aggregates per key, emitted (key fields + aggregates) on every update.
@@ -56,7 +63,12 @@ pub struct AggregateOperator {
 
 impl AggregateOperator {
     /// Builds the operator, restoring its state when given.
-    pub fn new(ctx: KeyedContext, specs: &[AggregateFn], input: &[String], restore: Option<&KeyedRestore>) -> Result<Self, TaskError> {
+    pub fn new(
+        ctx: KeyedContext,
+        specs: &[AggregateFn],
+        input: &[String],
+        restore: Option<&KeyedRestore>,
+    ) -> Result<Self, TaskError> {
         let state = ctx.state(restore)?;
         Ok(AggregateOperator { aggregates: Aggregates::new(specs, input), ctx, state })
     }

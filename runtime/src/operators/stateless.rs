@@ -24,7 +24,8 @@ impl MapOperator {
         for name in output_schema {
             match spec.fields.0.iter().find(|(n, _)| n == name) {
                 Some((_, text)) => outputs.push(MapOutput::Eval(Expr::compile(text, input)?)),
-                None => outputs.push(MapOutput::Copy(input.iter().position(|f| f == name).expect("validated: kept input field"))),
+                None => outputs
+                    .push(MapOutput::Copy(input.iter().position(|f| f == name).expect("validated: kept input field"))),
             }
         }
         Ok(MapOperator { outputs })
@@ -143,7 +144,10 @@ mod tests {
 
     #[test]
     fn map_keeps_and_computes_fields() {
-        let spec = MapSpec { fields: NamedExprs(vec![("n".into(), "n * 10".into()), ("tag".into(), "'x'".into())]), keep_input: true };
+        let spec = MapSpec {
+            fields: NamedExprs(vec![("n".into(), "n * 10".into()), ("tag".into(), "'x'".into())]),
+            keep_input: true,
+        };
         let mut m = MapOperator::new(&spec, &s(&["w", "n"]), &s(&["w", "n", "tag"])).unwrap();
         let mut out = Vec::new();
         m.process(vec![Record { time: 5, fields: vec![Value::str("a"), Value::Int(2)] }], &mut out).unwrap();
@@ -153,11 +157,18 @@ mod tests {
 
     #[test]
     fn split_and_filter() {
-        let spec = FlatMapSpec { split: Some(SplitSpec { field: "line".into(), into: "word".into(), lowercase: true }), expr: None, as_field: None };
+        let spec = FlatMapSpec {
+            split: Some(SplitSpec { field: "line".into(), into: "word".into(), lowercase: true }),
+            expr: None,
+            as_field: None,
+        };
         let mut f = FlatMapOperator::new(&spec, &s(&["line"])).unwrap();
         let mut out = Vec::new();
         f.process(vec![Record { time: 0, fields: vec![Value::str("A b  C")] }], &mut out).unwrap();
-        assert_eq!(out.iter().map(|r| r.fields[0].clone()).collect::<Vec<_>>(), vec![Value::str("a"), Value::str("b"), Value::str("c")]);
+        assert_eq!(
+            out.iter().map(|r| r.fields[0].clone()).collect::<Vec<_>>(),
+            vec![Value::str("a"), Value::str("b"), Value::str("c")]
+        );
         let mut filter = FilterOperator::new("word != 'b'", &s(&["word"])).unwrap();
         let mut kept = Vec::new();
         filter.process(out, &mut kept).unwrap();

@@ -80,7 +80,12 @@ pub struct WindowOperator {
 
 impl WindowOperator {
     /// Builds the operator, restoring its state when given.
-    pub fn new(ctx: KeyedContext, spec: &WindowSpec, input: &[String], restore: Option<&KeyedRestore>) -> Result<Self, TaskError> {
+    pub fn new(
+        ctx: KeyedContext,
+        spec: &WindowSpec,
+        input: &[String],
+        restore: Option<&KeyedRestore>,
+    ) -> Result<Self, TaskError> {
         let size = spec.size.as_millis() as i64;
         let slide = match spec.kind {
             WindowKind::Tumbling => size,
@@ -241,7 +246,14 @@ mod tests {
                 AggregateFn { function: AggregateKind::Sum, field: Some("v".into()), output: "s".into() },
             ],
         };
-        let ctx = KeyedContext { uid: "w".into(), key: vec![0], max_parallelism: 8, key_groups: (0, 8), incremental: true, full_every: 5 };
+        let ctx = KeyedContext {
+            uid: "w".into(),
+            key: vec![0],
+            max_parallelism: 8,
+            key_groups: (0, 8),
+            incremental: true,
+            full_every: 5,
+        };
         WindowOperator::new(ctx, &spec, &["k".to_string(), "v".to_string()], None).unwrap()
     }
 
@@ -251,7 +263,12 @@ mod tests {
 
     fn rows(out: &[Record]) -> Vec<(String, i64, i64, i64, i64)> {
         let int = |v: &Value| if let Value::Int(i) = v { *i } else { panic!("{v:?}") };
-        let mut r: Vec<_> = out.iter().map(|r| (r.fields[0].to_string(), int(&r.fields[1]), int(&r.fields[2]), int(&r.fields[3]), int(&r.fields[4]))).collect();
+        let mut r: Vec<_> = out
+            .iter()
+            .map(|r| {
+                (r.fields[0].to_string(), int(&r.fields[1]), int(&r.fields[2]), int(&r.fields[3]), int(&r.fields[4]))
+            })
+            .collect();
         r.sort();
         r
     }
@@ -328,7 +345,14 @@ mod tests {
         w.on_watermark(10, &mut out).unwrap();
         let snap = w.snapshot(&Barrier { id: 1, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
         let restore = KeyedRestore { files: vec![snap.keyed.unwrap().data], continue_chain: true, chain: vec![] };
-        let ctx = KeyedContext { uid: "w".into(), key: vec![0], max_parallelism: 8, key_groups: (0, 8), incremental: true, full_every: 5 };
+        let ctx = KeyedContext {
+            uid: "w".into(),
+            key: vec![0],
+            max_parallelism: 8,
+            key_groups: (0, 8),
+            incremental: true,
+            full_every: 5,
+        };
         let spec = WindowSpec {
             kind: WindowKind::Sliding,
             size: HumanDuration::from_millis(10),
@@ -404,8 +428,21 @@ mod tests {
                     let same = overlapping.len() == 1 && overlapping[0].0 == range;
                     let files: Vec<bytes::Bytes> = overlapping.iter().flat_map(|(_, c)| c.iter().cloned()).collect();
                     let restore = KeyedRestore { files: files.clone(), continue_chain: same, chain: vec![] };
-                    let ctx = KeyedContext { uid: "w".into(), key: vec![0], max_parallelism: MAX_PARALLELISM, key_groups: range, incremental: true, full_every: 3 };
-                    let op = WindowOperator::new(ctx, spec, &["k".to_string(), "v".to_string()], (!snapshot.is_empty()).then_some(&restore)).unwrap();
+                    let ctx = KeyedContext {
+                        uid: "w".into(),
+                        key: vec![0],
+                        max_parallelism: MAX_PARALLELISM,
+                        key_groups: range,
+                        incremental: true,
+                        full_every: 3,
+                    };
+                    let op = WindowOperator::new(
+                        ctx,
+                        spec,
+                        &["k".to_string(), "v".to_string()],
+                        (!snapshot.is_empty()).then_some(&restore),
+                    )
+                    .unwrap();
                     parts.push((op, range, if same { files } else { Vec::new() }));
                 }
                 Windows { parts }
@@ -426,7 +463,11 @@ mod tests {
 
             fn checkpoint(&mut self, id: u64) -> Vec<((u32, u32), Vec<bytes::Bytes>)> {
                 for (op, _, chain) in &mut self.parts {
-                    let keyed = op.snapshot(&Barrier { id, target: crate::message::SnapshotTarget::Checkpoint }).unwrap().keyed.unwrap();
+                    let keyed = op
+                        .snapshot(&Barrier { id, target: crate::message::SnapshotTarget::Checkpoint })
+                        .unwrap()
+                        .keyed
+                        .unwrap();
                     if keyed.kind == FileKind::KeyedFull {
                         chain.clear();
                     }

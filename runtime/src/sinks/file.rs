@@ -176,10 +176,21 @@ pub fn parse_name(uid: &str, name: &str) -> Option<OutputName> {
     let mut fields = core.rsplitn(4, '-');
     let (subtask, checkpoint, epoch, rest) = (fields.next()?, fields.next()?, fields.next()?, fields.next()?);
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if rest != uid || !digits(subtask) || checkpoint.len() != 10 || !digits(checkpoint) || epoch.len() < 6 || !digits(epoch) {
+    if rest != uid
+        || !digits(subtask)
+        || checkpoint.len() != 10
+        || !digits(checkpoint)
+        || epoch.len() < 6
+        || !digits(epoch)
+    {
         return None;
     }
-    Some(OutputName { staged, epoch: epoch.parse().ok()?, checkpoint: checkpoint.parse().ok()?, subtask: subtask.parse().ok()? })
+    Some(OutputName {
+        staged,
+        epoch: epoch.parse().ok()?,
+        checkpoint: checkpoint.parse().ok()?,
+        subtask: subtask.parse().ok()?,
+    })
 }
 
 /// Why a sink could not be recovered.
@@ -276,7 +287,10 @@ impl Committable {
 impl CommitManifest {
     /// The manifest of `group`, listing the committed transactions `files` (of that group).
     pub fn of<'a>(group: &CommitGroup, files: impl IntoIterator<Item = &'a Committable>) -> CommitManifest {
-        let mut files: Vec<ManifestFile> = files.into_iter().map(|c| ManifestFile { name: c.published.clone(), len: c.len, crc32c: c.crc32c, records: c.records }).collect();
+        let mut files: Vec<ManifestFile> = files
+            .into_iter()
+            .map(|c| ManifestFile { name: c.published.clone(), len: c.len, crc32c: c.crc32c, records: c.records })
+            .collect();
         files.sort_by(|a, b| a.name.cmp(&b.name));
         files.dedup_by(|a, b| a.name == b.name);
         CommitManifest { uid: group.uid.clone(), epoch: group.epoch, checkpoint: group.checkpoint, files }
@@ -330,13 +344,19 @@ pub struct RecoveryInput<'a> {
 /// 2. what the restored state pre-committed is committed, where it was staged;
 /// 3. staged data no restore point can need is discarded, and commit manifests a crash left
 ///    unwritten are written.
-pub async fn recover(storage: &Storage, uid: &str, epoch: u64, input: RecoveryInput<'_>) -> Result<RecoveryReport, RecoveryError> {
+pub async fn recover(
+    storage: &Storage,
+    uid: &str,
+    epoch: u64,
+    input: RecoveryInput<'_>,
+) -> Result<RecoveryReport, RecoveryError> {
     let RecoveryInput { restored_docs, history, newest_complete, reason } = input;
     let fail = |step: &'static str| move |source| RecoveryError::Storage { uid: uid.to_string(), step, source };
     let mut report = RecoveryReport::default();
     let mut pending: Vec<Committable> = Vec::new();
     for doc in restored_docs {
-        let state: SinkState = serde_json::from_slice(doc).map_err(|e| RecoveryError::State { uid: uid.to_string(), reason: e.to_string() })?;
+        let state: SinkState = serde_json::from_slice(doc)
+            .map_err(|e| RecoveryError::State { uid: uid.to_string(), reason: e.to_string() })?;
         pending.extend(state.pending);
     }
     // Every directory involved: the sink's, and those transactions were staged in.
@@ -344,20 +364,30 @@ pub async fn recover(storage: &Storage, uid: &str, epoch: u64, input: RecoveryIn
     dirs.insert(storage.url().to_string(), storage.clone());
     for c in &pending {
         if !c.sink.is_empty() && !dirs.contains_key(&c.sink) {
-            dirs.insert(c.sink.clone(), Storage::open(&c.sink).map_err(fail("opening the directory a transaction was staged in"))?);
+            dirs.insert(
+                c.sink.clone(),
+                Storage::open(&c.sink).map_err(fail("opening the directory a transaction was staged in"))?,
+            );
         }
     }
     for dir in dirs.values() {
-        rewind(dir, uid, epoch, history, reason, &mut report).await.map_err(|(step, source)| RecoveryError::Storage { uid: uid.to_string(), step, source })?;
+        rewind(dir, uid, epoch, history, reason, &mut report)
+            .await
+            .map_err(|(step, source)| RecoveryError::Storage { uid: uid.to_string(), step, source })?;
     }
     for c in &pending {
         let target = if c.sink.is_empty() { storage } else { &dirs[&c.sink] };
-        if commit(target, c).await.map_err(|source| RecoveryError::Recommit { uid: uid.to_string(), checkpoint: c.checkpoint, source })? {
+        if commit(target, c).await.map_err(|source| RecoveryError::Recommit {
+            uid: uid.to_string(),
+            checkpoint: c.checkpoint,
+            source,
+        })? {
             report.recommitted += 1;
         }
     }
     for dir in dirs.values() {
-        let names: Vec<String> = dir.list("").await.map_err(fail("listing the output"))?.into_iter().filter(|p| !p.contains('/')).collect();
+        let names: Vec<String> =
+            dir.list("").await.map_err(fail("listing the output"))?.into_iter().filter(|p| !p.contains('/')).collect();
         let mut published: BTreeMap<(u64, u64), Vec<String>> = BTreeMap::new();
         for name in &names {
             let Some(parsed) = parse_name(uid, name).filter(|p| p.epoch < epoch) else { continue };
@@ -378,7 +408,8 @@ pub async fn recover(storage: &Storage, uid: &str, epoch: u64, input: RecoveryIn
         }
         // Manifests a crash left unwritten (every subtask committed, the coordinator had not yet
         // written it): rebuilt from the published files themselves.
-        let existing: BTreeSet<String> = dir.list(COMMITS_DIR).await.map_err(fail("listing commit manifests"))?.into_iter().collect();
+        let existing: BTreeSet<String> =
+            dir.list(COMMITS_DIR).await.map_err(fail("listing commit manifests"))?.into_iter().collect();
         for ((e, n), files) in published {
             if existing.contains(&commit_manifest_name(e, n)) {
                 continue;
@@ -387,7 +418,12 @@ pub async fn recover(storage: &Storage, uid: &str, epoch: u64, input: RecoveryIn
             for name in files {
                 let data = dir.get(&name).await.map_err(fail("reading published output for its manifest"))?;
                 let records = data.iter().filter(|b| **b == b'\n').count() as u64;
-                manifest.files.push(ManifestFile { name, len: data.len() as u64, crc32c: crc32c::crc32c(&data), records });
+                manifest.files.push(ManifestFile {
+                    name,
+                    len: data.len() as u64,
+                    crc32c: crc32c::crc32c(&data),
+                    records,
+                });
             }
             write_commit_manifest(dir, &manifest).await.map_err(fail("writing a commit manifest"))?;
             report.manifests_repaired += 1;
@@ -399,13 +435,22 @@ pub async fn recover(storage: &Storage, uid: &str, epoch: u64, input: RecoveryIn
 /// Moves output of `dir` outside `history` under `_superseded/<epoch>/` (with a manifest
 /// written first, so a crash while moving leaves a record of every file meant to move), and
 /// output of `history` that an earlier rewind moved out back in.
-async fn rewind(dir: &Storage, uid: &str, epoch: u64, history: &OutputHistory, reason: &str, report: &mut RecoveryReport) -> Result<(), (&'static str, StorageError)> {
+async fn rewind(
+    dir: &Storage,
+    uid: &str,
+    epoch: u64,
+    history: &OutputHistory,
+    reason: &str,
+    report: &mut RecoveryReport,
+) -> Result<(), (&'static str, StorageError)> {
     let fail = |step: &'static str| move |source| (step, source);
     let all = dir.list("").await.map_err(fail("listing the output"))?;
     let names: BTreeSet<&str> = all.iter().filter(|p| !p.contains('/')).map(String::as_str).collect();
     let mut moving_out: Vec<(String, OutputName)> = Vec::new();
     for name in &names {
-        if let Some(parsed) = parse_name(uid, name).filter(|p| !p.staged && p.epoch < epoch && history.wants(p) == Some(false)) {
+        if let Some(parsed) =
+            parse_name(uid, name).filter(|p| !p.staged && p.epoch < epoch && history.wants(p) == Some(false))
+        {
             moving_out.push((name.to_string(), parsed));
         }
     }
@@ -413,7 +458,10 @@ async fn rewind(dir: &Storage, uid: &str, epoch: u64, history: &OutputHistory, r
     for path in all.iter().filter(|p| p.starts_with(&format!("{SUPERSEDED_DIR}/"))) {
         let Some(name) = path.rsplit('/').next() else { continue };
         let Some(parsed) = parse_name(uid, name).filter(|p| !p.staged && p.epoch < epoch) else { continue };
-        if history.wants(&parsed) == Some(true) && !names.contains(name) && !coming_back.iter().any(|(_, n, _)| n == name) {
+        if history.wants(&parsed) == Some(true)
+            && !names.contains(name)
+            && !coming_back.iter().any(|(_, n, _)| n == name)
+        {
             coming_back.push((path.clone(), name.to_string(), parsed));
         }
     }
@@ -426,15 +474,31 @@ async fn rewind(dir: &Storage, uid: &str, epoch: u64, history: &OutputHistory, r
         let len = dir.size(name).await.map_err(fail("reading superseded output"))?.unwrap_or(0);
         moved.push(MovedFile { name: name.clone(), checkpoint: parsed.checkpoint, len });
     }
-    let returned = coming_back.iter().map(|(from, name, parsed)| MovedFile { name: format!("{from} -> {name}"), checkpoint: parsed.checkpoint, len: 0 }).collect();
+    let returned = coming_back
+        .iter()
+        .map(|(from, name, parsed)| MovedFile {
+            name: format!("{from} -> {name}"),
+            checkpoint: parsed.checkpoint,
+            len: 0,
+        })
+        .collect();
     let restored_checkpoint = match history {
         OutputHistory::Lineage(l) => l.segments.first().map_or(0, |s| s.1),
         OutputHistory::After(r) => *r,
         OutputHistory::Fresh => 0,
     };
-    let manifest = SupersededManifest { uid: uid.to_string(), epoch, restored_checkpoint, reason: reason.to_string(), moved, returned };
+    let manifest = SupersededManifest {
+        uid: uid.to_string(),
+        epoch,
+        restored_checkpoint,
+        reason: reason.to_string(),
+        moved,
+        returned,
+    };
     let body = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
-    dir.put(&format!("{moved_dir}/_manifest-{uid}.json"), Bytes::from(body)).await.map_err(fail("writing the superseded manifest"))?;
+    dir.put(&format!("{moved_dir}/_manifest-{uid}.json"), Bytes::from(body))
+        .await
+        .map_err(fail("writing the superseded manifest"))?;
     for (name, _) in &moving_out {
         dir.rename(name, &format!("{moved_dir}/{name}")).await.map_err(fail("moving superseded output"))?;
         report.superseded.push(name.clone());
@@ -451,7 +515,9 @@ async fn rewind(dir: &Storage, uid: &str, epoch: u64, history: &OutputHistory, r
         // Its commit manifest comes back too (or is rebuilt afterwards).
         let m = commit_manifest_name(parsed.epoch, parsed.checkpoint);
         let moved_manifest = format!("{}/{m}", from.rsplit_once('/').map_or("", |x| x.0));
-        if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_none() && dir.size(&moved_manifest).await.map_err(fail("reading commit manifests"))?.is_some() {
+        if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_none()
+            && dir.size(&moved_manifest).await.map_err(fail("reading commit manifests"))?.is_some()
+        {
             dir.rename(&moved_manifest, &m).await.map_err(fail("bringing commit manifests back"))?;
         }
     }
@@ -473,8 +539,25 @@ pub struct FileSink {
 
 impl FileSink {
     /// A sink subtask of a run of `epoch` writing to `storage` (the output directory).
-    pub fn new(uid: &str, subtask: u32, epoch: u64, schema: Vec<String>, storage: Storage, metrics: Arc<JobMetrics>) -> Self {
-        FileSink { uid: uid.to_string(), subtask, epoch, schema, storage, buffer: Vec::new(), buffered_records: 0, pending: Vec::new(), metrics }
+    pub fn new(
+        uid: &str,
+        subtask: u32,
+        epoch: u64,
+        schema: Vec<String>,
+        storage: Storage,
+        metrics: Arc<JobMetrics>,
+    ) -> Self {
+        FileSink {
+            uid: uid.to_string(),
+            subtask,
+            epoch,
+            schema,
+            storage,
+            buffer: Vec::new(),
+            buffered_records: 0,
+            pending: Vec::new(),
+            metrics,
+        }
     }
 
     fn state_doc(&self) -> Vec<u8> {
@@ -511,7 +594,12 @@ impl Operator for FileSink {
             self.pending.push(c);
             self.buffered_records = 0;
         }
-        Ok(StateParts { operator_doc: Some(self.state_doc()), staged, pending_commits: self.pending.clone(), ..StateParts::default() })
+        Ok(StateParts {
+            operator_doc: Some(self.state_doc()),
+            staged,
+            pending_commits: self.pending.clone(),
+            ..StateParts::default()
+        })
     }
 
     fn on_checkpoint_complete(&mut self, id: u64) -> Result<Vec<Committable>, TaskError> {
@@ -522,7 +610,9 @@ impl Operator for FileSink {
         let storage = self.storage.clone();
         crate::io().block_on(async {
             for c in &due {
-                commit(&storage, c).await.map_err(|e| TaskError::Commit { what: c.published.clone(), reason: e.to_string() })?;
+                commit(&storage, c)
+                    .await
+                    .map_err(|e| TaskError::Commit { what: c.published.clone(), reason: e.to_string() })?;
             }
             Ok::<(), TaskError>(())
         })?;
@@ -610,7 +700,10 @@ mod tests {
             assert!(left.contains(expected), "{expected} missing from {left:?}");
         }
         let m: CommitManifest = serde_json::from_slice(&s.get(&commit_manifest_name(1, 4)).await.unwrap()).unwrap();
-        assert_eq!(m.files, vec![ManifestFile { name: c4.published.clone(), len: 2, crc32c: crc32c::crc32c(b"b\n"), records: 1 }]);
+        assert_eq!(
+            m.files,
+            vec![ManifestFile { name: c4.published.clone(), len: 2, crc32c: crc32c::crc32c(b"b\n"), records: 1 }]
+        );
         // A fresh start (no restore point) moves nothing and deletes nothing published.
         let report = recover(&s, "o", 3, input(&[], &OutputHistory::Fresh, 4)).await.unwrap();
         assert!(report.superseded.is_empty());
@@ -624,18 +717,32 @@ mod tests {
         for (n, data) in [(3u64, &b"a\n"[..]), (5, b"b\n"), (6, b"c\n")] {
             let c = committable(&s, 1, n, 0, b"");
             s.put(&c.published, Bytes::copy_from_slice(data)).await.unwrap();
-            write_commit_manifest(&s, &CommitManifest { uid: "o".into(), epoch: 1, checkpoint: n, files: vec![] }).await.unwrap();
+            write_commit_manifest(&s, &CommitManifest { uid: "o".into(), epoch: 1, checkpoint: n, files: vec![] })
+                .await
+                .unwrap();
         }
-        let report = recover(&s, "o", 2, RecoveryInput { reason: "checkpoint 5 is corrupt", ..input(&[], &OutputHistory::After(4), 6) }).await.unwrap();
+        let report = recover(
+            &s,
+            "o",
+            2,
+            RecoveryInput { reason: "checkpoint 5 is corrupt", ..input(&[], &OutputHistory::After(4), 6) },
+        )
+        .await
+        .unwrap();
         assert_eq!(report.superseded, vec![published_name("o", 1, 5, 0), published_name("o", 1, 6, 0)]);
         let left = s.list("").await.unwrap();
         assert!(left.contains(&published_name("o", 1, 3, 0)));
         assert!(left.contains(&format!("_superseded/000002/{}", published_name("o", 1, 5, 0))));
         assert!(left.contains(&format!("_superseded/000002/{}", commit_manifest_name(1, 6))));
         assert!(!left.contains(&commit_manifest_name(1, 5)));
-        let m: SupersededManifest = serde_json::from_slice(&s.get("_superseded/000002/_manifest-o.json").await.unwrap()).unwrap();
+        let m: SupersededManifest =
+            serde_json::from_slice(&s.get("_superseded/000002/_manifest-o.json").await.unwrap()).unwrap();
         assert_eq!((m.restored_checkpoint, m.moved.len(), m.reason.as_str()), (4, 2, "checkpoint 5 is corrupt"));
-        assert_eq!(&s.get(&format!("_superseded/000002/{}", published_name("o", 1, 6, 0))).await.unwrap()[..], b"c\n", "moved, not lost");
+        assert_eq!(
+            &s.get(&format!("_superseded/000002/{}", published_name("o", 1, 6, 0))).await.unwrap()[..],
+            b"c\n",
+            "moved, not lost"
+        );
     }
 
     #[tokio::test]
@@ -676,7 +783,8 @@ mod tests {
         let r = recover(&s, "o", 3, input(&[], &OutputHistory::Lineage(to_6), 8)).await.unwrap();
         assert_eq!(r.returned, vec![published_name("o", 1, 5, 0)]);
         assert_eq!(r.superseded, vec![published_name("o", 2, 8, 0)]);
-        let top: Vec<String> = s.list("").await.unwrap().into_iter().filter(|p| !p.contains('/') && is_output(p)).collect();
+        let top: Vec<String> =
+            s.list("").await.unwrap().into_iter().filter(|p| !p.contains('/') && is_output(p)).collect();
         assert_eq!(top, vec![published_name("o", 1, 3, 0), published_name("o", 1, 5, 0)]);
         // Output older than the history (before a fresh start) is never touched.
         put(1, 1).await;
@@ -750,9 +858,21 @@ mod tests {
                 };
                 let e = epoch::claim(job, "test", restored).await.unwrap();
                 let docs: Vec<&[u8]> = from.map(|p| vec![p.doc.as_slice()]).unwrap_or_default();
-                recover(out, "o", e, RecoveryInput { restored_docs: &docs, history: &history, newest_complete, reason: "test" }).await.unwrap();
+                recover(
+                    out,
+                    "o",
+                    e,
+                    RecoveryInput { restored_docs: &docs, history: &history, newest_complete, reason: "test" },
+                )
+                .await
+                .unwrap();
                 let metrics = Arc::new(JobMetrics::new("j", "t"));
-                Run { sink: FileSink::new("o", 0, e, vec!["id".into()], out.clone(), metrics), epoch: e, position: from.map_or(0, |p| p.position), in_flight: Vec::new() }
+                Run {
+                    sink: FileSink::new("o", 0, e, vec!["id".into()], out.clone(), metrics),
+                    epoch: e,
+                    position: from.map_or(0, |p| p.position),
+                    in_flight: Vec::new(),
+                }
             })
         }
 
@@ -763,7 +883,10 @@ mod tests {
                     let name = path.rsplit('/').next().unwrap();
                     if name.starts_with("part-") {
                         let top = !path.contains('/');
-                        files.insert(format!("{}{name}", if top { "" } else { "moved:" }), out.get(&path).await.unwrap().to_vec());
+                        files.insert(
+                            format!("{}{name}", if top { "" } else { "moved:" }),
+                            out.get(&path).await.unwrap().to_vec(),
+                        );
                     }
                 }
                 files

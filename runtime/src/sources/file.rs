@@ -42,7 +42,10 @@ fn list_files(path: &str) -> Result<Vec<(PathBuf, String)>, TaskError> {
     for entry in std::fs::read_dir(&p).map_err(|e| read(e.to_string()))? {
         let entry = entry.map_err(|e| read(e.to_string()))?;
         let name = entry.file_name().to_string_lossy().to_string();
-        if name.starts_with('.') || name.starts_with('_') || !entry.file_type().map_err(|e| read(e.to_string()))?.is_file() {
+        if name.starts_with('.')
+            || name.starts_with('_')
+            || !entry.file_type().map_err(|e| read(e.to_string()))?.is_file()
+        {
             continue;
         }
         files.push((entry.path(), name));
@@ -54,13 +57,19 @@ fn list_files(path: &str) -> Result<Vec<(PathBuf, String)>, TaskError> {
 impl FileSource {
     /// Builds subtask `subtask` of `parallelism` from the union of restored positions.
     pub fn new(path: &str, subtask: u32, parallelism: u32, restored: &[&[u8]]) -> Result<Self, TaskError> {
-        let files: Vec<_> = list_files(path)?.into_iter().enumerate().filter(|(i, _)| *i as u32 % parallelism == subtask).map(|(_, f)| f).collect();
+        let files: Vec<_> = list_files(path)?
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| *i as u32 % parallelism == subtask)
+            .map(|(_, f)| f)
+            .collect();
         // Keep the positions of this subtask's own files only, so its snapshots never carry
         // stale copies of another subtask's positions; a file read by several earlier subtasks
         // (a rescale) resumes from the furthest position, as positions only grow.
         let mut positions: BTreeMap<String, (u64, i64)> = BTreeMap::new();
         for doc in restored {
-            let p: Positions = serde_json::from_slice(doc).map_err(|e| TaskError::Restore { uid: "file".into(), reason: e.to_string() })?;
+            let p: Positions = serde_json::from_slice(doc)
+                .map_err(|e| TaskError::Restore { uid: "file".into(), reason: e.to_string() })?;
             for (name, pos) in p.files {
                 if files.iter().any(|(_, n)| *n == name) {
                     let entry = positions.entry(name).or_insert(pos);
@@ -85,14 +94,18 @@ impl Source for FileSource {
                 self.next_file += 1;
                 let (path, name) = &self.files[i];
                 let (offset, _) = self.positions.get(name).copied().unwrap_or((0, 0));
-                let mut f = File::open(path).map_err(|e| TaskError::Read { what: path.display().to_string(), reason: e.to_string() })?;
-                f.seek(SeekFrom::Start(offset)).map_err(|e| TaskError::Read { what: path.display().to_string(), reason: e.to_string() })?;
+                let mut f = File::open(path)
+                    .map_err(|e| TaskError::Read { what: path.display().to_string(), reason: e.to_string() })?;
+                f.seek(SeekFrom::Start(offset))
+                    .map_err(|e| TaskError::Read { what: path.display().to_string(), reason: e.to_string() })?;
                 self.current = Some((i, BufReader::new(f)));
             }
             let Some((i, reader)) = self.current.as_mut() else { break };
             let name = self.files[*i].1.clone();
             self.line.clear();
-            let n = reader.read_line(&mut self.line).map_err(|e| TaskError::Read { what: name.clone(), reason: e.to_string() })?;
+            let n = reader
+                .read_line(&mut self.line)
+                .map_err(|e| TaskError::Read { what: name.clone(), reason: e.to_string() })?;
             if n == 0 {
                 self.current = None;
                 continue;
@@ -171,7 +184,8 @@ mod tests {
         }
         let mut lines: Vec<String> = out.iter().map(|r| r.fields[0].to_string()).collect();
         lines.sort();
-        let mut expected: Vec<String> = ["a", "b"].iter().flat_map(|f| (0..10).map(move |i| format!("{f}{i}"))).collect();
+        let mut expected: Vec<String> =
+            ["a", "b"].iter().flat_map(|f| (0..10).map(move |i| format!("{f}{i}"))).collect();
         expected.sort();
         assert_eq!(lines, expected);
     }

@@ -26,7 +26,8 @@ enum FieldGen {
 #[derive(Clone)]
 struct Vocabulary(Arc<Vec<Arc<str>>>);
 
-const SYLLABLES: [&str; 16] = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "de", "ba", "zu", "po", "fe", "gi", "ha", "jo"];
+const SYLLABLES: [&str; 16] =
+    ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "de", "ba", "zu", "po", "fe", "gi", "ha", "jo"];
 
 fn word_text(mut i: u64) -> String {
     let mut s = String::with_capacity(12);
@@ -77,11 +78,18 @@ pub struct GeneratorSource {
 
 impl GeneratorSource {
     /// Builds subtask `subtask` of `parallelism`, from the union of restored position documents.
-    pub fn new(spec: &GeneratorSpec, max_parallelism: u32, subtask: u32, parallelism: u32, restored: &[&[u8]]) -> Result<Self, TaskError> {
+    pub fn new(
+        spec: &GeneratorSpec,
+        max_parallelism: u32,
+        subtask: u32,
+        parallelism: u32,
+        restored: &[&[u8]],
+    ) -> Result<Self, TaskError> {
         let total_splits = u64::from(spec.splits.unwrap_or(max_parallelism));
         let mut positions: BTreeMap<u64, u64> = BTreeMap::new();
         for doc in restored {
-            let p: Positions = serde_json::from_slice(doc).map_err(|e| TaskError::Restore { uid: "generator".into(), reason: e.to_string() })?;
+            let p: Positions = serde_json::from_slice(doc)
+                .map_err(|e| TaskError::Restore { uid: "generator".into(), reason: e.to_string() })?;
             positions.extend(p.splits);
         }
         let fields = spec
@@ -143,7 +151,9 @@ impl GeneratorSource {
                         if j > 0 {
                             line.push(' ');
                         }
-                        line.push_str(&vocab.word(mix64(seq.wrapping_mul(1_000_003).wrapping_add(j) ^ salt) % vocab_size));
+                        line.push_str(
+                            &vocab.word(mix64(seq.wrapping_mul(1_000_003).wrapping_add(j) ^ salt) % vocab_size),
+                        );
                     }
                     Value::str(&line)
                 }
@@ -192,13 +202,21 @@ impl Source for GeneratorSource {
             }
         }
         self.emitted += produced as u64;
-        Ok(if produced > 0 { SourcePoll::Data } else if self.splits.is_empty() { SourcePoll::Finished } else { SourcePoll::Idle(Duration::from_millis(1)) })
+        Ok(if produced > 0 {
+            SourcePoll::Data
+        } else if self.splits.is_empty() {
+            SourcePoll::Finished
+        } else {
+            SourcePoll::Idle(Duration::from_millis(1))
+        })
     }
 
     fn watermark(&self) -> i64 {
         self.splits
             .iter()
-            .map(|(split, k)| self.start_time.wrapping_add(((split + k * self.total_splits) as i64).wrapping_mul(self.step_ms)) - 1)
+            .map(|(split, k)| {
+                self.start_time.wrapping_add(((split + k * self.total_splits) as i64).wrapping_mul(self.step_ms)) - 1
+            })
             .min()
             .unwrap_or(i64::MAX)
     }
@@ -225,8 +243,22 @@ mod tests {
             start_time_ms: 0,
             time_step: HumanDuration::from_millis(1),
             fields: vec![
-                GeneratorField { name: "seq".into(), sequence: Some(Empty {}), modulo: None, word: None, text: None, uniform: None },
-                GeneratorField { name: "w".into(), sequence: None, modulo: None, word: Some(WordField { cardinality: 10 }), text: None, uniform: None },
+                GeneratorField {
+                    name: "seq".into(),
+                    sequence: Some(Empty {}),
+                    modulo: None,
+                    word: None,
+                    text: None,
+                    uniform: None,
+                },
+                GeneratorField {
+                    name: "w".into(),
+                    sequence: None,
+                    modulo: None,
+                    word: Some(WordField { cardinality: 10 }),
+                    text: None,
+                    uniform: None,
+                },
             ],
         }
     }

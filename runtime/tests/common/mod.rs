@@ -270,13 +270,21 @@ pub struct KillReport {
 /// moment after they made progress (a new complete checkpoint, read by `newest_complete`);
 /// runs that abort themselves through the fault hook count as aborts; after that, a run must
 /// finish with success.
-pub fn kill_restart_loop(make: impl Fn(u64) -> std::process::Command, newest_complete: impl Fn() -> u64, kills: u64) -> KillReport {
+pub fn kill_restart_loop(
+    make: impl Fn(u64) -> std::process::Command,
+    newest_complete: impl Fn() -> u64,
+    kills: u64,
+) -> KillReport {
     use std::io::Read;
     let mut report = KillReport::default();
     for round in 0..200u64 {
         report.runs += 1;
         let before = newest_complete();
-        let mut child = make(round).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().expect("spawn weir-runtime");
+        let mut child = make(round)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn weir-runtime");
         let must_finish = report.kills >= kills;
         let deadline = Instant::now() + Duration::from_secs(if must_finish { 180 } else { 60 });
         let mut progressed_at: Option<Instant> = None;
@@ -297,7 +305,10 @@ pub fn kill_restart_loop(make: impl Fn(u64) -> std::process::Command, newest_com
         };
         match status {
             Some(s) if s.success() => {
-                assert!(must_finish || report.kills > 0 || report.aborts > 0, "the job finished before any kill: make it slower");
+                assert!(
+                    must_finish || report.kills > 0 || report.aborts > 0,
+                    "the job finished before any kill: make it slower"
+                );
                 return report;
             }
             Some(s) => {
@@ -374,7 +385,8 @@ pub fn zombie_scenario(name: &str, chk: &str, out: &str, env: &[(&'static str, S
     let storage = weir_checkpoint::Storage::open(chk).unwrap();
     let run = |restore: bool| {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_weir-runtime"));
-        cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk, "--quiet"]).envs(env.iter().map(|(k, v)| (*k, v.as_str())));
+        cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk, "--quiet"])
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())));
         if restore {
             cmd.args(["--restore", "latest"]);
         }
@@ -389,7 +401,9 @@ pub fn zombie_scenario(name: &str, chk: &str, out: &str, env: &[(&'static str, S
     };
     let mut a = run(false);
     wait_for("A's third checkpoint", &|| newest_complete(&storage) >= 3);
-    let signal = |sig: &str, pid: u32| assert!(std::process::Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
+    let signal = |sig: &str, pid: u32| {
+        assert!(std::process::Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success())
+    };
     signal("-STOP", a.id());
     let epoch_a = weir_runtime::io().block_on(weir_checkpoint::epoch::newest(&storage)).unwrap();
     let restore_point = newest_complete(&storage);
@@ -415,19 +429,29 @@ pub fn zombie_scenario(name: &str, chk: &str, out: &str, env: &[(&'static str, S
     weir_runtime::io().block_on(async {
         for (id, _, meta) in weir_checkpoint::recovery::list_checkpoints(&storage).await.unwrap() {
             if let Some(m) = meta {
-                assert!(m.epoch != epoch_a || id <= restore_point, "{name}: the stale runtime published checkpoint {id}");
+                assert!(
+                    m.epoch != epoch_a || id <= restore_point,
+                    "{name}: the stale runtime published checkpoint {id}"
+                );
             }
         }
         for sink in ["counts", "windows", "ids"] {
             let s = weir_checkpoint::Storage::open(&format!("{out}/{sink}")).unwrap();
             for path in s.list("").await.unwrap() {
                 if let Some(f) = weir_runtime::sinks::file::parse_name(&format!("{sink}-out"), &path) {
-                    assert!(f.staged || f.epoch != epoch_a || f.checkpoint <= restore_point, "{name}: the stale runtime committed {path} after it was replaced");
+                    assert!(
+                        f.staged || f.epoch != epoch_a || f.checkpoint <= restore_point,
+                        "{name}: the stale runtime committed {path} after it was replaced"
+                    );
                 }
             }
         }
     });
-    assert_same_output(&golden, &committed_at(out, &["counts", "windows", "ids"]), &format!("{name}: A frozen and woken while B ran"));
+    assert_same_output(
+        &golden,
+        &committed_at(out, &["counts", "windows", "ids"]),
+        &format!("{name}: A frozen and woken while B ran"),
+    );
 }
 
 /// Adds `n` to the suite-wide count of injected failures (`.ci/run` prints the total).
@@ -440,7 +464,12 @@ pub fn record_faults(n: u64) {
 
 /// A directory of `files` input files for the file source, `lines` lines each, line `i` of file
 /// `f` being `line(f, i)`; returns the temporary directory (keep it alive) and the input path.
-pub fn input_files(name: &str, files: u64, lines: u64, line: impl Fn(u64, u64) -> String) -> (tempfile::TempDir, PathBuf) {
+pub fn input_files(
+    name: &str,
+    files: u64,
+    lines: u64,
+    line: impl Fn(u64, u64) -> String,
+) -> (tempfile::TempDir, PathBuf) {
     let (d, _, _) = workdir(name);
     let input = d.path().join("input");
     std::fs::create_dir(&input).unwrap();
