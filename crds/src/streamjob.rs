@@ -16,6 +16,8 @@ use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionO
 /// A stream-processing job run by Weir: its dataflow graph, parallelism, checkpointing and
 /// lifecycle.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+// Each printcolumn has its own `type_`: clippy reads them as one repeated attribute.
+#[allow(clippy::duplicated_attributes)]
 #[kube(
     group = "weir.dev",
     version = "v1alpha1",

@@ -207,7 +207,7 @@ impl Validator {
             }
         }
         let r = &spec.restart;
-        if !(r.multiplier >= 1.0) || !r.multiplier.is_finite() {
+        if r.multiplier.is_nan() || r.multiplier < 1.0 || !r.multiplier.is_finite() {
             self.err("job.restart.multiplier", "must be a number >= 1");
         }
         if r.max_delay < r.delay {

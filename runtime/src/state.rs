@@ -406,8 +406,15 @@ mod model_tests {
 
     /// The subtasks of one operator: each with its key groups and its current chain.
     struct Subtasks {
-        parts: Vec<(KeyedState<i64>, (u32, u32), Vec<Bytes>)>,
+        parts: Vec<(KeyedState<i64>, KeyGroups, Chain)>,
     }
+
+    /// A subtask's key-group range.
+    type KeyGroups = (u32, u32);
+    /// The snapshot files a restore reads, full snapshot first.
+    type Chain = Vec<Bytes>;
+    /// Each subtask's key groups and chain, as one snapshot of the operator.
+    type Snapshot = Vec<(KeyGroups, Chain)>;
 
     use bytes::Bytes;
 
@@ -447,7 +454,7 @@ mod model_tests {
         }
 
         /// A checkpoint: every subtask's chain as the uploader keeps it.
-        fn checkpoint(&mut self) -> Vec<((u32, u32), Vec<Bytes>)> {
+        fn checkpoint(&mut self) -> Snapshot {
             for (s, _, chain) in &mut self.parts {
                 let snap = s.snapshot_checkpoint();
                 if snap.kind == FileKind::KeyedFull {
@@ -458,7 +465,7 @@ mod model_tests {
             self.parts.iter().map(|(_, r, c)| (*r, c.clone())).collect()
         }
 
-        fn savepoint(&self) -> Vec<((u32, u32), Vec<Bytes>)> {
+        fn savepoint(&self) -> Snapshot {
             self.parts.iter().map(|(s, r, _)| (*r, vec![s.snapshot_full_copy().data])).collect()
         }
 
@@ -499,8 +506,8 @@ mod model_tests {
         fn keyed_state_equals_a_map_through_snapshots_and_restores(ops in proptest::collection::vec(op(), 1..120), full_every in 1u32..5) {
             let mut model: BTreeMap<i64, i64> = BTreeMap::new();
             let mut subtasks = Subtasks::new(1, full_every);
-            let mut last_checkpoint: (BTreeMap<i64, i64>, Vec<((u32, u32), Vec<Bytes>)>) = (BTreeMap::new(), subtasks.checkpoint());
-            let mut last_savepoint: Option<(BTreeMap<i64, i64>, Vec<((u32, u32), Vec<Bytes>)>)> = None;
+            let mut last_checkpoint: (BTreeMap<i64, i64>, Snapshot) = (BTreeMap::new(), subtasks.checkpoint());
+            let mut last_savepoint: Option<(BTreeMap<i64, i64>, Snapshot)> = None;
             for op in ops {
                 match op {
                     Op::Add(k, v) => {

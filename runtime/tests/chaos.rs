@@ -46,9 +46,11 @@ fn kills(default: u64) -> u64 {
 }
 
 /// A job shape: its YAML for an output directory, a rate (None: full speed) and a parallelism.
+type JobYaml = Box<dyn Fn(&Path, Option<u64>, u32) -> String>;
+
 struct Shape {
     name: &'static str,
-    yaml: Box<dyn Fn(&Path, Option<u64>, u32) -> String>,
+    yaml: JobYaml,
 }
 
 const CHECKPOINTING: &str = "checkpointing: { interval: 40ms, timeout: 10s, retained: 3, fullEvery: 3, tolerableFailures: 10 }\nrestart: { strategy: fixed-delay, attempts: 1000, delay: 10ms }\n";
@@ -184,9 +186,9 @@ fn observe(out: &Path, seen: &mut Seen) {
             }
             let path = f.path();
             present.insert(path.clone());
-            if !seen.files.contains_key(&path) {
-                if let Ok(data) = std::fs::read(&path) {
-                    seen.files.insert(path, (data.len() as u64, crc32c::crc32c(&data)));
+            if let std::collections::btree_map::Entry::Vacant(slot) = seen.files.entry(path) {
+                if let Ok(data) = std::fs::read(slot.key()) {
+                    slot.insert((data.len() as u64, crc32c::crc32c(&data)));
                 }
             }
         }
@@ -324,7 +326,7 @@ fn corrupt_newest(chk: &Path, round: u64) -> Option<u64> {
     }
     let dir = chk.join(format!("checkpoints/chk-{newest}"));
     let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(dir.join("_metadata")).ok()?).ok()?;
-    let target = if round % 2 == 0 && independent {
+    let target = if round.is_multiple_of(2) && independent {
         let f = meta.files().max_by_key(|f| f.len)?;
         PathBuf::from(weir_checkpoint::layout::resolve(dir.to_str().unwrap(), &f.path))
     } else {
@@ -389,7 +391,7 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
         let must_finish = tally.kills >= c.kills;
         let job_file = dir.path().join(format!("job-{round}.yaml"));
         std::fs::write(&job_file, (shape.yaml)(&out, if must_finish { None } else { c.rate }, parallelism)).unwrap();
-        let rescale = !must_finish && c.rescale_every.is_some_and(|n| r % n == 0);
+        let rescale = !must_finish && c.rescale_every.is_some_and(|n| r.is_multiple_of(n));
         let port = free_port();
         let mut cmd = bin();
         cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--quiet"]);
@@ -407,7 +409,7 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
         // checkpoint completed.
         let before = newest_complete(&storage);
         let delay = Duration::from_millis(30 + (r >> 8) % 600);
-        let after_progress = (r >> 20) % 2 == 0;
+        let after_progress = (r >> 20).is_multiple_of(2);
         let started = Instant::now();
         let mut progressed: Option<Instant> = None;
         let deadline = started + Duration::from_secs(if must_finish { 300 } else { 60 });
@@ -464,7 +466,7 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
                 child.kill().unwrap(); // SIGKILL
                 child.wait().unwrap();
                 tally.kills += 1;
-                if c.corrupt_every.is_some_and(|n| (r >> 32) % n == 0) {
+                if c.corrupt_every.is_some_and(|n| (r >> 32).is_multiple_of(n)) {
                     if let Some(id) = corrupt_newest(&chk, round).filter(|id| *id > last_corrupted) {
                         last_corrupted = id;
                         tally.corrupted += 1;

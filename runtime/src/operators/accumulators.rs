@@ -113,15 +113,15 @@ impl Aggregates {
                 }
                 (Acc::SumFloat(x), Acc::SumInt(y)) => *x += *y as f64,
                 (Acc::SumFloat(x), Acc::SumFloat(y)) => *x += y,
-                (Acc::Min(x), Acc::Min(y)) => {
-                    if !matches!(y, Value::Null) && (matches!(x, Value::Null) || y.cmp_total(x).is_lt()) {
-                        *x = y.clone();
-                    }
+                (Acc::Min(x), Acc::Min(y))
+                    if !matches!(y, Value::Null) && (matches!(x, Value::Null) || y.cmp_total(x).is_lt()) =>
+                {
+                    *x = y.clone();
                 }
-                (Acc::Max(x), Acc::Max(y)) => {
-                    if !matches!(y, Value::Null) && (matches!(x, Value::Null) || y.cmp_total(x).is_gt()) {
-                        *x = y.clone();
-                    }
+                (Acc::Max(x), Acc::Max(y))
+                    if !matches!(y, Value::Null) && (matches!(x, Value::Null) || y.cmp_total(x).is_gt()) =>
+                {
+                    *x = y.clone();
                 }
                 (Acc::Avg(s, n), Acc::Avg(t, m)) => {
                     *s += t;

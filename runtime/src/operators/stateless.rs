@@ -14,7 +14,7 @@ pub struct MapOperator {
 
 enum MapOutput {
     Copy(usize),
-    Eval(Expr),
+    Eval(Box<Expr>),
 }
 
 impl MapOperator {
@@ -23,7 +23,7 @@ impl MapOperator {
         let mut outputs = Vec::with_capacity(output_schema.len());
         for name in output_schema {
             match spec.fields.0.iter().find(|(n, _)| n == name) {
-                Some((_, text)) => outputs.push(MapOutput::Eval(Expr::compile(text, input)?)),
+                Some((_, text)) => outputs.push(MapOutput::Eval(Box::new(Expr::compile(text, input)?))),
                 None => outputs
                     .push(MapOutput::Copy(input.iter().position(|f| f == name).expect("validated: kept input field"))),
             }
@@ -84,7 +84,7 @@ pub enum FlatMapOperator {
     /// A CEL list; each element goes into field `at` (replacing or appending).
     Expr {
         /// The list expression.
-        expr: Expr,
+        expr: Box<Expr>,
         /// Where the element goes; `None` appends.
         at: Option<usize>,
     },
@@ -99,7 +99,10 @@ impl FlatMapOperator {
         }
         let text = spec.expr.as_deref().expect("validated: split or expr");
         let name = spec.as_field.as_deref().expect("validated: as with expr");
-        Ok(FlatMapOperator::Expr { expr: Expr::compile(text, input)?, at: input.iter().position(|f| f == name) })
+        Ok(FlatMapOperator::Expr {
+            expr: Box::new(Expr::compile(text, input)?),
+            at: input.iter().position(|f| f == name),
+        })
     }
 }
 

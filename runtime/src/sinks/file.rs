@@ -692,7 +692,8 @@ mod tests {
         // Another sink's file, and a newer run's staged file: neither is touched.
         s.put(&published_name("o-2", 1, 9, 0), Bytes::from_static(b"z\n")).await.unwrap();
         s.put(&staged_name("o", 5, 9, 0), Bytes::from_static(b"y\n")).await.unwrap();
-        let report = recover(&s, "o", 2, input(&[&doc(&[c4.clone()])], &OutputHistory::After(4), 4)).await.unwrap();
+        let report =
+            recover(&s, "o", 2, input(&[&doc(std::slice::from_ref(&c4))], &OutputHistory::After(4), 4)).await.unwrap();
         assert_eq!((report.recommitted, report.discarded_staged, report.superseded.len()), (1, 1, 0));
         assert_eq!(report.manifests_repaired, 2, "3 and 4 had no manifest yet");
         let left = s.list("").await.unwrap();
@@ -753,7 +754,8 @@ mod tests {
         let new = Storage::open(new_dir.path().to_str().unwrap()).unwrap();
         let c = committable(&old, 1, 4, 0, b"x\n");
         old.put(&c.staged, Bytes::from_static(b"x\n")).await.unwrap();
-        let report = recover(&new, "o", 2, input(&[&doc(&[c.clone()])], &OutputHistory::After(4), 4)).await.unwrap();
+        let report =
+            recover(&new, "o", 2, input(&[&doc(std::slice::from_ref(&c))], &OutputHistory::After(4), 4)).await.unwrap();
         assert_eq!(report.recommitted, 1);
         assert_eq!(&old.get(&c.published).await.unwrap()[..], b"x\n");
     }
