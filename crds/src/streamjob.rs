@@ -25,7 +25,8 @@ use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionO
     namespaced,
     shortname = "sj",
     status = "StreamJobStatus",
-    doc = "A stream-processing job run by Weir, with exactly-once checkpoints, savepoints before upgrades and relaunch from the newest valid checkpoint.",
+    doc = "A stream-processing job run by Weir, with exactly-once checkpoints, savepoints before upgrades and \
+           relaunch from the newest valid checkpoint.",
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Parallelism", type_ = "integer", json_path = ".spec.parallelism"),
     printcolumn(
@@ -36,15 +37,27 @@ use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionO
     ),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
-#[x_kube(validation = Rule::new("(has(self.maxParallelism) ? self.maxParallelism : 128) >= self.parallelism").message("maxParallelism (default 128) must be >= parallelism"))]
-#[x_kube(validation = Rule::new("(has(self.maxParallelism) ? self.maxParallelism : 128) == (has(oldSelf.maxParallelism) ? oldSelf.maxParallelism : 128)").message("maxParallelism cannot change (unset means 128): state is partitioned by it"))]
+#[x_kube(
+    validation = Rule::new("(has(self.maxParallelism) ? self.maxParallelism : 128) >= self.parallelism")
+        .message("maxParallelism (default 128) must be >= parallelism")
+)]
+#[x_kube(
+    validation = Rule::new(
+        "(has(self.maxParallelism) ? self.maxParallelism : 128) == \
+         (has(oldSelf.maxParallelism) ? oldSelf.maxParallelism : 128)"
+    )
+    .message("maxParallelism cannot change (unset means 128): state is partitioned by it")
+)]
 #[serde(rename_all = "camelCase")]
 pub struct StreamJobSpec {
     /// Container image of the Weir runtime (it must contain `weir-runtime`).
     pub image: String,
     /// Image pull policy of the runtime container (Always, IfNotPresent, Never).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("self in ['Always', 'IfNotPresent', 'Never']").message("must be Always, IfNotPresent or Never"))]
+    #[x_kube(
+        validation = Rule::new("self in ['Always', 'IfNotPresent', 'Never']")
+            .message("must be Always, IfNotPresent or Never")
+    )]
     pub image_pull_policy: Option<String>,
     /// Parallel subtasks of every operator (nodes of the job may set their own).
     #[schemars(range(min = 1, max = 32768))]
@@ -53,7 +66,9 @@ pub struct StreamJobSpec {
     /// has state (default 128).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 32768))]
-    #[x_kube(validation = Rule::new("self == oldSelf").message("maxParallelism cannot change: state is partitioned by it"))]
+    #[x_kube(
+        validation = Rule::new("self == oldSelf").message("maxParallelism cannot change: state is partitioned by it")
+    )]
     pub max_parallelism: Option<u32>,
     /// The dataflow graph: inline, or in a ConfigMap.
     pub job: JobSource,
@@ -93,7 +108,10 @@ pub struct StreamJobSpec {
 
 /// Where the dataflow graph comes from: exactly one of `inline` or `configMapRef`.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
-#[x_kube(validation = Rule::new("has(self.inline) != has(self.configMapRef)").message("set exactly one of inline or configMapRef"))]
+#[x_kube(
+    validation = Rule::new("has(self.inline) != has(self.configMapRef)")
+        .message("set exactly one of inline or configMapRef")
+)]
 #[serde(rename_all = "camelCase")]
 pub struct JobSource {
     /// The graph, written as in a job file (sources, operators, sinks).
@@ -160,7 +178,13 @@ pub enum UpgradeMode {
 
 /// Checkpointing settings of a StreamJob.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[x_kube(validation = Rule::new("!has(self.storage) || self.storage.matches('^(s3|gs|az)://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?$|^file:///.+|^/.+')").message("storage must be s3://bucket[/prefix], gs://, az://, file:///path or an absolute path"))]
+#[x_kube(
+    validation = Rule::new(
+        "!has(self.storage) || \
+         self.storage.matches('^(s3|gs|az)://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?$|^file:///.+|^/.+')"
+    )
+    .message("storage must be s3://bucket[/prefix], gs://, az://, file:///path or an absolute path")
+)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckpointSettings {
     /// Time between the starts of two checkpoints.

@@ -55,7 +55,11 @@ impl Guarded {
         let program = cmd.get_program().to_owned();
         let args: Vec<_> = cmd.get_args().map(|a| a.to_owned()).collect();
         let envs: Vec<_> = cmd.get_envs().filter_map(|(k, v)| Some((k.to_owned(), v?.to_owned()))).collect();
-        let watchdog = r#"parent=$1; shift; "$@" & child=$!; trap 'kill $child 2>/dev/null; wait $child; exit 0' TERM; while kill -0 "$parent" 2>/dev/null && kill -0 "$child" 2>/dev/null; do sleep 0.3; done; kill -9 "$child" 2>/dev/null; wait $child"#;
+        let watchdog = concat!(
+            r#"parent=$1; shift; "$@" & child=$!; trap 'kill $child 2>/dev/null; wait $child; exit 0' TERM; "#,
+            r#"while kill -0 "$parent" 2>/dev/null && kill -0 "$child" 2>/dev/null; do sleep 0.3; done; "#,
+            r#"kill -9 "$child" 2>/dev/null; wait $child"#
+        );
         let mut sh = Command::new("sh");
         sh.args(["-c", watchdog, "sh", &std::process::id().to_string()]).arg(program).args(args).envs(envs);
         if let Some(dir) = cmd.get_current_dir() {
@@ -185,7 +189,10 @@ impl Scenario {
             self.force_delete_namespace().await;
         }
         let ns: Namespace = serde_json::from_value(serde_json::json!({
-            "metadata": { "name": self.ns, "labels": { "pod-security.kubernetes.io/enforce": "restricted", "weir.dev/e2e": "true" } }
+            "metadata": {
+                "name": self.ns,
+                "labels": { "pod-security.kubernetes.io/enforce": "restricted", "weir.dev/e2e": "true" }
+            }
         }))
         .unwrap();
         api.create(&PostParams::default(), &ns).await.unwrap();
@@ -251,7 +258,9 @@ impl Scenario {
         self.operator_starts += 1;
         // The log is appended to across restarts; the shell redirect keeps it simple.
         let line = format!(
-            "exec {} --kubeconfig {} --default-storage s3://{BUCKET}/state --http-addr {http} --control-address pod-ip --namespace {ns} --lease-namespace {ns} --identity e2e-{n} --status-refresh-secs 2 >> {log} 2>&1",
+            "exec {} --kubeconfig {} --default-storage s3://{BUCKET}/state --http-addr {http} \
+             --control-address pod-ip --namespace {ns} --lease-namespace {ns} --identity e2e-{n} \
+             --status-refresh-secs 2 >> {log} 2>&1",
             binary.display(),
             kubeconfig,
             ns = self.ns,

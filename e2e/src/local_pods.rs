@@ -126,10 +126,17 @@ impl LocalPod {
         let phase = if code == 0 { "Succeeded" } else { "Failed" };
         // The uid is a precondition: a new pod of the same name (the operator may already
         // have replaced this one) must not get this process's exit.
-        let patch = serde_json::json!({ "metadata": { "uid": self.uid }, "status": { "phase": phase, "containerStatuses": [ {
-            "name": "runtime", "image": "local", "imageID": "local", "ready": false, "restartCount": 0,
-            "state": { "terminated": { "exitCode": code, "message": message, "reason": if code == 0 { "Completed" } else { "Error" } } }
-        } ] } });
+        let patch = serde_json::json!({
+            "metadata": { "uid": self.uid },
+            "status": { "phase": phase, "containerStatuses": [ {
+                "name": "runtime", "image": "local", "imageID": "local", "ready": false, "restartCount": 0,
+                "state": { "terminated": {
+                    "exitCode": code,
+                    "message": message,
+                    "reason": if code == 0 { "Completed" } else { "Error" }
+                } }
+            } ] }
+        });
         match self.pods.patch_status(&self.name, &PatchParams::default(), &Patch::Merge(patch)).await {
             Ok(_) => Ok(Some(code)),
             // The pod is gone or replaced: as for a kubelet, there is nothing left to report to.

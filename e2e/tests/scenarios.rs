@@ -33,7 +33,8 @@ spec:
 {extra}
   job:
     inline:
-      sources: [ {{ name: events, uid: events, generator: {{ ratePerSecond: 300, fields: [ {{ name: k, modulo: 20 }} ] }} }} ]
+      sources: [ {{ name: events, uid: events,
+                    generator: {{ ratePerSecond: 300, fields: [ {{ name: k, modulo: 20 }} ] }} }} ]
       operators:
         - {{ name: by-k, keyBy: {{ fields: [k] }} }}
         - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: "n" }} ] }} }}

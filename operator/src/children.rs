@@ -1,7 +1,7 @@
 //! The Kubernetes objects a StreamJob owns, built as plain values (no client): the job file
-//! ConfigMap, the control API Service, the NetworkPolicy guarding it, and the runtime Pod. Pods run under the restricted Pod
-//! Security profile: non-root, no privilege escalation, all capabilities dropped, seccomp
-//! RuntimeDefault and a read-only root filesystem.
+//! ConfigMap, the control API Service, the NetworkPolicy guarding it, and the runtime Pod.
+//! Pods run under the restricted Pod Security profile: non-root, no privilege escalation, all
+//! capabilities dropped, seccomp RuntimeDefault and a read-only root filesystem.
 
 use std::collections::BTreeMap;
 

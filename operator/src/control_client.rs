@@ -38,7 +38,8 @@ async fn call(base: &str, method: &str, path: &str, token: &str, body: &str) -> 
     let exchange = async {
         let mut stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| io(e.to_string()))?;
         let req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nAuthorization: Bearer {token}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
         stream.write_all(req.as_bytes()).await.map_err(|e| io(e.to_string()))?;

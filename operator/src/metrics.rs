@@ -86,8 +86,18 @@ impl OperatorMetrics {
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "# HELP weir_operator_reconciles_total Reconciles run.\n# TYPE weir_operator_reconciles_total counter\nweir_operator_reconciles_total {}", self.reconciles.load(Ordering::Relaxed));
-        let _ = writeln!(out, "# HELP weir_operator_reconcile_seconds Reconcile durations (quantiles over recent reconciles).\n# TYPE weir_operator_reconcile_seconds summary");
+        let _ = writeln!(
+            out,
+            "# HELP weir_operator_reconciles_total Reconciles run.\n\
+             # TYPE weir_operator_reconciles_total counter\n\
+             weir_operator_reconciles_total {}",
+            self.reconciles.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP weir_operator_reconcile_seconds Reconcile durations (quantiles over recent reconciles).\n\
+             # TYPE weir_operator_reconcile_seconds summary"
+        );
         for q in [0.5, 0.9, 0.99] {
             let _ = writeln!(
                 out,
@@ -101,7 +111,11 @@ impl OperatorMetrics {
             self.reconcile_micros.load(Ordering::Relaxed) as f64 / 1e6
         );
         let _ = writeln!(out, "weir_operator_reconcile_seconds_count {}", self.reconciles.load(Ordering::Relaxed));
-        let _ = writeln!(out, "# HELP weir_operator_reconcile_errors_total Failed reconciles by category.\n# TYPE weir_operator_reconcile_errors_total counter");
+        let _ = writeln!(
+            out,
+            "# HELP weir_operator_reconcile_errors_total Failed reconciles by category.\n\
+             # TYPE weir_operator_reconcile_errors_total counter"
+        );
         for (category, n) in self.errors.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = writeln!(out, "weir_operator_reconcile_errors_total{{category=\"{category}\"}} {n}");
         }
@@ -113,12 +127,28 @@ impl OperatorMetrics {
         for (phase, n) in by_phase {
             let _ = writeln!(out, "weir_operator_jobs{{phase=\"{phase}\"}} {n}");
         }
-        let _ = writeln!(out, "# HELP weir_operator_savepoints_total Savepoints by outcome.\n# TYPE weir_operator_savepoints_total counter");
+        let _ = writeln!(
+            out,
+            "# HELP weir_operator_savepoints_total Savepoints by outcome.\n\
+             # TYPE weir_operator_savepoints_total counter"
+        );
         for (outcome, n) in self.savepoints.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = writeln!(out, "weir_operator_savepoints_total{{outcome=\"{outcome}\"}} {n}");
         }
-        let _ = writeln!(out, "# HELP weir_operator_relaunches_total Relaunches after job failures.\n# TYPE weir_operator_relaunches_total counter\nweir_operator_relaunches_total {}", self.relaunches.load(Ordering::Relaxed));
-        let _ = writeln!(out, "# HELP weir_operator_pod_kills_total Pods killed after a failed savepoint.\n# TYPE weir_operator_pod_kills_total counter\nweir_operator_pod_kills_total {}", self.kills.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "# HELP weir_operator_relaunches_total Relaunches after job failures.\n\
+             # TYPE weir_operator_relaunches_total counter\n\
+             weir_operator_relaunches_total {}",
+            self.relaunches.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP weir_operator_pod_kills_total Pods killed after a failed savepoint.\n\
+             # TYPE weir_operator_pod_kills_total counter\n\
+             weir_operator_pod_kills_total {}",
+            self.kills.load(Ordering::Relaxed)
+        );
         out
     }
 }

@@ -110,8 +110,11 @@ mod tests {
         ))
         .unwrap();
         if let Some(code) = exit {
-            let cs: k8s_openapi::api::core::v1::ContainerStatus =
-                serde_yaml::from_str(&format!("{{ name: runtime, image: x, imageID: x, ready: false, restartCount: 0, state: {{ terminated: {{ exitCode: {code}, reason: OOMKilled }} }} }}")).unwrap();
+            let cs: k8s_openapi::api::core::v1::ContainerStatus = serde_yaml::from_str(&format!(
+                "{{ name: runtime, image: x, imageID: x, ready: false, restartCount: 0, \
+                     state: {{ terminated: {{ exitCode: {code}, reason: OOMKilled }} }} }}"
+            ))
+            .unwrap();
             p.status.as_mut().unwrap().container_statuses = Some(vec![cs]);
         }
         p

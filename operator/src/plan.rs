@@ -452,7 +452,8 @@ fn relaunch(desired: &Desired<'_>, current: &PlanState, obs: &Observation, reaso
         if age > max_age.as_millis() {
             p.state.phase = Some(Phase::Degraded);
             p.degraded = Some(format!(
-                "the job failed ({reason}); its newest valid checkpoint {} is {}s old, older than relaunch.maxCheckpointAge {max_age}: not relaunching",
+                "the job failed ({reason}); its newest valid checkpoint {} is {}s old, \
+                 older than relaunch.maxCheckpointAge {max_age}: not relaunching",
                 c.snapshot.id,
                 age / 1000
             ));
@@ -572,7 +573,11 @@ fn continue_operation(
                 }
                 OperationKind::Upgrade => {
                     p.state.phase = Some(Phase::Degraded);
-                    p.degraded = Some(format!("upgrade to generation {} not applied: savepoint failed ({reason}); the previous spec keeps running", desired.generation));
+                    p.degraded = Some(format!(
+                        "upgrade to generation {} not applied: savepoint failed ({reason}); \
+                         the previous spec keeps running",
+                        desired.generation
+                    ));
                     p.event(true, "UpgradeSavepointFailed", p.degraded.clone().unwrap_or_default());
                 }
                 _ => {
@@ -717,7 +722,11 @@ mod tests {
                                     changed |= with != without;
                                 }
                                 let needed = needs_checkpoints(&d, current, &base);
-                                assert!(needed || !changed, "checkpoints change the plan but are not read: {desired_state:?} {mode:?} {current:?} {phase:?} {hash:?} {sp:?}");
+                                assert!(
+                                    needed || !changed,
+                                    "checkpoints change the plan but are not read: \
+                                     {desired_state:?} {mode:?} {current:?} {phase:?} {hash:?} {sp:?}"
+                                );
                                 reads += needed as usize;
                                 cases += 1;
                             }

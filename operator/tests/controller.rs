@@ -157,7 +157,8 @@ async fn lifecycle_against_a_real_api_server() {
     // Degraded condition naming the field, and nothing is deployed.
     let broken = JOB.replace("name: orders", "name: broken").replace(
         "sinks: [ { name: o, stdout: {} } ]",
-        "operators: [ { name: k, keyBy: { fields: [a] } }, { name: c, aggregate: { aggregates: [ { fn: count, as: n } ] } } ]\n      sinks: [ { name: o, stdout: {} } ]",
+        "operators: [ { name: k, keyBy: { fields: [a] } }, \
+         { name: c, aggregate: { aggregates: [ { fn: count, as: n } ] } } ]\n      sinks: [ { name: o, stdout: {} } ]",
     );
     jobs.create(&PostParams::default(), &serde_yaml::from_str(&broken).unwrap()).await.unwrap();
     let degraded = eventually("Degraded condition", || async {

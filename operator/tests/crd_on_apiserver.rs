@@ -129,7 +129,10 @@ async fn a_status_with_an_unparsable_time_or_unknown_phase_is_refused() {
     let ar = ApiResource::erase::<StreamJob>(&());
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), "default", &ar);
     api.create(&PostParams::default(), &manifest("st", "", "")).await.unwrap();
-    let good = serde_json::json!({ "status": { "phase": "Running", "operation": { "kind": "cancel", "startedAt": "2026-11-30T12:00:00Z", "generation": 1 } } });
+    let good = serde_json::json!({ "status": {
+        "phase": "Running",
+        "operation": { "kind": "cancel", "startedAt": "2026-11-30T12:00:00Z", "generation": 1 }
+    } });
     api.patch_status("st", &PatchParams::default(), &Patch::Merge(good)).await.expect("a well-formed status is stored");
     let typed: Api<StreamJob> = Api::namespaced(client.clone(), "default");
     let op = typed.get("st").await.unwrap().status.unwrap().operation.unwrap();

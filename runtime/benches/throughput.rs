@@ -112,7 +112,8 @@ operators:
   - {{ name: by-key, keyBy: {{ fields: [key] }} }}
   - name: windows
     uid: windows
-    window: {{ type: sliding, size: 10s, slide: 1s, aggregates: [ {{ fn: sum, field: value, as: total }}, {{ fn: max, field: value, as: hi }} ] }}
+    window: {{ type: sliding, size: 10s, slide: 1s,
+               aggregates: [ {{ fn: sum, field: value, as: total }}, {{ fn: max, field: value, as: hi }} ] }}
 sinks:
   - {{ name: out, blackhole: {{}} }}
 "#
@@ -176,7 +177,10 @@ fn main() {
     let w_on = run(&window_job(window_records, true), &tmp.path().join("win-on"));
 
     println!();
-    println!("| job | checkpoints | records | records/s | records/CPU-s | vs baseline | checkpoints done | p50 ms | p99 ms | mean KiB |");
+    println!(
+        "| job | checkpoints | records | records/s | records/CPU-s | vs baseline | \
+         checkpoints done | p50 ms | p99 ms | mean KiB |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for (name, ck, r) in [
         ("keyed count, 1M keys", "off", &off),

@@ -106,7 +106,10 @@ pub enum JobError {
     #[error(transparent)]
     Restore(#[from] RestoreError),
     /// The storage root holds state and neither a restore nor a fresh start was asked for.
-    #[error("{root} already holds this job's state (newest restore point: {newest}); pass --restore latest to continue from it, or --fresh to start without state (earlier output and snapshots are kept)")]
+    #[error(
+        "{root} already holds this job's state (newest restore point: {newest}); pass --restore latest to continue \
+         from it, or --fresh to start without state (earlier output and snapshots are kept)"
+    )]
     ExistingState {
         /// The storage root.
         root: String,
@@ -393,7 +396,11 @@ impl Executor<'_> {
             Some(RestoreRequest::Latest) => {
                 let selection = crate::io().block_on(newest_valid(&self.storage, 0))?;
                 for s in &selection.skipped {
-                    tracing::warn!(path = %s.path, defect = %s.defect, "skipping a restore point that cannot be restored");
+                    tracing::warn!(
+                        path = %s.path,
+                        defect = %s.defect,
+                        "skipping a restore point that cannot be restored"
+                    );
                 }
                 let reason = selection.reason();
                 (selection.restored, reason)
@@ -438,10 +445,14 @@ impl Executor<'_> {
         let unmatched: Vec<&str> = r.operators.keys().map(String::as_str).filter(|u| !uids.contains(u)).collect();
         if !unmatched.is_empty() {
             if self.opts.allow_non_restored_state {
-                tracing::warn!(uids = ?unmatched, "dropping state of operators the job no longer has (allowNonRestoredState)");
+                tracing::warn!(
+                    uids = ?unmatched,
+                    "dropping state of operators the job no longer has (allowNonRestoredState)"
+                );
             } else {
                 return Err(incompatible(format!(
-                    "it holds state of operator uid(s) {} that the job no longer has; restore with allowNonRestoredState to drop it",
+                    "it holds state of operator uid(s) {} that the job no longer has; \
+                     restore with allowNonRestoredState to drop it",
                     unmatched.join(", ")
                 )));
             }
@@ -489,7 +500,8 @@ impl Executor<'_> {
                 .map_err(|e| e.to_string())?;
             if !report.superseded.is_empty() || !report.returned.is_empty() {
                 let notice = format!(
-                    "sink `{uid}`: {} published file(s) outside the restored history moved to {}, {} moved back from an earlier rewind ({reason})",
+                    "sink `{uid}`: {} published file(s) outside the restored history moved to {}, \
+                     {} moved back from an earlier rewind ({reason})",
                     report.superseded.len(),
                     sink.storage.url_of(&format!("{}/{:06}", sinks::file::SUPERSEDED_DIR, self.epoch)),
                     report.returned.len()
@@ -498,7 +510,13 @@ impl Executor<'_> {
                 self.metrics.board().notices.push(notice);
             }
             if report != sinks::file::RecoveryReport::default() {
-                tracing::info!(sink = %uid, recommitted = report.recommitted, discarded_staged = report.discarded_staged, manifests_repaired = report.manifests_repaired, "file sink recovered");
+                tracing::info!(
+                    sink = %uid,
+                    recommitted = report.recommitted,
+                    discarded_staged = report.discarded_staged,
+                    manifests_repaired = report.manifests_repaired,
+                    "file sink recovered"
+                );
             }
         }
         Ok(())

@@ -32,7 +32,8 @@ enum Command {
         /// Storage root of this job's checkpoints and savepoints: a path, file:///..., s3://bucket/prefix.
         #[arg(long, env = "WEIR_CHECKPOINT_DIR")]
         checkpoint_dir: Option<String>,
-        /// Restore from a checkpoint or savepoint directory, or `latest` (the newest valid checkpoint; none: start fresh).
+        /// Restore from a checkpoint or savepoint directory, or `latest` (the newest valid checkpoint;
+        /// none: start fresh).
         #[arg(long, env = "WEIR_RESTORE")]
         restore: Option<String>,
         /// Accept a snapshot with state of operators the job no longer has.
@@ -247,7 +248,13 @@ fn run(
             loop {
                 std::thread::sleep(Duration::from_secs(2));
                 let state = m.board().state;
-                if matches!(state, weir_crds::control::JobState::Finished | weir_crds::control::JobState::Stopped | weir_crds::control::JobState::Cancelled | weir_crds::control::JobState::Failed) {
+                if matches!(
+                    state,
+                    weir_crds::control::JobState::Finished
+                        | weir_crds::control::JobState::Stopped
+                        | weir_crds::control::JobState::Cancelled
+                        | weir_crds::control::JobState::Failed
+                ) {
                     return;
                 }
                 let rin = m.records_in.load(Ordering::Relaxed);
@@ -255,7 +262,8 @@ fn run(
                 last_in = rin;
                 last = Instant::now();
                 eprintln!(
-                    "weir: {:>5.0}s {:?} | in {} ({}/s) | out {} | checkpoints {} ok {} failed, last {} ms {} KiB | restarts {}",
+                    "weir: {:>5.0}s {:?} | in {} ({}/s) | out {} | checkpoints {} ok {} failed, \
+                     last {} ms {} KiB | restarts {}",
                     start.elapsed().as_secs_f64(),
                     state,
                     human(rin as f64),
@@ -349,7 +357,11 @@ fn http(addr: &str, method: &str, path: &str, token: Option<&str>, body: &str) -
     let mut stream = TcpStream::connect(addr).map_err(|e| format!("connecting to {addr}: {e}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    let req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
     stream.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
     let mut resp = String::new();
     stream.read_to_string(&mut resp).map_err(|e| e.to_string())?;

@@ -31,7 +31,10 @@ pub enum RestoreError {
         reason: String,
     },
     /// Restore points exist but none can be restored.
-    #[error("no valid checkpoint or savepoint under {root}, refusing to start without the job's state:\n  {}", defects.join("\n  "))]
+    #[error(
+        "no valid checkpoint or savepoint under {root}, refusing to start without the job's state:\n  {}",
+        defects.join("\n  ")
+    )]
     NoValidRestorePoint {
         /// The job's storage root.
         root: String,

@@ -503,7 +503,10 @@ mod model_tests {
         #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
         #[test]
-        fn keyed_state_equals_a_map_through_snapshots_and_restores(ops in proptest::collection::vec(op(), 1..120), full_every in 1u32..5) {
+        fn keyed_state_equals_a_map_through_snapshots_and_restores(
+            ops in proptest::collection::vec(op(), 1..120),
+            full_every in 1u32..5
+        ) {
             let mut model: BTreeMap<i64, i64> = BTreeMap::new();
             let mut subtasks = Subtasks::new(1, full_every);
             let mut last_checkpoint: (BTreeMap<i64, i64>, Snapshot) = (BTreeMap::new(), subtasks.checkpoint());
@@ -535,11 +538,21 @@ mod model_tests {
             // Whatever happened, the next checkpoint restores to the model too.
             let snap = subtasks.checkpoint();
             for p in 1..=3 {
-                prop_assert_eq!(&Subtasks::restore(&snap, p, full_every, true).contents(), &model, "restored at parallelism {}", p);
+                prop_assert_eq!(
+                    &Subtasks::restore(&snap, p, full_every, true).contents(),
+                    &model,
+                    "restored at parallelism {}",
+                    p
+                );
             }
             // Chains never grow past fullEvery files.
             for (_, chain) in &snap {
-                prop_assert!(chain.len() <= full_every as usize, "chain of {} files with fullEvery {}", chain.len(), full_every);
+                prop_assert!(
+                    chain.len() <= full_every as usize,
+                    "chain of {} files with fullEvery {}",
+                    chain.len(),
+                    full_every
+                );
             }
         }
     }

@@ -53,7 +53,9 @@ struct Shape {
     yaml: JobYaml,
 }
 
-const CHECKPOINTING: &str = "checkpointing: { interval: 40ms, timeout: 10s, retained: 3, fullEvery: 3, tolerableFailures: 10 }\nrestart: { strategy: fixed-delay, attempts: 1000, delay: 10ms }\n";
+const CHECKPOINTING: &str = "checkpointing: { interval: 40ms, timeout: 10s, retained: 3, \
+                             fullEvery: 3, tolerableFailures: 10 }\n\
+                             restart: { strategy: fixed-delay, attempts: 1000, delay: 10ms }\n";
 
 fn rate_line(rate: Option<u64>) -> String {
     rate.map(|r| format!("ratePerSecond: {r}, ")).unwrap_or_default()
@@ -73,13 +75,16 @@ maxParallelism: 32
 {CHECKPOINTING}sources:
   - name: events
     uid: events
-    generator: {{ count: 150000, {rate}timeStep: 1ms, fields: [ {{ name: seq, sequence: {{}} }}, {{ name: amount, uniform: {{ min: 1, max: 100 }} }} ] }}
+    generator: {{ count: 150000, {rate}timeStep: 1ms,
+                  fields: [ {{ name: seq, sequence: {{}} }}, {{ name: amount, uniform: {{ min: 1, max: 100 }} }} ] }}
 operators:
   - {{ name: keyed, map: {{ fields: {{ key: "seq % 97 + (seq / 5000) % 3 * 1000", amount: "amount" }} }} }}
   - {{ name: by-key, keyBy: {{ fields: [key] }} }}
   - name: windows
     uid: windows
-    window: {{ type: tumbling, size: 40ms, aggregates: [ {{ fn: count, as: n }}, {{ fn: sum, field: amount, as: total }}, {{ fn: max, field: amount, as: hi }} ] }}
+    window: {{ type: tumbling, size: 40ms,
+               aggregates: [ {{ fn: count, as: n }}, {{ fn: sum, field: amount, as: total }},
+                             {{ fn: max, field: amount, as: hi }} ] }}
 sinks:
   - {{ name: out, uid: out, file: {{ path: {out}/windows }} }}
 "#,
@@ -103,7 +108,8 @@ maxParallelism: 32
 {CHECKPOINTING}sources:
   - name: lines
     uid: lines
-    generator: {{ count: 60000, {rate}fields: [ {{ name: seq, sequence: {{}} }}, {{ name: line, text: {{ words: 4, vocabulary: 300 }} }} ] }}
+    generator: {{ count: 60000, {rate}fields: [ {{ name: seq, sequence: {{}} }},
+                                                {{ name: line, text: {{ words: 4, vocabulary: 300 }} }} ] }}
 operators:
   - {{ name: words, flatMap: {{ split: {{ field: line, into: word, lowercase: true }} }} }}
   - {{ name: long, filter: {{ expr: "size(word) > 3" }} }}
@@ -125,7 +131,8 @@ sinks:
 }
 
 /// The file source (positions are byte offsets per file), CEL parsing, a dedupe and a running
-/// count (a running sum would depend on how the parallel readers interleave). The file source has no rate limit: its input is large enough to be killed mid-way.
+/// count (a running sum would depend on how the parallel readers interleave). The file source
+/// has no rate limit: its input is large enough to be killed mid-way.
 fn file_source(input: PathBuf) -> Shape {
     Shape {
         name: "file-source",

@@ -148,7 +148,10 @@ fn savepoints_restore_with_an_added_operator_and_refuse_a_vanished_uid() {
 
     // A new stateful operator (and its sink) is fine: it starts empty.
     let mut added = p.clone();
-    added.extra_operators = "  - { name: by-word-2, input: events, keyBy: { fields: [word] } }\n  - { name: word-totals, uid: word-totals, aggregate: { aggregates: [ { fn: sum, field: amount, as: total } ] } }\n".into();
+    added.extra_operators = "  - { name: by-word-2, input: events, keyBy: { fields: [word] } }\n  \
+                             - { name: word-totals, uid: word-totals, \
+                             aggregate: { aggregates: [ { fn: sum, field: amount, as: total } ] } }\n"
+        .into();
     let added_yaml = job_yaml(&added, &out).replace(
         "sinks:\n",
         &format!(
@@ -278,7 +281,8 @@ sources:
   - {{ name: lines, uid: lines, file: {{ path: {input} }} }}
 operators:
   - name: parsed
-    map: {{ fields: {{ user: "line.split(' ')[0].lowerAscii()", item: "line.split(' ')[2]", qty: "int(line.split(' ')[3].substring(1))" }} }}
+    map: {{ fields: {{ user: "line.split(' ')[0].lowerAscii()", item: "line.split(' ')[2]",
+                      qty: "int(line.split(' ')[3].substring(1))" }} }}
   - {{ name: nonzero, filter: {{ expr: "qty > 0" }} }}
   - {{ name: by-user-item, keyBy: {{ fields: [user, item] }} }}
   - {{ name: first-purchase, uid: first-purchase, dedupe: {{}} }}
@@ -366,7 +370,8 @@ sources:
     generator: {{ ratePerSecond: 20000, fields: [ {{ name: k, modulo: 50 }} ] }}
 operators:
   - {{ name: by-k, keyBy: {{ fields: [k] }} }}
-  - {{ name: per-second, uid: per-second, window: {{ type: tumbling, size: 1s, aggregates: [ {{ fn: count, as: n }} ] }} }}
+  - {{ name: per-second, uid: per-second,
+      window: {{ type: tumbling, size: 1s, aggregates: [ {{ fn: count, as: n }} ] }} }}
 sinks:
   - {{ name: out, uid: out, file: {{ path: {} }} }}
 "#,

@@ -160,15 +160,21 @@ fn invalid_job_files_are_refused_with_field_paths() {
     let cases = [
         ("name: j\nsources: []\nsinks: []\n", "job.sources: at least one source is required"),
         (
-            "name: j\nsources: [{name: s, uid: s, generator: {fields: [{name: a, sequence: {}}]}}]\noperators: [{name: k, keyBy: {fields: [a]}}, {name: w, uid: w, window: {type: tumbling, size: 0s, aggregates: [{fn: count, as: n}]}}]\nsinks: [{name: o, stdout: {}}]\n",
+            "name: j\nsources: [{name: s, uid: s, generator: {fields: [{name: a, sequence: {}}]}}]\n\
+             operators: [{name: k, keyBy: {fields: [a]}}, \
+             {name: w, uid: w, window: {type: tumbling, size: 0s, aggregates: [{fn: count, as: n}]}}]\n\
+             sinks: [{name: o, stdout: {}}]\n",
             "job.operators[1].window.size: must be > 0",
         ),
         (
-            "name: j\nsources: [{name: s, uid: s, generator: {fields: [{name: a, sequence: {}}]}}]\noperators: [{name: k, keyBy: {fields: [a]}}, {name: c, aggregate: {aggregates: [{fn: count, as: n}]}}]\nsinks: [{name: o, stdout: {}}]\n",
+            "name: j\nsources: [{name: s, uid: s, generator: {fields: [{name: a, sequence: {}}]}}]\n\
+             operators: [{name: k, keyBy: {fields: [a]}}, {name: c, aggregate: {aggregates: [{fn: count, as: n}]}}]\n\
+             sinks: [{name: o, stdout: {}}]\n",
             "job.operators[1].uid: required",
         ),
         (
-            "name: j\nsources: [{name: s, uid: s, generator: {fields: [{name: a, sequence: {}}]}}]\noperators: [{name: f, filter: {expr: \"b > 1\"}}]\nsinks: [{name: o, stdout: {}}]\n",
+            "name: j\nsources: [{name: s, uid: s, generator: {fields: [{name: a, sequence: {}}]}}]\n\
+             operators: [{name: f, filter: {expr: \"b > 1\"}}]\nsinks: [{name: o, stdout: {}}]\n",
             "job.operators[0].filter.expr: CEL expression `b > 1` uses `b`",
         ),
         ("name: j\ncheckpointing: {interval: fast}\nsources: []\nsinks: []\n", "job.checkpointing.interval"),

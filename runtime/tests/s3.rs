@@ -41,11 +41,23 @@ fn server() -> &'static S3Server {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         // A shell watches this test process and stops the server when it is gone (statics are
         // never dropped, so nothing else would).
-        let watchdog = r#"parent=$1; shift; "$@" & server=$!; while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; kill "$server""#;
+        let watchdog = concat!(
+            r#"parent=$1; shift; "$@" & server=$!; "#,
+            r#"while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; kill "$server""#
+        );
         let child = Command::new("sh")
             .args(["-c", watchdog, "sh", &std::process::id().to_string()])
             .arg(s3s_binary())
-            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", "weirtest", "--secret-key", "weirtestsecret"])
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--access-key",
+                "weirtest",
+                "--secret-key",
+                "weirtestsecret",
+            ])
             .arg(root.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -68,7 +68,8 @@ spec:
 {spec_extra}
   job:
     inline:
-      sources: [ {{ name: events, uid: events, generator: {{ count: {count}, ratePerSecond: 4000, fields: [ {{ name: k, modulo: 40 }} ] }} }} ]
+      sources: [ {{ name: events, uid: events,
+                    generator: {{ count: {count}, ratePerSecond: 4000, fields: [ {{ name: k, modulo: 40 }} ] }} }} ]
       operators:
         - {{ name: by-k, keyBy: {{ fields: [k] }} }}
         - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}

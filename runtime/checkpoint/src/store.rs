@@ -105,8 +105,8 @@ impl Storage {
             };
             if !s3_credentials_configured(var) {
                 return Err(fail(
-                    "no S3 credentials in the environment (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, use web identity, \
-                     or set WEIR_S3_INSTANCE_METADATA=true to use the instance metadata service)"
+                    "no S3 credentials in the environment (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, \
+                     use web identity, or set WEIR_S3_INSTANCE_METADATA=true to use the instance metadata service)"
                         .into(),
                 ));
             }

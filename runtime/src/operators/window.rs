@@ -489,7 +489,10 @@ mod tests {
             #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 
             #[test]
-            fn windows_equal_the_model_through_crashes_and_rescales(ops in proptest::collection::vec(op(), 1..150), (size, slide) in prop_oneof![Just((10u64, 10u64)), Just((10, 5)), Just((12, 4))]) {
+            fn windows_equal_the_model_through_crashes_and_rescales(
+                ops in proptest::collection::vec(op(), 1..150),
+                (size, slide) in prop_oneof![Just((10u64, 10u64)), Just((10, 5)), Just((12, 4))]
+            ) {
                 let spec = spec(size, slide);
                 let mut windows = Windows::start(&spec, 2, &[]);
                 let mut snapshot = Vec::new();
@@ -535,7 +538,12 @@ mod tests {
                 }
                 windows.watermark(i64::MAX, &mut pending);
                 committed.append(&mut pending);
-                let mut got: Vec<(i64, i64, i64, i64, i64)> = committed.iter().map(|r| (int(&r.fields[0]), int(&r.fields[1]), int(&r.fields[2]), int(&r.fields[3]), int(&r.fields[4]))).collect();
+                let mut got: Vec<(i64, i64, i64, i64, i64)> = committed
+                    .iter()
+                    .map(|r| {
+                        (int(&r.fields[0]), int(&r.fields[1]), int(&r.fields[2]), int(&r.fields[3]), int(&r.fields[4]))
+                    })
+                    .collect();
                 got.sort();
                 let mut model: BTreeMap<(i64, i64), (i64, i64)> = BTreeMap::new();
                 for (k, t) in &all {
@@ -547,7 +555,8 @@ mod tests {
                         s -= slide as i64;
                     }
                 }
-                let want: Vec<(i64, i64, i64, i64, i64)> = model.into_iter().map(|((k, s), (n, sum))| (k, s, s + size as i64, n, sum)).collect();
+                let want: Vec<(i64, i64, i64, i64, i64)> =
+                    model.into_iter().map(|((k, s), (n, sum))| (k, s, s + size as i64, n, sum)).collect();
                 prop_assert_eq!(got, want);
             }
         }

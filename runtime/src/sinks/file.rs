@@ -908,7 +908,8 @@ mod tests {
                 let mut run = start(&out, &job, None, 0);
                 let mut ever: BTreeMap<String, Vec<u8>> = BTreeMap::new();
                 let stage = |sink: &mut FileSink, id: u64| -> Vec<u8> {
-                    let parts = sink.snapshot(&Barrier { id, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
+                    let parts =
+                        sink.snapshot(&Barrier { id, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
                     crate::io().block_on(async {
                         for w in &parts.staged {
                             w.storage.put(&w.path, w.data.clone()).await.unwrap();
@@ -919,7 +920,9 @@ mod tests {
                 for op in ops {
                     match op {
                         Op::Write(n) => {
-                            let batch: Vec<Record> = (run.position..run.position + n).map(|i| Record { time: 0, fields: vec![Value::Int(i as i64)] }).collect();
+                            let batch: Vec<Record> = (run.position..run.position + n)
+                                .map(|i| Record { time: 0, fields: vec![Value::Int(i as i64)] })
+                                .collect();
                             run.position += n;
                             run.sink.process(batch, &mut Vec::new()).unwrap();
                         }
@@ -942,7 +945,10 @@ mod tests {
                             let back = if let Op::Rewind(n) = op { n } else { 0 };
                             // Never older than the oldest complete checkpoint: a start without
                             // state on top of published output is `--fresh`, another test.
-                            let i = complete.len().checked_sub(1 + back).or(if complete.is_empty() { None } else { Some(0) });
+                            let i = complete
+                                .len()
+                                .checked_sub(1 + back)
+                                .or(if complete.is_empty() { None } else { Some(0) });
                             let from = i.map(|i| complete[i].clone());
                             run = start(&out, &job, from.as_ref(), complete.last().map_or(0, |p| p.id));
                         }
@@ -951,7 +957,8 @@ mod tests {
                     let now = published(&out);
                     for (name, bytes) in &ever {
                         let plain = name.trim_start_matches("moved:");
-                        let kept = [plain.to_string(), format!("moved:{plain}")].iter().any(|n| now.get(n) == Some(bytes));
+                        let kept =
+                            [plain.to_string(), format!("moved:{plain}")].iter().any(|n| now.get(n) == Some(bytes));
                         prop_assert!(kept, "{} lost or changed", plain);
                     }
                     for (name, bytes) in now {

@@ -203,7 +203,11 @@ mod tests {
         }
 
         fn op() -> impl Strategy<Value = Op> {
-            prop_oneof![6 => (0usize..3, 1usize..8).prop_map(|(s, n)| Op::Poll(s, n)), 2 => Just(Op::Checkpoint), 1 => (1u32..=3).prop_map(Op::Restore)]
+            prop_oneof![
+                6 => (0usize..3, 1usize..8).prop_map(|(s, n)| Op::Poll(s, n)),
+                2 => Just(Op::Checkpoint),
+                1 => (1u32..=3).prop_map(Op::Restore)
+            ]
         }
 
         proptest! {
@@ -213,13 +217,20 @@ mod tests {
             /// read up to the restored checkpoint plus everything read after it is every line
             /// of every file exactly once.
             #[test]
-            fn every_line_exactly_once_through_restores_and_rescales(lens in proptest::collection::vec(0usize..12, 1..5), ops in proptest::collection::vec(op(), 0..60)) {
+            fn every_line_exactly_once_through_restores_and_rescales(
+                lens in proptest::collection::vec(0usize..12, 1..5),
+                ops in proptest::collection::vec(op(), 0..60)
+            ) {
                 let dir = tempfile::tempdir().unwrap();
                 let mut all = Vec::new();
                 for (f, len) in lens.iter().enumerate() {
                     let lines: Vec<String> = (0..*len).map(|i| format!("f{f}-{i}")).collect();
                     all.extend(lines.iter().cloned());
-                    std::fs::write(dir.path().join(format!("f{f}")), lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+                    std::fs::write(
+                        dir.path().join(format!("f{f}")),
+                        lines.iter().map(|l| format!("{l}\n")).collect::<String>(),
+                    )
+                    .unwrap();
                 }
                 let path = dir.path().to_str().unwrap().to_string();
                 let start = |p: u32, docs: &[Vec<u8>]| -> Vec<FileSource> {

@@ -51,7 +51,9 @@ pub fn job_yaml(p: &JobParams, out: &Path) -> String {
     let dedupe_ops = if p.without_dedupe {
         String::new()
     } else {
-        "  - { name: by-id, input: ids, keyBy: { fields: [id] } }\n  - { name: unique-ids, uid: unique-ids, dedupe: {} }\n".to_string()
+        "  - { name: by-id, input: ids, keyBy: { fields: [id] } }\n  \
+         - { name: unique-ids, uid: unique-ids, dedupe: {} }\n"
+            .to_string()
     };
     let dedupe_sink = if p.without_dedupe {
         String::new()
@@ -62,7 +64,8 @@ pub fn job_yaml(p: &JobParams, out: &Path) -> String {
         String::new()
     } else {
         format!(
-            "  - name: ids\n    uid: ids\n    generator:\n      count: {}\n      {rate}\n      fields:\n        - {{ name: id, modulo: 3000 }}\n",
+            "  - name: ids\n    uid: ids\n    generator:\n      count: {}\n      {rate}\n      \
+             fields:\n        - {{ name: id, modulo: 3000 }}\n",
             p.count / 2
         )
     };
@@ -160,7 +163,8 @@ pub fn assert_same_output(golden: &BTreeMap<String, Vec<String>>, got: &BTreeMap
         let lost: Vec<_> = counts.iter().filter(|(_, c)| **c > 0).take(5).collect();
         let dup: Vec<_> = counts.iter().filter(|(_, c)| **c < 0).take(5).collect();
         panic!(
-            "{what}: sink `{sink}` has {} records, golden {}; {} lost (e.g. {lost:?}), {} duplicated or extra (e.g. {dup:?})",
+            "{what}: sink `{sink}` has {} records, golden {}; {} lost (e.g. {lost:?}), \
+             {} duplicated or extra (e.g. {dup:?})",
             actual.len(),
             expected.len(),
             counts.values().filter(|c| **c > 0).count(),
