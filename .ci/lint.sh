@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Style gates, run by .ci/run before the tests: formatting, clippy with warnings as errors,
+# and no line of Rust over 120 characters (rustfmt cannot break long strings by itself).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# rustup's default profile has both; a minimal toolchain gets them added.
+cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+long=$(git ls-files '*.rs' | xargs awk 'length > 120 { print FILENAME ":" FNR ": " length " characters" }')
+if [ -n "$long" ]; then
+  echo "lines over 120 characters:" >&2
+  echo "$long" >&2
+  exit 1
+fi
+echo "lint: fmt, clippy and line lengths clean"
