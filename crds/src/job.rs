@@ -271,7 +271,7 @@ fn default_time_step() -> HumanDuration {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GeneratorField {
-    /// Field name.
+    /// Field name. Quote names YAML 1.1 reads as booleans (`name: "y"`, not `name: y`).
     pub name: String,
     /// The sequence number itself (int).
     #[serde(default)]
@@ -458,6 +458,7 @@ pub struct FlatMapSpec {
     #[serde(default)]
     pub expr: Option<String>,
     /// With `expr`: the output field holding each element (the other input fields are kept).
+    /// Quote names YAML 1.1 reads as booleans (`as: "y"`, not `as: y`).
     #[serde(default, rename = "as")]
     pub as_field: Option<String>,
 }
@@ -543,7 +544,8 @@ pub struct AggregateFn {
     /// The input field (not used by `count`).
     #[serde(default)]
     pub field: Option<String>,
-    /// The output field name.
+    /// The output field name. Quote names YAML 1.1 reads as booleans: kubectl turns `as: n`
+    /// (or y, yes, no, on, off) into `false`; write `as: "n"`.
     #[serde(rename = "as")]
     pub output: String,
 }

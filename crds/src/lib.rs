@@ -5,6 +5,7 @@
 
 pub mod control;
 pub mod duration;
+pub mod expr;
 pub mod job;
 #[cfg(feature = "kubernetes")]
 pub mod streamjob;

@@ -15,6 +15,19 @@ use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionO
 
 /// A stream-processing job run by Weir: its dataflow graph, parallelism, checkpointing and
 /// lifecycle.
+/// Longest StreamJob name: the control Service `<name>-control` must be a DNS label (63).
+pub const MAX_NAME_LEN: usize = 63 - "-control".len();
+
+/// The name rule of the CRD: a DNS label short enough for every derived name.
+const NAME_RULE: &str = "self.metadata.name.size() <= 55 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')";
+const NAME_MESSAGE: &str =
+    "metadata.name must be at most 55 lowercase letters, digits and '-', starting with a letter \
+                            and ending with a letter or digit: the job's Service <name>-control must be a DNS label";
+
+/// A duration field that must be > 0 (CEL's `duration()` reads the same `1h30m5s500ms` form).
+const POSITIVE: &str = "duration(self) > duration('0s')";
+const POSITIVE_MESSAGE: &str = "must be > 0";
+
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 // Each printcolumn has its own `type_`: clippy reads them as one repeated attribute.
 #[allow(clippy::duplicated_attributes)]
@@ -35,7 +48,8 @@ use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionO
         json_path = ".status.latestCheckpoint.completedAt",
         description = "When the newest checkpoint completed"
     ),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new(NAME_RULE).message(NAME_MESSAGE)
 )]
 #[x_kube(
     validation = Rule::new("(has(self.maxParallelism) ? self.maxParallelism : 128) >= self.parallelism")
@@ -51,6 +65,10 @@ use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionO
 #[serde(rename_all = "camelCase")]
 pub struct StreamJobSpec {
     /// Container image of the Weir runtime (it must contain `weir-runtime`).
+    #[x_kube(
+        validation = Rule::new("self.size() > 0 && !self.contains(' ')")
+            .message("must name the runtime image, e.g. registry.example/weir-runtime:0.1")
+    )]
     pub image: String,
     /// Image pull policy of the runtime container (Always, IfNotPresent, Never).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -189,13 +207,14 @@ pub enum UpgradeMode {
 pub struct CheckpointSettings {
     /// Time between the starts of two checkpoints.
     #[serde(default = "default_interval")]
-    #[x_kube(validation = Rule::new("self != '0' && !self.matches('^(0+(ms|s|m|h))+$')").message("must be > 0"))]
+    #[x_kube(validation = Rule::new(POSITIVE).message(POSITIVE_MESSAGE))]
     pub interval: HumanDuration,
     /// exactly-once (aligned barriers) or at-least-once.
     #[serde(default)]
     pub mode: CheckpointMode,
     /// A checkpoint not complete after this long is aborted.
     #[serde(default = "default_timeout")]
+    #[x_kube(validation = Rule::new(POSITIVE).message(POSITIVE_MESSAGE))]
     pub timeout: HumanDuration,
     /// Least time between the end of one checkpoint and the start of the next.
     #[serde(default)]
@@ -264,14 +283,17 @@ pub enum OnSavepointFailure {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct SavepointSettings {
-    /// How long a savepoint may take before it counts as failed.
+    /// How long a savepoint may take before it counts as failed (on a cancel, the pods are then
+    /// killed: zero would kill at once, so it must be > 0).
     #[serde(default = "default_savepoint_timeout")]
+    #[x_kube(validation = Rule::new(POSITIVE).message(POSITIVE_MESSAGE))]
     pub timeout: HumanDuration,
     /// What happens when the savepoint of a cancel or suspend fails or times out.
     #[serde(default)]
     pub on_cancel_failure: OnSavepointFailure,
     /// Take a savepoint this often while running (absent: never).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new(POSITIVE).message(POSITIVE_MESSAGE))]
     pub periodic_interval: Option<HumanDuration>,
     /// Savepoints remembered in status (older ones are forgotten and deleted).
     #[serde(default = "default_history")]
@@ -279,6 +301,7 @@ pub struct SavepointSettings {
     pub history_max_count: u32,
     /// Forget and delete savepoints older than this (absent: by count only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new(POSITIVE).message(POSITIVE_MESSAGE))]
     pub history_max_age: Option<HumanDuration>,
     /// Change this value to take one savepoint now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -307,6 +330,10 @@ impl Default for SavepointSettings {
 
 /// Relaunch after a failure, from the newest valid retained checkpoint.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new("duration(self.maxBackoff) >= duration(self.backoff)")
+        .message("maxBackoff must be >= backoff")
+)]
 #[serde(rename_all = "camelCase")]
 pub struct RelaunchPolicy {
     /// Wait before the first relaunch; doubled after each failed one.
@@ -321,6 +348,7 @@ pub struct RelaunchPolicy {
     /// Do not relaunch from a checkpoint older than this (the job is marked Degraded and waits
     /// for a person instead of silently reprocessing a long stretch).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new(POSITIVE).message(POSITIVE_MESSAGE))]
     pub max_checkpoint_age: Option<HumanDuration>,
 }
 
@@ -559,9 +587,107 @@ pub const CRD_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/streamjob.yaml"
 /// The Helm chart's copy of the CRD (Helm installs files under `crds/` before the templates).
 pub const CHART_CRD_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../charts/weir-operator/crds/streamjob.yaml");
 
+/// What the CRD's rules refuse at apply, checked again by the operator before it creates
+/// anything: a StreamJob stored before a rule existed (or under an older CRD) is reported with
+/// the same field path and message instead of failing later.
+pub fn spec_violations(name: &str, spec: &StreamJobSpec) -> Vec<crate::validate::Violation> {
+    use crate::validate::Violation;
+    let mut out = Vec::new();
+    let mut err = |path: &str, message: &str| out.push(Violation { path: path.into(), message: message.into() });
+    let label = name.len() <= MAX_NAME_LEN
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    if !label {
+        err("metadata.name", NAME_MESSAGE.trim_start_matches("metadata.name "));
+    }
+    if spec.image.is_empty() || spec.image.contains(' ') {
+        err("spec.image", "must name the runtime image, e.g. registry.example/weir-runtime:0.1");
+    }
+    let c = &spec.checkpointing;
+    let s = &spec.savepoint;
+    let r = &spec.relaunch;
+    let positive = [
+        ("spec.checkpointing.interval", Some(c.interval)),
+        ("spec.checkpointing.timeout", Some(c.timeout)),
+        ("spec.savepoint.timeout", Some(s.timeout)),
+        ("spec.savepoint.periodicInterval", s.periodic_interval),
+        ("spec.savepoint.historyMaxAge", s.history_max_age),
+        ("spec.relaunch.maxCheckpointAge", r.max_checkpoint_age),
+    ];
+    for (path, d) in positive {
+        if d.is_some_and(|d| d.as_millis() == 0) {
+            err(path, POSITIVE_MESSAGE);
+        }
+    }
+    if r.max_backoff < r.backoff {
+        err("spec.relaunch", "maxBackoff must be >= backoff");
+    }
+    out
+}
+
+/// The CRD. kube's derive drops the spec's description when the resource has a root-level
+/// rule (the name rule); it is put back here so `kubectl explain streamjob.spec` has it.
+pub fn crd() -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    use kube::CustomResourceExt;
+    let mut crd = StreamJob::crd();
+    for version in &mut crd.spec.versions {
+        let spec = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+            .and_then(|root| root.properties.as_mut())
+            .and_then(|props| props.get_mut("spec"));
+        if let Some(spec) = spec {
+            spec.description.get_or_insert_with(|| {
+                "A stream-processing job run by Weir: its dataflow graph, parallelism, checkpointing and\nlifecycle."
+                    .to_string()
+            });
+        }
+    }
+    crd
+}
+
 /// The CRD as YAML, with the header `crdgen` writes (the committed `crds/streamjob.yaml`).
 pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
-    use kube::CustomResourceExt;
-    let body = serde_yaml::to_string(&StreamJob::crd())?;
+    let body = serde_yaml::to_string(&crd())?;
     Ok(format!("# Generated by `cargo run -p weir-crds --bin crdgen -- --write`; do not edit.\n{body}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(yaml: &str) -> StreamJobSpec {
+        let base = "image: weir-runtime:dev\nparallelism: 1\njob: { inline: { sources: [], sinks: [] } }\n";
+        serde_yaml::from_str(&format!("{base}{yaml}")).unwrap()
+    }
+
+    fn paths(name: &str, yaml: &str) -> Vec<String> {
+        spec_violations(name, &spec(yaml)).into_iter().map(|v| v.path).collect::<Vec<_>>()
+    }
+
+    #[test]
+    fn the_operator_refuses_what_the_crd_rules_refuse() {
+        assert!(paths("orders", "").is_empty());
+        assert!(paths(&"j".repeat(MAX_NAME_LEN), "").is_empty());
+        assert_eq!(paths(&"j".repeat(MAX_NAME_LEN + 1), ""), ["metadata.name"]);
+        assert_eq!(paths("2orders", ""), ["metadata.name"]);
+        assert_eq!(paths("orders.eu", ""), ["metadata.name"]);
+        assert_eq!(paths("orders-", ""), ["metadata.name"]);
+        assert_eq!(
+            paths("orders", "savepoint: { timeout: 0s, periodicInterval: \"0\" }\ncheckpointing: { timeout: 0ms }"),
+            ["spec.checkpointing.timeout", "spec.savepoint.timeout", "spec.savepoint.periodicInterval"]
+        );
+        assert_eq!(paths("orders", "relaunch: { backoff: 1m, maxBackoff: 30s }"), ["spec.relaunch"]);
+        let mut no_image = spec("");
+        no_image.image = String::new();
+        assert_eq!(spec_violations("orders", &no_image)[0].path, "spec.image");
+    }
+
+    #[test]
+    fn the_name_rule_and_the_limit_agree() {
+        assert!(NAME_RULE.contains(&format!("size() <= {MAX_NAME_LEN} ")));
+        assert!(NAME_MESSAGE.contains(&format!("at most {MAX_NAME_LEN} ")));
+    }
 }

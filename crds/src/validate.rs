@@ -502,6 +502,13 @@ impl Validator {
         first
     }
 
+    /// A CEL expression must compile against its input's fields.
+    fn expression(&mut self, path: String, text: &str, schema: &[String]) {
+        if let Err(e) = crate::expr::compile(text, schema) {
+            self.err(path, e.to_string());
+        }
+    }
+
     fn field(&mut self, path: &str, name: &str, schema: &[String]) -> Option<usize> {
         let pos = schema.iter().position(|f| f == name);
         if pos.is_none() {
@@ -619,6 +626,8 @@ impl Validator {
                     }
                     if expr.trim().is_empty() {
                         self.err(format!("{path}.map.fields.{name}"), "expression must not be empty");
+                    } else {
+                        self.expression(format!("{path}.map.fields.{name}"), expr, schema);
                     }
                     if !out.contains(name) {
                         out.push(name.clone());
@@ -629,6 +638,8 @@ impl Validator {
             NodeKind::Filter(f) => {
                 if f.expr.trim().is_empty() {
                     self.err(format!("{path}.filter.expr"), "must not be empty");
+                } else {
+                    self.expression(format!("{path}.filter.expr"), &f.expr, schema);
                 }
                 schema.to_vec()
             }
@@ -642,7 +653,8 @@ impl Validator {
                         schema.to_vec()
                     }
                 }
-                (None, Some(_)) => {
+                (None, Some(expr)) => {
+                    self.expression(format!("{path}.flatMap.expr"), expr, schema);
                     let Some(name) = &f.as_field else {
                         self.err(format!("{path}.flatMap.as"), "required with expr: the field that holds each element");
                         return (schema.to_vec(), key);

@@ -1,6 +1,5 @@
 //! The committed CRD matches the Rust types, and its schema is one the API server accepts.
 
-use kube::CustomResourceExt;
 use weir_crds::StreamJob;
 
 #[test]
@@ -34,7 +33,7 @@ fn walk<'a>(v: &'a serde_json::Value, path: String, out: &mut Vec<(String, &'a s
 
 #[test]
 fn schema_is_structural_and_documented() {
-    let crd = serde_json::to_value(StreamJob::crd()).unwrap();
+    let crd = serde_json::to_value(weir_crds::streamjob::crd()).unwrap();
     let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
     let mut nodes = Vec::new();
     walk(schema, "schema".into(), &mut nodes);

@@ -134,6 +134,21 @@ fn each_mistake_names_its_field() {
         ),
         (with("name: shop", "name: \"shop/1\""), "job.name: must be 1-63 letters"),
         (
+            with("{ name: by-user, keyBy: { fields: [user] } }", "{ name: cheap, filter: { expr: \"amount <\" } }"),
+            "job.operators[0].filter.expr: CEL expression `amount <` does not compile",
+        ),
+        (
+            with("{ name: by-user, keyBy: { fields: [user] } }", "{ name: cheap, filter: { expr: \"price < 3\" } }"),
+            "job.operators[0].filter.expr: CEL expression `price < 3` uses `price`, which is not an input field",
+        ),
+        (
+            with(
+                "{ name: by-user, keyBy: { fields: [user] } }",
+                "{ name: tag, map: { fields: { big: \"amount >\" }, keepInput: true } }",
+            ),
+            "job.operators[0].map.fields.big: CEL expression `amount >` does not compile",
+        ),
+        (
             with("{ name: amount, uniform: { min: 1, max: 9 } }", "{ name: amount, uniform: { min: 9, max: 1 } }"),
             "job.sources[0].generator.fields[2].uniform.max: must be >= min",
         ),

@@ -15,17 +15,21 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{self, Action as Requeue, Controller};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::finalizer;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use weir_checkpoint::Storage;
 use weir_crds::control::CheckpointOutcome;
-use weir_crds::streamjob::{DesiredState, JobGraph, OperationStatus, StreamJob, StreamJobStatus};
+use weir_crds::streamjob::{DesiredState, OperationStatus, StreamJob, StreamJobStatus};
 
 use crate::children::{self, JOB_LABEL};
 use crate::control_client;
+use crate::inputs;
 use crate::observe;
-use crate::plan::{self, Action, Desired, Observation, Operation, Phase, Plan, PlanState, SavepointProgress};
+use crate::plan::{
+    self, Action, Desired, EventReason, Observation, Operation, Phase, Plan, PlanState, PlannedEvent, SavepointProgress,
+};
 
 /// The field manager of everything the operator applies.
 pub const FIELD_MANAGER: &str = "weir-operator";
@@ -102,14 +106,6 @@ pub enum ReconcileError {
     /// The object lacks metadata the API server always sets.
     #[error("StreamJob has no {0}")]
     Metadata(&'static str),
-    /// Reading the job graph from its ConfigMap failed.
-    #[error("reading job graph from ConfigMap {name}: {reason}")]
-    JobConfigMap {
-        /// ConfigMap name.
-        name: String,
-        /// Why.
-        reason: String,
-    },
     /// Building children failed.
     #[error(transparent)]
     Build(#[from] children::BuildError),
@@ -117,16 +113,30 @@ pub enum ReconcileError {
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     /// The Secret named by `checkpointing.credentialsSecret` could not be read.
-    #[error("reading credentials Secret {name}: {reason}")]
+    #[error("reading credentials Secret {name}: {source}")]
     CredentialsSecret {
         /// Secret name.
         name: String,
-        /// Why.
-        reason: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
     },
     /// Checkpoint storage could not be read.
     #[error("checkpoint storage: {0}")]
     Storage(#[from] weir_checkpoint::StorageError),
+    /// Reading what the job refers to failed (not its absence, which is reported as Degraded).
+    #[error(transparent)]
+    Inputs(#[from] Box<inputs::InputsError>),
+    /// The operating system gave no random bytes for a control token.
+    #[error("generating a control token: {0}")]
+    Token(#[source] getrandom::Error),
+    /// Adding or removing the finalizer failed.
+    #[error("updating the finalizer: {0}")]
+    Finalizer(#[source] kube::Error),
+    /// Not a failure: a deleted job is still stopping; the finalizer stays and the job is
+    /// reconciled again after this long.
+    #[error("still stopping")]
+    StillStopping(Duration),
 }
 
 impl ReconcileError {
@@ -134,11 +144,14 @@ impl ReconcileError {
     pub fn category(&self) -> &'static str {
         match self {
             ReconcileError::Metadata(_) => "metadata",
-            ReconcileError::JobConfigMap { .. } => "job-configmap",
             ReconcileError::Build(_) => "build",
             ReconcileError::Kube(_) => "kube-api",
             ReconcileError::CredentialsSecret { .. } => "credentials-secret",
             ReconcileError::Storage(_) => "storage",
+            ReconcileError::Inputs(_) => "inputs",
+            ReconcileError::Finalizer(_) => "finalizer",
+            ReconcileError::Token(_) => "token",
+            ReconcileError::StillStopping(_) => "stopping",
         }
     }
 }
@@ -155,10 +168,27 @@ fn now_ms() -> u64 {
     Timestamp::now().as_millisecond() as u64
 }
 
+/// Nothing in status says a run was ever deployed or decided.
+fn never_deployed(status: &StreamJobStatus) -> bool {
+    status.job_id.is_none()
+        && status.latest_checkpoint.is_none()
+        && status.latest_savepoint.is_none()
+        && status.recovery_point.is_none()
+        && status.operation.is_none()
+        && status.pending_upgrade.is_none()
+        && status.relaunch_count == 0
+}
+
 /// Status → the planner's view.
 pub fn plan_state(status: &StreamJobStatus) -> PlanState {
     PlanState {
-        phase: status.phase,
+        // A job reported Degraded before anything was deployed (invalid from the start) has
+        // not run: the planner sees it as new, so once fixed it deploys as a first deploy (from
+        // `initialSavepoint` when set).
+        phase: match status.phase {
+            Some(Phase::Degraded) if never_deployed(status) => None,
+            phase => phase,
+        },
         operation: status.operation.as_ref().map(|o| Operation {
             kind: o.kind,
             started_at_ms: o.started_at.0.as_millisecond().max(0) as u64,
@@ -189,303 +219,468 @@ fn token_of(secret: &Secret) -> Option<String> {
     secret.data.as_ref()?.get("token").map(|b| String::from_utf8_lossy(&b.0).to_string())
 }
 
-fn random_token() -> String {
+/// 192 random bits from the operating system, as hex. Without a random source there is no safe
+/// token: the reconcile fails (it used to write a token of zeros).
+fn random_token() -> Result<String, ReconcileError> {
     let mut buf = [0u8; 24];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut buf);
-    }
-    buf.iter().map(|b| format!("{b:02x}")).collect()
+    getrandom::fill(&mut buf).map_err(ReconcileError::Token)?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Reconciles one StreamJob, counting it in the metrics.
+/// Reconciles one StreamJob, counting it in the metrics; a failure is reported on the
+/// StreamJob itself (a condition and a Warning event), not only in the operator's log. The
+/// finalizer is kube's helper: added before anything is created, removed once a deleted job
+/// has stopped (with a savepoint, or killed), which can take several reconciles.
 pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, ReconcileError> {
     let started = std::time::Instant::now();
-    let result = reconcile_inner(sj, ctx.clone()).await;
+    let ns = sj.metadata.namespace.clone().ok_or(ReconcileError::Metadata("namespace"))?;
+    let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
+    let result = finalizer::finalizer(&api, FINALIZER, sj.clone(), |event| async {
+        match event {
+            finalizer::Event::Apply(sj) => reconcile_steps(&sj, &ctx).await.map(|o| o.requeue),
+            finalizer::Event::Cleanup(sj) => {
+                let outcome = reconcile_steps(&sj, &ctx).await?;
+                match outcome.stopped {
+                    true => Ok(Requeue::await_change()),
+                    // Not stopped yet: the helper keeps the finalizer while cleanup "fails".
+                    false => Err(ReconcileError::StillStopping(outcome.after)),
+                }
+            }
+        }
+    })
+    .await;
+    let result = match result {
+        Ok(requeue) => Ok(requeue),
+        Err(finalizer::Error::CleanupFailed(ReconcileError::StillStopping(after))) => Ok(Requeue::requeue(after)),
+        Err(finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e)) => Err(e),
+        Err(finalizer::Error::AddFinalizer(e) | finalizer::Error::RemoveFinalizer(e)) => {
+            Err(ReconcileError::Finalizer(e))
+        }
+        Err(finalizer::Error::UnnamedObject) => Err(ReconcileError::Metadata("name")),
+        Err(finalizer::Error::InvalidFinalizer) => Err(ReconcileError::Metadata("finalizers")),
+    };
     ctx.metrics.observe_reconcile(started.elapsed().as_micros() as u64);
     if let Err(e) = &result {
         ctx.metrics.error(e.category());
+        report_failure(&sj, &ctx, e).await;
     }
     result
 }
 
-async fn reconcile_inner(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, ReconcileError> {
-    let name = sj.metadata.name.clone().ok_or(ReconcileError::Metadata("name"))?;
-    let ns = sj.metadata.namespace.clone().ok_or(ReconcileError::Metadata("namespace"))?;
-    let generation = sj.metadata.generation.unwrap_or(0);
-    let client = ctx.client.clone();
-    let status = sj.status.clone().unwrap_or_default();
-    let jobs_api: Api<StreamJob> = Api::namespaced(client.clone(), &ns);
-    let deleting = sj.metadata.deletion_timestamp.is_some();
-    let finalizers = sj.finalizers().to_vec();
-    if !deleting && !finalizers.iter().any(|f| f == FINALIZER) {
-        let mut with = finalizers.clone();
-        with.push(FINALIZER.to_string());
-        jobs_api
-            .patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": with } })),
-            )
-            .await?;
-    }
-    if deleting && !finalizers.iter().any(|f| f == FINALIZER) {
-        return Ok(Requeue::await_change());
-    }
-    // A deleted job is cancelled first (savepoint, or kill when that fails).
-    let mut effective = sj.spec.clone();
-    if deleting {
-        effective.state = DesiredState::Cancelled;
-    }
-    let storage_url = sj.spec.checkpointing.storage.clone().unwrap_or_else(|| ctx.settings.default_storage.clone());
-    let root = children::storage_root(&storage_url, &ns, &name);
+/// How a reconcile ended: when to look again, and whether a deleted job has stopped.
+struct Outcome {
+    requeue: Requeue,
+    /// The same wait, for a deleted job still stopping.
+    after: Duration,
+    /// The job is cancelled and nothing is left to do: a deletion may proceed.
+    stopped: bool,
+}
 
-    // Observe: pods from the watch cache; an empty cache is confirmed by one live list so a
-    // pod created a moment ago is not created twice.
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+/// The steps of a reconcile, in order, each a function of its own: observe → validate →
+/// plan → apply → publish events → write status.
+async fn reconcile_steps(sj: &StreamJob, ctx: &Context) -> Result<Outcome, ReconcileError> {
+    let job = JobRef::of(sj, ctx)?;
+    let seen = observe(sj, ctx, &job).await?;
+    let first_deploy = plan_state(&job.status).phase.is_none();
+    let verdict = inputs::validate(&ctx.client, sj, &job.ns, &job.root, first_deploy).await.map_err(Box::new)?;
+    let mut p = plan_step(sj, &job, &seen, &verdict).await?;
+    let request_id = apply(sj, ctx, &job, &seen, &verdict, &mut p).await?;
+    publish_events(sj, ctx, &job, &p).await;
+    let new_status = status_of(&job, &seen, &p, request_id, verdict.as_ref().err());
+    let phase = if job.deleting { None } else { new_status.phase.map(|p| p.as_str().to_string()) };
+    ctx.metrics.phase(job.key.clone(), phase);
+    if write_status(&job.api, sj, &job.status, &new_status).await? == StatusWrite::Conflict {
+        tracing::debug!(job = %job.name, "status changed since this reconcile read it; planning again");
+        return Ok(Outcome::after(Duration::from_millis(200), false));
+    }
+    let stopped = job.deleting && p.actions.is_empty() && p.state.phase == Some(Phase::Cancelled);
+    Ok(Outcome::after(
+        match p.requeue_after_ms {
+            Some(ms) => Duration::from_millis(ms.max(200)),
+            None if new_status.phase == Some(Phase::Running) => ctx.settings.status_refresh,
+            // An invalid job waits for a change to it; referenced objects are looked at again
+            // now and then (a created ConfigMap or Secret does not trigger a reconcile).
+            None if verdict.is_err() => Duration::from_secs(15),
+            None => Duration::from_secs(60),
+        },
+        stopped,
+    ))
+}
+
+impl Outcome {
+    fn after(after: Duration, stopped: bool) -> Outcome {
+        Outcome { requeue: Requeue::requeue(after), after, stopped }
+    }
+}
+
+/// What one reconcile is about: the job's names, where its state lives, what it was told
+/// (spec, as cancelled while being deleted) and its status as read.
+struct JobRef {
+    name: String,
+    ns: String,
+    /// `namespace/name`.
+    key: String,
+    generation: i64,
+    /// The job is being deleted: it is cancelled first (savepoint, or kill when that fails).
+    deleting: bool,
+    /// The spec to reach (`state: cancelled` while being deleted).
+    effective: weir_crds::StreamJobSpec,
+    /// `<storage>/<namespace>/<name>`.
+    root: String,
+    status: StreamJobStatus,
+    spec_hash: String,
+    api: Api<StreamJob>,
+}
+
+impl JobRef {
+    fn of(sj: &StreamJob, ctx: &Context) -> Result<JobRef, ReconcileError> {
+        let name = sj.metadata.name.clone().ok_or(ReconcileError::Metadata("name"))?;
+        let ns = sj.metadata.namespace.clone().ok_or(ReconcileError::Metadata("namespace"))?;
+        let deleting = sj.metadata.deletion_timestamp.is_some();
+        let mut effective = sj.spec.clone();
+        if deleting {
+            effective.state = DesiredState::Cancelled;
+        }
+        let storage_url = sj.spec.checkpointing.storage.clone().unwrap_or_else(|| ctx.settings.default_storage.clone());
+        Ok(JobRef {
+            key: format!("{ns}/{name}"),
+            root: children::storage_root(&storage_url, &ns, &name),
+            generation: sj.metadata.generation.unwrap_or(0),
+            deleting,
+            effective,
+            status: sj.status.clone().unwrap_or_default(),
+            spec_hash: children::spec_hash(sj),
+            api: Api::namespaced(ctx.client.clone(), &ns),
+            name,
+            ns,
+        })
+    }
+
+    fn pods(&self, ctx: &Context) -> Api<Pod> {
+        Api::namespaced(ctx.client.clone(), &self.ns)
+    }
+}
+
+/// What a reconcile saw: the job's pods, the runtime's answers, and the planner's observation.
+struct Seen {
+    /// The job's pods (watch cache, confirmed by a live list when empty).
+    pods: Vec<Pod>,
+    control_url: String,
+    /// The control API token, when the runtime may be running.
+    token: Option<String>,
+    obs: Observation,
+    /// The run's id and newest checkpoint, from the runtime (else as in status).
+    job_id: Option<String>,
+    latest_checkpoint: Option<weir_crds::streamjob::SnapshotRef>,
+    /// What the run reported that a person should know, not yet reported as events.
+    notices: Vec<String>,
+}
+
+/// Observe: pods from the watch cache (an empty cache is confirmed by one live list so a pod
+/// created a moment ago is not created twice), the progress of a requested savepoint, and the
+/// running job's own status.
+async fn observe(sj: &StreamJob, ctx: &Context, job: &JobRef) -> Result<Seen, ReconcileError> {
     let mut listed: Vec<Pod> = ctx
         .pods
         .state_filter(|p| {
-            p.metadata.namespace.as_deref() == Some(ns.as_str()) && p.labels().get(JOB_LABEL) == Some(&name)
+            p.metadata.namespace.as_deref() == Some(job.ns.as_str()) && p.labels().get(JOB_LABEL) == Some(&job.name)
         })
         .iter()
         .map(|p| Pod::clone(p))
         .collect();
     if listed.is_empty() {
-        listed = pods.list(&ListParams::default().labels(&format!("{JOB_LABEL}={name}"))).await?.items;
+        listed = job.pods(ctx).list(&ListParams::default().labels(&format!("{JOB_LABEL}={}", job.name))).await?.items;
     }
     let (pods_phase, pods_hash) = observe::pods_phase(&listed);
-    let key = format!("{ns}/{name}");
-    let control_url = control_url(&sj, &ns, &name, &listed, ctx.settings.control_address);
-    let stopped_with = observe::stopped_with_savepoint(&listed);
-    let needs_token = status.operation.is_some() || matches!(pods_phase, plan::PodsPhase::Running);
-    let mut token = if needs_token { Some(token(&ctx, &sj, &ns, &name, &key).await?) } else { None };
-    let savepoint = match status.operation.as_ref().and_then(|o| o.request_id) {
+    let control_url = control_url(sj, &job.ns, &job.name, &listed, ctx.settings.control_address);
+    let running = matches!(pods_phase, plan::PodsPhase::Running);
+    let operation = job.status.operation.as_ref();
+    let token =
+        if operation.is_some() || running { Some(token(ctx, sj, &job.ns, &job.name, &job.key).await?) } else { None };
+    let savepoint = match operation.and_then(|o| o.request_id) {
         None => None,
-        // The runtime already exited after the stop: its termination message names the savepoint.
-        Some(_) if stopped_with.is_some() => {
-            let path = stopped_with.unwrap_or_default();
-            Some(SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef {
-                id: savepoint_id(&path),
-                path,
-                completed_at: ms_to_time(now_ms()),
-            }))
-        }
-        Some(id) => {
-            Some(match control_client::savepoint_status(&control_url, token.as_deref().unwrap_or_default(), id).await {
-                Ok(s) => match s.outcome {
-                    CheckpointOutcome::InProgress => SavepointProgress::InProgress,
-                    CheckpointOutcome::Completed => {
-                        let path = s.path.unwrap_or_default();
-                        SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef {
-                            id: savepoint_id(&path),
-                            path,
-                            completed_at: ms_to_time(now_ms()),
-                        })
-                    }
-                    CheckpointOutcome::Failed => SavepointProgress::Failed(s.failure.unwrap_or_default()),
-                },
-                // A runtime that stopped answering has not produced the savepoint.
-                Err(e) if matches!(pods_phase, plan::PodsPhase::Running) => {
-                    tracing::debug!(job = %name, error = %e, "savepoint status not readable yet");
-                    SavepointProgress::InProgress
-                }
-                Err(e) => SavepointProgress::Failed(e.to_string()),
-            })
-        }
+        Some(id) => Some(savepoint_progress(&listed, &control_url, token.as_deref(), id, running).await),
     };
-    // The runtime's own view of a running job: its id and newest checkpoint, for status.
-    let mut job_id = status.job_id.clone();
-    let mut latest_checkpoint = status.latest_checkpoint.clone();
-    let mut notices = Vec::new();
-    if matches!(pods_phase, plan::PodsPhase::Running) && status.operation.is_none() {
-        match control_client::job_status(&control_url, token.as_deref().unwrap_or_default()).await {
-            Ok(job) => {
-                // What the run did that a person should know, each notice once (a run adds
-                // them while it recovers, possibly after its first status was read).
-                {
-                    let mut reported = ctx.notices_reported.lock().unwrap_or_else(|e| e.into_inner());
-                    let entry = reported.entry(key.clone()).or_default();
-                    if entry.0 != job.job_id {
-                        *entry = (job.job_id.clone(), 0);
-                    }
-                    notices = job.notices.get(entry.1..).unwrap_or_default().to_vec();
-                    entry.1 = entry.1.max(job.notices.len());
-                }
-                job_id = Some(job.job_id);
-                if let Some(c) = job.latest_checkpoint {
-                    let completed = c.triggered_at_ms + c.duration_ms.unwrap_or(0);
-                    latest_checkpoint = Some(weir_crds::streamjob::SnapshotRef {
-                        id: c.id,
-                        path: c.path,
-                        completed_at: ms_to_time(completed),
-                    });
-                }
+    let mut seen = Seen {
+        job_id: job.status.job_id.clone(),
+        latest_checkpoint: job.status.latest_checkpoint.clone(),
+        notices: Vec::new(),
+        obs: Observation {
+            now_ms: now_ms(),
+            pods: pods_phase,
+            pods_spec_hash: pods_hash,
+            savepoint,
+            checkpoints: Vec::new(),
+        },
+        pods: listed,
+        control_url,
+        token,
+    };
+    if running && operation.is_none() {
+        runtime_status(ctx, job, &mut seen).await;
+    }
+    Ok(seen)
+}
+
+/// How the savepoint with this request id is doing.
+async fn savepoint_progress(
+    pods: &[Pod],
+    control_url: &str,
+    token: Option<&str>,
+    id: u64,
+    running: bool,
+) -> SavepointProgress {
+    // The runtime already exited after the stop: its termination message names the savepoint.
+    if let Some(path) = observe::stopped_with_savepoint(pods) {
+        return SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef {
+            id: savepoint_id(&path),
+            path,
+            completed_at: ms_to_time(now_ms()),
+        });
+    }
+    match control_client::savepoint_status(control_url, token.unwrap_or_default(), id).await {
+        Ok(s) => match s.outcome {
+            CheckpointOutcome::InProgress => SavepointProgress::InProgress,
+            CheckpointOutcome::Completed => {
+                let path = s.path.unwrap_or_default();
+                SavepointProgress::Completed(weir_crds::streamjob::SnapshotRef {
+                    id: savepoint_id(&path),
+                    path,
+                    completed_at: ms_to_time(now_ms()),
+                })
             }
-            Err(e) => tracing::debug!(job = %name, error = %e, "job status not readable"),
+            CheckpointOutcome::Failed => SavepointProgress::Failed(s.failure.unwrap_or_default()),
+        },
+        // A runtime that stopped answering has not produced the savepoint.
+        Err(e) if running => {
+            tracing::debug!(error = %e, "savepoint status not readable yet");
+            SavepointProgress::InProgress
         }
+        Err(e) => SavepointProgress::Failed(e.to_string()),
     }
-    let mut obs = Observation {
-        now_ms: now_ms(),
-        pods: pods_phase,
-        pods_spec_hash: pods_hash,
-        savepoint,
-        checkpoints: Vec::new(),
-    };
+}
 
-    // Validate: a job graph the runtime would refuse is reported, not deployed.
-    let graph = job_graph(&client, &sj, &ns).await?;
-    let job_yaml = children::job_file(&sj, &graph, &root)?;
-    let invalid = match weir_crds::JobSpec::from_yaml(&job_yaml) {
-        Ok(spec) => weir_crds::validate(&spec).err().map(|e| e.to_string()),
-        Err(e) => Some(e.to_string()),
+/// The running job's id, newest checkpoint and new notices, from its control API.
+async fn runtime_status(ctx: &Context, job: &JobRef, seen: &mut Seen) {
+    let status = match control_client::job_status(&seen.control_url, seen.token.as_deref().unwrap_or_default()).await {
+        Ok(status) => status,
+        Err(e) => return tracing::debug!(job = %job.name, error = %e, "job status not readable"),
     };
-
-    // Plan.
-    let hash = children::spec_hash(&sj);
-    let desired = Desired { spec: &effective, generation, spec_hash: &hash };
-    let current = plan_state(&status);
-    // Storage is read only when the decision can depend on its checkpoints.
-    let storage = StorageAccess { client: &client, sj: &sj, ns: &ns, root: &root };
-    if plan::needs_checkpoints(&desired, &current, &obs) {
-        obs.checkpoints = storage.checkpoints().await?;
-    }
-    let mut p = if let (Some(reason), true) = (&invalid, effective.state == DesiredState::Running) {
-        Plan {
-            state: current.clone(),
-            degraded: Some(format!("the job graph is invalid: {reason}")),
-            ..Plan::default()
+    // What the run did that a person should know, each notice once (a run adds them while it
+    // recovers, possibly after its first status was read).
+    {
+        let mut reported = ctx.notices_reported.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = reported.entry(job.key.clone()).or_default();
+        if entry.0 != status.job_id {
+            *entry = (status.job_id.clone(), 0);
         }
-    } else {
-        plan::plan(&desired, &current, &obs)
-    };
-
-    for notice in notices {
-        p.events.push(plan::PlannedEvent { warning: true, reason: "OutputSuperseded", message: notice });
+        seen.notices = status.notices.get(entry.1..).unwrap_or_default().to_vec();
+        entry.1 = entry.1.max(status.notices.len());
     }
+    seen.job_id = Some(status.job_id);
+    if let Some(c) = status.latest_checkpoint {
+        let completed = c.triggered_at_ms + c.duration_ms.unwrap_or(0);
+        seen.latest_checkpoint =
+            Some(weir_crds::streamjob::SnapshotRef { id: c.id, path: c.path, completed_at: ms_to_time(completed) });
+    }
+}
 
-    // Apply.
-    let mut request_id = status.operation.as_ref().and_then(|o| o.request_id);
+/// Plan: the pure planner's decision, reading checkpoint storage only when the decision can
+/// depend on it. An invalid job that should run is not planned: it is reported Degraded and
+/// whatever runs keeps running.
+async fn plan_step(
+    sj: &StreamJob,
+    job: &JobRef,
+    seen: &Seen,
+    verdict: &inputs::Verdict,
+) -> Result<Plan, ReconcileError> {
+    let current = plan_state(&job.status);
+    let mut p = match verdict {
+        Err(invalid) if job.effective.state == DesiredState::Running => {
+            let mut p = Plan { state: current, degraded: Some(invalid.message.clone()), ..Plan::default() };
+            // Once per problem: the Degraded condition already saying so means it was reported.
+            if degraded_message(&job.status) != Some(invalid.message.as_str()) {
+                p.events.push(PlannedEvent {
+                    warning: true,
+                    reason: invalid.reason.event_reason(),
+                    message: invalid.message.clone(),
+                });
+            }
+            p
+        }
+        _ => {
+            let desired = Desired { spec: &job.effective, generation: job.generation, spec_hash: &job.spec_hash };
+            let mut obs = seen.obs.clone();
+            if plan::needs_checkpoints(&desired, &current, &obs) {
+                obs.checkpoints = storage(sj, job).checkpoints().await?;
+            }
+            plan::plan(&desired, &current, &obs)
+        }
+    };
+    for notice in &seen.notices {
+        p.events.push(PlannedEvent { warning: true, reason: EventReason::OutputSuperseded, message: notice.clone() });
+    }
+    Ok(p)
+}
+
+fn storage<'a>(sj: &'a StreamJob, job: &'a JobRef) -> StorageAccess<'a> {
+    StorageAccess { client: job.api.clone().into_client(), sj, ns: &job.ns, root: &job.root }
+}
+
+/// Apply: carries out the plan's actions in order; returns the savepoint request in flight. A
+/// savepoint that cannot even be requested is planned again with that failure (e.g. kill).
+async fn apply(
+    sj: &StreamJob,
+    ctx: &Context,
+    job: &JobRef,
+    seen: &Seen,
+    verdict: &inputs::Verdict,
+    p: &mut Plan,
+) -> Result<Option<u64>, ReconcileError> {
+    let client = &ctx.client;
+    let pods = job.pods(ctx);
+    let mut request_id = job.status.operation.as_ref().and_then(|o| o.request_id);
     for action in p.actions.clone() {
         match action {
             Action::Deploy { restore_from, mode } => {
+                let Ok(job_yaml) = verdict else { unreachable!("the planner is not asked to deploy an invalid job") };
                 // The pod reads its token from this Secret: make sure it exists.
-                token = Some(ensure_token(&client, &sj, &ns, &name).await?);
-                ctx.tokens
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(key.clone(), token.clone().unwrap_or_default());
+                let token = ensure_token(client, sj, &job.ns, &job.name).await?;
+                ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).insert(job.key.clone(), token);
                 let pp = PatchParams::apply(FIELD_MANAGER).force();
-                let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
-                cms.patch(
-                    &children::config_map_name(&name),
-                    &pp,
-                    &Patch::Apply(children::config_map(&sj, job_yaml.clone())?),
-                )
-                .await?;
-                let svcs: Api<Service> = Api::namespaced(client.clone(), &ns);
-                svcs.patch(&children::service_name(&name), &pp, &Patch::Apply(children::service(&sj)?)).await?;
+                let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &job.ns);
+                let cm = children::config_map(sj, job_yaml.clone())?;
+                cms.patch(&children::config_map_name(&job.name), &pp, &Patch::Apply(cm)).await?;
+                let svcs: Api<Service> = Api::namespaced(client.clone(), &job.ns);
+                svcs.patch(&children::service_name(&job.name), &pp, &Patch::Apply(children::service(sj)?)).await?;
                 if let Some(ingress) = &ctx.settings.control_ingress {
-                    let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), &ns);
-                    nps.patch(
-                        &children::network_policy_name(&name),
-                        &pp,
-                        &Patch::Apply(children::network_policy(&sj, ingress)?),
-                    )
-                    .await?;
+                    let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), &job.ns);
+                    let np = children::network_policy(sj, ingress)?;
+                    nps.patch(&children::network_policy_name(&job.name), &pp, &Patch::Apply(np)).await?;
                 }
-                let pod = children::pod(&sj, &hash, &root, restore_from.as_ref(), mode)?;
-                pods.patch(&children::pod_name(&name), &pp, &Patch::Apply(pod)).await?;
+                let pod = children::pod(sj, &job.spec_hash, &job.root, restore_from.as_ref(), mode)?;
+                pods.patch(&children::pod_name(&job.name), &pp, &Patch::Apply(pod)).await?;
             }
-            Action::DeletePods { grace_seconds } => delete_pods(&pods, &listed, grace_seconds).await?,
+            Action::DeletePods { grace_seconds } => delete_pods(&pods, &seen.pods, grace_seconds).await?,
             Action::DeleteSavepoint { path } => {
                 // Savepoints live under the job's storage root; anything else is left alone.
-                let storage = storage.open().await?;
+                let storage = storage(sj, job).open().await?;
                 match path.strip_prefix(storage.url()).map(|rel| rel.trim_start_matches('/').to_string()) {
                     Some(rel) if rel.starts_with(weir_checkpoint::layout::SAVEPOINTS) => {
                         storage.delete_dir(&rel).await?
                     }
-                    _ => tracing::warn!(job = %name, %path, "not deleting a savepoint outside the job's storage root"),
+                    _ => {
+                        let why = "not deleting a savepoint outside the job's storage root";
+                        tracing::warn!(job = %job.name, %path, "{why}")
+                    }
                 }
             }
             Action::RequestSavepoint { stop } => {
-                match control_client::request_savepoint(&control_url, token.as_deref().unwrap_or_default(), stop).await
-                {
+                let token = seen.token.as_deref().unwrap_or_default();
+                match control_client::request_savepoint(&seen.control_url, token, stop).await {
                     Ok(s) => request_id = Some(s.request_id),
                     Err(e) => {
-                        // The savepoint cannot even start: plan again with that failure (e.g. kill).
-                        let mut failed =
-                            Observation { savepoint: Some(SavepointProgress::Failed(e.to_string())), ..obs.clone() };
-                        if failed.checkpoints.is_empty() && plan::needs_checkpoints(&desired, &p.state, &failed) {
-                            failed.checkpoints = storage.checkpoints().await?;
-                        }
-                        let mut retry = plan::plan(&desired, &p.state, &failed);
-                        retry.events.splice(0..0, p.events.drain(..));
-                        for a in &retry.actions {
+                        let failed = SavepointProgress::Failed(e.to_string());
+                        *p = replan_after_failed_request(sj, job, seen, p, failed).await?;
+                        for a in &p.actions {
                             if let Action::DeletePods { grace_seconds } = a {
-                                delete_pods(&pods, &listed, *grace_seconds).await?;
+                                delete_pods(&pods, &seen.pods, *grace_seconds).await?;
                             }
                         }
-                        request_id = None;
-                        p = retry;
-                        break;
+                        return Ok(None);
                     }
                 }
             }
         }
     }
+    Ok(request_id)
+}
 
-    // Status.
+/// The plan again, after the savepoint it requested could not even start; the first plan's
+/// events are kept.
+async fn replan_after_failed_request(
+    sj: &StreamJob,
+    job: &JobRef,
+    seen: &Seen,
+    first: &mut Plan,
+    failed: SavepointProgress,
+) -> Result<Plan, ReconcileError> {
+    let desired = Desired { spec: &job.effective, generation: job.generation, spec_hash: &job.spec_hash };
+    let mut obs = Observation { savepoint: Some(failed), ..seen.obs.clone() };
+    if plan::needs_checkpoints(&desired, &first.state, &obs) {
+        obs.checkpoints = storage(sj, job).checkpoints().await?;
+    }
+    let mut retry = plan::plan(&desired, &first.state, &obs);
+    retry.events.splice(0..0, first.events.drain(..));
+    Ok(retry)
+}
+
+/// Publish: the plan's events on the StreamJob, counted in the metrics by reason.
+async fn publish_events(sj: &StreamJob, ctx: &Context, job: &JobRef, p: &Plan) {
     for e in &p.events {
-        match e.reason {
-            "SavepointCompleted" => ctx.metrics.savepoint("completed"),
-            "SavepointFailedPodsKilled" => {
-                ctx.metrics.savepoint("failed");
-                ctx.metrics.kills.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            "SavepointFailed" | "UpgradeSavepointFailed" => ctx.metrics.savepoint("failed"),
-            "Relaunching" => {
-                ctx.metrics.relaunches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            _ => {}
-        }
-        let ev = KubeEvent {
-            type_: if e.warning { EventType::Warning } else { EventType::Normal },
-            reason: e.reason.to_string(),
-            note: Some(e.message.chars().take(1000).collect()),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
-        if let Err(err) = ctx.recorder.publish(&ev, &sj.object_ref(&())).await {
-            tracing::warn!(job = %name, error = %err, "could not record event");
-        }
+        ctx.metrics.event(e.reason);
+        publish(ctx, sj, &job.name, e.warning, e.reason, &e.message).await;
     }
-    let mut new_status = status_from(&status, &p, generation, request_id, invalid.is_some());
-    new_status.job_id = job_id;
-    new_status.latest_checkpoint = latest_checkpoint;
-    ctx.metrics
-        .phase(format!("{ns}/{name}"), if deleting { None } else { new_status.phase.map(|p| p.as_str().to_string()) });
-    if write_status(&jobs_api, &sj, &status, &new_status).await? == StatusWrite::Conflict {
-        tracing::debug!(job = %name, "status changed since this reconcile read it; planning again");
-        return Ok(Requeue::requeue(Duration::from_millis(200)));
+}
+
+async fn publish(ctx: &Context, sj: &StreamJob, name: &str, warning: bool, reason: EventReason, message: &str) {
+    let ev = KubeEvent {
+        type_: if warning { EventType::Warning } else { EventType::Normal },
+        reason: reason.as_str().to_string(),
+        note: Some(message.chars().take(1000).collect()),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(err) = ctx.recorder.publish(&ev, &sj.object_ref(&())).await {
+        tracing::warn!(job = %name, error = %err, "could not record event");
     }
-    if deleting && p.actions.is_empty() && p.state.phase == Some(Phase::Cancelled) {
-        // Stopped (with a savepoint, or killed): let the deletion proceed.
-        let rest: Vec<String> = finalizers.into_iter().filter(|f| f != FINALIZER).collect();
-        jobs_api
-            .patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": rest } })),
-            )
-            .await?;
-        return Ok(Requeue::await_change());
+}
+
+/// The status to write: the plan's state, and the runtime's view of the run.
+fn status_of(
+    job: &JobRef,
+    seen: &Seen,
+    p: &Plan,
+    request_id: Option<u64>,
+    invalid: Option<&inputs::Invalid>,
+) -> StreamJobStatus {
+    let mut status = status_from(&job.status, p, job.generation, request_id, invalid.map(|i| i.reason));
+    status.job_id = seen.job_id.clone();
+    status.latest_checkpoint = seen.latest_checkpoint.clone();
+    status
+}
+
+/// The Degraded condition's message, when degraded.
+fn degraded_message(status: &StreamJobStatus) -> Option<&str> {
+    status.conditions.iter().find(|c| c.type_ == "Degraded" && c.status == "True").map(|c| c.message.as_str())
+}
+
+/// A failed reconcile, on the StreamJob: the Degraded condition says what failed (category
+/// and error) and a Warning event says it once per distinct error; the rest of the status is
+/// kept. Best effort: when even this write fails, the log has it.
+async fn report_failure(sj: &StreamJob, ctx: &Context, error: &ReconcileError) {
+    let (Some(name), Some(ns)) = (sj.metadata.name.as_deref(), sj.metadata.namespace.as_deref()) else { return };
+    let message: String = format!("reconcile failed ({}): {error}", error.category()).chars().take(1000).collect();
+    let old = sj.status.clone().unwrap_or_default();
+    if degraded_message(&old) == Some(message.as_str()) {
+        return;
     }
-    Ok(match p.requeue_after_ms {
-        Some(ms) => Requeue::requeue(Duration::from_millis(ms.max(200))),
-        None if new_status.phase == Some(Phase::Running) => Requeue::requeue(ctx.settings.status_refresh),
-        None => Requeue::requeue(Duration::from_secs(60)),
-    })
+    publish(ctx, sj, name, true, EventReason::ReconcileFailed, &message).await;
+    let generation = sj.metadata.generation.unwrap_or(0);
+    let mut conditions: Vec<Condition> = old.conditions.iter().filter(|c| c.type_ != "Degraded").cloned().collect();
+    conditions.push(condition(
+        "Degraded",
+        true,
+        EventReason::ReconcileFailed.as_str(),
+        message,
+        generation,
+        &old.conditions,
+    ));
+    let patch = serde_json::json!({ "status": { "conditions": conditions } });
+    let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), ns);
+    if let Err(e) = api.patch_status(name, &PatchParams::default(), &Patch::Merge(patch)).await {
+        tracing::warn!(job = %name, error = %e, "could not report the failed reconcile in status");
+    }
 }
 
 /// The job's control API base URL: the annotation override, else by Service or pod IP.
@@ -513,7 +708,7 @@ async fn token(ctx: &Context, sj: &StreamJob, ns: &str, name: &str, key: &str) -
 
 /// Opens a job's checkpoint storage on demand, with the keys of its credentials Secret.
 struct StorageAccess<'a> {
-    client: &'a kube::Client,
+    client: kube::Client,
     sj: &'a StreamJob,
     ns: &'a str,
     root: &'a str,
@@ -527,7 +722,7 @@ impl StorageAccess<'_> {
             let found = secrets
                 .get(&secret.name)
                 .await
-                .map_err(|e| ReconcileError::CredentialsSecret { name: secret.name.clone(), reason: e.to_string() })?;
+                .map_err(|source| ReconcileError::CredentialsSecret { name: secret.name.clone(), source })?;
             for (k, v) in found.data.unwrap_or_default() {
                 env.push((k, String::from_utf8_lossy(&v.0).to_string()));
             }
@@ -548,7 +743,7 @@ async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &st
             return Ok(t);
         }
     }
-    let token = random_token();
+    let token = random_token()?;
     let mut secret = Secret {
         metadata: kube::api::ObjectMeta {
             name: Some(secret_name.clone()),
@@ -568,25 +763,6 @@ async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &st
         }
         Err(e) => Err(e.into()),
     }
-}
-
-async fn job_graph(client: &kube::Client, sj: &StreamJob, ns: &str) -> Result<JobGraph, ReconcileError> {
-    if let Some(inline) = &sj.spec.job.inline {
-        return Ok(inline.clone());
-    }
-    let r = sj.spec.job.config_map_ref.clone().unwrap_or_default();
-    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
-    let cm = cms
-        .get(&r.name)
-        .await
-        .map_err(|e| ReconcileError::JobConfigMap { name: r.name.clone(), reason: e.to_string() })?;
-    let text = cm
-        .data
-        .and_then(|d| d.get(&r.key).cloned())
-        .ok_or_else(|| ReconcileError::JobConfigMap { name: r.name.clone(), reason: format!("no key `{}`", r.key) })?;
-    let spec = weir_crds::JobSpec::from_yaml(&text)
-        .map_err(|e| ReconcileError::JobConfigMap { name: r.name.clone(), reason: e.to_string() })?;
-    Ok(JobGraph { sources: spec.sources, operators: spec.operators, sinks: spec.sinks })
 }
 
 fn condition(
@@ -679,7 +855,7 @@ pub fn status_from(
     p: &Plan,
     generation: i64,
     request_id: Option<u64>,
-    invalid: bool,
+    invalid: Option<inputs::InvalidReason>,
 ) -> StreamJobStatus {
     let s = &p.state;
     let phase = s.phase.unwrap_or(Phase::Deploying);
@@ -710,8 +886,8 @@ pub fn status_from(
         condition(
             "Degraded",
             p.degraded.is_some(),
-            if invalid {
-                "InvalidJob"
+            if let Some(reason) = invalid {
+                reason.event_reason().as_str()
             } else if p.degraded.is_some() {
                 "NeedsAttention"
             } else {
@@ -755,11 +931,9 @@ pub fn status_from(
 
 fn error_policy(sj: Arc<StreamJob>, error: &ReconcileError, _ctx: Arc<Context>) -> Requeue {
     tracing::warn!(job = %sj.name_any(), category = error.category(), %error, "reconcile failed");
-    // Transient API or storage trouble retries soon; a broken job graph ConfigMap waits longer.
+    // Transient API or storage trouble retries soon; what needs a change to the object waits.
     match error {
-        ReconcileError::JobConfigMap { .. } | ReconcileError::Metadata(_) | ReconcileError::Build(_) => {
-            Requeue::requeue(Duration::from_secs(60))
-        }
+        ReconcileError::Metadata(_) | ReconcileError::Build(_) => Requeue::requeue(Duration::from_secs(60)),
         _ => Requeue::requeue(Duration::from_secs(5)),
     }
 }

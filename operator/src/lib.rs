@@ -10,6 +10,7 @@
 pub mod children;
 pub mod control_client;
 pub mod controller;
+pub mod inputs;
 pub mod leader;
 pub mod metrics;
 pub mod observe;

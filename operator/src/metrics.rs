@@ -70,6 +70,34 @@ impl OperatorMetrics {
         Self::bump(&self.savepoints, outcome);
     }
 
+    /// Counts what an event on a StreamJob says happened (savepoints, relaunches, kills).
+    pub fn event(&self, reason: crate::plan::EventReason) {
+        use crate::plan::EventReason as R;
+        match reason {
+            R::SavepointCompleted => self.savepoint("completed"),
+            R::SavepointFailedPodsKilled => {
+                self.savepoint("failed");
+                self.kills.fetch_add(1, Ordering::Relaxed);
+            }
+            R::SavepointFailed | R::UpgradeSavepointFailed => self.savepoint("failed"),
+            R::Relaunching => {
+                self.relaunches.fetch_add(1, Ordering::Relaxed);
+            }
+            R::Deploying
+            | R::Upgrading
+            | R::Upgraded
+            | R::SavepointRequested
+            | R::RelaunchLimitReached
+            | R::CheckpointTooOld
+            | R::OutputSuperseded
+            | R::InvalidJob
+            | R::MissingConfigMap
+            | R::MissingSecret
+            | R::MissingSavepoint
+            | R::ReconcileFailed => {}
+        }
+    }
+
     /// Records a job's phase (`None` when the job is gone).
     pub fn phase(&self, job: String, phase: Option<String>) {
         let mut phases = self.phases.lock().unwrap_or_else(|e| e.into_inner());

@@ -135,13 +135,78 @@ pub enum Action {
     },
 }
 
+/// The reason of an event on a StreamJob: the planner's transitions, and what the controller
+/// reports around them. Metrics count by it; `as_str` is the Event's reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventReason {
+    /// Pods are being created (first deploy, resume, relaunch).
+    Deploying,
+    /// A spec change is being applied.
+    Upgrading,
+    /// The new spec is running.
+    Upgraded,
+    /// A savepoint was requested from the runtime.
+    SavepointRequested,
+    /// A savepoint completed.
+    SavepointCompleted,
+    /// A savepoint failed; the job keeps running.
+    SavepointFailed,
+    /// The savepoint of a cancel or suspend failed or timed out: the pods were killed.
+    SavepointFailedPodsKilled,
+    /// The savepoint before an upgrade failed: the previous spec keeps running.
+    UpgradeSavepointFailed,
+    /// The job failed and is relaunched from its newest valid checkpoint.
+    Relaunching,
+    /// The job failed more often than `relaunch.limit`.
+    RelaunchLimitReached,
+    /// The newest checkpoint is older than `relaunch.maxCheckpointAge`.
+    CheckpointTooOld,
+    /// A restore moved published output outside the restored history under `_superseded/`.
+    OutputSuperseded,
+    /// The spec or job graph breaks a rule.
+    InvalidJob,
+    /// A referenced ConfigMap or key is missing.
+    MissingConfigMap,
+    /// The credentials Secret is missing.
+    MissingSecret,
+    /// The initial savepoint is missing.
+    MissingSavepoint,
+    /// A reconcile failed (API or storage error); it is retried.
+    ReconcileFailed,
+}
+
+impl EventReason {
+    /// The CamelCase reason written on the Event.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventReason::Deploying => "Deploying",
+            EventReason::Upgrading => "Upgrading",
+            EventReason::Upgraded => "Upgraded",
+            EventReason::SavepointRequested => "SavepointRequested",
+            EventReason::SavepointCompleted => "SavepointCompleted",
+            EventReason::SavepointFailed => "SavepointFailed",
+            EventReason::SavepointFailedPodsKilled => "SavepointFailedPodsKilled",
+            EventReason::UpgradeSavepointFailed => "UpgradeSavepointFailed",
+            EventReason::Relaunching => "Relaunching",
+            EventReason::RelaunchLimitReached => "RelaunchLimitReached",
+            EventReason::CheckpointTooOld => "CheckpointTooOld",
+            EventReason::OutputSuperseded => "OutputSuperseded",
+            EventReason::InvalidJob => "InvalidJob",
+            EventReason::MissingConfigMap => "MissingConfigMap",
+            EventReason::MissingSecret => "MissingSecret",
+            EventReason::MissingSavepoint => "MissingSavepoint",
+            EventReason::ReconcileFailed => "ReconcileFailed",
+        }
+    }
+}
+
 /// An event to record on the StreamJob.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlannedEvent {
     /// Warning (true) or Normal.
     pub warning: bool,
-    /// CamelCase reason.
-    pub reason: &'static str,
+    /// Why: the event's reason, and what metrics count.
+    pub reason: EventReason,
     /// What happened and why.
     pub message: String,
 }
@@ -162,7 +227,7 @@ pub struct Plan {
 }
 
 impl Plan {
-    fn event(&mut self, warning: bool, reason: &'static str, message: impl Into<String>) {
+    fn event(&mut self, warning: bool, reason: EventReason, message: impl Into<String>) {
         self.events.push(PlannedEvent { warning, reason, message: message.into() });
     }
 }
@@ -253,7 +318,7 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             p.state.phase = Some(stopping);
             p.event(
                 false,
-                "SavepointRequested",
+                EventReason::SavepointRequested,
                 format!("taking a savepoint to {}", if kind == OperationKind::Suspend { "suspend" } else { "cancel" }),
             );
             p.requeue_after_ms = Some(POLL_MS);
@@ -282,14 +347,14 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             p.actions.push(Action::Deploy { restore_from: up.restore_from.clone(), mode });
             p.event(
                 false,
-                "Deploying",
+                EventReason::Deploying,
                 format!("deploying generation {} from {}", up.target_generation, describe(&up.restore_from, mode)),
             );
             p.requeue_after_ms = Some(WATCH_MS);
         } else if matches!(obs.pods, PodsPhase::Running) {
             p.state.pending_upgrade = None;
             p.state.phase = Some(Phase::Running);
-            p.event(false, "Upgraded", format!("generation {} is running", up.target_generation));
+            p.event(false, EventReason::Upgraded, format!("generation {} is running", up.target_generation));
         } else {
             p.requeue_after_ms = Some(WATCH_MS);
         }
@@ -317,7 +382,7 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             p.actions.push(Action::Deploy { restore_from: restore.clone(), mode });
             p.state.phase = Some(Phase::Deploying);
             p.state.recovery_point = None;
-            p.event(false, "Deploying", format!("deploying from {}", describe(&restore, mode)));
+            p.event(false, EventReason::Deploying, format!("deploying from {}", describe(&restore, mode)));
             p.requeue_after_ms = Some(WATCH_MS);
         }
         PodsPhase::Succeeded => {
@@ -346,7 +411,7 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
                 p.actions.push(Action::RequestSavepoint { stop: false });
                 p.event(
                     false,
-                    "SavepointRequested",
+                    EventReason::SavepointRequested,
                     if nonce_changed { "savepoint.triggerNonce changed" } else { "periodic savepoint due" },
                 );
                 p.requeue_after_ms = Some(POLL_MS);
@@ -405,7 +470,7 @@ fn start_upgrade(desired: &Desired<'_>, obs: &Observation, p: &mut Plan) {
             });
             p.event(
                 false,
-                "SavepointRequested",
+                EventReason::SavepointRequested,
                 format!("spec changed (generation {}): stopping with a savepoint", desired.generation),
             );
             p.requeue_after_ms = Some(POLL_MS);
@@ -425,7 +490,7 @@ fn start_upgrade(desired: &Desired<'_>, obs: &Observation, p: &mut Plan) {
             });
             p.event(
                 false,
-                "Upgrading",
+                EventReason::Upgrading,
                 format!(
                     "spec changed (generation {}): redeploying ({:?})",
                     desired.generation, desired.spec.upgrade_mode
@@ -442,7 +507,7 @@ fn relaunch(desired: &Desired<'_>, current: &PlanState, obs: &Observation, reaso
         p.state.phase = Some(Phase::Failed);
         p.degraded = Some(format!("the job failed ({reason}) and the relaunch limit ({}) is reached", policy.limit));
         if current.phase != Some(Phase::Failed) {
-            p.event(true, "RelaunchLimitReached", p.degraded.clone().unwrap_or_default());
+            p.event(true, EventReason::RelaunchLimitReached, p.degraded.clone().unwrap_or_default());
         }
         return;
     }
@@ -458,7 +523,7 @@ fn relaunch(desired: &Desired<'_>, current: &PlanState, obs: &Observation, reaso
                 age / 1000
             ));
             if current.phase != Some(Phase::Degraded) {
-                p.event(true, "CheckpointTooOld", p.degraded.clone().unwrap_or_default());
+                p.event(true, EventReason::CheckpointTooOld, p.degraded.clone().unwrap_or_default());
             }
             return;
         }
@@ -499,7 +564,7 @@ fn relaunch(desired: &Desired<'_>, current: &PlanState, obs: &Observation, reaso
     if !skipped.is_empty() {
         msg.push_str(&format!(", skipping invalid checkpoint(s) {}", skipped.join(", ")));
     }
-    p.event(true, "Relaunching", msg);
+    p.event(true, EventReason::Relaunching, msg);
     p.requeue_after_ms = Some(0);
 }
 
@@ -527,7 +592,7 @@ fn continue_operation(
             p.state.last_savepoint_ms = Some(obs.now_ms);
             p.state.savepoint_history.insert(0, (sp.clone(), obs.now_ms));
             trim_history(spec, obs.now_ms, &mut p);
-            p.event(false, "SavepointCompleted", format!("savepoint {} taken", sp.path));
+            p.event(false, EventReason::SavepointCompleted, format!("savepoint {} taken", sp.path));
             match op.kind {
                 OperationKind::Savepoint => {}
                 OperationKind::Upgrade => {
@@ -563,7 +628,7 @@ fn continue_operation(
                         Some(if kind == OperationKind::Suspend { Phase::Suspending } else { Phase::Cancelling });
                     p.event(
                         true,
-                        "SavepointFailedPodsKilled",
+                        EventReason::SavepointFailedPodsKilled,
                         format!(
                             "savepoint failed ({reason}): pods killed; the job resumes from {}",
                             describe(&recovery, RestoreMode::Latest)
@@ -578,11 +643,11 @@ fn continue_operation(
                          the previous spec keeps running",
                         desired.generation
                     ));
-                    p.event(true, "UpgradeSavepointFailed", p.degraded.clone().unwrap_or_default());
+                    p.event(true, EventReason::UpgradeSavepointFailed, p.degraded.clone().unwrap_or_default());
                 }
                 _ => {
                     p.state.phase = Some(Phase::Running);
-                    p.event(true, "SavepointFailed", format!("savepoint failed: {reason}"));
+                    p.event(true, EventReason::SavepointFailed, format!("savepoint failed: {reason}"));
                 }
             }
         }
@@ -900,7 +965,9 @@ mod tests {
         assert_eq!(p2.actions, vec![Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) }]);
         assert_eq!(p2.state.recovery_point, Some(snap(11)), "the newest *valid* checkpoint");
         assert!(
-            p2.events.iter().any(|e| e.reason == "SavepointFailedPodsKilled" && e.message.contains("chk-11")),
+            p2.events
+                .iter()
+                .any(|e| e.reason == EventReason::SavepointFailedPodsKilled && e.message.contains("chk-11")),
             "{:?}",
             p2.events
         );

@@ -167,7 +167,7 @@ async fn lifecycle_against_a_real_api_server() {
     })
     .await;
     assert_eq!(degraded.reason, "InvalidJob");
-    assert!(degraded.message.contains("job.operators[1].uid: required"), "{}", degraded.message);
+    assert!(degraded.message.contains("spec.job.inline.operators[1].uid: required"), "{}", degraded.message);
     assert!(pods.get_opt("broken-runtime-0").await.unwrap().is_none(), "an invalid job is not deployed");
 
     // Deleting a running job: the finalizer holds it until it is stopped; the savepoint cannot

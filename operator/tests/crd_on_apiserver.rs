@@ -82,6 +82,37 @@ async fn invalid_manifests_are_refused_with_field_and_reason() {
         ),
         ("type: tumbling", "type: hopping", "spec.job.inline.operators[1].window.type"),
         ("{ fn: count, as: n }", "{ fn: median, as: n }", "fn"),
+        // What kubectl sends for an unquoted `as: n` (YAML 1.1 reads it as a boolean): refused
+        // as a type error naming the field and "boolean" (README, "YAML 1.1 and field names").
+        ("{ fn: count, as: n }", "{ fn: count, as: false }", "spec.job.inline.operators[1].window.aggregates[0].as"),
+        ("{ fn: count, as: n }", "{ fn: count, as: false }", "must be of type string: \"boolean\""),
+        (
+            "{ name: a, sequence: {} }",
+            "{ name: true, sequence: {} }",
+            "spec.job.inline.sources[0].generator.fields[0].name",
+        ),
+        (
+            "  image: weir-runtime:dev\n",
+            "  image: \"\"\n",
+            "spec.image: Invalid value: \"\": must name the runtime image",
+        ),
+        (
+            "  savepoint: { timeout: 2m }",
+            "  savepoint: { timeout: 0s }",
+            "spec.savepoint.timeout: Invalid value: \"0s\": must be > 0",
+        ),
+        ("  savepoint: { timeout: 2m }", "  savepoint: { timeout: \"0\" }", "spec.savepoint.timeout"),
+        (
+            "checkpointing: { interval: 5s,",
+            "checkpointing: { timeout: 0ms, interval: 5s,",
+            "spec.checkpointing.timeout",
+        ),
+        ("relaunch: { backoff: 10s,", "relaunch: { backoff: 10s, maxBackoff: 5s,", "maxBackoff must be >= backoff"),
+        (
+            "relaunch: { backoff: 10s,",
+            "relaunch: { maxCheckpointAge: 0s, backoff: 10s,",
+            "spec.relaunch.maxCheckpointAge",
+        ),
     ];
     assert!(cases.len() >= 15);
     for (i, (from, to, expected)) in cases.iter().enumerate() {
@@ -93,6 +124,28 @@ async fn invalid_manifests_are_refused_with_field_and_reason() {
             }
             other => panic!("case {i} (`{to}`) was not refused: {other:?}"),
         }
+    }
+
+    // Names: the job's Service `<name>-control` must be a DNS label, so at most 55 characters,
+    // starting with a letter, no dots. The longest allowed name is accepted.
+    let longest = "j".repeat(weir_crds::streamjob::MAX_NAME_LEN);
+    api.create(&PostParams::default(), &manifest(&longest, "", "")).await.expect("a 55-character name");
+    for name in ["j".repeat(weir_crds::streamjob::MAX_NAME_LEN + 1), "1job".into(), "my.job".into()] {
+        match api.create(&PostParams::default(), &manifest(&name, "", "")).await {
+            Err(kube::Error::Api(e)) => {
+                assert!(
+                    e.code == 422 && e.message.contains("metadata.name must be at most 55"),
+                    "{name}: {}",
+                    e.message
+                )
+            }
+            other => panic!("name `{name}` was not refused: {other:?}"),
+        }
+        let stored = serde_yaml::from_str::<StreamJob>(&VALID.replace("NAME", &name)).unwrap();
+        assert!(
+            weir_crds::streamjob::spec_violations(&name, &stored.spec).iter().any(|v| v.path == "metadata.name"),
+            "the operator's own check refuses `{name}` too"
+        );
     }
 
     // maxParallelism is immutable once set.

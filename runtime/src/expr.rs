@@ -1,36 +1,19 @@
-//! CEL expressions over a record's fields, compiled once per operator.
-//!
-//! The environment is CEL's standard library plus its `strings`, `lists` and `math` extensions
-//! (`lowerAscii`, `split`, `join`, ...). An expression sees every field of the input record as
-//! a variable of the same name.
+//! CEL expressions over a record's fields, compiled once per operator (by
+//! [`weir_crds::expr::compile`], which validation runs too) and evaluated here.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use cel::{Context, Env, Program};
+use cel::{Context, Program};
+pub use weir_crds::expr::CompileError;
 
 use crate::value::{Record, Value};
 
 /// Why an expression could not be compiled or evaluated.
 #[derive(Debug, thiserror::Error)]
 pub enum ExprError {
-    /// Parse or check failure, with the expression's text.
-    #[error("CEL expression `{expr}` does not compile: {reason}")]
-    Compile {
-        /// The expression.
-        expr: String,
-        /// The parser's message.
-        reason: String,
-    },
-    /// A variable that is not a field of the input.
-    #[error("CEL expression `{expr}` uses `{name}`, which is not an input field (fields: {fields})")]
-    UnknownVariable {
-        /// The expression.
-        expr: String,
-        /// The unknown name.
-        name: String,
-        /// The input fields.
-        fields: String,
-    },
+    /// It does not compile against its input.
+    #[error(transparent)]
+    Compile(#[from] CompileError),
     /// Evaluation failed on a record.
     #[error("CEL expression `{expr}` failed: {reason}")]
     Eval {
@@ -39,19 +22,6 @@ pub enum ExprError {
         /// What went wrong.
         reason: String,
     },
-}
-
-fn env() -> Arc<Env> {
-    static ENV: OnceLock<Arc<Env>> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let mut env = Env::stdlib();
-        // The extensions are part of cel; failing to add them is a programming error.
-        env.add_extension(cel::extensions::strings).expect("CEL strings extension");
-        env.add_extension(cel::extensions::lists).expect("CEL lists extension");
-        env.add_extension(cel::extensions::math).expect("CEL math extension");
-        Arc::new(env)
-    })
-    .clone()
 }
 
 /// A compiled expression bound to an input schema.
@@ -72,23 +42,8 @@ impl std::fmt::Debug for Expr {
 impl Expr {
     /// Compiles `text` against the fields of `schema`.
     pub fn compile(text: &str, schema: &[String]) -> Result<Expr, ExprError> {
-        let env = env();
-        let program =
-            env.compile(text).map_err(|e| ExprError::Compile { expr: text.to_string(), reason: e.to_string() })?;
-        let mut inputs = Vec::new();
-        for name in program.references().variables() {
-            match schema.iter().position(|f| f == name) {
-                Some(pos) => inputs.push((pos, name.to_string())),
-                None => {
-                    return Err(ExprError::UnknownVariable {
-                        expr: text.to_string(),
-                        name: name.to_string(),
-                        fields: schema.join(", "),
-                    })
-                }
-            }
-        }
-        Ok(Expr { text: text.to_string(), program, inputs, root: Context::with_env(env) })
+        let weir_crds::expr::Compiled { program, inputs } = weir_crds::expr::compile(text, schema)?;
+        Ok(Expr { text: text.to_string(), program, inputs, root: Context::with_env(weir_crds::expr::env()) })
     }
 
     /// Evaluates the expression on a record.
@@ -179,7 +134,7 @@ mod tests {
     #[test]
     fn reports_compile_errors_and_unknown_fields() {
         let schema = vec!["a".to_string()];
-        assert!(matches!(Expr::compile("a +", &schema), Err(ExprError::Compile { .. })));
+        assert!(matches!(Expr::compile("a +", &schema), Err(ExprError::Compile(CompileError::Syntax { .. }))));
         let err = Expr::compile("b + 1", &schema).unwrap_err().to_string();
         assert!(err.contains("`b`") && err.contains("fields: a"), "{err}");
     }

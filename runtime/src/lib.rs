@@ -38,39 +38,5 @@ pub fn io() -> &'static tokio::runtime::Runtime {
 /// expressions that do not compile.
 pub fn load_job(text: &str) -> Result<weir_crds::ValidatedJob, String> {
     let spec = weir_crds::JobSpec::from_yaml(text).map_err(|e| e.to_string())?;
-    let job = weir_crds::validate(&spec).map_err(|e| e.to_string())?;
-    check_expressions(&job).map_err(|v| v.join("\n"))?;
-    Ok(job)
-}
-
-fn check_expressions(job: &weir_crds::ValidatedJob) -> Result<(), Vec<String>> {
-    use weir_crds::validate::NodeKind;
-    let mut errors = Vec::new();
-    for node in &job.nodes {
-        let input: &[String] = node.inputs.first().map(|&i| job.nodes[i].schema.as_slice()).unwrap_or(&[]);
-        let mut check = |path: String, text: &str| {
-            if let Err(e) = expr::Expr::compile(text, input) {
-                errors.push(format!("{path}: {e}"));
-            }
-        };
-        match &node.kind {
-            NodeKind::Map(m) => {
-                for (name, text) in &m.fields.0 {
-                    check(format!("{}.map.fields.{name}", node.path), text);
-                }
-            }
-            NodeKind::Filter(f) => check(format!("{}.filter.expr", node.path), &f.expr),
-            NodeKind::FlatMap(f) => {
-                if let Some(e) = &f.expr {
-                    check(format!("{}.flatMap.expr", node.path), e);
-                }
-            }
-            _ => {}
-        }
-    }
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(errors)
-    }
+    weir_crds::validate(&spec).map_err(|e| e.to_string())
 }

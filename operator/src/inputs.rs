@@ -1,0 +1,222 @@
+//! The validate step of a reconcile: reads what a StreamJob refers to (the job graph's
+//! ConfigMap, the credentials Secret, the initial savepoint) and checks the whole job as the
+//! runtime would, CEL expressions included. The outcome is the job file to deploy, or an
+//! [`Invalid`] naming the field and the reason: the job is then reported Degraded and nothing is
+//! deployed (a missing reference is not an error to retry in a loop, but an input a person
+//! fixes; the watch on the StreamJob, and a slow requeue for referenced objects, pick up the fix).
+
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::Api;
+use weir_checkpoint::Storage;
+use weir_crds::streamjob::{JobGraph, StreamJob};
+
+use crate::children;
+use crate::plan::EventReason;
+
+/// Why a StreamJob cannot be deployed as it stands. The reason is the Degraded condition's
+/// reason and the Warning event's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InvalidReason {
+    /// The spec or the job graph breaks a rule (field path in the message).
+    InvalidJob,
+    /// `spec.job.configMapRef` names a ConfigMap (or key) that does not exist.
+    MissingConfigMap,
+    /// `spec.checkpointing.credentialsSecret` names a Secret that does not exist.
+    MissingSecret,
+    /// `spec.initialSavepoint` names a path holding no savepoint.
+    MissingSavepoint,
+}
+
+impl InvalidReason {
+    /// The Degraded condition's reason and the Warning event's.
+    pub fn event_reason(self) -> EventReason {
+        match self {
+            InvalidReason::InvalidJob => EventReason::InvalidJob,
+            InvalidReason::MissingConfigMap => EventReason::MissingConfigMap,
+            InvalidReason::MissingSecret => EventReason::MissingSecret,
+            InvalidReason::MissingSavepoint => EventReason::MissingSavepoint,
+        }
+    }
+}
+
+/// A StreamJob that cannot be deployed: why, and a message naming the field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Invalid {
+    /// The class of problem.
+    pub reason: InvalidReason,
+    /// `<field path>: <what is wrong>`, one line per problem.
+    pub message: String,
+}
+
+impl Invalid {
+    fn new(reason: InvalidReason, message: impl Into<String>) -> Invalid {
+        Invalid { reason, message: message.into() }
+    }
+}
+
+/// A read of a referenced object failed for a reason other than its absence (a transient API
+/// error, or storage that cannot be reached): retried with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum InputsError {
+    /// Reading the ConfigMap or Secret failed.
+    #[error("reading {what}: {source}")]
+    Read {
+        /// The object, e.g. `ConfigMap jobs`.
+        what: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The storage holding the initial savepoint could not be read.
+    #[error("reading the initial savepoint {path}: {source}")]
+    Savepoint {
+        /// The savepoint path.
+        path: String,
+        /// The storage error.
+        #[source]
+        source: weir_checkpoint::StorageError,
+    },
+    /// The job file could not be rendered.
+    #[error(transparent)]
+    Build(#[from] children::BuildError),
+}
+
+/// The job file to deploy, or why the job cannot be deployed.
+pub type Verdict = Result<String, Invalid>;
+
+/// Validates a StreamJob and what it refers to. `first_deploy`: no run has started yet, so the
+/// initial savepoint (if any) is what the first pod will restore, and it must exist.
+pub async fn validate(
+    client: &kube::Client,
+    sj: &StreamJob,
+    ns: &str,
+    storage_root: &str,
+    first_deploy: bool,
+) -> Result<Verdict, InputsError> {
+    let name = sj.metadata.name.as_deref().unwrap_or_default();
+    let spec_problems = weir_crds::streamjob::spec_violations(name, &sj.spec);
+    if !spec_problems.is_empty() {
+        let lines: Vec<String> = spec_problems.iter().map(ToString::to_string).collect();
+        return Ok(Err(Invalid::new(InvalidReason::InvalidJob, lines.join("\n"))));
+    }
+    let graph = match job_graph(client, sj, ns).await? {
+        Ok(graph) => graph,
+        Err(invalid) => return Ok(Err(invalid)),
+    };
+    let job_yaml = children::job_file(sj, &graph, storage_root)?;
+    let checked = match weir_crds::JobSpec::from_yaml(&job_yaml) {
+        Ok(spec) => weir_crds::validate(&spec).map(|_| ()).map_err(|errors| {
+            let lines: Vec<String> =
+                errors.0.iter().map(|v| format!("{}: {}", manifest_path(&v.path, sj), v.message)).collect();
+            lines.join("\n")
+        }),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(problems) = checked {
+        return Ok(Err(Invalid::new(InvalidReason::InvalidJob, problems)));
+    }
+    let mut env = Vec::new();
+    if let Some(secret) = sj.spec.checkpointing.credentials_secret.as_ref().map(|r| r.name.as_str()) {
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+        let found = secrets
+            .get_opt(secret)
+            .await
+            .map_err(|source| InputsError::Read { what: format!("Secret {secret}"), source })?;
+        let Some(found) = found else {
+            return Ok(Err(Invalid::new(
+                InvalidReason::MissingSecret,
+                format!("spec.checkpointing.credentialsSecret.name: Secret `{secret}` not found in namespace {ns}"),
+            )));
+        };
+        env = found
+            .data
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into()))
+            .collect();
+    }
+    if let (true, Some(path)) = (first_deploy, &sj.spec.initial_savepoint) {
+        let found = savepoint_exists(path, &env)
+            .await
+            .map_err(|source| InputsError::Savepoint { path: path.clone(), source })?;
+        if !found {
+            return Ok(Err(Invalid::new(
+                InvalidReason::MissingSavepoint,
+                format!("spec.initialSavepoint: no savepoint or checkpoint at {path} (it has no _metadata)"),
+            )));
+        }
+    }
+    Ok(Ok(job_yaml))
+}
+
+/// The job graph: inline, or from its ConfigMap key.
+async fn job_graph(client: &kube::Client, sj: &StreamJob, ns: &str) -> Result<Result<JobGraph, Invalid>, InputsError> {
+    if let Some(inline) = &sj.spec.job.inline {
+        return Ok(Ok(inline.clone()));
+    }
+    let r = sj.spec.job.config_map_ref.clone().unwrap_or_default();
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    let cm = cms
+        .get_opt(&r.name)
+        .await
+        .map_err(|source| InputsError::Read { what: format!("ConfigMap {}", r.name), source })?;
+    let Some(cm) = cm else {
+        return Ok(Err(Invalid::new(
+            InvalidReason::MissingConfigMap,
+            format!("spec.job.configMapRef.name: ConfigMap `{}` not found in namespace {ns}", r.name),
+        )));
+    };
+    let Some(text) = cm.data.and_then(|d| d.get(&r.key).cloned()) else {
+        return Ok(Err(Invalid::new(
+            InvalidReason::MissingConfigMap,
+            format!("spec.job.configMapRef.key: ConfigMap `{}` has no key `{}`", r.name, r.key),
+        )));
+    };
+    Ok(match weir_crds::JobSpec::from_yaml(&text) {
+        Ok(spec) => Ok(JobGraph { sources: spec.sources, operators: spec.operators, sinks: spec.sinks }),
+        Err(e) => Err(Invalid::new(
+            InvalidReason::InvalidJob,
+            format!("spec.job.configMapRef: ConfigMap `{}` key `{}` is not a job file: {e}", r.name, r.key),
+        )),
+    })
+}
+
+/// Whether `path` holds a complete savepoint or checkpoint (its `_metadata`).
+async fn savepoint_exists(path: &str, env: &[(String, String)]) -> Result<bool, weir_checkpoint::StorageError> {
+    let storage = Storage::open_with_env(path, env)?;
+    Ok(storage.size(weir_checkpoint::layout::METADATA).await?.is_some())
+}
+
+/// Where a job-file field path (`job.operators[0].filter.expr`) is in the StreamJob: under
+/// `spec.job.inline`, or in the ConfigMap key; settings the operator renders come from `spec`.
+pub fn manifest_path(path: &str, sj: &StreamJob) -> String {
+    let rest = path.strip_prefix("job.").unwrap_or(path);
+    let graph = ["sources", "operators", "sinks"].iter().any(|g| rest.starts_with(g));
+    match (&sj.spec.job.config_map_ref, graph) {
+        (Some(r), true) => format!("ConfigMap {} key {}: {rest}", r.name, r.key),
+        (None, true) => format!("spec.job.inline.{rest}"),
+        (_, false) if rest == "name" => "metadata.name".to_string(),
+        (_, false) => format!("spec.{rest}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_file_paths_name_the_manifest_field() {
+        let inline: StreamJob = serde_yaml::from_str(
+            "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: { name: j }\nspec: { image: i, parallelism: 1, job: { inline: { sources: [], sinks: [] } } }",
+        )
+        .unwrap();
+        let from_cm: StreamJob = serde_yaml::from_str(
+            "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: { name: j }\nspec: { image: i, parallelism: 1, job: { configMapRef: { name: jobs } } }",
+        )
+        .unwrap();
+        assert_eq!(manifest_path("job.operators[0].filter.expr", &inline), "spec.job.inline.operators[0].filter.expr");
+        assert_eq!(manifest_path("job.sinks[1].uid", &from_cm), "ConfigMap jobs key job.yaml: sinks[1].uid");
+        assert_eq!(manifest_path("job.checkpointing.interval", &from_cm), "spec.checkpointing.interval");
+        assert_eq!(manifest_path("job.name", &inline), "metadata.name");
+    }
+}

@@ -1,0 +1,141 @@
+//! Bad input the API server accepts (it cannot see other objects or compile CEL), refused by
+//! the operator before it creates anything: each class is reported in status within seconds,
+//! Degraded with a reason and the field, with a Warning event, and no pod. A reconcile that
+//! fails on an API error says so in status too. Real API server, real operator.
+
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, ResourceQuota};
+use kube::api::{Api, PostParams};
+use weir_crds::StreamJob;
+use weir_e2e::apiserver::TestApiServer;
+use weir_operator::controller::{run, Settings};
+
+mod common;
+use common::eventually;
+
+/// A StreamJob named `name`, with `extra` spec lines and `job` as its `job:` block.
+fn job(name: &str, extra: &str, job: &str) -> StreamJob {
+    let text = format!(
+        "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: {{ name: {name} }}\nspec:\n  image: weir-runtime:dev\n  \
+         parallelism: 1\n{extra}  job:\n{job}"
+    );
+    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+const GRAPH: &str = "    inline:
+      sources: [ { name: events, uid: events, generator: { count: 10, fields: [ { name: k, modulo: 4 } ] } } ]
+      operators: [ { name: small, filter: { expr: \"k < 2\" } } ]
+      sinks: [ { name: out, stdout: {} } ]
+";
+
+/// Waits until the job is Degraded with `reason`, and returns the condition's message.
+async fn degraded(jobs: &Api<StreamJob>, name: &str, reason: &str) -> String {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let status = jobs.get(name).await.unwrap().status;
+        let found =
+            status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == "Degraded" && c.status == "True"));
+        match found {
+            Some(c) if c.reason == reason => return c.message.clone(),
+            _ if tokio::time::Instant::now() > deadline => panic!("{name} not Degraded with {reason}: {status:?}"),
+            _ => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+        }
+    }
+}
+
+async fn warning_event(client: &kube::Client, ns: &str, name: &str, reason: &str) -> String {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
+    eventually(&format!("a {reason} event on {name}"), 20, || async {
+        events.list(&Default::default()).await.unwrap().items.into_iter().find_map(|e| {
+            let about = e.regarding.as_ref()?.name.as_deref() == Some(name);
+            (about && e.reason.as_deref() == Some(reason) && e.type_.as_deref() == Some("Warning"))
+                .then_some(e.note)
+                .flatten()
+        })
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_class_of_bad_input_is_reported_with_its_field_and_nothing_is_deployed() {
+    let ns = "bad-input";
+    let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
+    let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let controller = tokio::spawn(run(client.clone(), Settings::new(state.path().display().to_string())));
+    let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pp = PostParams::default();
+
+    let cases: Vec<(StreamJob, &str, &str)> = vec![
+        // CEL is compiled by the operator, not first by the crashing runtime.
+        (
+            job("cel", "", &GRAPH.replace("k < 2", "k <")),
+            "InvalidJob",
+            "spec.job.inline.operators[0].filter.expr: CEL expression `k <` does not compile",
+        ),
+        (
+            job("cel-field", "", &GRAPH.replace("k < 2", "price < 2")),
+            "InvalidJob",
+            "spec.job.inline.operators[0].filter.expr: CEL expression `price < 2` uses `price`",
+        ),
+        (
+            job("no-configmap", "", "    configMapRef: { name: nowhere }\n"),
+            "MissingConfigMap",
+            "spec.job.configMapRef.name: ConfigMap `nowhere` not found",
+        ),
+        (
+            job("no-secret", "  checkpointing: { credentialsSecret: { name: s3-keys } }\n", GRAPH),
+            "MissingSecret",
+            "spec.checkpointing.credentialsSecret.name: Secret `s3-keys` not found",
+        ),
+        (
+            job("no-savepoint", &format!("  initialSavepoint: {}/sp-1-7\n", state.path().display()), GRAPH),
+            "MissingSavepoint",
+            "spec.initialSavepoint: no savepoint or checkpoint at",
+        ),
+    ];
+    for (sj, _, _) in &cases {
+        jobs.create(&pp, sj).await.unwrap();
+    }
+    for (sj, reason, expected) in &cases {
+        let name = sj.metadata.name.as_deref().unwrap();
+        let message = degraded(&jobs, name, reason).await;
+        assert!(message.contains(expected), "{name}: expected `{expected}` in `{message}`");
+        assert!(warning_event(&client, ns, name, reason).await.contains(expected));
+        let status = jobs.get(name).await.unwrap().status.unwrap();
+        assert_eq!(status.phase, Some(weir_crds::streamjob::Phase::Degraded), "{name}");
+    }
+    for (sj, _, _) in &cases {
+        let name = sj.metadata.name.as_deref().unwrap();
+        assert!(pods.get_opt(&format!("{name}-runtime-0")).await.unwrap().is_none(), "{name}: a pod was created");
+    }
+
+    // Fixed, the job deploys: the ConfigMap it named now exists.
+    let cm: ConfigMap = serde_yaml::from_str(
+        "metadata: { name: nowhere }
+data:
+  job.yaml: |
+    name: x
+    sources: [ { name: events, uid: events, generator: { count: 10, fields: [ { name: k, modulo: 4 } ] } } ]
+    sinks: [ { name: out, stdout: {} } ]
+",
+    )
+    .unwrap();
+    Api::<ConfigMap>::namespaced(client.clone(), ns).create(&pp, &cm).await.unwrap();
+    eventually("the fixed job's pod", 40, || async { pods.get_opt("no-configmap-runtime-0").await.unwrap() }).await;
+
+    // A reconcile that fails on the API (pods forbidden by a quota) is reported in status and
+    // as an event, with the API's error; it is retried, and nothing else is left half done.
+    let quota: ResourceQuota =
+        serde_yaml::from_str("metadata: { name: no-pods }\nspec: { hard: { pods: \"0\" } }").unwrap();
+    let quotas = Api::<ResourceQuota>::namespaced(client.clone(), ns);
+    quotas.create(&pp, &quota).await.unwrap();
+    // No controller manager here to count usage: the status it would write, by hand.
+    let usage = serde_json::json!({ "status": { "hard": { "pods": "0" }, "used": { "pods": "0" } } });
+    quotas.patch_status("no-pods", &Default::default(), &kube::api::Patch::Merge(usage)).await.unwrap();
+    jobs.create(&pp, &job("quota", "", GRAPH)).await.unwrap();
+    let message = degraded(&jobs, "quota", "ReconcileFailed").await;
+    assert!(message.contains("kube-api") && message.contains("forbidden"), "{message}");
+    assert!(warning_event(&client, ns, "quota", "ReconcileFailed").await.contains("forbidden"));
+    assert!(pods.get_opt("quota-runtime-0").await.unwrap().is_none());
+    controller.abort();
+}
