@@ -8,7 +8,7 @@ cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-long=$(git ls-files '*.rs' | xargs awk 'length > 120 { print FILENAME ":" FNR ": " length " characters" }')
+long=$(git ls-files --cached --others --exclude-standard '*.rs' | xargs awk 'length > 120 { print FILENAME ":" FNR ": " length " characters" }')
 if [ -n "$long" ]; then
   echo "lines over 120 characters:" >&2
   echo "$long" >&2

@@ -49,8 +49,18 @@ pub fn assets() -> Result<PathBuf, ApiServerError> {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
+/// `N` distinct free loopback ports. Every listener is held until all are chosen, so no two
+/// are the same port (three separate bind-and-close calls once gave etcd's client and peer
+/// listeners one port); they close on return, just before the children bind them.
+fn free_ports<const N: usize>() -> Result<[u16; N], ApiServerError> {
+    let start = |e: std::io::Error| ApiServerError::Start(format!("choosing free ports: {e}"));
+    let listeners =
+        (0..N).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<Vec<_>, _>>().map_err(start)?;
+    let mut ports = [0; N];
+    for (port, listener) in ports.iter_mut().zip(&listeners) {
+        *port = listener.local_addr().map_err(start)?.port();
+    }
+    Ok(ports)
 }
 
 /// A running API server.
@@ -69,14 +79,15 @@ impl TestApiServer {
             .tempdir()
             .map_err(|e| ApiServerError::Start(e.to_string()))?;
         let script = repo_root().join("e2e/tools/start-apiserver.sh");
+        let [apiserver_port, etcd_port, etcd_peer_port] = free_ports()?;
         let out = Command::new("bash")
             .arg(&script)
             .arg("start")
             .arg(dir.path())
             .env("KUBEBUILDER_ASSETS", &assets)
-            .env("APISERVER_PORT", free_port().to_string())
-            .env("ETCD_PORT", free_port().to_string())
-            .env("ETCD_PEER_PORT", free_port().to_string())
+            .env("APISERVER_PORT", apiserver_port.to_string())
+            .env("ETCD_PORT", etcd_port.to_string())
+            .env("ETCD_PEER_PORT", etcd_peer_port.to_string())
             .stdin(Stdio::null())
             .output()
             .map_err(|e| ApiServerError::Start(e.to_string()))?;
@@ -177,6 +188,17 @@ impl Drop for TestApiServer {
         if let Some(mut w) = self.watchdog.take() {
             let _ = w.kill();
             let _ = w.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn free_ports_are_distinct() {
+        for _ in 0..50 {
+            let ports: [u16; 3] = super::free_ports().unwrap();
+            assert!(ports[0] != ports[1] && ports[1] != ports[2] && ports[0] != ports[2], "{ports:?}");
         }
     }
 }

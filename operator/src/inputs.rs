@@ -207,11 +207,13 @@ mod tests {
     #[test]
     fn job_file_paths_name_the_manifest_field() {
         let inline: StreamJob = serde_yaml::from_str(
-            "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: { name: j }\nspec: { image: i, parallelism: 1, job: { inline: { sources: [], sinks: [] } } }",
+            "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: { name: j }\n\
+             spec: { image: i, parallelism: 1, job: { inline: { sources: [], sinks: [] } } }",
         )
         .unwrap();
         let from_cm: StreamJob = serde_yaml::from_str(
-            "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: { name: j }\nspec: { image: i, parallelism: 1, job: { configMapRef: { name: jobs } } }",
+            "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: { name: j }\n\
+             spec: { image: i, parallelism: 1, job: { configMapRef: { name: jobs } } }",
         )
         .unwrap();
         assert_eq!(manifest_path("job.operators[0].filter.expr", &inline), "spec.job.inline.operators[0].filter.expr");

@@ -62,11 +62,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
+    init_logging()?;
     let args = Args::parse();
     let config = match &args.kubeconfig {
         Some(path) => {
@@ -133,4 +129,19 @@ async fn wait_for_crd(client: &kube::Client, timeout: Duration) -> anyhow::Resul
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// Logs to stderr, filtered by `WEIR_LOG` (else `RUST_LOG`, else `info`) in tracing's filter
+/// syntax (`debug`, `info,weir_operator::controller=debug`, `info,kube=debug`);
+/// `WEIR_LOG_FORMAT=json` writes one JSON object per line for a cluster's log collector.
+fn init_logging() -> anyhow::Result<()> {
+    let spec = std::env::var("WEIR_LOG").or_else(|_| std::env::var("RUST_LOG")).unwrap_or_else(|_| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec).with_context(|| format!("WEIR_LOG `{spec}`"))?;
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
+    match std::env::var("WEIR_LOG_FORMAT").as_deref() {
+        Ok("json") => logs.json().init(),
+        Ok("text") | Err(_) => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+        Ok(other) => anyhow::bail!("WEIR_LOG_FORMAT `{other}`: use text or json"),
+    }
+    Ok(())
 }

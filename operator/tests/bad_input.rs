@@ -15,8 +15,8 @@ use common::eventually;
 /// A StreamJob named `name`, with `extra` spec lines and `job` as its `job:` block.
 fn job(name: &str, extra: &str, job: &str) -> StreamJob {
     let text = format!(
-        "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: {{ name: {name} }}\nspec:\n  image: weir-runtime:dev\n  \
-         parallelism: 1\n{extra}  job:\n{job}"
+        "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: {{ name: {name} }}\n\
+         spec:\n  image: weir-runtime:dev\n  parallelism: 1\n{extra}  job:\n{job}"
     );
     serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }

@@ -89,19 +89,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let level = match std::env::var("WEIR_LOG").unwrap_or_default().as_str() {
-        "debug" => tracing::Level::DEBUG,
-        "trace" => tracing::Level::TRACE,
-        "warn" => tracing::Level::WARN,
-        "error" => tracing::Level::ERROR,
-        _ => tracing::Level::INFO,
-    };
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
+    if let Err(e) = init_logging() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Run {
@@ -460,4 +451,19 @@ fn checkpoints(dir: &str) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Logs to stderr, filtered by `WEIR_LOG` (else `RUST_LOG`, else `info`) in tracing's filter
+/// syntax (`debug`, `info,weir_runtime::executor=debug`); `WEIR_LOG_FORMAT=json` writes one JSON
+/// object per line for a cluster's log collector. A filter that does not parse is an error.
+fn init_logging() -> Result<(), String> {
+    let spec = std::env::var("WEIR_LOG").or_else(|_| std::env::var("RUST_LOG")).unwrap_or_else(|_| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec).map_err(|e| format!("WEIR_LOG `{spec}`: {e}"))?;
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
+    match std::env::var("WEIR_LOG_FORMAT").as_deref() {
+        Ok("json") => logs.json().init(),
+        Ok("text") | Err(_) => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+        Ok(other) => return Err(format!("WEIR_LOG_FORMAT `{other}`: use text or json")),
+    }
+    Ok(())
 }
