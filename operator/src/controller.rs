@@ -112,15 +112,6 @@ pub enum ReconcileError {
     /// An API call failed.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
-    /// The Secret named by `checkpointing.credentialsSecret` could not be read.
-    #[error("reading credentials Secret {name}: {source}")]
-    CredentialsSecret {
-        /// Secret name.
-        name: String,
-        /// The API error.
-        #[source]
-        source: kube::Error,
-    },
     /// Checkpoint storage could not be read.
     #[error("checkpoint storage: {0}")]
     Storage(#[from] weir_checkpoint::StorageError),
@@ -146,7 +137,6 @@ impl ReconcileError {
             ReconcileError::Metadata(_) => "metadata",
             ReconcileError::Build(_) => "build",
             ReconcileError::Kube(_) => "kube-api",
-            ReconcileError::CredentialsSecret { .. } => "credentials-secret",
             ReconcileError::Storage(_) => "storage",
             ReconcileError::Inputs(_) => "inputs",
             ReconcileError::Finalizer(_) => "finalizer",
@@ -237,7 +227,7 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
     let result = finalizer::finalizer(&api, FINALIZER, sj.clone(), |event| async {
         match event {
-            finalizer::Event::Apply(sj) => reconcile_steps(&sj, &ctx).await.map(|o| o.requeue),
+            finalizer::Event::Apply(sj) => reconcile_steps(&sj, &ctx).await.map(|o| Requeue::requeue(o.after)),
             finalizer::Event::Cleanup(sj) => {
                 let outcome = reconcile_steps(&sj, &ctx).await?;
                 match outcome.stopped {
@@ -269,8 +259,7 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
 
 /// How a reconcile ended: when to look again, and whether a deleted job has stopped.
 struct Outcome {
-    requeue: Requeue,
-    /// The same wait, for a deleted job still stopping.
+    /// Reconcile again after this long.
     after: Duration,
     /// The job is cancelled and nothing is left to do: a deletion may proceed.
     stopped: bool,
@@ -280,37 +269,30 @@ struct Outcome {
 /// plan → apply → publish events → write status.
 async fn reconcile_steps(sj: &StreamJob, ctx: &Context) -> Result<Outcome, ReconcileError> {
     let job = JobRef::of(sj, ctx)?;
-    let seen = observe(sj, ctx, &job).await?;
-    let first_deploy = plan_state(&job.status).phase.is_none();
-    let verdict = inputs::validate(&ctx.client, sj, &job.ns, &job.root, first_deploy).await.map_err(Box::new)?;
-    let mut p = plan_step(sj, &job, &seen, &verdict).await?;
-    let request_id = apply(sj, ctx, &job, &seen, &verdict, &mut p).await?;
+    let mut seen = observe(sj, ctx, &job).await?;
+    let first_deploy = job.current.phase.is_none();
+    let inputs = inputs::validate(&ctx.client, sj, &job.ns, &job.root, first_deploy).await.map_err(Box::new)?;
+    let mut p = plan_step(&job, &mut seen, &inputs).await?;
+    let request_id = apply(sj, ctx, &job, &seen, &inputs, &mut p).await?;
     publish_events(sj, ctx, &job, &p).await;
-    let new_status = status_of(&job, &seen, &p, request_id, verdict.as_ref().err());
+    let new_status = status_of(&job, &seen, &p, request_id, inputs.verdict.as_ref().err());
     let phase = if job.deleting { None } else { new_status.phase.map(|p| p.as_str().to_string()) };
     ctx.metrics.phase(job.key.clone(), phase);
     if write_status(&job.api, sj, &job.status, &new_status).await? == StatusWrite::Conflict {
         tracing::debug!(job = %job.name, "status changed since this reconcile read it; planning again");
-        return Ok(Outcome::after(Duration::from_millis(200), false));
+        return Ok(Outcome { after: Duration::from_millis(200), stopped: false });
     }
-    let stopped = job.deleting && p.actions.is_empty() && p.state.phase == Some(Phase::Cancelled);
-    Ok(Outcome::after(
-        match p.requeue_after_ms {
+    Ok(Outcome {
+        after: match p.requeue_after_ms {
             Some(ms) => Duration::from_millis(ms.max(200)),
             None if new_status.phase == Some(Phase::Running) => ctx.settings.status_refresh,
             // An invalid job waits for a change to it; referenced objects are looked at again
             // now and then (a created ConfigMap or Secret does not trigger a reconcile).
-            None if verdict.is_err() => Duration::from_secs(15),
+            None if inputs.verdict.is_err() => Duration::from_secs(15),
             None => Duration::from_secs(60),
         },
-        stopped,
-    ))
-}
-
-impl Outcome {
-    fn after(after: Duration, stopped: bool) -> Outcome {
-        Outcome { requeue: Requeue::requeue(after), after, stopped }
-    }
+        stopped: job.deleting && p.actions.is_empty() && p.state.phase == Some(Phase::Cancelled),
+    })
 }
 
 /// What one reconcile is about: the job's names, where its state lives, what it was told
@@ -329,6 +311,8 @@ struct JobRef {
     root: String,
     status: StreamJobStatus,
     spec_hash: String,
+    /// The planner's view of the status.
+    current: PlanState,
     api: Api<StreamJob>,
 }
 
@@ -342,14 +326,16 @@ impl JobRef {
             effective.state = DesiredState::Cancelled;
         }
         let storage_url = sj.spec.checkpointing.storage.clone().unwrap_or_else(|| ctx.settings.default_storage.clone());
+        let status = sj.status.clone().unwrap_or_default();
         Ok(JobRef {
             key: format!("{ns}/{name}"),
             root: children::storage_root(&storage_url, &ns, &name),
             generation: sj.metadata.generation.unwrap_or(0),
             deleting,
             effective,
-            status: sj.status.clone().unwrap_or_default(),
             spec_hash: children::spec_hash(sj),
+            current: plan_state(&status),
+            status,
             api: Api::namespaced(ctx.client.clone(), &ns),
             name,
             ns,
@@ -488,16 +474,12 @@ async fn runtime_status(ctx: &Context, job: &JobRef, seen: &mut Seen) {
 /// Plan: the pure planner's decision, reading checkpoint storage only when the decision can
 /// depend on it. An invalid job that should run is not planned: it is reported Degraded and
 /// whatever runs keeps running.
-async fn plan_step(
-    sj: &StreamJob,
-    job: &JobRef,
-    seen: &Seen,
-    verdict: &inputs::Verdict,
-) -> Result<Plan, ReconcileError> {
-    let current = plan_state(&job.status);
-    let mut p = match verdict {
+/// Checkpoints read from storage stay in `seen` for a plan made again in this reconcile.
+async fn plan_step(job: &JobRef, seen: &mut Seen, inputs: &inputs::Inputs) -> Result<Plan, ReconcileError> {
+    let current = &job.current;
+    let mut p = match &inputs.verdict {
         Err(invalid) if job.effective.state == DesiredState::Running => {
-            let mut p = Plan { state: current, degraded: Some(invalid.message.clone()), ..Plan::default() };
+            let mut p = Plan { state: current.clone(), degraded: Some(invalid.message.clone()), ..Plan::default() };
             // Once per problem: the Degraded condition already saying so means it was reported.
             if degraded_message(&job.status) != Some(invalid.message.as_str()) {
                 p.events.push(PlannedEvent {
@@ -510,11 +492,10 @@ async fn plan_step(
         }
         _ => {
             let desired = Desired { spec: &job.effective, generation: job.generation, spec_hash: &job.spec_hash };
-            let mut obs = seen.obs.clone();
-            if plan::needs_checkpoints(&desired, &current, &obs) {
-                obs.checkpoints = storage(sj, job).checkpoints().await?;
+            if plan::needs_checkpoints(&desired, current, &seen.obs) {
+                seen.obs.checkpoints = storage(job, inputs).checkpoints().await?;
             }
-            plan::plan(&desired, &current, &obs)
+            plan::plan(&desired, current, &seen.obs)
         }
     };
     for notice in &seen.notices {
@@ -523,8 +504,8 @@ async fn plan_step(
     Ok(p)
 }
 
-fn storage<'a>(sj: &'a StreamJob, job: &'a JobRef) -> StorageAccess<'a> {
-    StorageAccess { client: job.api.clone().into_client(), sj, ns: &job.ns, root: &job.root }
+fn storage<'a>(job: &'a JobRef, inputs: &'a inputs::Inputs) -> StorageAccess<'a> {
+    StorageAccess { root: &job.root, env: &inputs.storage_env }
 }
 
 /// Apply: carries out the plan's actions in order; returns the savepoint request in flight. A
@@ -534,7 +515,7 @@ async fn apply(
     ctx: &Context,
     job: &JobRef,
     seen: &Seen,
-    verdict: &inputs::Verdict,
+    inputs: &inputs::Inputs,
     p: &mut Plan,
 ) -> Result<Option<u64>, ReconcileError> {
     let client = &ctx.client;
@@ -543,7 +524,9 @@ async fn apply(
     for action in p.actions.clone() {
         match action {
             Action::Deploy { restore_from, mode } => {
-                let Ok(job_yaml) = verdict else { unreachable!("the planner is not asked to deploy an invalid job") };
+                let Ok(job_yaml) = &inputs.verdict else {
+                    unreachable!("the planner is not asked to deploy an invalid job")
+                };
                 // The pod reads its token from this Secret: make sure it exists.
                 let token = ensure_token(client, sj, &job.ns, &job.name).await?;
                 ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).insert(job.key.clone(), token);
@@ -564,7 +547,7 @@ async fn apply(
             Action::DeletePods { grace_seconds } => delete_pods(&pods, &seen.pods, grace_seconds).await?,
             Action::DeleteSavepoint { path } => {
                 // Savepoints live under the job's storage root; anything else is left alone.
-                let storage = storage(sj, job).open().await?;
+                let storage = storage(job, inputs).open()?;
                 match path.strip_prefix(storage.url()).map(|rel| rel.trim_start_matches('/').to_string()) {
                     Some(rel) if rel.starts_with(weir_checkpoint::layout::SAVEPOINTS) => {
                         storage.delete_dir(&rel).await?
@@ -581,7 +564,7 @@ async fn apply(
                     Ok(s) => request_id = Some(s.request_id),
                     Err(e) => {
                         let failed = SavepointProgress::Failed(e.to_string());
-                        *p = replan_after_failed_request(sj, job, seen, p, failed).await?;
+                        *p = replan_after_failed_request(job, seen, inputs, p, failed).await?;
                         for a in &p.actions {
                             if let Action::DeletePods { grace_seconds } = a {
                                 delete_pods(&pods, &seen.pods, *grace_seconds).await?;
@@ -599,16 +582,17 @@ async fn apply(
 /// The plan again, after the savepoint it requested could not even start; the first plan's
 /// events are kept.
 async fn replan_after_failed_request(
-    sj: &StreamJob,
     job: &JobRef,
     seen: &Seen,
+    inputs: &inputs::Inputs,
     first: &mut Plan,
     failed: SavepointProgress,
 ) -> Result<Plan, ReconcileError> {
     let desired = Desired { spec: &job.effective, generation: job.generation, spec_hash: &job.spec_hash };
     let mut obs = Observation { savepoint: Some(failed), ..seen.obs.clone() };
-    if plan::needs_checkpoints(&desired, &first.state, &obs) {
-        obs.checkpoints = storage(sj, job).checkpoints().await?;
+    // Checkpoints the first plan read are reused; read only if it did not need them.
+    if obs.checkpoints.is_empty() && plan::needs_checkpoints(&desired, &first.state, &obs) {
+        obs.checkpoints = storage(job, inputs).checkpoints().await?;
     }
     let mut retry = plan::plan(&desired, &first.state, &obs);
     retry.events.splice(0..0, first.events.drain(..));
@@ -708,30 +692,17 @@ async fn token(ctx: &Context, sj: &StreamJob, ns: &str, name: &str, key: &str) -
 
 /// Opens a job's checkpoint storage on demand, with the keys of its credentials Secret.
 struct StorageAccess<'a> {
-    client: kube::Client,
-    sj: &'a StreamJob,
-    ns: &'a str,
     root: &'a str,
+    env: &'a [(String, String)],
 }
 
 impl StorageAccess<'_> {
-    async fn open(&self) -> Result<Storage, ReconcileError> {
-        let mut env = Vec::new();
-        if let Some(secret) = &self.sj.spec.checkpointing.credentials_secret {
-            let secrets: Api<Secret> = Api::namespaced(self.client.clone(), self.ns);
-            let found = secrets
-                .get(&secret.name)
-                .await
-                .map_err(|source| ReconcileError::CredentialsSecret { name: secret.name.clone(), source })?;
-            for (k, v) in found.data.unwrap_or_default() {
-                env.push((k, String::from_utf8_lossy(&v.0).to_string()));
-            }
-        }
-        Ok(Storage::open_with_env(self.root, &env)?)
+    fn open(&self) -> Result<Storage, ReconcileError> {
+        Ok(Storage::open_with_env(self.root, self.env)?)
     }
 
     async fn checkpoints(&self) -> Result<Vec<plan::FoundCheckpoint>, ReconcileError> {
-        Ok(observe::checkpoints(&self.open().await?).await?)
+        Ok(observe::checkpoints(&self.open()?).await?)
     }
 }
 

@@ -84,6 +84,15 @@ pub enum InputsError {
 /// The job file to deploy, or why the job cannot be deployed.
 pub type Verdict = Result<String, Invalid>;
 
+/// What the validate step read and concluded.
+pub struct Inputs {
+    /// Deploy this job file, or report why not.
+    pub verdict: Verdict,
+    /// The keys of the credentials Secret, the environment checkpoint storage opens with (read
+    /// once here; empty when the job names no Secret or it is missing).
+    pub storage_env: Vec<(String, String)>,
+}
+
 /// Validates a StreamJob and what it refers to. `first_deploy`: no run has started yet, so the
 /// initial savepoint (if any) is what the first pod will restore, and it must exist.
 pub async fn validate(
@@ -92,6 +101,38 @@ pub async fn validate(
     ns: &str,
     storage_root: &str,
     first_deploy: bool,
+) -> Result<Inputs, InputsError> {
+    let credentials = credentials(client, sj, ns).await?;
+    let verdict = verdict(client, sj, ns, storage_root, first_deploy, credentials.as_deref()).await?;
+    Ok(Inputs { verdict, storage_env: credentials.unwrap_or_default() })
+}
+
+/// The keys of the credentials Secret: empty when none is named, `None` when it is missing.
+async fn credentials(
+    client: &kube::Client,
+    sj: &StreamJob,
+    ns: &str,
+) -> Result<Option<Vec<(String, String)>>, InputsError> {
+    let Some(secret) = sj.spec.checkpointing.credentials_secret.as_ref().map(|r| r.name.as_str()) else {
+        return Ok(Some(Vec::new()));
+    };
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let found = secrets
+        .get_opt(secret)
+        .await
+        .map_err(|source| InputsError::Read { what: format!("Secret {secret}"), source })?;
+    Ok(found.map(|s| {
+        s.data.unwrap_or_default().into_iter().map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into())).collect()
+    }))
+}
+
+async fn verdict(
+    client: &kube::Client,
+    sj: &StreamJob,
+    ns: &str,
+    storage_root: &str,
+    first_deploy: bool,
+    credentials: Option<&[(String, String)]>,
 ) -> Result<Verdict, InputsError> {
     let name = sj.metadata.name.as_deref().unwrap_or_default();
     let spec_problems = weir_crds::streamjob::spec_violations(name, &sj.spec);
@@ -115,28 +156,15 @@ pub async fn validate(
     if let Err(problems) = checked {
         return Ok(Err(Invalid::new(InvalidReason::InvalidJob, problems)));
     }
-    let mut env = Vec::new();
-    if let Some(secret) = sj.spec.checkpointing.credentials_secret.as_ref().map(|r| r.name.as_str()) {
-        let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
-        let found = secrets
-            .get_opt(secret)
-            .await
-            .map_err(|source| InputsError::Read { what: format!("Secret {secret}"), source })?;
-        let Some(found) = found else {
-            return Ok(Err(Invalid::new(
-                InvalidReason::MissingSecret,
-                format!("spec.checkpointing.credentialsSecret.name: Secret `{secret}` not found in namespace {ns}"),
-            )));
-        };
-        env = found
-            .data
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into()))
-            .collect();
-    }
+    let Some(env) = credentials else {
+        let secret = sj.spec.checkpointing.credentials_secret.as_ref().map(|r| r.name.as_str()).unwrap_or_default();
+        return Ok(Err(Invalid::new(
+            InvalidReason::MissingSecret,
+            format!("spec.checkpointing.credentialsSecret.name: Secret `{secret}` not found in namespace {ns}"),
+        )));
+    };
     if let (true, Some(path)) = (first_deploy, &sj.spec.initial_savepoint) {
-        let found = savepoint_exists(path, &env)
+        let found = savepoint_exists(path, env)
             .await
             .map_err(|source| InputsError::Savepoint { path: path.clone(), source })?;
         if !found {
