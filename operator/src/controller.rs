@@ -972,3 +972,92 @@ pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics:
         .await;
     metrics.ready.store(false, std::sync::atomic::Ordering::Relaxed);
 }
+
+#[cfg(test)]
+mod tests {
+    use weir_crds::streamjob::{OperationKind, PendingUpgrade, RestoreMode, SnapshotRef};
+
+    use super::*;
+
+    fn snapshot(id: u64, path: &str) -> SnapshotRef {
+        SnapshotRef { id, path: path.into(), completed_at: None }
+    }
+
+    /// A state with every field the planner writes set.
+    fn full_state(phase: Phase) -> PlanState {
+        PlanState {
+            phase: Some(phase),
+            operation: Some(Operation {
+                kind: OperationKind::Upgrade,
+                started_at_ms: 1_764_500_000_123,
+                generation: 4,
+            }),
+            pending_upgrade: Some(PendingUpgrade {
+                target_generation: 4,
+                target_spec_hash: "h4".into(),
+                restore_from: Some(snapshot(9, "s3://b/ns/j/savepoints/sp-1-9")),
+                restore: Some(RestoreMode::Snapshot),
+            }),
+            recovery_point: Some(snapshot(7, "s3://b/ns/j/checkpoints/chk-7")),
+            relaunch_count: 2,
+            last_relaunch_ms: Some(1_764_400_000_456),
+            observed_restart_nonce: Some(3),
+            observed_savepoint_nonce: Some(5),
+            latest_savepoint: Some(snapshot(9, "s3://b/ns/j/savepoints/sp-1-9")),
+            // As the planner keeps them: each with its completion time, in status and in ms.
+            savepoint_history: [(9, 1_764_300_000_789), (6, 1_764_200_000_000)]
+                .map(|(id, at)| {
+                    let path = format!("s3://b/ns/j/savepoints/sp-1-{id}");
+                    (SnapshotRef { id, path, completed_at: ms_to_time(at) }, at)
+                })
+                .to_vec(),
+            last_savepoint_ms: Some(1_764_300_000_789),
+        }
+    }
+
+    /// What the planner decides survives the status it is written to: read back, the planner
+    /// sees the same state (times kept to the millisecond).
+    #[test]
+    fn status_and_planner_state_round_trip() {
+        use Phase::*;
+        let phases = [
+            Deploying,
+            Running,
+            Upgrading,
+            Suspending,
+            Suspended,
+            Cancelling,
+            Cancelled,
+            Relaunching,
+            Finished,
+            Failed,
+            Degraded,
+        ];
+        for phase in phases {
+            for state in [full_state(phase), PlanState { phase: Some(phase), ..PlanState::default() }] {
+                let plan = Plan { state: state.clone(), ..Plan::default() };
+                let status = status_from(&StreamJobStatus::default(), &plan, 4, Some(11), None);
+                let mut expected = state.clone();
+                // A job Degraded with no trace of a run reads back as new (see `plan_state`).
+                if phase == Degraded && state.relaunch_count == 0 {
+                    expected.phase = None;
+                }
+                assert_eq!(plan_state(&status), expected, "{phase:?}");
+                assert_eq!(status.operation.as_ref().and_then(|o| o.request_id), state.operation.as_ref().map(|_| 11));
+            }
+        }
+    }
+
+    /// A degraded plan shows Degraded, and the message, whatever phase it keeps underneath.
+    #[test]
+    fn a_degraded_plan_is_shown_degraded_with_its_reason() {
+        let plan =
+            Plan { state: full_state(Phase::Running), degraded: Some("spec.image: ...".into()), ..Plan::default() };
+        let status =
+            status_from(&StreamJobStatus::default(), &plan, 4, None, Some(inputs::InvalidReason::MissingSecret));
+        assert_eq!(status.phase, Some(Phase::Degraded));
+        let degraded = status.conditions.iter().find(|c| c.type_ == "Degraded").unwrap();
+        assert_eq!((degraded.status.as_str(), degraded.reason.as_str()), ("True", "MissingSecret"));
+        assert_eq!(degraded_message(&status), Some("spec.image: ..."));
+    }
+}
