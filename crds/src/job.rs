@@ -97,7 +97,8 @@ pub struct CheckpointingSpec {
     /// Keep or delete retained checkpoints when the job is cancelled.
     #[serde(default)]
     pub retention_on_cancel: RetentionOnCancel,
-    /// Storage URL for checkpoints and savepoints: a local path, `file:///...`, or `s3://bucket/prefix`.
+    /// Storage URL for checkpoints and savepoints: a local path, `file:///...`, `s3://bucket/prefix`,
+    /// `gs://bucket/prefix` or `az://container/prefix`.
     /// The command line's `--checkpoint-dir` overrides it.
     #[serde(default)]
     pub storage: Option<String>,

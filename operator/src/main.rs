@@ -20,8 +20,8 @@ struct Args {
     /// Kubeconfig to use (default: in-cluster config, else the current context).
     #[arg(long, env = "KUBECONFIG")]
     kubeconfig: Option<String>,
-    /// Storage root for jobs that name none: s3://bucket/prefix (credentials from the
-    /// operator's environment) or a path.
+    /// Storage root for jobs that name none: s3://, gs:// or az://bucket/prefix (credentials
+    /// from the operator's environment) or a path.
     #[arg(long, env = "WEIR_DEFAULT_STORAGE")]
     default_storage: String,
     /// Serve /metrics, /healthz and /readyz on this address.

@@ -29,7 +29,8 @@ enum Command {
     Run {
         /// The job file (YAML).
         job: String,
-        /// Storage root of this job's checkpoints and savepoints: a path, file:///..., s3://bucket/prefix.
+        /// Storage root of this job's checkpoints and savepoints: a path, file:///..., s3://, gs:// or
+        /// az://bucket/prefix.
         #[arg(long, env = "WEIR_CHECKPOINT_DIR")]
         checkpoint_dir: Option<String>,
         /// Restore from a checkpoint or savepoint directory, or `latest` (the newest valid checkpoint;

@@ -1,12 +1,11 @@
 //! Checkpoint storage: one `object_store` root per job, addressed by the paths of
-//! [`crate::layout`]. Local directories by default, `s3://` for real deployments, `memory://`
-//! for tests.
+//! [`crate::layout`]. Local directories by default; `s3://`, `gs://` and `az://` for real
+//! deployments (opened by `object_store::parse_url_opts`); `memory://` for tests.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::TryStreamExt;
-use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path;
@@ -55,6 +54,55 @@ pub fn s3_credentials_configured(var: impl Fn(&str) -> Option<String>) -> bool {
         || var("WEIR_S3_INSTANCE_METADATA").as_deref() == Some("true")
 }
 
+/// Whether the environment names credentials for `scheme`'s store (see
+/// [`s3_credentials_configured`] for S3). GCS: a service account (key, file or path) or
+/// `WEIR_GCS_INSTANCE_METADATA=true`; Azure: a storage account with a key, SAS token, client
+/// secret, federated token, or `WEIR_AZURE_MANAGED_IDENTITY=true`.
+pub fn cloud_credentials_configured(scheme: &str, var: impl Fn(&str) -> Option<String>) -> bool {
+    let set = |k: &str| var(k).is_some_and(|v| !v.is_empty());
+    match scheme {
+        "s3" => s3_credentials_configured(var),
+        "gs" => {
+            ["GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH", "GOOGLE_SERVICE_ACCOUNT_KEY"]
+                .iter()
+                .any(|k| set(k))
+                || set("GOOGLE_APPLICATION_CREDENTIALS")
+                || var("WEIR_GCS_INSTANCE_METADATA").as_deref() == Some("true")
+        }
+        "az" => {
+            set("AZURE_STORAGE_ACCOUNT_NAME")
+                && ([
+                    "AZURE_STORAGE_ACCOUNT_KEY",
+                    "AZURE_STORAGE_SAS_KEY",
+                    "AZURE_CLIENT_SECRET",
+                    "AZURE_FEDERATED_TOKEN_FILE",
+                ]
+                .iter()
+                .any(|k| set(k))
+                    || set("AZURE_STORAGE_USE_EMULATOR")
+                    || var("WEIR_AZURE_MANAGED_IDENTITY").as_deref() == Some("true"))
+        }
+        _ => false,
+    }
+}
+
+fn missing_credentials(scheme: &str) -> &'static str {
+    match scheme {
+        "s3" => {
+            "no S3 credentials in the environment (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, use web identity, \
+             or set WEIR_S3_INSTANCE_METADATA=true to use the instance metadata service)"
+        }
+        "gs" => {
+            "no GCS credentials in the environment (set GOOGLE_SERVICE_ACCOUNT_KEY or GOOGLE_APPLICATION_CREDENTIALS, \
+             or WEIR_GCS_INSTANCE_METADATA=true to use the metadata server)"
+        }
+        _ => {
+            "no Azure credentials in the environment (set AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, \
+             a SAS key or a client secret, or WEIR_AZURE_MANAGED_IDENTITY=true)"
+        }
+    }
+}
+
 fn local_io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(std::io::Error) -> StorageError + 'a {
     move |e| StorageError::Io {
         op,
@@ -95,34 +143,8 @@ impl Storage {
     /// precedence over the process environment for S3 settings (`AWS_*`).
     pub fn open_with_env(url: &str, env: &[(String, String)]) -> Result<Storage, StorageError> {
         let fail = |reason: String| StorageError::Open { url: url.to_string(), reason };
-        if let Some(rest) = url.strip_prefix("s3://") {
-            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-            if bucket.is_empty() {
-                return Err(fail("needs a bucket: s3://bucket/prefix".into()));
-            }
-            let var = |k: &str| {
-                env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).or_else(|| std::env::var(k).ok())
-            };
-            if !s3_credentials_configured(var) {
-                return Err(fail(
-                    "no S3 credentials in the environment (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, \
-                     use web identity, or set WEIR_S3_INSTANCE_METADATA=true to use the instance metadata service)"
-                        .into(),
-                ));
-            }
-            let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
-            for (key, value) in env.iter().filter(|(k, _)| k.starts_with("AWS_")) {
-                if let Ok(key) = key.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() {
-                    builder = builder.with_config(key, value);
-                }
-            }
-            let store = builder.build().map_err(|e| fail(e.to_string()))?;
-            return Ok(Storage {
-                store: Arc::new(store),
-                prefix: prefix.trim_matches('/').to_string(),
-                url: url.to_string(),
-                local: None,
-            });
+        if let Some(scheme @ ("s3" | "gs" | "az")) = url.split_once("://").map(|(scheme, _)| scheme) {
+            return Storage::open_cloud(url, scheme, env).map_err(fail);
         }
         if let Some(rest) = url.strip_prefix("memory://") {
             return Ok(Storage {
@@ -135,7 +157,7 @@ impl Storage {
         let path = match url.strip_prefix("file://") {
             Some(p) => p.to_string(),
             None if url.contains("://") => {
-                return Err(fail("unsupported scheme (use a path, file://, s3:// or memory://)".into()))
+                return Err(fail("unsupported scheme (use a path, file://, s3://, gs://, az:// or memory://)".into()))
             }
             None => url.to_string(),
         };
@@ -143,6 +165,48 @@ impl Storage {
         let abs = std::fs::canonicalize(&path).map_err(|e| fail(e.to_string()))?;
         let store = LocalFileSystem::new_with_prefix(&abs).map_err(|e| fail(e.to_string()))?;
         Ok(Storage { store: Arc::new(store), prefix: String::new(), url: abs.display().to_string(), local: Some(abs) })
+    }
+
+    /// An object store root: `s3://bucket/prefix`, `gs://bucket/prefix` or `az://container/prefix`.
+    /// Its settings are the environment's `AWS_*`, `GOOGLE_*` or `AZURE_*` variables (as
+    /// object_store's `from_env` reads them), with `env` taking precedence. Without credentials
+    /// named in either, opening fails: the stores would otherwise fall back to a cloud metadata
+    /// service, reaching out to a link-local address on machines that have none.
+    fn open_cloud(url: &str, scheme: &str, env: &[(String, String)]) -> Result<Storage, String> {
+        let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
+        if parsed.host_str().unwrap_or_default().is_empty() {
+            return Err(format!("needs a bucket: {scheme}://bucket/prefix"));
+        }
+        let var =
+            |k: &str| env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).or_else(|| std::env::var(k).ok());
+        let env_prefix = match scheme {
+            "s3" => "AWS_",
+            "gs" => "GOOGLE_",
+            _ => "AZURE_",
+        };
+        if !cloud_credentials_configured(scheme, var) {
+            return Err(missing_credentials(scheme).to_string());
+        }
+        // The process environment first, the job's Secret over it; object_store ignores keys
+        // that are not its settings.
+        let mut options: std::collections::BTreeMap<String, String> = std::env::vars()
+            .chain(env.iter().cloned())
+            .filter(|(k, _)| k.starts_with(env_prefix))
+            .map(|(k, v)| (k.to_ascii_lowercase(), v))
+            .collect();
+        if scheme == "gs" {
+            // object_store's own name for the service-account file variable.
+            if let Some(path) = var("GOOGLE_APPLICATION_CREDENTIALS") {
+                options.entry("google_service_account".into()).or_insert(path);
+            }
+        }
+        let (store, _) = object_store::parse_url_opts(&parsed, options).map_err(|e| e.to_string())?;
+        // The prefix is the URL's path for every scheme: the host is the bucket or container.
+        // (object_store's parse reads `az://` as `az://account/container/path` and would drop
+        // the first segment of `az://container/prefix`; its Azure builder takes the host as the
+        // container, as Weir does.)
+        let prefix = parsed.path().trim_matches('/').to_string();
+        Ok(Storage { store: Arc::from(store), prefix, url: url.to_string(), local: None })
     }
 
     /// A storage root over any object store, with `url` naming it in messages (for stores
@@ -344,6 +408,41 @@ mod tests {
         assert!(s3_credentials_configured(env(&[("AWS_ACCESS_KEY_ID", "a"), ("AWS_SECRET_ACCESS_KEY", "b")])));
         assert!(s3_credentials_configured(env(&[("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/token")])));
         assert!(s3_credentials_configured(env(&[("WEIR_S3_INSTANCE_METADATA", "true")])));
+    }
+
+    fn env_of(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    /// Every scheme the CRD and job validation accept opens, configured from the job's
+    /// environment (no request is made: building a store does no I/O).
+    #[test]
+    fn gcs_and_azure_roots_open_with_their_settings() {
+        let gcs = Storage::open_with_env("gs://weir-state/jobs/a", &env_of(&[("WEIR_GCS_INSTANCE_METADATA", "true")]))
+            .expect("gs:// opens");
+        assert_eq!(
+            (gcs.url(), gcs.url_of("checkpoints")),
+            ("gs://weir-state/jobs/a", "gs://weir-state/jobs/a/checkpoints".into())
+        );
+        assert_eq!(gcs.prefix, "jobs/a");
+        let azure = env_of(&[("AZURE_STORAGE_ACCOUNT_NAME", "weiracct"), ("AZURE_STORAGE_ACCOUNT_KEY", "a2V5")]);
+        let az = Storage::open_with_env("az://state/jobs", &azure).expect("az:// opens");
+        assert_eq!(az.prefix, "jobs");
+        let s3 = env_of(&[("AWS_ACCESS_KEY_ID", "a"), ("AWS_SECRET_ACCESS_KEY", "b"), ("AWS_REGION", "eu-west-1")]);
+        assert_eq!(Storage::open_with_env("s3://b/p/q", &s3).expect("s3:// opens").prefix, "p/q");
+    }
+
+    #[test]
+    fn cloud_roots_without_credentials_or_bucket_are_refused_with_the_fix() {
+        let refused = |url: &str, env: &[(&str, &str)]| match Storage::open_with_env(url, &env_of(env)) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{url} opened"),
+        };
+        assert!(refused("gs://weir-state/jobs", &[]).contains("set GOOGLE_SERVICE_ACCOUNT_KEY"));
+        assert!(refused("az://state", &[("AZURE_STORAGE_ACCOUNT_KEY", "a2V5")]).contains("AZURE_STORAGE_ACCOUNT_NAME"));
+        assert!(refused("s3://b", &[]).contains("AWS_ACCESS_KEY_ID"));
+        assert!(refused("gs:///jobs", &[("WEIR_GCS_INSTANCE_METADATA", "true")]).contains("needs a bucket: gs://"));
+        assert!(refused("ftp://host/x", &[]).contains("unsupported scheme"));
     }
 
     #[test]
