@@ -2,14 +2,13 @@
 //! savepoint cannot be taken (pods killed, status and event say so), resume, and a stateless
 //! upgrade. There is no kubelet: the test sets pod phases through the pods' status.
 
-use std::time::Duration;
-
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
+use weir_e2e::eventually;
 use weir_operator::children::ControlIngress;
 use weir_operator::controller::{run_with_metrics, Settings};
 use weir_operator::metrics::OperatorMetrics;
@@ -30,21 +29,6 @@ spec:
       sinks: [ { name: o, stdout: {} } ]
   savepoint: { timeout: 5s }
 "#;
-
-async fn eventually<T, F, Fut>(what: &str, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 async fn set_pod_phase(pods: &Api<Pod>, name: &str, phase: &str) {
     let patch = serde_json::json!({ "status": { "phase": phase } });
@@ -70,7 +54,7 @@ async fn lifecycle_against_a_real_api_server() {
     jobs.create(&PostParams::default(), &serde_yaml::from_str(JOB).unwrap()).await.unwrap();
 
     // Deploy: children exist, owned, restricted.
-    let pod = eventually("runtime pod", || async { pods.get_opt("orders-runtime-0").await.unwrap() }).await;
+    let pod = eventually("runtime pod", 40, || async { pods.get_opt("orders-runtime-0").await.unwrap() }).await;
     let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
     assert_eq!((owner.kind.as_str(), owner.name.as_str(), owner.controller), ("StreamJob", "orders", Some(true)));
     let spec = pod.spec.as_ref().unwrap();
@@ -91,7 +75,7 @@ async fn lifecycle_against_a_real_api_server() {
 
     // Running once the pod runs.
     set_pod_phase(&pods, "orders-runtime-0", "Running").await;
-    eventually("phase Running with Ready=True", || async {
+    eventually("phase Running with Ready=True", 40, || async {
         let s = jobs.get("orders").await.unwrap().status?;
         (s.phase == Some(weir_crds::streamjob::Phase::Running)
             && s.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
@@ -107,9 +91,9 @@ async fn lifecycle_against_a_real_api_server() {
     )
     .await
     .unwrap();
-    eventually("pod killed", || async { pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(()) })
+    eventually("pod killed", 40, || async { pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(()) })
         .await;
-    eventually("phase Suspended", || async {
+    eventually("phase Suspended", 40, || async {
         (jobs.get("orders").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Suspended)).then_some(())
     })
     .await;
@@ -126,9 +110,9 @@ async fn lifecycle_against_a_real_api_server() {
     jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "state": "running" } })))
         .await
         .unwrap();
-    eventually("pod again", || async { pods.get_opt("orders-runtime-0").await.unwrap() }).await;
+    eventually("pod again", 40, || async { pods.get_opt("orders-runtime-0").await.unwrap() }).await;
     set_pod_phase(&pods, "orders-runtime-0", "Running").await;
-    eventually("Running again", || async {
+    eventually("Running again", 40, || async {
         (jobs.get("orders").await.unwrap().status?.phase == Some(weir_crds::streamjob::Phase::Running)).then_some(())
     })
     .await;
@@ -137,14 +121,14 @@ async fn lifecycle_against_a_real_api_server() {
     jobs.patch("orders", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "parallelism": 2 } })))
         .await
         .unwrap();
-    let upgraded = eventually("pod with the new spec hash", || async {
+    let upgraded = eventually("pod with the new spec hash", 40, || async {
         let p = pods.get_opt("orders-runtime-0").await.unwrap()?;
         (p.metadata.labels.as_ref()?["weir.dev/spec-hash"] != first_hash).then_some(p)
     })
     .await;
     assert_eq!(upgraded.metadata.deletion_timestamp, None);
     set_pod_phase(&pods, "orders-runtime-0", "Running").await;
-    eventually("upgrade finished", || async {
+    eventually("upgrade finished", 40, || async {
         let s = jobs.get("orders").await.unwrap().status?;
         (s.phase == Some(weir_crds::streamjob::Phase::Running)
             && s.pending_upgrade.is_none()
@@ -161,7 +145,7 @@ async fn lifecycle_against_a_real_api_server() {
          { name: c, aggregate: { aggregates: [ { fn: count, as: n } ] } } ]\n      sinks: [ { name: o, stdout: {} } ]",
     );
     jobs.create(&PostParams::default(), &serde_yaml::from_str(&broken).unwrap()).await.unwrap();
-    let degraded = eventually("Degraded condition", || async {
+    let degraded = eventually("Degraded condition", 40, || async {
         let s = jobs.get("broken").await.unwrap().status?;
         s.conditions.into_iter().find(|c| c.type_ == "Degraded" && c.status == "True")
     })
@@ -181,11 +165,12 @@ async fn lifecycle_against_a_real_api_server() {
         .unwrap_or_default()
         .contains(&"weir.dev/stop-with-savepoint".to_string()));
     jobs.delete("orders", &Default::default()).await.unwrap();
-    eventually("pod killed on delete", || async {
+    eventually("pod killed on delete", 40, || async {
         pods.get_opt("orders-runtime-0").await.unwrap().is_none().then_some(())
     })
     .await;
-    eventually("StreamJob deleted", || async { jobs.get_opt("orders").await.unwrap().is_none().then_some(()) }).await;
+    eventually("StreamJob deleted", 40, || async { jobs.get_opt("orders").await.unwrap().is_none().then_some(()) })
+        .await;
     let text = metrics.render();
     assert!(text.contains("weir_operator_pod_kills_total 2"), "suspend and delete both killed:\n{text}");
     assert!(text.contains("weir_operator_jobs{phase=\"Degraded\"} 1"), "{text}");

@@ -22,7 +22,7 @@ fn newest_complete(chk: &std::path::Path) -> Option<u64> {
         .ok()?
         .flatten()
         .filter(|e| e.path().join("_metadata").exists())
-        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("chk-").and_then(|n| n.parse().ok()))
+        .filter_map(|e| weir_checkpoint::layout::parse_checkpoint_dir(&e.file_name().to_string_lossy()))
         .max()
 }
 

@@ -100,7 +100,7 @@ fn newest_checkpoint(chk: &std::path::Path) -> std::path::PathBuf {
     let mut ids: Vec<u64> = std::fs::read_dir(chk.join("checkpoints"))
         .unwrap()
         .flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("chk-").and_then(|n| n.parse().ok()))
+        .filter_map(|e| weir_checkpoint::layout::parse_checkpoint_dir(&e.file_name().to_string_lossy()))
         .filter(|id| chk.join(format!("checkpoints/chk-{id}/_metadata")).exists())
         .collect();
     ids.sort_unstable();

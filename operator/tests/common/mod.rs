@@ -2,7 +2,6 @@
 
 #![allow(dead_code)]
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use kube::api::{Api, Patch, PatchParams};
@@ -32,25 +31,17 @@ pub async fn point_operator_at(jobs: &Api<StreamJob>, name: &str, url: &str) {
 /// Reads a file sink directory of running counts (`{"k":..,"n":..}`) and checks that every
 /// count of every key is there exactly once; returns the number of records.
 pub fn assert_running_counts_exactly_once(dir: &std::path::Path) -> usize {
-    let mut per_key: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
-    let mut total = 0;
+    let mut records = Vec::new();
     for f in std::fs::read_dir(dir).unwrap().flatten() {
         let name = f.file_name().to_string_lossy().to_string();
         if name.starts_with('.') || name.starts_with('_') {
             continue;
         }
         for line in std::fs::read_to_string(f.path()).unwrap().lines() {
-            let v: serde_json::Value = serde_json::from_str(line).unwrap();
-            per_key.entry(v["k"].as_i64().unwrap()).or_default().push(v["n"].as_i64().unwrap());
-            total += 1;
+            records.push(serde_json::from_str(line).unwrap());
         }
     }
-    for (k, mut counts) in per_key {
-        counts.sort_unstable();
-        let expected: Vec<i64> = (1..=counts.len() as i64).collect();
-        assert_eq!(counts, expected, "key {k}: a count lost or duplicated");
-    }
-    total
+    weir_e2e::cluster::assert_running_counts_exactly_once(&records)
 }
 
 /// The StreamJob the runtime-backed tests run: a rate-limited generator of `count` records
