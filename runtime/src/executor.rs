@@ -23,7 +23,7 @@ use crate::operator::{ChainedOperator, Operator, TaskError};
 use crate::operators::keyed::{AggregateOperator, DedupeOperator, KeyedContext};
 use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
 use crate::operators::window::WindowOperator;
-use crate::plan::{self, Partition, Vertex};
+use crate::plan::{self, Vertex};
 use crate::restore::{newest_valid, open_path, RestoreError, RestoredState};
 use crate::sinks;
 use crate::sinks::file::{CommitGroup, Committable, FileSink};
@@ -568,51 +568,15 @@ impl Executor<'_> {
             first_task.push(total);
             total += v.parallelism;
         }
-        // Channels per edge.
-        let mut inputs: Vec<Vec<Vec<Receiver<crate::message::Message>>>> =
-            vertices.iter().map(|v| vec![Vec::new(); v.parallelism as usize]).collect();
-        let mut outputs: Vec<Vec<Vec<Output>>> =
-            vertices.iter().map(|v| (0..v.parallelism).map(|_| Vec::new()).collect()).collect();
-        for (to, v) in vertices.iter().enumerate() {
-            for edge in &v.inputs {
-                let from_p = vertices[edge.from].parallelism;
-                if edge.partition == Partition::Forward {
-                    for i in 0..from_p {
-                        let (tx, rx) = bounded(CHANNEL_CAPACITY);
-                        inputs[to][i as usize].push(rx);
-                        outputs[edge.from][i as usize].push(Output::new(
-                            vec![tx],
-                            Partition::Forward,
-                            spec.max_parallelism,
-                            i,
-                        ));
-                    }
-                } else {
-                    let mut senders: Vec<Vec<Sender<_>>> = vec![Vec::new(); from_p as usize];
-                    for j in 0..v.parallelism {
-                        for s in senders.iter_mut() {
-                            let (tx, rx) = bounded(CHANNEL_CAPACITY);
-                            s.push(tx);
-                            inputs[to][j as usize].push(rx);
-                        }
-                    }
-                    for (i, s) in senders.into_iter().enumerate() {
-                        outputs[edge.from][i].push(Output::new(
-                            s,
-                            edge.partition.clone(),
-                            spec.max_parallelism,
-                            i as u32,
-                        ));
-                    }
-                }
-            }
-        }
+        // The channels, as planned by `wiring::wire`: created here, each receiver taken once.
+        let wiring = crate::wiring::wire(&vertices);
+        let (senders, receivers): (Vec<_>, Vec<_>) = wiring.channels.iter().map(|_| bounded(CHANNEL_CAPACITY)).unzip();
+        let mut senders: Vec<Option<Sender<crate::message::Message>>> = senders.into_iter().map(Some).collect();
+        let mut receivers: Vec<Option<Receiver<crate::message::Message>>> = receivers.into_iter().map(Some).collect();
         let mut running =
             Running { tasks: Vec::new(), uploaders: Vec::new(), controls: Vec::new(), source_tasks: Vec::new() };
         let mut built = Vec::new();
         for (vi, v) in vertices.iter().enumerate() {
-            let mut vertex_inputs = std::mem::take(&mut inputs[vi]);
-            let mut vertex_outputs = std::mem::take(&mut outputs[vi]);
             for subtask in 0..v.parallelism {
                 let id = first_task[vi] + subtask;
                 let key_groups = crate::value::key_group_range(subtask, spec.max_parallelism, v.parallelism);
@@ -633,7 +597,10 @@ impl Executor<'_> {
                     running.source_tasks.push(id);
                     Head::Source { uid, source }
                 } else {
-                    Head::Inputs(std::mem::take(&mut vertex_inputs[subtask as usize]))
+                    let channels = &wiring.inputs[vi][subtask as usize];
+                    Head::Inputs(
+                        channels.iter().map(|&c| receivers[c].take().expect("each channel is read once")).collect(),
+                    )
                 };
                 let chain_nodes = if head_node.kind.is_source() { &v.nodes[1..] } else { &v.nodes[..] };
                 let mut chain = Vec::new();
@@ -654,7 +621,14 @@ impl Executor<'_> {
                     key_groups,
                     head,
                     chain,
-                    outputs: std::mem::take(&mut vertex_outputs[subtask as usize]),
+                    outputs: wiring.outputs[vi][subtask as usize]
+                        .iter()
+                        .map(|o| {
+                            let to =
+                                o.channels.iter().map(|&c| senders[c].take().expect("each channel is written once"));
+                            Output::new(to.collect(), o.partition.clone(), spec.max_parallelism, subtask)
+                        })
+                        .collect(),
                     control: control_rx,
                     events: events.clone(),
                     uploads: upload_tx,

@@ -18,6 +18,7 @@ pub mod state;
 pub mod task;
 pub mod upload;
 pub mod value;
+pub mod wiring;
 
 use std::sync::OnceLock;
 
