@@ -272,14 +272,14 @@ impl Scenario {
         self.operator = Some(Guarded::spawn(cmd).expect("weir-operator starts"));
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let ready = std::net::TcpStream::connect(&http).ok().and_then(|mut s| {
-                use std::io::{Read, Write};
-                write!(s, "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
-                let mut t = String::new();
-                s.read_to_string(&mut t).ok()?;
-                t.starts_with("HTTP/1.1 200").then_some(())
-            });
-            if ready.is_some() {
+            let ready = reqwest::Client::builder()
+                .no_proxy()
+                .build()
+                .expect("an HTTP client")
+                .get(format!("http://{http}/readyz"))
+                .send()
+                .await;
+            if ready.is_ok_and(|r| r.status().is_success()) {
                 break;
             }
             assert!(

@@ -20,11 +20,11 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use weir_checkpoint::Storage;
+use weir_client::{ClientError, ControlClient};
 use weir_crds::control::CheckpointOutcome;
 use weir_crds::streamjob::{DesiredState, OperationStatus, StreamJob, StreamJobStatus};
 
 use crate::children::{self, JOB_LABEL};
-use crate::control_client;
 use crate::inputs;
 use crate::observe;
 use crate::plan::{
@@ -90,6 +90,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// Metrics.
     pub metrics: Arc<crate::metrics::OperatorMetrics>,
+    /// Pooled connections to the runtimes' control APIs, shared by every job.
+    pub http: reqwest::Client,
     /// The runtime pods of every job, kept current by a watch (spec and managed fields dropped).
     pub pods: Store<Pod>,
     /// Control API tokens by `namespace/name`, read once from each job's Secret.
@@ -249,7 +251,7 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
         Err(finalizer::Error::UnnamedObject) => Err(ReconcileError::Metadata("name")),
         Err(finalizer::Error::InvalidFinalizer) => Err(ReconcileError::Metadata("finalizers")),
     };
-    ctx.metrics.observe_reconcile(started.elapsed().as_micros() as u64);
+    ctx.metrics.observe_reconcile(started.elapsed());
     if let Err(e) = &result {
         ctx.metrics.error(e.category());
         report_failure(&sj, &ctx, e).await;
@@ -385,7 +387,7 @@ async fn observe(sj: &StreamJob, ctx: &Context, job: &JobRef) -> Result<Seen, Re
         if operation.is_some() || running { Some(token(ctx, sj, &job.ns, &job.name, &job.key).await?) } else { None };
     let savepoint = match operation.and_then(|o| o.request_id) {
         None => None,
-        Some(id) => Some(savepoint_progress(&listed, &control_url, token.as_deref(), id, running).await),
+        Some(id) => Some(savepoint_progress(ctx, &listed, &control_url, token.as_deref(), id, running).await),
     };
     let mut seen = Seen {
         job_id: job.status.job_id.clone(),
@@ -408,8 +410,14 @@ async fn observe(sj: &StreamJob, ctx: &Context, job: &JobRef) -> Result<Seen, Re
     Ok(seen)
 }
 
+/// The client of a job's control API, over the operator's shared connection pool.
+fn control(ctx: &Context, url: &str, token: Option<&str>) -> Result<ControlClient, ClientError> {
+    ControlClient::with_http(ctx.http.clone(), url, token.map(str::to_string))
+}
+
 /// How the savepoint with this request id is doing.
 async fn savepoint_progress(
+    ctx: &Context,
     pods: &[Pod],
     control_url: &str,
     token: Option<&str>,
@@ -424,7 +432,11 @@ async fn savepoint_progress(
             completed_at: ms_to_time(now_ms()),
         });
     }
-    match control_client::savepoint_status(control_url, token.unwrap_or_default(), id).await {
+    let status = match control(ctx, control_url, token) {
+        Ok(client) => client.savepoint(id).await,
+        Err(e) => return SavepointProgress::Failed(e.to_string()),
+    };
+    match status {
         Ok(s) => match s.outcome {
             CheckpointOutcome::InProgress => SavepointProgress::InProgress,
             CheckpointOutcome::Completed => {
@@ -448,7 +460,11 @@ async fn savepoint_progress(
 
 /// The running job's id, newest checkpoint and new notices, from its control API.
 async fn runtime_status(ctx: &Context, job: &JobRef, seen: &mut Seen) {
-    let status = match control_client::job_status(&seen.control_url, seen.token.as_deref().unwrap_or_default()).await {
+    let client = match control(ctx, &seen.control_url, seen.token.as_deref()) {
+        Ok(client) => client,
+        Err(e) => return tracing::warn!(job = %job.name, error = %e, "no control API client"),
+    };
+    let status = match client.job().await {
         Ok(status) => status,
         Err(e) => return tracing::debug!(job = %job.name, error = %e, "job status not readable"),
     };
@@ -559,8 +575,13 @@ async fn apply(
                 }
             }
             Action::RequestSavepoint { stop } => {
-                let token = seen.token.as_deref().unwrap_or_default();
-                match control_client::request_savepoint(&seen.control_url, token, stop).await {
+                let request = weir_crds::control::SavepointRequest { drain: false, wait: false };
+                let answer = match control(ctx, &seen.control_url, seen.token.as_deref()) {
+                    Ok(client) if stop => client.stop(&request).await,
+                    Ok(client) => client.trigger_savepoint(&request).await,
+                    Err(e) => Err(e),
+                };
+                match answer {
                     Ok(s) => request_id = Some(s.request_id),
                     Err(e) => {
                         let failed = SavepointProgress::Failed(e.to_string());
@@ -910,12 +931,18 @@ fn error_policy(sj: Arc<StreamJob>, error: &ReconcileError, _ctx: Arc<Context>) 
 }
 
 /// Runs the controller until the stream ends (shutdown).
-pub async fn run(client: kube::Client, settings: Settings) {
+pub async fn run(client: kube::Client, settings: Settings) -> Result<(), ClientError> {
     run_with_metrics(client, settings, crate::metrics::OperatorMetrics::shared()).await
 }
 
-/// Runs the controller, recording into `metrics`.
-pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics: Arc<crate::metrics::OperatorMetrics>) {
+/// Runs the controller, recording into `metrics`, until the stream ends (shutdown). Fails only
+/// when no HTTP client for the runtimes' control APIs can be built.
+pub async fn run_with_metrics(
+    client: kube::Client,
+    settings: Settings,
+    metrics: Arc<crate::metrics::OperatorMetrics>,
+) -> Result<(), ClientError> {
+    let http = weir_client::http_client()?;
     let (jobs, pods): (Api<StreamJob>, Api<Pod>) = match &settings.namespace {
         Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
         None => (Api::all(client.clone()), Api::all(client.clone())),
@@ -945,6 +972,7 @@ pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics:
         settings,
         recorder,
         metrics: metrics.clone(),
+        http,
         pods: pod_store,
         tokens: Default::default(),
         notices_reported: Default::default(),
@@ -971,6 +999,7 @@ pub async fn run_with_metrics(client: kube::Client, settings: Settings, metrics:
         })
         .await;
     metrics.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -2,13 +2,11 @@
 //! before upgrades, kills pods when a savepoint on cancel fails, and relaunches failed jobs
 //! from the newest valid retained checkpoint.
 //!
-//! So far this crate holds the pure lifecycle planner ([`plan`]), the builders of a job's
-//! children ([`children`]) and the observers of pods and checkpoint storage ([`observe`]);
-//! the controller that runs them in a loop, applies and writes status is the rest of the
-//! operator issue.
+//! The pure lifecycle planner is [`plan`]; [`controller`] runs its steps (observe, validate with
+//! [`inputs`], plan, apply with the builders in [`children`], publish events, write status).
+//! The runtime's control API is called through `weir_client`.
 
 pub mod children;
-pub mod control_client;
 pub mod controller;
 pub mod inputs;
 pub mod leader;

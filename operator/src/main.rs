@@ -73,8 +73,9 @@ async fn main() -> anyhow::Result<()> {
     };
     let client = kube::Client::try_from(config)?;
     let metrics = OperatorMetrics::shared();
-    let http =
-        serve(&args.http_addr, metrics.clone()).with_context(|| format!("serving metrics on {}", args.http_addr))?;
+    let http = serve(&args.http_addr, metrics.clone())
+        .await
+        .with_context(|| format!("serving metrics on {}", args.http_addr))?;
     tracing::info!(%http, "metrics and health endpoints listening");
     wait_for_crd(&client, Duration::from_secs(args.crd_wait_secs)).await?;
     let identity = args.identity.clone().unwrap_or_else(|| {
@@ -100,7 +101,7 @@ async fn main() -> anyhow::Result<()> {
         namespace: args.namespace.clone(),
     };
     tokio::select! {
-        () = run_with_metrics(client, settings, metrics) => {}
+        ended = run_with_metrics(client, settings, metrics) => ended?,
         lost = election.keep() => anyhow::bail!("stopping: {lost}"),
     }
     tracing::info!("weir-operator stopped");

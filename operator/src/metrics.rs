@@ -1,32 +1,90 @@
-//! The operator's Prometheus metrics (`weir_operator_*`) and its health endpoints, served on
-//! one port: `/metrics`, `/healthz` (the process is alive), `/readyz` (the controller runs).
+//! The operator's Prometheus metrics (`weir_operator_*`, prometheus-client's OpenMetrics text)
+//! and its health endpoints, served by axum on one port: `/metrics`, `/healthz` (the process is
+//! alive), `/readyz` (the controller runs).
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+/// The `Content-Type` of [`OperatorMetrics::render`].
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The label of failed reconciles: the error's category.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CategoryLabel {
+    category: String,
+}
+
+/// The label of the jobs gauge: a phase.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    phase: String,
+}
+
+/// The label of savepoints: how they ended.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: String,
+}
 
 /// Counters and gauges of the operator.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct OperatorMetrics {
-    /// Reconciles run.
-    pub reconciles: AtomicU64,
-    /// Sum of reconcile durations, microseconds.
-    pub reconcile_micros: AtomicU64,
-    /// Failed reconciles by error category.
-    pub errors: Mutex<BTreeMap<&'static str, u64>>,
-    /// The phase of each job (`namespace/name` → phase).
-    pub phases: Mutex<BTreeMap<String, String>>,
-    /// Savepoints by outcome (`completed`, `failed`).
-    pub savepoints: Mutex<BTreeMap<&'static str, u64>>,
-    /// Relaunches after failures.
-    pub relaunches: AtomicU64,
-    /// Pods killed because a savepoint on cancel, suspend or delete failed.
-    pub kills: AtomicU64,
     /// The controller is running (readiness).
     pub ready: AtomicBool,
-    /// The most recent reconcile durations in microseconds (bounded), for percentiles.
-    pub recent_micros: Mutex<std::collections::VecDeque<u64>>,
+    reconciles: Counter,
+    reconcile_duration: Histogram,
+    errors: Family<CategoryLabel, Counter>,
+    jobs: Family<PhaseLabel, Gauge>,
+    /// The phase of each job (`namespace/name` → phase), to move it between phases in `jobs`.
+    phases: Mutex<BTreeMap<String, String>>,
+    savepoints: Family<OutcomeLabel, Counter>,
+    relaunches: Counter,
+    kills: Counter,
+    registry: Registry,
+}
+
+impl Default for OperatorMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("weir_operator");
+        let metrics = OperatorMetrics {
+            ready: AtomicBool::new(false),
+            reconciles: Counter::default(),
+            // 1 ms to about 65 s.
+            reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            errors: Family::default(),
+            jobs: Family::default(),
+            phases: Mutex::new(BTreeMap::new()),
+            savepoints: Family::default(),
+            relaunches: Counter::default(),
+            kills: Counter::default(),
+            registry: Registry::default(),
+        };
+        registry.register("reconciles", "Reconciles run", metrics.reconciles.clone());
+        registry.register_with_unit(
+            "reconcile_duration",
+            "Reconcile durations",
+            Unit::Seconds,
+            metrics.reconcile_duration.clone(),
+        );
+        registry.register("reconcile_errors", "Failed reconciles by error category", metrics.errors.clone());
+        registry.register("jobs", "StreamJobs by phase", metrics.jobs.clone());
+        registry.register("savepoints", "Savepoints by outcome", metrics.savepoints.clone());
+        registry.register("relaunches", "Relaunches after job failures", metrics.relaunches.clone());
+        registry.register("pod_kills", "Pods killed after a failed savepoint", metrics.kills.clone());
+        OperatorMetrics { registry, ..metrics }
+    }
 }
 
 impl OperatorMetrics {
@@ -35,39 +93,20 @@ impl OperatorMetrics {
         Arc::new(OperatorMetrics::default())
     }
 
-    fn bump(map: &Mutex<BTreeMap<&'static str, u64>>, key: &'static str) {
-        *map.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_default() += 1;
-    }
-
     /// Records one reconcile's duration.
-    pub fn observe_reconcile(&self, micros: u64) {
-        self.reconciles.fetch_add(1, Ordering::Relaxed);
-        self.reconcile_micros.fetch_add(micros, Ordering::Relaxed);
-        let mut recent = self.recent_micros.lock().unwrap_or_else(|e| e.into_inner());
-        if recent.len() >= 10_000 {
-            recent.pop_front();
-        }
-        recent.push_back(micros);
-    }
-
-    /// The `q` quantile (0..=1) of recent reconcile durations, microseconds.
-    pub fn reconcile_quantile(&self, q: f64) -> u64 {
-        let mut v: Vec<u64> = self.recent_micros.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect();
-        if v.is_empty() {
-            return 0;
-        }
-        v.sort_unstable();
-        v[((v.len() - 1) as f64 * q).round() as usize]
+    pub fn observe_reconcile(&self, took: Duration) {
+        self.reconciles.inc();
+        self.reconcile_duration.observe(took.as_secs_f64());
     }
 
     /// Counts a failed reconcile.
     pub fn error(&self, category: &'static str) {
-        Self::bump(&self.errors, category);
+        self.errors.get_or_create(&CategoryLabel { category: category.to_string() }).inc();
     }
 
     /// Counts a savepoint outcome.
     pub fn savepoint(&self, outcome: &'static str) {
-        Self::bump(&self.savepoints, outcome);
+        self.savepoints.get_or_create(&OutcomeLabel { outcome: outcome.to_string() }).inc();
     }
 
     /// Counts what an event on a StreamJob says happened (savepoints, relaunches, kills).
@@ -77,11 +116,11 @@ impl OperatorMetrics {
             R::SavepointCompleted => self.savepoint("completed"),
             R::SavepointFailedPodsKilled => {
                 self.savepoint("failed");
-                self.kills.fetch_add(1, Ordering::Relaxed);
+                self.kills.inc();
             }
             R::SavepointFailed | R::UpgradeSavepointFailed => self.savepoint("failed"),
             R::Relaunching => {
-                self.relaunches.fetch_add(1, Ordering::Relaxed);
+                self.relaunches.inc();
             }
             R::Deploying
             | R::Upgrading
@@ -101,103 +140,61 @@ impl OperatorMetrics {
     /// Records a job's phase (`None` when the job is gone).
     pub fn phase(&self, job: String, phase: Option<String>) {
         let mut phases = self.phases.lock().unwrap_or_else(|e| e.into_inner());
-        match phase {
+        let before = match phase {
+            Some(p) if phases.get(&job) == Some(&p) => return,
             Some(p) => {
-                phases.insert(job, p);
+                self.jobs.get_or_create(&PhaseLabel { phase: p.clone() }).inc();
+                phases.insert(job, p)
             }
-            None => {
-                phases.remove(&job);
-            }
+            None => phases.remove(&job),
+        };
+        if let Some(before) = before {
+            self.jobs.get_or_create(&PhaseLabel { phase: before }).dec();
         }
     }
 
-    /// Prometheus text exposition.
+    /// The OpenMetrics text exposition (Prometheus reads it; see [`CONTENT_TYPE`]).
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "# HELP weir_operator_reconciles_total Reconciles run.\n\
-             # TYPE weir_operator_reconciles_total counter\n\
-             weir_operator_reconciles_total {}",
-            self.reconciles.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP weir_operator_reconcile_seconds Reconcile durations (quantiles over recent reconciles).\n\
-             # TYPE weir_operator_reconcile_seconds summary"
-        );
-        for q in [0.5, 0.9, 0.99] {
-            let _ = writeln!(
-                out,
-                "weir_operator_reconcile_seconds{{quantile=\"{q}\"}} {:.6}",
-                self.reconcile_quantile(q) as f64 / 1e6
-            );
-        }
-        let _ = writeln!(
-            out,
-            "weir_operator_reconcile_seconds_sum {:.6}",
-            self.reconcile_micros.load(Ordering::Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(out, "weir_operator_reconcile_seconds_count {}", self.reconciles.load(Ordering::Relaxed));
-        let _ = writeln!(
-            out,
-            "# HELP weir_operator_reconcile_errors_total Failed reconciles by category.\n\
-             # TYPE weir_operator_reconcile_errors_total counter"
-        );
-        for (category, n) in self.errors.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            let _ = writeln!(out, "weir_operator_reconcile_errors_total{{category=\"{category}\"}} {n}");
-        }
-        let _ = writeln!(out, "# HELP weir_operator_jobs StreamJobs by phase.\n# TYPE weir_operator_jobs gauge");
-        let mut by_phase: BTreeMap<String, u64> = BTreeMap::new();
-        for p in self.phases.lock().unwrap_or_else(|e| e.into_inner()).values() {
-            *by_phase.entry(p.clone()).or_default() += 1;
-        }
-        for (phase, n) in by_phase {
-            let _ = writeln!(out, "weir_operator_jobs{{phase=\"{phase}\"}} {n}");
-        }
-        let _ = writeln!(
-            out,
-            "# HELP weir_operator_savepoints_total Savepoints by outcome.\n\
-             # TYPE weir_operator_savepoints_total counter"
-        );
-        for (outcome, n) in self.savepoints.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            let _ = writeln!(out, "weir_operator_savepoints_total{{outcome=\"{outcome}\"}} {n}");
-        }
-        let _ = writeln!(
-            out,
-            "# HELP weir_operator_relaunches_total Relaunches after job failures.\n\
-             # TYPE weir_operator_relaunches_total counter\n\
-             weir_operator_relaunches_total {}",
-            self.relaunches.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP weir_operator_pod_kills_total Pods killed after a failed savepoint.\n\
-             # TYPE weir_operator_pod_kills_total counter\n\
-             weir_operator_pod_kills_total {}",
-            self.kills.load(Ordering::Relaxed)
-        );
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` on `addr` from a thread of its own.
-pub fn serve(addr: &str, metrics: Arc<OperatorMetrics>) -> std::io::Result<std::net::SocketAddr> {
-    let server =
-        tiny_http::Server::http(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?;
-    let bound = server.server_addr().to_ip().ok_or_else(|| std::io::Error::other("not an IP listener"))?;
-    std::thread::Builder::new().name("weir-operator-http".into()).spawn(move || {
-        for req in server.incoming_requests() {
-            let (code, body) = match req.url() {
-                "/metrics" => (200, metrics.render()),
-                "/healthz" => (200, "ok\n".to_string()),
-                "/readyz" if metrics.ready.load(Ordering::Relaxed) => (200, "ok\n".to_string()),
-                "/readyz" => (503, "controller not running\n".to_string()),
-                _ => (404, "not found\n".to_string()),
-            };
-            let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(code));
+/// The health and metrics routes.
+fn router(metrics: Arc<OperatorMetrics>) -> axum::Router {
+    axum::Router::new()
+        .route(
+            "/metrics",
+            get(|axum::extract::State(m): axum::extract::State<Arc<OperatorMetrics>>| async move {
+                ([(header::CONTENT_TYPE, CONTENT_TYPE)], m.render())
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(|axum::extract::State(m): axum::extract::State<Arc<OperatorMetrics>>| async move {
+                if m.ready.load(Ordering::Relaxed) {
+                    (StatusCode::OK, "ok\n").into_response()
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "controller not running\n").into_response()
+                }
+            }),
+        )
+        .with_state(metrics)
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `addr` from a task on the current tokio
+/// runtime; answers the bound address.
+pub async fn serve(addr: &str, metrics: Arc<OperatorMetrics>) -> std::io::Result<std::net::SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router(metrics)).await {
+            tracing::error!(error = %e, "the metrics and health endpoints stopped");
         }
-    })?;
+    });
     Ok(bound)
 }
 
@@ -206,41 +203,51 @@ mod tests {
     use super::*;
 
     #[test]
-    fn renders_counters_and_phases() {
+    fn renders_counters_phases_and_a_histogram() {
         let m = OperatorMetrics::default();
-        m.reconciles.fetch_add(3, Ordering::Relaxed);
+        m.observe_reconcile(Duration::from_millis(250));
+        m.observe_reconcile(Duration::from_millis(3));
         m.error("kube-api");
         m.savepoint("failed");
         m.phase("a/x".into(), Some("Running".into()));
         m.phase("a/y".into(), Some("Running".into()));
         m.phase("a/z".into(), Some("Suspended".into()));
+        m.phase("a/z".into(), Some("Suspended".into()));
+        m.phase("a/y".into(), Some("Degraded".into()));
         m.phase("a/z".into(), None);
         let text = m.render();
-        assert!(text.contains("weir_operator_reconciles_total 3"));
-        assert!(text.contains("weir_operator_reconcile_errors_total{category=\"kube-api\"} 1"));
-        assert!(text.contains("weir_operator_jobs{phase=\"Running\"} 2"));
-        assert!(!text.contains("Suspended"));
-        assert!(text.contains("weir_operator_savepoints_total{outcome=\"failed\"} 1"));
-        m.observe_reconcile(250_000);
-        assert!(m.render().contains("weir_operator_reconcile_seconds{quantile=\"0.5\"} 0.250000"));
+        assert!(text.contains("weir_operator_reconciles_total 2\n"), "{text}");
+        assert!(text.contains("weir_operator_reconcile_errors_total{category=\"kube-api\"} 1\n"), "{text}");
+        assert!(text.contains("weir_operator_jobs{phase=\"Running\"} 1\n"), "{text}");
+        assert!(text.contains("weir_operator_jobs{phase=\"Degraded\"} 1\n"), "{text}");
+        assert!(text.contains("weir_operator_jobs{phase=\"Suspended\"} 0\n"), "{text}");
+        assert!(text.contains("weir_operator_savepoints_total{outcome=\"failed\"} 1\n"), "{text}");
+        assert!(text.contains("weir_operator_reconcile_duration_seconds_count 2\n"), "{text}");
+        assert!(text.contains("weir_operator_reconcile_duration_seconds_sum 0.253\n"), "{text}");
+        assert!(text.contains("weir_operator_reconcile_duration_seconds_bucket{le=\"0.004\"} 1\n"), "{text}");
+        assert!(text.contains("weir_operator_reconcile_duration_seconds_bucket{le=\"0.256\"} 2\n"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
-    #[test]
-    fn serves_health_and_metrics() {
+    #[tokio::test]
+    async fn serves_health_and_metrics() {
         let m = OperatorMetrics::shared();
-        let addr = serve("127.0.0.1:0", m.clone()).unwrap();
-        let get = |path: &str| {
-            use std::io::{Read, Write};
-            let mut s = std::net::TcpStream::connect(addr).unwrap();
-            write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-            let mut r = String::new();
-            s.read_to_string(&mut r).unwrap();
-            r
+        let addr = serve("127.0.0.1:0", m.clone()).await.unwrap();
+        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+        let get = |path: &'static str| {
+            let http = http.clone();
+            async move {
+                let r = http.get(format!("http://{addr}{path}")).send().await.unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            }
         };
-        assert!(get("/healthz").starts_with("HTTP/1.1 200"));
-        assert!(get("/readyz").starts_with("HTTP/1.1 503"));
+        assert_eq!(get("/healthz").await.0, 200);
+        assert_eq!(get("/readyz").await, (503, "controller not running\n".to_string()));
         m.ready.store(true, Ordering::Relaxed);
-        assert!(get("/readyz").starts_with("HTTP/1.1 200"));
-        assert!(get("/metrics").contains("weir_operator_reconciles_total 0"));
+        assert_eq!(get("/readyz").await.0, 200);
+        let (status, text) = get("/metrics").await;
+        assert_eq!(status, 200);
+        assert!(text.contains("weir_operator_reconciles_total 0"), "{text}");
+        assert_eq!(get("/nowhere").await.0, 404);
     }
 }

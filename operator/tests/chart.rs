@@ -231,7 +231,8 @@ spec:
         events.items.iter().any(|e| e.reason.as_deref() == Some("SavepointFailedPodsKilled")),
         "events recorded by the ServiceAccount"
     );
-    let errors = metrics.errors.lock().unwrap().clone();
+    let text = metrics.render();
+    let errors: Vec<&str> = text.lines().filter(|l| l.starts_with("weir_operator_reconcile_errors_total{")).collect();
     assert!(errors.is_empty(), "no reconcile failed (a 403 would show here): {errors:?}");
     controller.abort();
 }

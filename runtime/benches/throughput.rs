@@ -12,7 +12,6 @@
 //! checkpoint p50/p99 durations and restore seconds per GiB. `WEIR_BENCH_SCALE` (default 1)
 //! multiplies the record counts.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -69,12 +68,12 @@ fn run(yaml: &str, dir: &std::path::Path) -> Run {
     let done: Vec<_> =
         board.history.iter().filter(|c| c.outcome == weir_crds::control::CheckpointOutcome::Completed).collect();
     Run {
-        records: metrics.records_in.load(Ordering::Relaxed),
+        records: metrics.records_in.get(),
         wall,
         cpu,
         durations: done.iter().filter_map(|c| c.duration_ms).collect(),
         bytes: done.iter().map(|c| c.bytes).collect(),
-        checkpoints: metrics.checkpoints_completed.load(Ordering::Relaxed),
+        checkpoints: metrics.checkpoints_completed.get(),
     }
 }
 

@@ -1,4 +1,5 @@
-//! The control API: HTTP/JSON on the coordinator, and Prometheus metrics on the same port.
+//! The control API: HTTP/JSON on the coordinator, and Prometheus metrics on the same port, served
+//! by axum on the runtime's I/O runtime ([`crate::io`]). `weir_client::ControlClient` calls it.
 //!
 //! | method | path                      | what                                       |
 //! |--------|---------------------------|--------------------------------------------|
@@ -13,56 +14,66 @@
 //! | GET    | `/healthz`                | liveness (no token needed)                 |
 //!
 //! When a token is configured every request but `/healthz` needs `Authorization: Bearer <token>`.
+//! Every error answer is JSON: `{"error": "..."}`.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::{Path, Request as HttpRequest, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
 use crossbeam_channel::Sender;
-use serde::Serialize;
-use weir_crds::control::{ApiError, CheckpointHistory, JobStatus, SavepointRequest};
+use weir_crds::control::{ApiError, CheckpointHistory, CheckpointOutcome, SavepointRequest, SavepointStatus};
 
 use crate::executor::Request;
 use crate::metrics::JobMetrics;
 
-/// A running control server.
+/// How long a `wait: true` savepoint request is held before it is answered with 202 and the
+/// status so far.
+const WAIT_LIMIT: Duration = Duration::from_secs(600);
+/// How long the coordinator may take to accept a savepoint request.
+const ACCEPT_LIMIT: Duration = Duration::from_secs(30);
+
+/// What the handlers share.
+struct ControlState {
+    metrics: Arc<JobMetrics>,
+    requests: Sender<Request>,
+}
+
+/// A running control server; dropping it stops it at once, [`ControlServer::shutdown`] lets the
+/// requests being answered finish first.
 pub struct ControlServer {
-    server: Arc<tiny_http::Server>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    in_flight: Arc<std::sync::atomic::AtomicUsize>,
     /// The bound address.
     pub addr: std::net::SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
 }
 
 impl ControlServer {
-    /// Waits (up to `timeout`) for requests being answered, e.g. a `wait: true` stop request
-    /// whose answer is the savepoint the job just stopped with.
-    pub fn drain(&self, timeout: Duration) {
-        let deadline = std::time::Instant::now() + timeout;
-        while self.in_flight.load(Ordering::Acquire) > 0 && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
+    /// Stops accepting connections and waits (up to `timeout`) for the requests being answered,
+    /// e.g. a `wait: true` stop request whose answer is the savepoint the job just stopped with.
+    pub fn shutdown(mut self, timeout: Duration) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let abort = task.abort_handle();
+            if crate::io().block_on(async { tokio::time::timeout(timeout, task).await }).is_err() {
+                abort.abort();
+            }
         }
     }
 }
 
 impl Drop for ControlServer {
     fn drop(&mut self) {
-        self.server.unblock();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        if let Some(task) = self.task.take() {
+            task.abort();
         }
     }
-}
-
-fn json<T: Serialize>(status: u16, body: &T) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    let data = serde_json::to_vec_pretty(body).unwrap_or_default();
-    tiny_http::Response::from_data(data).with_status_code(status).with_header(
-        tiny_http::Header::from_bytes(&b"Content-Type"[..], &b"application/json"[..]).expect("static header"),
-    )
-}
-
-fn error(status: u16, msg: &str) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    json(status, &ApiError { error: msg.to_string() })
 }
 
 /// Starts serving on `addr` (e.g. `127.0.0.1:8081`, port 0 for any).
@@ -72,152 +83,171 @@ pub fn serve(
     metrics: Arc<JobMetrics>,
     requests: Sender<Request>,
 ) -> std::io::Result<ControlServer> {
-    let server = Arc::new(
-        tiny_http::Server::http(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?,
-    );
-    let bound = server.server_addr().to_ip().ok_or_else(|| std::io::Error::other("not an IP listener"))?;
-    let s = server.clone();
-    let in_flight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counter = in_flight.clone();
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    let bound = listener.local_addr()?;
+    let app = router(token, metrics, requests);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = {
+        let _runtime = crate::io().enter();
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        crate::io().spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .await
+        })
+    };
+    Ok(ControlServer { addr: bound, stop: Some(stop), task: Some(task) })
+}
+
+/// The routes, behind the bearer token when one is set (all but `/healthz`).
+fn router(token: Option<String>, metrics: Arc<JobMetrics>, requests: Sender<Request>) -> Router {
+    let state = Arc::new(ControlState { metrics, requests });
     let token: Option<Arc<str>> = token.map(Arc::from);
-    let thread = std::thread::Builder::new().name("weir-control".into()).spawn(move || {
-        for mut req in s.incoming_requests() {
-            // One thread per request: a waiting savepoint request must not block status reads.
-            counter.fetch_add(1, Ordering::AcqRel);
-            let (token, metrics, requests, done) = (token.clone(), metrics.clone(), requests.clone(), counter.clone());
-            let spawned = std::thread::Builder::new().name("weir-control-req".into()).spawn(move || {
-                let response = handle(&mut req, token.as_deref(), &metrics, &requests);
-                let _ = req.respond(response);
-                done.fetch_sub(1, Ordering::AcqRel);
-            });
-            if spawned.is_err() {
-                counter.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
-    })?;
-    Ok(ControlServer { server, thread: Some(thread), in_flight, addr: bound })
+    Router::new()
+        .route("/v1/job", get(job))
+        .route("/v1/checkpoints", get(checkpoints))
+        .route("/v1/checkpoints/latest", get(latest_checkpoint))
+        .route("/v1/savepoints", post(trigger_savepoint))
+        .route("/v1/savepoints/{id}", get(savepoint))
+        .route("/v1/stop", post(stop))
+        .route("/v1/cancel", post(cancel))
+        .route("/metrics", get(prometheus))
+        .route_layer(middleware::from_fn_with_state(token, require_bearer))
+        .route("/healthz", get(|| async { Json(serde_json::json!({"ok": true})) }))
+        .fallback(|| async { Failure(StatusCode::NOT_FOUND, "no such endpoint".into()) })
+        .method_not_allowed_fallback(|| async {
+            Failure(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this endpoint".into())
+        })
+        .with_state(state)
 }
 
-fn authorized(req: &tiny_http::Request, token: Option<&str>) -> bool {
-    let Some(token) = token else { return true };
-    req.headers().iter().any(|h| {
-        h.field.equiv("Authorization")
-            && h.value
-                .as_str()
-                .strip_prefix("Bearer ")
-                .is_some_and(|t| constant_time_eq(t.trim().as_bytes(), token.as_bytes()))
-    })
+/// An error answer: a status and a JSON body naming what went wrong.
+struct Failure(StatusCode, String);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        (self.0, Json(ApiError { error: self.1 })).into_response()
+    }
 }
 
+/// Refuses requests without `Authorization: Bearer <token>` when a token is configured.
+async fn require_bearer(
+    State(token): State<Option<Arc<str>>>,
+    headers: HeaderMap,
+    request: HttpRequest,
+    next: Next,
+) -> Response {
+    let Some(token) = token else { return next.run(request).await };
+    let offered = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match offered {
+        Some(offered) if constant_time_eq(offered.as_bytes(), token.as_bytes()) => next.run(request).await,
+        _ => Failure(StatusCode::UNAUTHORIZED, "missing or wrong bearer token".into()).into_response(),
+    }
+}
+
+/// Compares without an early exit, so answer times do not reveal how much of a token matched.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn handle(
-    req: &mut tiny_http::Request,
-    token: Option<&str>,
-    metrics: &JobMetrics,
-    requests: &Sender<Request>,
-) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    use tiny_http::Method;
-    let path = req.url().split('?').next().unwrap_or("").to_string();
-    if path == "/healthz" {
-        return json(200, &serde_json::json!({"ok": true}));
+async fn job(State(s): State<Arc<ControlState>>) -> Response {
+    Json(s.metrics.job_status()).into_response()
+}
+
+async fn checkpoints(State(s): State<Arc<ControlState>>) -> Response {
+    let checkpoints = s.metrics.board().history.iter().cloned().collect();
+    let (completed, failed) = s.metrics.checkpoint_counts();
+    Json(CheckpointHistory { checkpoints, completed, failed }).into_response()
+}
+
+async fn latest_checkpoint(State(s): State<Arc<ControlState>>) -> Response {
+    match s.metrics.latest_completed() {
+        Some(c) => Json(c).into_response(),
+        None => Failure(StatusCode::NOT_FOUND, "no checkpoint has completed yet".into()).into_response(),
     }
-    if !authorized(req, token) {
-        return error(401, "missing or wrong bearer token");
+}
+
+async fn trigger_savepoint(State(s): State<Arc<ControlState>>, body: axum::body::Bytes) -> Response {
+    savepoint_request(&s, false, &body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn stop(State(s): State<Arc<ControlState>>, body: axum::body::Bytes) -> Response {
+    savepoint_request(&s, true, &body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Hands a savepoint (or stop) request to the coordinator and answers with its status: at once
+/// (202), or with `wait` when it ended (200; 202 with the status so far after [`WAIT_LIMIT`]).
+async fn savepoint_request(s: &ControlState, stop: bool, body: &[u8]) -> Result<Response, Failure> {
+    let parsed: SavepointRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        SavepointRequest::default()
+    } else {
+        serde_json::from_slice(body).map_err(|e| Failure(StatusCode::BAD_REQUEST, format!("request body: {e}")))?
+    };
+    if parsed.drain && !stop {
+        return Err(Failure(StatusCode::BAD_REQUEST, "drain is only allowed with /v1/stop".into()));
     }
-    match (req.method(), path.as_str()) {
-        (Method::Get, "/v1/job") => {
-            let board = metrics.board();
-            let status = JobStatus {
-                name: metrics.name.clone(),
-                job_id: metrics.job_id.clone(),
-                state: board.state,
-                restarts: metrics.restarts.load(Ordering::Relaxed) as u32,
-                records_in: metrics.records_in.load(Ordering::Relaxed),
-                records_out: metrics.records_out.load(Ordering::Relaxed),
-                latest_checkpoint: board
-                    .history
-                    .iter()
-                    .find(|c| c.outcome == weir_crds::control::CheckpointOutcome::Completed)
-                    .cloned(),
-                restored_from: board.restored_from.clone(),
-                epoch: board.epoch,
-                notices: board.notices.clone(),
-                last_error: board.last_error.clone(),
-                injected_faults: metrics.injected_faults.load(Ordering::Relaxed),
-            };
-            json(200, &status)
+    let (reply, accepted) = tokio::sync::oneshot::channel();
+    if s.requests.send(Request::Savepoint { stop, drain: parsed.drain, reply }).is_err() {
+        return Err(Failure(StatusCode::CONFLICT, "the job is not running".into()));
+    }
+    let conflict = || Failure(StatusCode::CONFLICT, "the job is restarting or ending; try again".into());
+    let id = tokio::time::timeout(ACCEPT_LIMIT, accepted).await.map_err(|_| conflict())?.map_err(|_| conflict())?;
+    let deadline = tokio::time::Instant::now() + WAIT_LIMIT;
+    loop {
+        let changed = s.metrics.savepoint_changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let status = s.metrics.board().savepoints.get(&id).cloned();
+        let Some(status) = status else {
+            return Err(Failure(StatusCode::INTERNAL_SERVER_ERROR, "savepoint request lost".into()));
+        };
+        if !parsed.wait {
+            return Ok((StatusCode::ACCEPTED, Json(status)).into_response());
         }
-        (Method::Get, "/v1/checkpoints") => {
-            let board = metrics.board();
-            json(
-                200,
-                &CheckpointHistory {
-                    checkpoints: board.history.iter().cloned().collect(),
-                    completed: metrics.checkpoints_completed.load(Ordering::Relaxed),
-                    failed: metrics.checkpoints_failed.load(Ordering::Relaxed),
-                },
-            )
+        if status.outcome != CheckpointOutcome::InProgress {
+            return Ok(Json(status).into_response());
         }
-        (Method::Get, "/v1/checkpoints/latest") => match metrics.latest_completed() {
-            Some(c) => json(200, &c),
-            None => error(404, "no checkpoint has completed yet"),
-        },
-        (Method::Post, "/v1/savepoints") | (Method::Post, "/v1/stop") => {
-            let stop = path == "/v1/stop";
-            let mut body = String::new();
-            let _ = req.as_reader().read_to_string(&mut body);
-            let parsed: SavepointRequest = if body.trim().is_empty() {
-                SavepointRequest::default()
-            } else {
-                match serde_json::from_str(&body) {
-                    Ok(p) => p,
-                    Err(e) => return error(400, &format!("request body: {e}")),
-                }
-            };
-            if parsed.drain && !stop {
-                return error(400, "drain is only allowed with /v1/stop");
-            }
-            let (tx, rx) = crossbeam_channel::bounded(1);
-            if requests.send(Request::Savepoint { stop, drain: parsed.drain, reply: tx }).is_err() {
-                return error(409, "the job is not running");
-            }
-            let id = match rx.recv_timeout(Duration::from_secs(30)) {
-                Ok(id) => id,
-                Err(_) => return error(409, "the job is restarting or ending; try again"),
-            };
-            let deadline = std::time::Instant::now() + Duration::from_secs(600);
-            loop {
-                let status = metrics.board().savepoints.get(&id).cloned();
-                match status {
-                    None => return error(500, "savepoint request lost"),
-                    Some(s) if !parsed.wait => return json(202, &s),
-                    Some(s) if s.outcome != weir_crds::control::CheckpointOutcome::InProgress => return json(200, &s),
-                    Some(s) if std::time::Instant::now() > deadline => return json(202, &s),
-                    Some(_) => std::thread::sleep(Duration::from_millis(10)),
-                }
-            }
+        if tokio::time::timeout_at(deadline, changed).await.is_err() {
+            return Ok((StatusCode::ACCEPTED, Json(status)).into_response());
         }
-        (Method::Get, p) if p.starts_with("/v1/savepoints/") => {
-            let Ok(id) = p["/v1/savepoints/".len()..].parse::<u64>() else {
-                return error(400, "savepoint request id must be a number");
-            };
-            match metrics.board().savepoints.get(&id) {
-                Some(s) => json(200, s),
-                None => error(404, "no such savepoint request"),
-            }
-        }
-        (Method::Post, "/v1/cancel") => {
-            let _ = requests.send(Request::Cancel);
-            json(202, &serde_json::json!({"cancelling": true}))
-        }
-        (Method::Get, "/metrics") => tiny_http::Response::from_data(metrics.render_prometheus().into_bytes())
-            .with_header(
-                tiny_http::Header::from_bytes(&b"Content-Type"[..], &b"text/plain; version=0.0.4"[..])
-                    .expect("static header"),
-            ),
-        _ => error(404, "no such endpoint"),
+    }
+}
+
+async fn savepoint(State(s): State<Arc<ControlState>>, Path(id): Path<String>) -> Response {
+    let Ok(id) = id.parse::<u64>() else {
+        return Failure(StatusCode::BAD_REQUEST, "savepoint request id must be a number".into()).into_response();
+    };
+    let status: Option<SavepointStatus> = s.metrics.board().savepoints.get(&id).cloned();
+    match status {
+        Some(status) => Json(status).into_response(),
+        None => Failure(StatusCode::NOT_FOUND, "no such savepoint request".into()).into_response(),
+    }
+}
+
+async fn cancel(State(s): State<Arc<ControlState>>) -> Response {
+    let _ = s.requests.send(Request::Cancel);
+    (StatusCode::ACCEPTED, Json(serde_json::json!({"cancelling": true}))).into_response()
+}
+
+async fn prometheus(State(s): State<Arc<ControlState>>) -> Response {
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], s.metrics.render_prometheus()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_comparison_needs_every_byte() {
+        assert!(constant_time_eq(b"s3cret", b"s3cret"));
+        assert!(!constant_time_eq(b"s3cret", b"s3creT"));
+        assert!(!constant_time_eq(b"s3cret", b"s3cre"));
     }
 }

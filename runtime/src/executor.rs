@@ -76,7 +76,7 @@ pub enum Request {
         /// Flush windows first (with stop).
         drain: bool,
         /// Where to send the request id.
-        reply: Sender<u64>,
+        reply: tokio::sync::oneshot::Sender<u64>,
     },
     /// Cancel without a savepoint.
     Cancel,
@@ -261,7 +261,7 @@ pub fn run_job(
                     return Err(JobError::Failed { reason, restarts });
                 }
                 restarts += 1;
-                metrics.restarts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                metrics.restarts.inc_by(1);
                 metrics.set_state(JobState::Restarting);
                 let delay = match r.strategy {
                     RestartStrategyKind::ExponentialBackoff => {
@@ -758,15 +758,12 @@ impl Executor<'_> {
                     Request::Savepoint { stop, drain, reply } => {
                         let request = self.next_request;
                         self.next_request += 1;
-                        self.metrics.board().savepoints.insert(
-                            request,
-                            SavepointStatus {
-                                request_id: request,
-                                outcome: CheckpointOutcome::InProgress,
-                                path: None,
-                                failure: None,
-                            },
-                        );
+                        self.metrics.set_savepoint(SavepointStatus {
+                            request_id: request,
+                            outcome: CheckpointOutcome::InProgress,
+                            path: None,
+                            failure: None,
+                        });
                         coord.request_savepoint(request, stop, drain);
                         let _ = reply.send(request);
                     }
@@ -946,10 +943,7 @@ impl Executor<'_> {
         }
         if let Some(request) = self.savepoint_requests.remove(&id) {
             let path = (outcome == CheckpointOutcome::Completed).then_some(path);
-            self.metrics
-                .board()
-                .savepoints
-                .insert(request, SavepointStatus { request_id: request, outcome, path, failure });
+            self.metrics.set_savepoint(SavepointStatus { request_id: request, outcome, path, failure });
         }
     }
 

@@ -101,14 +101,14 @@ impl Faults {
         if p <= 0.0 {
             return false;
         }
-        if plan.max_faults > 0 && self.metrics.injected_faults.load(Ordering::Relaxed) >= plan.max_faults {
+        if plan.max_faults > 0 && self.metrics.injected_faults.get() >= plan.max_faults {
             return false;
         }
         let draw = self.draws.fetch_add(1, Ordering::Relaxed);
         let x = (mix64(plan.seed ^ mix64(draw.wrapping_add(fault as u64 * 0x1000_0000))) >> 11) as f64
             / (1u64 << 53) as f64;
         if x < p {
-            self.metrics.injected_faults.fetch_add(1, Ordering::Relaxed);
+            self.metrics.injected_faults.inc_by(1);
             true
         } else {
             false
@@ -130,7 +130,7 @@ mod tests {
         assert!(f.fires(Fault::TaskPanic));
         assert!(!f.fires(Fault::TaskPanic), "budget of 2 spent");
         assert!(!f.fires(Fault::Upload), "probability 0");
-        assert_eq!(m.injected_faults.load(Ordering::Relaxed), 2);
+        assert_eq!(m.injected_faults.get(), 2);
         assert!(FaultPlan::parse("boom=1").unwrap_err().contains("unknown fault"));
     }
 }

@@ -1,9 +1,6 @@
 //! `weir-runtime`: run a job file locally or in a pod, take savepoints, inspect checkpoints.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::ExitCode;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -217,7 +214,7 @@ fn run(
     );
     let metrics = Arc::new(JobMetrics::new(&job.spec.name, &job_id));
     let (req_tx, req_rx) = crossbeam_channel::unbounded();
-    let _server = match &control_addr {
+    let server = match &control_addr {
         Some(addr) => match weir_runtime::control::serve(addr, token, metrics.clone(), req_tx.clone()) {
             Ok(s) => {
                 tracing::info!(addr = %s.addr, "control API listening");
@@ -249,23 +246,23 @@ fn run(
                 ) {
                     return;
                 }
-                let rin = m.records_in.load(Ordering::Relaxed);
+                let rin = m.records_in.get();
                 let rate = (rin - last_in) as f64 / last.elapsed().as_secs_f64();
                 last_in = rin;
                 last = Instant::now();
                 eprintln!(
                     "weir: {:>5.0}s {:?} | in {} ({}/s) | out {} | checkpoints {} ok {} failed, \
-                     last {} ms {} KiB | restarts {}",
+                     last {:.0} ms {} KiB | restarts {}",
                     start.elapsed().as_secs_f64(),
                     state,
                     human(rin as f64),
                     human(rate),
-                    human(m.records_out.load(Ordering::Relaxed) as f64),
-                    m.checkpoints_completed.load(Ordering::Relaxed),
-                    m.checkpoints_failed.load(Ordering::Relaxed),
-                    m.last_checkpoint_duration_ms.load(Ordering::Relaxed),
-                    m.last_checkpoint_bytes.load(Ordering::Relaxed) / 1024,
-                    m.restarts.load(Ordering::Relaxed),
+                    human(m.records_out.get() as f64),
+                    m.checkpoints_completed.get(),
+                    m.checkpoints_failed.get(),
+                    m.last_checkpoint_duration.get() * 1000.0,
+                    m.last_checkpoint_bytes.get() / 1024,
+                    m.restarts.get(),
                 );
             }
         })
@@ -273,18 +270,18 @@ fn run(
     let started = Instant::now();
     let result = run_job(&job, &opts, metrics.clone(), req_rx);
     drop(progress);
-    if let Some(server) = &_server {
+    if let Some(server) = server {
         // Let a client waiting for the stop savepoint read its answer before the process ends.
-        server.drain(Duration::from_secs(5));
+        server.shutdown(Duration::from_secs(5));
     }
     let summary = format!(
         "in {} records, out {}, {} checkpoints ({} failed), {} restarts, {} injected faults, {:.1}s",
-        metrics.records_in.load(Ordering::Relaxed),
-        metrics.records_out.load(Ordering::Relaxed),
-        metrics.checkpoints_completed.load(Ordering::Relaxed),
-        metrics.checkpoints_failed.load(Ordering::Relaxed),
-        metrics.restarts.load(Ordering::Relaxed),
-        metrics.injected_faults.load(Ordering::Relaxed),
+        metrics.records_in.get(),
+        metrics.records_out.get(),
+        metrics.checkpoints_completed.get(),
+        metrics.checkpoints_failed.get(),
+        metrics.restarts.get(),
+        metrics.injected_faults.get(),
         started.elapsed().as_secs_f64()
     );
     if let Some(log) = termination_log {
@@ -344,24 +341,6 @@ fn validate(path: &str) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// A minimal HTTP/1.1 exchange (the control API is plain HTTP on a trusted network).
-fn http(addr: &str, method: &str, path: &str, token: Option<&str>, body: &str) -> Result<(u16, String), String> {
-    let mut stream = TcpStream::connect(addr).map_err(|e| format!("connecting to {addr}: {e}"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(60))).map_err(|e| e.to_string())?;
-    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
-    let mut resp = String::new();
-    stream.read_to_string(&mut resp).map_err(|e| e.to_string())?;
-    let status = resp.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or("malformed HTTP response")?;
-    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    Ok((status, body))
-}
-
 /// Prints a finished savepoint's path (or its failure); `None` while it is in progress.
 fn finished_savepoint(s: &weir_crds::control::SavepointStatus) -> Option<ExitCode> {
     match s.outcome {
@@ -382,39 +361,43 @@ fn savepoint(addr: &str, stop: bool, drain: bool, token_file: Option<String>, ti
         Ok(t) => t,
         Err(code) => return code,
     };
-    let path = if stop { "/v1/stop" } else { "/v1/savepoints" };
-    let body = serde_json::json!({ "drain": drain, "wait": true }).to_string();
-    let (status, text) = match http(addr, "POST", path, token.as_deref(), &body) {
-        Ok(r) => r,
+    let timeout = Duration::from_secs(timeout_secs);
+    let client = match weir_client::ControlClient::new(addr, token) {
+        Ok(c) => c.wait_timeout(timeout),
         Err(e) => {
             eprintln!("error: {e}");
-            return ExitCode::FAILURE;
+            return ExitCode::from(2);
         }
     };
-    if status != 202 && status != 200 {
-        eprintln!("error: {path} answered {status}: {text}");
-        return ExitCode::FAILURE;
-    }
-    let Ok(accepted) = serde_json::from_str::<weir_crds::control::SavepointStatus>(&text) else {
-        eprintln!("error: unexpected answer: {text}");
-        return ExitCode::FAILURE;
-    };
-    if let Some(code) = finished_savepoint(&accepted) {
-        return code;
-    }
-    let deadline = Instant::now() + Duration::from_secs(timeout_secs);
-    while Instant::now() < deadline {
-        if let Ok((200, text)) =
-            http(addr, "GET", &format!("/v1/savepoints/{}", accepted.request_id), token.as_deref(), "")
-        {
-            if let Some(code) = serde_json::from_str(&text).ok().as_ref().and_then(finished_savepoint) {
-                return code;
+    let request = weir_crds::control::SavepointRequest { drain, wait: true };
+    let deadline = Instant::now() + timeout;
+    weir_runtime::io().block_on(async {
+        let answer = if stop { client.stop(&request).await } else { client.trigger_savepoint(&request).await };
+        let accepted = match answer {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
             }
+        };
+        if let Some(code) = finished_savepoint(&accepted) {
+            return code;
         }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    eprintln!("error: savepoint not complete after {timeout_secs}s");
-    ExitCode::FAILURE
+        // The runtime answers a waiting request after 600 s at most: poll for the rest.
+        while Instant::now() < deadline {
+            match client.savepoint(accepted.request_id).await {
+                Ok(s) => {
+                    if let Some(code) = finished_savepoint(&s) {
+                        return code;
+                    }
+                }
+                Err(e) => tracing::debug!("polling the savepoint: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        eprintln!("error: savepoint not complete after {timeout_secs}s");
+        ExitCode::FAILURE
+    })
 }
 
 fn checkpoints(dir: &str) -> ExitCode {

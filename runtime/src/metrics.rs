@@ -1,14 +1,22 @@
 //! Job-wide counters and status shared by tasks, the coordinator and the control API, and
-//! their Prometheus text rendering.
+//! their Prometheus exposition (prometheus-client's OpenMetrics text, every series labelled
+//! with the job's name).
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
-use weir_crds::control::{CheckpointInfo, CheckpointOutcome, JobState, SavepointStatus};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+use weir_crds::control::{CheckpointInfo, CheckpointOutcome, JobState, JobStatus, SavepointStatus};
 
 const HISTORY: usize = 50;
+
+/// The `Content-Type` of [`JobMetrics::render_prometheus`].
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Counters and status of one job process.
 #[derive(Debug)]
@@ -18,29 +26,32 @@ pub struct JobMetrics {
     /// Run id.
     pub job_id: String,
     /// Records read by sources.
-    pub records_in: AtomicU64,
+    pub records_in: Counter,
     /// Records written by sinks.
-    pub records_out: AtomicU64,
+    pub records_out: Counter,
     /// Checkpoints completed.
-    pub checkpoints_completed: AtomicU64,
+    pub checkpoints_completed: Counter,
     /// Checkpoints failed.
-    pub checkpoints_failed: AtomicU64,
-    /// Sum of completed checkpoint durations, ms.
-    pub checkpoint_duration_ms_sum: AtomicU64,
-    /// Duration of the newest completed checkpoint, ms.
-    pub last_checkpoint_duration_ms: AtomicU64,
+    pub checkpoints_failed: Counter,
+    /// Durations of completed checkpoints, seconds.
+    pub checkpoint_duration: Histogram,
+    /// Bytes of state written by completed checkpoints.
+    pub checkpoint_size: Histogram,
+    /// Duration of the newest completed checkpoint, seconds.
+    pub last_checkpoint_duration: Gauge<f64, AtomicU64>,
     /// Bytes of the newest completed checkpoint.
-    pub last_checkpoint_bytes: AtomicU64,
-    /// Total barrier alignment time, ms.
-    pub alignment_ms: AtomicU64,
+    pub last_checkpoint_bytes: Gauge,
+    /// Total time tasks spent aligning barriers, seconds.
+    pub alignment_seconds: Counter<f64, AtomicU64>,
     /// In-process restarts.
-    pub restarts: AtomicU64,
+    pub restarts: Counter,
     /// Faults injected by the test hook.
-    pub injected_faults: AtomicU64,
-    /// Records dropped as late by windows.
-    pub late_records: AtomicU64,
+    pub injected_faults: Counter,
+    /// Wakes the control API's requests waiting for a savepoint when one's status changes.
+    pub savepoint_changed: tokio::sync::Notify,
     /// Lifecycle state, history, savepoint requests, last error.
     pub status: Mutex<StatusBoard>,
+    registry: Registry,
 }
 
 /// The parts of status behind a lock.
@@ -65,20 +76,76 @@ pub struct StatusBoard {
 impl JobMetrics {
     /// Fresh metrics.
     pub fn new(name: &str, job_id: &str) -> Self {
+        let job_label = std::iter::once((Cow::Borrowed("job"), Cow::Owned(name.to_string())));
+        let mut registry = Registry::with_prefix_and_labels("weir", job_label);
+        let records_in = Counter::default();
+        let records_out = Counter::default();
+        let checkpoints_completed = Counter::default();
+        let checkpoints_failed = Counter::default();
+        // 10 ms to about 2.7 hours.
+        let checkpoint_duration = Histogram::new(exponential_buckets(0.01, 4.0, 11));
+        // 1 KiB to 1 TiB.
+        let checkpoint_size = Histogram::new(exponential_buckets(1024.0, 4.0, 16));
+        let last_checkpoint_duration = Gauge::<f64, AtomicU64>::default();
+        let last_checkpoint_bytes = Gauge::default();
+        let alignment_seconds = Counter::<f64, AtomicU64>::default();
+        let restarts = Counter::default();
+        let injected_faults = Counter::default();
+        registry.register("records_in", "Records read by sources", records_in.clone());
+        registry.register("records_out", "Records written by sinks", records_out.clone());
+        registry.register(
+            "checkpoints_completed",
+            "Completed checkpoints and savepoints",
+            checkpoints_completed.clone(),
+        );
+        registry.register("checkpoints_failed", "Failed checkpoints and savepoints", checkpoints_failed.clone());
+        registry.register_with_unit(
+            "checkpoint_duration",
+            "Durations of completed checkpoints and savepoints, trigger to completion",
+            Unit::Seconds,
+            checkpoint_duration.clone(),
+        );
+        registry.register_with_unit(
+            "checkpoint_size",
+            "State written by completed checkpoints and savepoints",
+            Unit::Bytes,
+            checkpoint_size.clone(),
+        );
+        registry.register_with_unit(
+            "last_checkpoint_duration",
+            "Duration of the newest completed checkpoint",
+            Unit::Seconds,
+            last_checkpoint_duration.clone(),
+        );
+        registry.register_with_unit(
+            "last_checkpoint_size",
+            "State written by the newest completed checkpoint",
+            Unit::Bytes,
+            last_checkpoint_bytes.clone(),
+        );
+        registry.register_with_unit(
+            "checkpoint_alignment",
+            "Time tasks spent aligning barriers",
+            Unit::Seconds,
+            alignment_seconds.clone(),
+        );
+        registry.register("restarts", "In-process restarts from the newest checkpoint", restarts.clone());
+        registry.register("injected_faults", "Faults injected by the test hook", injected_faults.clone());
         JobMetrics {
             name: name.to_string(),
             job_id: job_id.to_string(),
-            records_in: AtomicU64::new(0),
-            records_out: AtomicU64::new(0),
-            checkpoints_completed: AtomicU64::new(0),
-            checkpoints_failed: AtomicU64::new(0),
-            checkpoint_duration_ms_sum: AtomicU64::new(0),
-            last_checkpoint_duration_ms: AtomicU64::new(0),
-            last_checkpoint_bytes: AtomicU64::new(0),
-            alignment_ms: AtomicU64::new(0),
-            restarts: AtomicU64::new(0),
-            injected_faults: AtomicU64::new(0),
-            late_records: AtomicU64::new(0),
+            records_in,
+            records_out,
+            checkpoints_completed,
+            checkpoints_failed,
+            checkpoint_duration,
+            checkpoint_size,
+            last_checkpoint_duration,
+            last_checkpoint_bytes,
+            alignment_seconds,
+            restarts,
+            injected_faults,
+            savepoint_changed: tokio::sync::Notify::new(),
             status: Mutex::new(StatusBoard {
                 state: JobState::Starting,
                 history: VecDeque::new(),
@@ -88,6 +155,7 @@ impl JobMetrics {
                 epoch: 0,
                 notices: Vec::new(),
             }),
+            registry,
         }
     }
 
@@ -104,13 +172,14 @@ impl JobMetrics {
     /// Adds or updates a checkpoint in the history.
     pub fn record_checkpoint(&self, info: CheckpointInfo) {
         if info.outcome == CheckpointOutcome::Completed {
-            self.checkpoints_completed.fetch_add(1, Ordering::Relaxed);
-            let d = info.duration_ms.unwrap_or(0);
-            self.checkpoint_duration_ms_sum.fetch_add(d, Ordering::Relaxed);
-            self.last_checkpoint_duration_ms.store(d, Ordering::Relaxed);
-            self.last_checkpoint_bytes.store(info.bytes, Ordering::Relaxed);
+            self.checkpoints_completed.inc();
+            let seconds = info.duration_ms.unwrap_or(0) as f64 / 1000.0;
+            self.checkpoint_duration.observe(seconds);
+            self.checkpoint_size.observe(info.bytes as f64);
+            self.last_checkpoint_duration.set(seconds);
+            self.last_checkpoint_bytes.set(i64::try_from(info.bytes).unwrap_or(i64::MAX));
         } else if info.outcome == CheckpointOutcome::Failed {
-            self.checkpoints_failed.fetch_add(1, Ordering::Relaxed);
+            self.checkpoints_failed.inc();
         }
         let mut board = self.board();
         if let Some(existing) = board.history.iter_mut().find(|c| c.id == info.id) {
@@ -121,84 +190,83 @@ impl JobMetrics {
         }
     }
 
+    /// Sets a savepoint request's status and wakes whoever waits for it.
+    pub fn set_savepoint(&self, status: SavepointStatus) {
+        self.board().savepoints.insert(status.request_id, status);
+        self.savepoint_changed.notify_waiters();
+    }
+
     /// The newest completed checkpoint or savepoint.
     pub fn latest_completed(&self) -> Option<CheckpointInfo> {
         self.board().history.iter().find(|c| c.outcome == CheckpointOutcome::Completed).cloned()
     }
 
-    /// Prometheus text exposition.
+    /// Completed and failed checkpoints so far in this process.
+    pub fn checkpoint_counts(&self) -> (u64, u64) {
+        (self.checkpoints_completed.get(), self.checkpoints_failed.get())
+    }
+
+    /// The job's status as the control API reports it.
+    pub fn job_status(&self) -> JobStatus {
+        let board = self.board();
+        JobStatus {
+            name: self.name.clone(),
+            job_id: self.job_id.clone(),
+            state: board.state,
+            restarts: u32::try_from(self.restarts.get()).unwrap_or(u32::MAX),
+            records_in: self.records_in.get(),
+            records_out: self.records_out.get(),
+            latest_checkpoint: board.history.iter().find(|c| c.outcome == CheckpointOutcome::Completed).cloned(),
+            restored_from: board.restored_from.clone(),
+            epoch: board.epoch,
+            notices: board.notices.clone(),
+            last_error: board.last_error.clone(),
+            injected_faults: self.injected_faults.get(),
+        }
+    }
+
+    /// The OpenMetrics text exposition (Prometheus reads it; see [`CONTENT_TYPE`]).
     pub fn render_prometheus(&self) -> String {
         let mut out = String::new();
-        let job = &self.name;
-        let mut counter = |name: &str, help: &str, kind: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{job=\"{job}\"}} {v}");
-        };
-        counter(
-            "weir_records_in_total",
-            "Records read by sources.",
-            "counter",
-            self.records_in.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_records_out_total",
-            "Records written by sinks.",
-            "counter",
-            self.records_out.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_checkpoints_completed_total",
-            "Completed checkpoints and savepoints.",
-            "counter",
-            self.checkpoints_completed.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_checkpoints_failed_total",
-            "Failed checkpoints and savepoints.",
-            "counter",
-            self.checkpoints_failed.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_checkpoint_duration_ms_sum",
-            "Sum of completed checkpoint durations in ms.",
-            "counter",
-            self.checkpoint_duration_ms_sum.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_last_checkpoint_duration_ms",
-            "Duration of the newest completed checkpoint in ms.",
-            "gauge",
-            self.last_checkpoint_duration_ms.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_last_checkpoint_size_bytes",
-            "Bytes written by the newest completed checkpoint.",
-            "gauge",
-            self.last_checkpoint_bytes.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_checkpoint_alignment_ms_total",
-            "Time tasks spent aligning barriers in ms.",
-            "counter",
-            self.alignment_ms.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_restarts_total",
-            "In-process restarts from the newest checkpoint.",
-            "counter",
-            self.restarts.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_late_records_total",
-            "Records dropped by windows as late.",
-            "counter",
-            self.late_records.load(Ordering::Relaxed),
-        );
-        counter(
-            "weir_injected_faults_total",
-            "Faults injected by the test hook.",
-            "counter",
-            self.injected_faults.load(Ordering::Relaxed),
-        );
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use weir_crds::control::CheckpointKind;
+
+    use super::*;
+
+    #[test]
+    fn renders_base_units_histograms_and_escaped_labels() {
+        let m = JobMetrics::new("orders \"eu\"\nwest", "r1");
+        m.records_in.inc_by(41);
+        m.records_in.inc();
+        m.alignment_seconds.inc_by(0.25);
+        m.record_checkpoint(CheckpointInfo {
+            id: 1,
+            kind: CheckpointKind::Checkpoint,
+            outcome: CheckpointOutcome::Completed,
+            path: "file:///c/chk-1".into(),
+            triggered_at_ms: 0,
+            duration_ms: Some(1500),
+            bytes: 3 * 1024 * 1024,
+            failure: None,
+        });
+        let text = m.render_prometheus();
+        let job = r#"job="orders \"eu\"\nwest""#;
+        assert!(text.contains(&format!("weir_records_in_total{{{job}}} 42\n")), "{text}");
+        assert!(text.contains(&format!("weir_checkpoint_duration_seconds_sum{{{job}}} 1.5\n")), "{text}");
+        assert!(text.contains(&format!("weir_checkpoint_duration_seconds_count{{{job}}} 1\n")), "{text}");
+        assert!(text.contains(&format!("weir_checkpoint_duration_seconds_bucket{{{job},le=\"2.56\"}} 1\n")), "{text}");
+        assert!(text.contains(&format!("weir_checkpoint_duration_seconds_bucket{{{job},le=\"0.64\"}} 0\n")), "{text}");
+        assert!(text.contains(&format!("weir_last_checkpoint_size_bytes{{{job}}} 3145728\n")), "{text}");
+        assert!(text.contains(&format!("weir_checkpoint_alignment_seconds_total{{{job}}} 0.25\n")), "{text}");
+        assert!(text.contains("# UNIT weir_checkpoint_duration_seconds seconds\n"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert!(!text.contains("_ms"), "no millisecond series are left:\n{text}");
     }
 }

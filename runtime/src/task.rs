@@ -5,7 +5,6 @@
 //! barrier at once and hands the snapshot to its uploader.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -225,7 +224,7 @@ impl Task {
             o.broadcast(move || Message::Barrier(b.clone()))?;
         }
         let alignment_ms = alignment.as_millis() as u64;
-        self.metrics.alignment_ms.fetch_add(alignment_ms, Ordering::Relaxed);
+        self.metrics.alignment_seconds.inc_by(alignment.as_secs_f64());
         self.uploads
             .send(UploadJob {
                 barrier,
@@ -329,7 +328,7 @@ impl Task {
             let mut batch = Vec::with_capacity(BATCH_SIZE);
             match source.poll(&mut batch, BATCH_SIZE)? {
                 SourcePoll::Data => {
-                    self.metrics.records_in.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    self.metrics.records_in.inc_by(batch.len() as u64);
                     self.process_from(0, batch)?;
                     let wm = source.watermark();
                     if wm > watermark {
@@ -346,7 +345,7 @@ impl Task {
                 }
                 SourcePoll::Finished => {
                     if !batch.is_empty() {
-                        self.metrics.records_in.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                        self.metrics.records_in.inc_by(batch.len() as u64);
                         self.process_from(0, batch)?;
                     }
                     exhausted = true;

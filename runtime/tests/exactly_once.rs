@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
@@ -38,13 +37,13 @@ fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
         };
         let (outcome, m) = run_to_end(&job_yaml(&p, &out), common::RunOptionsExt::with_faults(opts(&chk), plan));
         assert_eq!(outcome, JobOutcome::Finished);
-        let n = m.injected_faults.load(Ordering::Relaxed);
+        let n = m.injected_faults.get();
         assert!(n >= 5, "seed {seed}: only {n} faults fired");
         injected += n;
         assert_same_output(
             &golden,
             &committed(&out),
-            &format!("seed {seed} with {n} faults, {} restarts", m.restarts.load(Ordering::Relaxed)),
+            &format!("seed {seed} with {n} faults, {} restarts", m.restarts.get()),
         );
         assert_retention(&chk, 3);
     }
@@ -61,7 +60,7 @@ fn at_least_once_mode_loses_nothing_under_failures() {
     let plan = FaultPlan { seed: 9, task_panic: 0.01, max_faults: 6, ..FaultPlan::default() };
     let (outcome, m) = run_to_end(&job_yaml(&p, &out), common::RunOptionsExt::with_faults(opts(&chk), plan));
     assert_eq!(outcome, JobOutcome::Finished);
-    record_faults(m.injected_faults.load(Ordering::Relaxed));
+    record_faults(m.injected_faults.get());
     assert_no_loss(&golden, &committed(&out));
 }
 
@@ -306,7 +305,7 @@ sinks:
     let plan = FaultPlan { seed: 5, task_panic: 0.05, crash_before_commit: 0.3, max_faults: 8, ..FaultPlan::default() };
     let (outcome, m) = run_to_end(&job(&out), RunOptionsExt::with_faults(opts(&chk), plan));
     assert_eq!(outcome, JobOutcome::Finished);
-    record_faults(m.injected_faults.load(Ordering::Relaxed));
+    record_faults(m.injected_faults.get());
     assert_same_output(&golden, &committed(&out), "file source under failures");
 }
 
@@ -386,7 +385,7 @@ sinks:
         .iter()
         .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap()["n"].as_i64().unwrap())
         .sum();
-    let read = m.records_in.load(Ordering::Relaxed) as i64;
+    let read = m.records_in.get() as i64;
     assert!(read > 0);
     assert_eq!(counted, read, "every record read before the stop is in a committed window");
 }
@@ -404,7 +403,7 @@ fn a_savepoint_that_does_not_stop_the_job_publishes_nothing() {
     let yaml = job_yaml(&p, &out).replace("  interval: 100ms\n", "  interval: 100ms\n  enabled: false\n");
     let run = InProcess::start(&yaml, opts(&chk));
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while run.metrics.records_in.load(Ordering::Relaxed) < 2_000 {
+    while run.metrics.records_in.get() < 2_000 {
         assert!(std::time::Instant::now() < deadline, "no records read");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -444,6 +443,6 @@ fn a_failed_savepoint_loses_none_of_the_records_it_closed() {
     assert_eq!(r.unwrap(), JobOutcome::Finished);
     let status = m.board().savepoints.get(&request).cloned().unwrap();
     assert_eq!(status.outcome, weir_crds::control::CheckpointOutcome::Failed, "{status:?}");
-    assert_eq!(m.restarts.load(Ordering::Relaxed), 0, "no commit failed");
+    assert_eq!(m.restarts.get(), 0, "no commit failed");
     assert_same_output(&golden, &committed(&out), "after a failed savepoint");
 }

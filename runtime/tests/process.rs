@@ -5,8 +5,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -70,25 +69,6 @@ fn sigkill_and_restart_with_restore_latest_until_done_is_exactly_once() {
     assert!(listing.status.success() && text.contains("yes"), "{text}");
 }
 
-fn try_http(addr: &str, method: &str, path: &str, token: Option<&str>) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 0\r\nConnection: close\r\n\r\n")?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)?;
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("malformed response: {resp:?}")))?;
-    Ok((status, resp.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default()))
-}
-
-fn http(addr: &str, method: &str, path: &str, token: Option<&str>) -> (u16, String) {
-    try_http(addr, method, path, token).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -120,26 +100,47 @@ fn control_api_requires_the_token_and_stop_with_savepoint_works() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let io = weir_runtime::io();
+    let client = weir_client::ControlClient::new(&addr, Some("s3cret-token".into())).unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     // Wait for the API and a first checkpoint.
     loop {
         assert!(Instant::now() < deadline, "no checkpoint within 30s");
-        // While the process starts, connections may be refused or cut: keep asking.
-        if let Ok((200, body)) = try_http(&addr, "GET", "/v1/checkpoints/latest", Some("s3cret-token")) {
-            assert!(body.contains("\"completed\""), "{body}");
+        // While the process starts, connections may be refused: keep asking.
+        if let Ok(Some(latest)) = io.block_on(client.latest_checkpoint()) {
+            assert_eq!(latest.outcome, weir_crds::control::CheckpointOutcome::Completed);
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(http(&addr, "GET", "/v1/job", None).0, 401);
-    assert_eq!(http(&addr, "GET", "/v1/job", Some("wrong")).0, 401);
-    let (status, body) = http(&addr, "GET", "/v1/job", Some("s3cret-token"));
-    assert_eq!(status, 200);
-    assert!(body.contains("\"state\": \"running\""), "{body}");
-    let (status, metrics) = http(&addr, "GET", "/metrics", Some("s3cret-token"));
-    assert_eq!(status, 200);
+    for token in [None, Some("wrong".to_string())] {
+        let stranger = weir_client::ControlClient::new(&addr, token).unwrap();
+        let err = io.block_on(stranger.job()).unwrap_err();
+        assert_eq!(err.status(), Some(401), "{err}");
+        assert!(err.to_string().contains("missing or wrong bearer token"), "a JSON error body: {err}");
+        assert_eq!(io.block_on(stranger.metrics()).unwrap_err().status(), Some(401));
+    }
+    let open = weir_client::ControlClient::new(&addr, None).unwrap();
+    io.block_on(open.healthz()).expect("/healthz needs no token");
+    let job = io.block_on(client.job()).unwrap();
+    assert_eq!(job.state, weir_crds::control::JobState::Running);
+    assert_eq!(job.name, "controlled");
+    assert!(job.records_in > 0, "{job:?}");
+    let history = io.block_on(client.checkpoints()).unwrap();
+    assert!(history.completed >= 1 && !history.checkpoints.is_empty(), "{history:?}");
+    let metrics = io.block_on(client.metrics()).unwrap();
     assert!(metrics.contains("weir_checkpoints_completed_total{job=\"controlled\"}"), "{metrics}");
+    assert!(metrics.contains("weir_checkpoint_duration_seconds_count{job=\"controlled\"}"), "{metrics}");
     assert!(!metrics.contains("s3cret"), "no secret in metrics");
+    // A savepoint that does not stop the job, answered when it is done.
+    let request = weir_crds::control::SavepointRequest { drain: false, wait: true };
+    let taken = io.block_on(client.trigger_savepoint(&request)).unwrap();
+    assert_eq!(taken.outcome, weir_crds::control::CheckpointOutcome::Completed, "{taken:?}");
+    assert_eq!(io.block_on(client.savepoint(taken.request_id)).unwrap(), taken);
+    let drain = weir_crds::control::SavepointRequest { drain: true, wait: false };
+    let err = io.block_on(client.trigger_savepoint(&drain)).unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    assert_eq!(io.block_on(client.savepoint(999_999)).unwrap_err().status(), Some(404));
 
     let sp = bin().args(["savepoint", &addr, "--stop", "--token-file", token_file.to_str().unwrap()]).output().unwrap();
     assert!(sp.status.success(), "{}", String::from_utf8_lossy(&sp.stderr));
@@ -147,7 +148,9 @@ fn control_api_requires_the_token_and_stop_with_savepoint_works() {
     assert!(savepoint.contains("/savepoints/sp-"), "{savepoint}");
     let status =
         wait_with_deadline(&mut child, Instant::now() + Duration::from_secs(20)).expect("stops after the savepoint");
-    assert!(status.success());
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(status.success(), "{status}: {stderr}");
     let mut stdout = String::new();
     child.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
     assert_eq!(stdout.trim(), savepoint, "run prints the savepoint it stopped with");

@@ -26,7 +26,6 @@
 //! not output.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -617,7 +616,7 @@ impl Operator for FileSink {
             Ok::<(), TaskError>(())
         })?;
         self.pending.retain(|c| c.checkpoint > id);
-        self.metrics.records_out.fetch_add(due.iter().map(|c| c.records).sum(), Ordering::Relaxed);
+        self.metrics.records_out.inc_by(due.iter().map(|c| c.records).sum());
         Ok(due)
     }
 

@@ -2,7 +2,6 @@
 //! (counts and discards, for benchmarks).
 
 use std::io::Write;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::metrics::JobMetrics;
@@ -32,7 +31,7 @@ impl Operator for StdoutSink {
         let mut stdout = std::io::stdout().lock();
         // A closed stdout (e.g. `| head`) ends the job like any other sink failure.
         stdout.write_all(&self.buf).map_err(|e| TaskError::Commit { what: "stdout".into(), reason: e.to_string() })?;
-        self.metrics.records_out.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.metrics.records_out.inc_by(batch.len() as u64);
         Ok(())
     }
 }
@@ -51,7 +50,7 @@ impl BlackholeSink {
 
 impl Operator for BlackholeSink {
     fn process(&mut self, batch: Vec<Record>, _out: &mut Vec<Record>) -> Result<(), TaskError> {
-        self.metrics.records_out.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.metrics.records_out.inc_by(batch.len() as u64);
         Ok(())
     }
 }

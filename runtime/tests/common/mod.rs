@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -202,7 +201,7 @@ impl InProcess {
     /// Waits until `n` checkpoints have completed in this run.
     pub fn wait_for_checkpoints(&self, n: u64, timeout: Duration) {
         let deadline = Instant::now() + timeout;
-        while self.metrics.checkpoints_completed.load(Ordering::Relaxed) < n {
+        while self.metrics.checkpoints_completed.get() < n {
             assert!(Instant::now() < deadline, "{n} checkpoints not complete within {timeout:?}");
             assert!(!self.handle.is_finished(), "job ended before {n} checkpoints");
             std::thread::sleep(Duration::from_millis(5));
@@ -212,9 +211,12 @@ impl InProcess {
     /// Asks for a savepoint (a stop when `stop`) and waits until it is accepted; returns the
     /// request id.
     pub fn request_savepoint(&self, stop: bool, drain: bool) -> u64 {
-        let (tx, rx) = crossbeam_channel::bounded(1);
+        let (tx, rx) = tokio::sync::oneshot::channel();
         self.requests.send(Request::Savepoint { stop, drain, reply: tx }).unwrap();
-        rx.recv_timeout(Duration::from_secs(10)).expect("savepoint request accepted")
+        weir_runtime::io()
+            .block_on(tokio::time::timeout(Duration::from_secs(10), rx))
+            .expect("savepoint request accepted in time")
+            .expect("savepoint request accepted")
     }
 
     pub fn join(self) -> (Result<JobOutcome, JobError>, Arc<JobMetrics>) {
@@ -345,7 +347,7 @@ pub fn golden_output(p: &JobParams) -> BTreeMap<String, Vec<String>> {
     let (_d, out, chk) = workdir(&format!("{}-golden", p.name));
     let (outcome, m) = run_to_end(&job_yaml(&p, &out), opts(&chk));
     assert_eq!(outcome, JobOutcome::Finished);
-    assert_eq!(m.restarts.load(Ordering::Relaxed), 0);
+    assert_eq!(m.restarts.get(), 0);
     let g = committed(&out);
     assert!(g.values().all(|v| !v.is_empty()), "every sink wrote something");
     g
