@@ -85,6 +85,7 @@ impl fmt::Display for HumanDuration {
     }
 }
 
+#[cfg(feature = "kubernetes")]
 impl schemars::JsonSchema for HumanDuration {
     fn schema_name() -> std::borrow::Cow<'static, str> {
         "HumanDuration".into()

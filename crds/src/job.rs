@@ -3,13 +3,15 @@
 //! The same document is `StreamJob.spec.job` in Kubernetes and the file given to
 //! `weir-runtime run job.yaml`. Parsing only checks shapes; [`crate::validate`] checks meaning.
 
+#[cfg(feature = "kubernetes")]
 use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::duration::HumanDuration;
 
 /// A whole job: its name, parallelism, checkpointing, restart strategy and dataflow graph.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct JobSpec {
     /// Job name: names checkpoint directories and output files. Letters, digits, `-`, `_`, `.`.
@@ -45,7 +47,8 @@ fn default_max_parallelism() -> u32 {
 }
 
 /// Checkpoint consistency mode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, JsonSchema)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum CheckpointMode {
     /// Barriers are aligned: a task with several inputs waits for barrier N on all of them.
@@ -56,7 +59,8 @@ pub enum CheckpointMode {
 }
 
 /// What to do with retained checkpoints when the job is cancelled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, JsonSchema)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum RetentionOnCancel {
     /// Keep them: the job can be resumed from the newest one.
@@ -67,7 +71,8 @@ pub enum RetentionOnCancel {
 }
 
 /// Checkpointing settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CheckpointingSpec {
     /// Turn periodic checkpoints off (a final checkpoint is still taken when bounded input ends).
@@ -150,7 +155,8 @@ impl Default for CheckpointingSpec {
 }
 
 /// Restart strategy kinds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, JsonSchema)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum RestartStrategyKind {
     /// Wait `delay` between attempts.
@@ -164,7 +170,8 @@ pub enum RestartStrategyKind {
 
 /// In-process restart after a task failure: the whole job restarts from the newest complete
 /// checkpoint.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RestartSpec {
     /// `fixed-delay`, `exponential-backoff` or `none`.
@@ -220,7 +227,8 @@ pub fn input_names<'a>(input: &'a Option<String>, inputs: &'a Option<Vec<String>
 }
 
 /// A source node. Exactly one of `generator` or `file` is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SourceSpec {
     /// Name other nodes use in `input`.
@@ -241,7 +249,8 @@ pub struct SourceSpec {
 
 /// The deterministic generator: every field and the event time derive from the sequence number,
 /// so a replay produces the very same records.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GeneratorSpec {
     /// Number of records; absent means unbounded.
@@ -269,7 +278,8 @@ fn default_time_step() -> HumanDuration {
 }
 
 /// One generated field. Exactly one kind is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GeneratorField {
     /// Field name. Quote names YAML 1.1 reads as booleans (`name: "y"`, not `name: y`).
@@ -292,12 +302,14 @@ pub struct GeneratorField {
 }
 
 /// An empty mapping (`{}`), used for options that take no settings.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Empty {}
 
 /// Settings of a `word` field.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WordField {
     /// How many distinct words.
@@ -305,7 +317,8 @@ pub struct WordField {
 }
 
 /// Settings of a `text` field.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct TextField {
     /// Words per line.
@@ -315,7 +328,8 @@ pub struct TextField {
 }
 
 /// Settings of a `uniform` field.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct UniformField {
     /// Smallest value.
@@ -326,7 +340,8 @@ pub struct UniformField {
 
 /// Reads text lines; each record has one string field `line`, and its event time is the line's
 /// number within its file.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FileSourceSpec {
     /// A file, or a directory whose regular files (sorted by name) are read.
@@ -335,7 +350,8 @@ pub struct FileSourceSpec {
 
 /// An operator node. Exactly one kind (`map`, `filter`, `flatMap`, `keyBy`, `window`,
 /// `aggregate`, `dedupe`) is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct OperatorSpec {
     /// Name other nodes use in `input`.
@@ -377,7 +393,8 @@ pub struct OperatorSpec {
 }
 
 /// `map` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MapSpec {
     /// Output fields in order: name → CEL expression over the input fields.
@@ -391,6 +408,7 @@ pub struct MapSpec {
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct NamedExprs(pub Vec<(String, String)>);
 
+#[cfg(feature = "kubernetes")]
 impl JsonSchema for NamedExprs {
     fn schema_name() -> std::borrow::Cow<'static, str> {
         "NamedExprs".into()
@@ -441,7 +459,8 @@ impl<'de> Deserialize<'de> for NamedExprs {
 }
 
 /// `filter` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FilterSpec {
     /// A CEL expression that must be true for the record to pass.
@@ -449,7 +468,8 @@ pub struct FilterSpec {
 }
 
 /// `flatMap` settings. Exactly one of `split` or `expr` is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FlatMapSpec {
     /// Built-in: split a string field on whitespace into one record per token.
@@ -465,7 +485,8 @@ pub struct FlatMapSpec {
 }
 
 /// The built-in whitespace split.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SplitSpec {
     /// The string field to split.
@@ -478,7 +499,8 @@ pub struct SplitSpec {
 }
 
 /// `keyBy` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KeyBySpec {
     /// The fields forming the key.
@@ -486,7 +508,8 @@ pub struct KeyBySpec {
 }
 
 /// Window kinds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum WindowKind {
     /// Fixed, non-overlapping windows of `size`.
@@ -496,7 +519,8 @@ pub enum WindowKind {
 }
 
 /// `window` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WindowSpec {
     /// `tumbling` or `sliding`.
@@ -512,7 +536,8 @@ pub struct WindowSpec {
 }
 
 /// `aggregate` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AggregateSpec {
     /// The aggregates computed per key.
@@ -520,7 +545,8 @@ pub struct AggregateSpec {
 }
 
 /// Aggregate function kinds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum AggregateKind {
     /// Number of records.
@@ -536,7 +562,8 @@ pub enum AggregateKind {
 }
 
 /// One aggregate: a function, its input field (all but `count`) and its output name.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AggregateFn {
     /// `count`, `sum`, `min`, `max` or `avg`.
@@ -552,7 +579,8 @@ pub struct AggregateFn {
 }
 
 /// A sink node. Exactly one of `file`, `stdout`, `blackhole` is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SinkSpec {
     /// Name of this node.
@@ -581,7 +609,8 @@ pub struct SinkSpec {
 }
 
 /// `file` sink settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FileSinkSpec {
     /// Output directory: a local path, `file:///...` or `s3://bucket/prefix`. Committed files are

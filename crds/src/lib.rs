@@ -10,6 +10,7 @@ pub mod job;
 #[cfg(feature = "kubernetes")]
 pub mod streamjob;
 pub mod validate;
+pub mod yaml11;
 
 pub use duration::HumanDuration;
 pub use job::JobSpec;

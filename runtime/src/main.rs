@@ -59,7 +59,7 @@ enum Command {
     },
     /// Check a job file and print its execution plan.
     Validate {
-        /// The job file (YAML).
+        /// The job file (YAML), or a StreamJob manifest with an inline job.
         job: String,
     },
     /// Trigger a savepoint on a running job through its control API, and wait for it.
@@ -328,10 +328,57 @@ fn run(
     }
 }
 
+/// Validates a job file, or the inline job of a StreamJob manifest. A manifest is also checked for
+/// values kubectl (YAML 1.1) reads as booleans where Weir (YAML 1.2) reads strings, e.g. `as: n`.
 fn validate(path: &str) -> ExitCode {
-    let job = match read_job(path) {
-        Ok(j) => j,
-        Err(code) => return code,
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read {path}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let ambiguous = match weir_crds::yaml11::ambiguous_scalars(&text) {
+        Ok(found) => found,
+        Err(e) => {
+            eprintln!("error: {path} is not YAML: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let manifest: Option<serde_json::Value> = serde_yaml::from_str::<serde_json::Value>(&text)
+        .ok()
+        .filter(|v| v.get("kind").and_then(|k| k.as_str()) == Some("StreamJob"));
+    let job_text = match &manifest {
+        None => {
+            for a in &ambiguous {
+                eprintln!("warning: {path}: {a} (if this job is ever put inline into a StreamJob)");
+            }
+            text
+        }
+        Some(manifest) => {
+            if !ambiguous.is_empty() {
+                eprintln!("error: {path}: kubectl would change these values:");
+                for a in &ambiguous {
+                    eprintln!("  {a}");
+                }
+                return ExitCode::from(2);
+            }
+            match manifest.pointer("/spec/job/inline") {
+                Some(inline) => serde_yaml::to_string(inline).unwrap_or_default(),
+                None => {
+                    eprintln!("{path}: the job is not inline (spec.job.configMapRef): validate that job file");
+                    return ExitCode::SUCCESS;
+                }
+            }
+        }
+    };
+    let job = match weir_runtime::load_job(&job_text) {
+        Ok(job) => job,
+        Err(e) => {
+            let what = if manifest.is_some() { "spec.job.inline of " } else { "" };
+            eprintln!("error: {what}{path} is not a valid job:\n{e}");
+            return ExitCode::from(2);
+        }
     };
     println!("job `{}` is valid; tasks:", job.spec.name);
     for v in weir_runtime::plan::build(&job) {

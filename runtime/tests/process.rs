@@ -261,3 +261,50 @@ fn a_second_run_needs_restore_or_fresh_and_never_deletes_earlier_output() {
     assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
     assert_eq!(snapshot(&out), after_fresh, "restoring a finished run changes nothing");
 }
+
+/// kubectl reads manifests as YAML 1.1, where `as: n` is `false`; the API server's refusal does
+/// not say why. `validate` on the manifest names the value and the fix; quoted, it passes.
+#[test]
+fn a_manifest_with_yaml11_booleans_is_refused_naming_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = |as_name: &str| {
+        format!(
+            "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: {{name: counts}}\nspec:\n  \
+             image: weir-runtime:dev\n  job:\n    inline:\n      name: counts\n      sources:\n        \
+             - {{name: s, uid: s, generator: {{count: 10, fields: [{{name: k, sequence: {{}}}}]}}}}\n      \
+             operators:\n        - {{name: key, keyBy: {{fields: [k]}}}}\n        - name: c\n          \
+             uid: c\n          aggregate: {{aggregates: [{{fn: count, as: {as_name}}}]}}\n      \
+             sinks: [{{name: o, stdout: {{}}}}]\n"
+        )
+    };
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, manifest("n")).unwrap();
+    let o = bin().args(["validate", bad.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(
+            "line 15: spec.job.inline.operators[1].aggregate.aggregates[0].as: `n` is the string \"n\" to Weir"
+        ) && err.contains("the boolean false to kubectl (YAML 1.1); quote it: as: \"n\""),
+        "{err}"
+    );
+    let good = dir.path().join("good.yaml");
+    std::fs::write(&good, manifest("\"n\"")).unwrap();
+    let o = bin().args(["validate", good.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("job `counts` is valid"));
+    // The same job as a job file is YAML 1.2 to Weir: valid, with a warning for later.
+    let job_file = dir.path().join("job.yaml");
+    std::fs::write(
+        &job_file,
+        "name: counts\nsources: [{name: s, uid: s, generator: {count: 10, fields: [{name: k, sequence: {}}]}}]\n\
+         operators: [{name: key, keyBy: {fields: [k]}},\
+         {name: c, uid: c, aggregate: {aggregates: [{fn: count, as: n}]}}]\n\
+         sinks: [{name: o, stdout: {}}]\n",
+    )
+    .unwrap();
+    let o = bin().args(["validate", job_file.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("warning:") && err.contains("quote it: as: \"n\""), "{err}");
+}

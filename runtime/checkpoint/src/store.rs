@@ -86,6 +86,7 @@ pub fn cloud_credentials_configured(scheme: &str, var: impl Fn(&str) -> Option<S
     }
 }
 
+#[cfg(feature = "cloud")]
 fn missing_credentials(scheme: &str) -> &'static str {
     match scheme {
         "s3" => {
@@ -167,11 +168,21 @@ impl Storage {
         Ok(Storage { store: Arc::new(store), prefix: String::new(), url: abs.display().to_string(), local: Some(abs) })
     }
 
+    /// Without the `cloud` feature every cloud root is refused, naming the feature.
+    #[cfg(not(feature = "cloud"))]
+    fn open_cloud(_url: &str, scheme: &str, _env: &[(String, String)]) -> Result<Storage, String> {
+        Err(format!(
+            "this build of Weir has no {scheme}:// storage: build it with the `cloud` feature (on by default; \
+             the build was made with --no-default-features)"
+        ))
+    }
+
     /// An object store root: `s3://bucket/prefix`, `gs://bucket/prefix` or `az://container/prefix`.
     /// Its settings are the environment's `AWS_*`, `GOOGLE_*` or `AZURE_*` variables (as
     /// object_store's `from_env` reads them), with `env` taking precedence. Without credentials
     /// named in either, opening fails: the stores would otherwise fall back to a cloud metadata
     /// service, reaching out to a link-local address on machines that have none.
+    #[cfg(feature = "cloud")]
     fn open_cloud(url: &str, scheme: &str, env: &[(String, String)]) -> Result<Storage, String> {
         let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
         if parsed.host_str().unwrap_or_default().is_empty() {
@@ -416,6 +427,7 @@ mod tests {
 
     /// Every scheme the CRD and job validation accept opens, configured from the job's
     /// environment (no request is made: building a store does no I/O).
+    #[cfg(feature = "cloud")]
     #[test]
     fn gcs_and_azure_roots_open_with_their_settings() {
         let gcs = Storage::open_with_env("gs://weir-state/jobs/a", &env_of(&[("WEIR_GCS_INSTANCE_METADATA", "true")]))
@@ -432,6 +444,7 @@ mod tests {
         assert_eq!(Storage::open_with_env("s3://b/p/q", &s3).expect("s3:// opens").prefix, "p/q");
     }
 
+    #[cfg(feature = "cloud")]
     #[test]
     fn cloud_roots_without_credentials_or_bucket_are_refused_with_the_fix() {
         let refused = |url: &str, env: &[(&str, &str)]| match Storage::open_with_env(url, &env_of(env)) {
@@ -443,6 +456,14 @@ mod tests {
         assert!(refused("s3://b", &[]).contains("AWS_ACCESS_KEY_ID"));
         assert!(refused("gs:///jobs", &[("WEIR_GCS_INSTANCE_METADATA", "true")]).contains("needs a bucket: gs://"));
         assert!(refused("ftp://host/x", &[]).contains("unsupported scheme"));
+    }
+
+    #[cfg(not(feature = "cloud"))]
+    #[test]
+    fn cloud_roots_without_the_feature_are_refused_naming_it() {
+        let env = env_of(&[("AWS_ACCESS_KEY_ID", "a"), ("AWS_SECRET_ACCESS_KEY", "b")]);
+        let err = Storage::open_with_env("s3://b/p", &env).err().expect("refused").to_string();
+        assert!(err.contains("no s3:// storage: build it with the `cloud` feature"), "{err}");
     }
 
     #[test]
