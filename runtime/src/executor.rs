@@ -200,6 +200,7 @@ pub fn run_job(
         next_request: 1,
         savepoint_requests: HashMap::new(),
         retention_running: Arc::default(),
+        known_corrupt: Default::default(),
         epoch: 0,
         commits: CommitTracker::default(),
         file_sinks: job
@@ -247,6 +248,7 @@ pub fn run_job(
                         job.spec.checkpointing.retained as usize,
                         in_flight_from,
                         exec.epoch,
+                        &exec.known_corrupt.borrow(),
                     ))?;
                 }
                 metrics.set_state(state);
@@ -302,6 +304,8 @@ struct Executor<'a> {
     next_request: u64,
     savepoint_requests: HashMap<u64, u64>,
     retention_running: Arc<std::sync::atomic::AtomicBool>,
+    /// Checkpoints a restore of this run found corrupt: retention must not count them.
+    known_corrupt: std::cell::RefCell<BTreeSet<u64>>,
     /// This attempt's fencing epoch.
     epoch: u64,
     /// Transactions committed by checkpoint completions, until their manifests are written.
@@ -395,6 +399,7 @@ impl Executor<'_> {
             }
             Some(RestoreRequest::Latest) => {
                 let selection = crate::io().block_on(newest_valid(&self.storage, 0))?;
+                self.known_corrupt.borrow_mut().extend(selection.skipped.iter().map(|s| s.id));
                 for s in &selection.skipped {
                     tracing::warn!(
                         path = %s.path,
@@ -424,6 +429,7 @@ impl Executor<'_> {
     fn failover_restore(&self, initial: Option<&RestoredState>) -> Result<(Option<RestoredState>, String), JobError> {
         let floor = initial.map_or(0, |r| r.checkpoint_id);
         let selection = crate::io().block_on(newest_valid(&self.storage, floor))?;
+        self.known_corrupt.borrow_mut().extend(selection.skipped.iter().map(|s| s.id));
         let reason = selection.reason();
         match selection.restored {
             Some(r) => Ok((Some(r), reason)),
@@ -712,7 +718,10 @@ impl Executor<'_> {
             NodeKind::Map(m) => Box::new(MapOperator::new(m, input_schema, &node.schema)?),
             NodeKind::Filter(f) => Box::new(FilterOperator::new(&f.expr, input_schema)?),
             NodeKind::FlatMap(f) => Box::new(FlatMapOperator::new(f, input_schema)?),
-            NodeKind::Window(w) => Box::new(WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?),
+            NodeKind::Window(w) => Box::new(
+                WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?
+                    .counting_late_records_in(self.metrics.late_records.clone()),
+            ),
             NodeKind::Aggregate(a) => {
                 Box::new(AggregateOperator::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?)
             }
@@ -964,9 +973,10 @@ impl Executor<'_> {
         let retained = self.job.spec.checkpointing.retained as usize;
         let running = self.retention_running.clone();
         let mine = self.epoch;
+        let corrupt = self.known_corrupt.borrow().clone();
         crate::io().spawn(async move {
             let result = match epoch::check(&storage, mine).await {
-                Ok(()) => retention::apply(&storage, retained, in_flight_from, mine)
+                Ok(()) => retention::apply(&storage, retained, in_flight_from, mine, &corrupt)
                     .await
                     .map(|_| ())
                     .map_err(|e| e.to_string()),

@@ -47,6 +47,8 @@ pub struct JobMetrics {
     pub restarts: Counter,
     /// Faults injected by the test hook.
     pub injected_faults: Counter,
+    /// Records windows dropped because they were behind the watermark.
+    pub late_records: Counter,
     /// Wakes the control API's requests waiting for a savepoint when one's status changes.
     pub savepoint_changed: tokio::sync::Notify,
     /// Lifecycle state, history, savepoint requests, last error.
@@ -91,6 +93,7 @@ impl JobMetrics {
         let alignment_seconds = Counter::<f64, AtomicU64>::default();
         let restarts = Counter::default();
         let injected_faults = Counter::default();
+        let late_records = Counter::default();
         registry.register("records_in", "Records read by sources", records_in.clone());
         registry.register("records_out", "Records written by sinks", records_out.clone());
         registry.register(
@@ -131,6 +134,7 @@ impl JobMetrics {
         );
         registry.register("restarts", "In-process restarts from the newest checkpoint", restarts.clone());
         registry.register("injected_faults", "Faults injected by the test hook", injected_faults.clone());
+        registry.register("late_records", "Records windows dropped as behind the watermark", late_records.clone());
         JobMetrics {
             name: name.to_string(),
             job_id: job_id.to_string(),
@@ -145,6 +149,7 @@ impl JobMetrics {
             alignment_seconds,
             restarts,
             injected_faults,
+            late_records,
             savepoint_changed: tokio::sync::Notify::new(),
             status: Mutex::new(StatusBoard {
                 state: JobState::Starting,

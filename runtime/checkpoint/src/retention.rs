@@ -105,14 +105,26 @@ pub async fn scan(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageErro
     Ok(out)
 }
 
-/// Applies retention to a job root for a run of `epoch`; returns what was deleted.
+/// Takes the checkpoints `corrupt` names (found corrupt by a restore: a file's length or
+/// CRC-32C does not match its metadata) as corrupt: they are neither kept nor a fallback, so
+/// retention never deletes an older valid checkpoint while keeping them in its place.
+pub fn mark_corrupt(found: &mut [FoundCheckpoint], corrupt: &BTreeSet<u64>) {
+    for c in found.iter_mut().filter(|c| corrupt.contains(&c.id)) {
+        c.references = None;
+    }
+}
+
+/// Applies retention to a job root for a run of `epoch`, with the checkpoints known to be
+/// corrupt (see [`mark_corrupt`]); returns what was deleted.
 pub async fn apply(
     storage: &Storage,
     retained: usize,
     in_flight_from: u64,
     epoch: u64,
+    corrupt: &BTreeSet<u64>,
 ) -> Result<RetentionPlan, StorageError> {
-    let found = scan(storage).await?;
+    let mut found = scan(storage).await?;
+    mark_corrupt(&mut found, corrupt);
     let shared = storage.list(&format!("{}/{}", layout::CHECKPOINTS, layout::SHARED)).await?;
     let plan = plan(&found, &shared, retained, in_flight_from, epoch);
     for id in &plan.delete_checkpoints {
@@ -134,6 +146,28 @@ mod tests {
 
     fn shared(name: &str) -> String {
         format!("checkpoints/shared/op/{name}")
+    }
+
+    /// Found by the chaos campaign (CI, 2026-11-30): a restore passed over chk-400 and chk-399
+    /// (their shared base was corrupt) and restored chk-397; when chk-402 completed, retention
+    /// kept 402, 400 and 399 and deleted 397, the only valid fallback. Once 402 was damaged too,
+    /// nothing could be restored. Checkpoints a restore found corrupt no longer count.
+    #[test]
+    fn checkpoints_found_corrupt_neither_count_nor_displace_a_valid_fallback() {
+        let mut found = vec![
+            chk(397, &["checkpoints/shared/op/1-397-80.kv"]),
+            chk(399, &["checkpoints/shared/op/1-398-81.kv"]),
+            chk(400, &["checkpoints/shared/op/1-398-81.kv", "checkpoints/shared/op/1-400-0.kv"]),
+            chk(402, &["checkpoints/shared/op/1-402-82.kv"]),
+        ];
+        let files = vec![shared("1-397-80.kv"), shared("1-398-81.kv"), shared("1-400-0.kv"), shared("1-402-82.kv")];
+        // File names are `<subtask>-<checkpoint>-<epoch>.kv`; this run is epoch 82.
+        let unaware = plan(&found, &files, 3, 403, 82);
+        assert_eq!(unaware.delete_checkpoints, vec![397], "the failure: the valid fallback goes");
+        mark_corrupt(&mut found, &BTreeSet::from([399, 400]));
+        let p = plan(&found, &files, 3, 403, 82);
+        assert_eq!(p.delete_checkpoints, vec![399, 400]);
+        assert_eq!(p.delete_shared, vec![shared("1-398-81.kv"), shared("1-400-0.kv")]);
     }
 
     #[test]

@@ -76,6 +76,8 @@ pub struct WindowOperator {
     timers: BTreeMap<i64, Vec<Key>>,
     watermark: i64,
     late_records: u64,
+    /// The job's `weir_late_records_total`, when the operator runs in a job.
+    late_metric: Option<prometheus_client::metrics::counter::Counter>,
 }
 
 impl WindowOperator {
@@ -106,7 +108,14 @@ impl WindowOperator {
             timers,
             watermark: i64::MIN,
             late_records: 0,
+            late_metric: None,
         })
+    }
+
+    /// Counts late records in `counter` too (the job's metric; shared by every subtask).
+    pub fn counting_late_records_in(mut self, counter: prometheus_client::metrics::counter::Counter) -> Self {
+        self.late_metric = Some(counter);
+        self
     }
 
     /// Records dropped because they were behind the watermark.
@@ -178,6 +187,9 @@ impl Operator for WindowOperator {
             let last_end = t - t.rem_euclid(self.slide) + self.size;
             if last_end <= self.watermark {
                 self.late_records += 1;
+                if let Some(metric) = &self.late_metric {
+                    metric.inc();
+                }
                 continue;
             }
             let p = t - t.rem_euclid(self.pane);
@@ -290,7 +302,8 @@ mod tests {
 
     #[test]
     fn tumbling_windows_fire_on_watermark() {
-        let mut w = op(WindowKind::Tumbling, 10, None);
+        let late_metric = prometheus_client::metrics::counter::Counter::default();
+        let mut w = op(WindowKind::Tumbling, 10, None).counting_late_records_in(late_metric.clone());
         let mut out = Vec::new();
         w.process(vec![rec("a", 1), rec("a", 9), rec("b", 5), rec("a", 10)], &mut out).unwrap();
         w.on_watermark(9, &mut out).unwrap();
@@ -300,6 +313,7 @@ mod tests {
         // A record behind the watermark is late.
         w.process(vec![rec("a", 3)], &mut out).unwrap();
         assert_eq!(w.late_records(), 1);
+        assert_eq!(late_metric.get(), 1, "the job's metric counts it too");
         out.clear();
         w.on_watermark(i64::MAX, &mut out).unwrap();
         assert_eq!(rows(&out), vec![("a".into(), 10, 20, 1, 10)]);
