@@ -275,12 +275,31 @@ async fn reconcile_steps(sj: &StreamJob, ctx: &Context) -> Result<Outcome, Recon
     let first_deploy = job.current.phase.is_none();
     let inputs = inputs::validate(&ctx.client, sj, &job.ns, &job.root, first_deploy).await.map_err(Box::new)?;
     let mut p = plan_step(&job, &mut seen, &inputs).await?;
+    // Write-ahead: a plan that creates pods records its decision (the relaunch count, the
+    // phase, the restore point) before the pods exist. A conflict (the plan was made from a
+    // stale object) creates nothing; an operator that dies after the pods exist loses nothing.
+    let written_ahead = match p.actions.iter().any(|a| matches!(a, Action::Deploy { .. })) {
+        false => None,
+        true => {
+            let request_id = job.status.operation.as_ref().and_then(|o| o.request_id);
+            let ahead = status_of(&job, &seen, &p, request_id, inputs.verdict.as_ref().err());
+            if write_status(&job.api, sj, &job.status, &ahead).await? == StatusWrite::Conflict {
+                tracing::debug!(job = %job.name, "status changed since this reconcile read it; planning again");
+                return Ok(Outcome { after: Duration::from_millis(200), stopped: false });
+            }
+            Some(ahead)
+        }
+    };
     let request_id = apply(sj, ctx, &job, &seen, &inputs, &mut p).await?;
     publish_events(sj, ctx, &job, &p).await;
     let new_status = status_of(&job, &seen, &p, request_id, inputs.verdict.as_ref().err());
     let phase = if job.deleting { None } else { new_status.phase.map(|p| p.as_str().to_string()) };
     ctx.metrics.phase(job.key.clone(), phase);
-    if write_status(&job.api, sj, &job.status, &new_status).await? == StatusWrite::Conflict {
+    // After a write-ahead, a status that differs still is written over the object as read: that
+    // conflicts, and the next reconcile (from the fresh object) writes it.
+    if written_ahead.as_ref() != Some(&new_status)
+        && write_status(&job.api, sj, &job.status, &new_status).await? == StatusWrite::Conflict
+    {
         tracing::debug!(job = %job.name, "status changed since this reconcile read it; planning again");
         return Ok(Outcome { after: Duration::from_millis(200), stopped: false });
     }
@@ -785,16 +804,16 @@ pub enum StatusWrite {
     Unchanged,
     /// Written.
     Written,
-    /// The object changed since `sj` was read and the new status carries write-ahead fields:
-    /// not written. Plan again from the fresh object.
+    /// The object changed since `sj` was read: not written. Plan again from the fresh object.
     Conflict,
 }
 
-/// Writes `new` over `old` (the status of `sj` as read) by server-side apply. The write-ahead
-/// fields (an upgrade's target and restore point, the recovery point, a savepoint in flight)
-/// are written only over the object the plan was made from (its resourceVersion is a
-/// precondition): an operator that lost its lease, or planned from a stale cache, gets a
-/// conflict instead of overwriting a newer decision.
+/// Writes `new` over `old` (the status of `sj` as read) by server-side apply, only over the
+/// object the plan was made from (its resourceVersion is a precondition): an operator that
+/// lost its lease, or planned from a stale cache, gets a conflict instead of overwriting a
+/// newer decision. That holds for every field, not only the write-ahead ones (an upgrade's
+/// target and restore point, the recovery point, a savepoint in flight): a reconcile run on
+/// the cached object from before a relaunch was counted used to write the old count back.
 pub async fn write_status(
     api: &Api<StreamJob>,
     sj: &StreamJob,
@@ -805,10 +824,7 @@ pub async fn write_status(
         return Ok(StatusWrite::Unchanged);
     }
     let mut patch = serde_json::json!({ "apiVersion": "weir.dev/v1alpha1", "kind": "StreamJob", "status": new });
-    let write_ahead = new.pending_upgrade != old.pending_upgrade
-        || new.recovery_point != old.recovery_point
-        || new.operation != old.operation;
-    if let (true, Some(rv)) = (write_ahead, sj.metadata.resource_version.as_ref()) {
+    if let Some(rv) = sj.metadata.resource_version.as_ref() {
         patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
     }
     match api.patch_status(&sj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await {

@@ -255,4 +255,15 @@ async fn a_stale_writer_cannot_overwrite_the_write_ahead_status() {
     let fresh = jobs.get("wa").await.unwrap();
     let current = fresh.status.clone().unwrap();
     assert_eq!(write_status(&jobs, &fresh, &current, &upgrade(9)).await.unwrap(), StatusWrite::Written);
+
+    // Every field, not only the write-ahead ones. Found in CI: the relaunched pod's event ran a
+    // reconcile on the cached object from before the relaunch was counted, and it wrote the old
+    // count back over the new one.
+    let before_count = jobs.get("wa").await.unwrap();
+    let read = before_count.status.clone().unwrap();
+    let counted = StreamJobStatus { relaunch_count: 1, ..read.clone() };
+    assert_eq!(write_status(&jobs, &before_count, &read, &counted).await.unwrap(), StatusWrite::Written);
+    let from_stale_cache = StreamJobStatus { last_error: Some("pod failed".into()), ..read.clone() };
+    assert_eq!(write_status(&jobs, &before_count, &read, &from_stale_cache).await.unwrap(), StatusWrite::Conflict);
+    assert_eq!(jobs.get("wa").await.unwrap().status.unwrap().relaunch_count, 1, "the count stays");
 }
