@@ -214,7 +214,7 @@ impl InProcess {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.requests.send(Request::Savepoint { stop, drain, reply: tx }).unwrap();
         weir_runtime::io()
-            .block_on(tokio::time::timeout(Duration::from_secs(10), rx))
+            .block_on(async { tokio::time::timeout(Duration::from_secs(10), rx).await })
             .expect("savepoint request accepted in time")
             .expect("savepoint request accepted")
     }
