@@ -245,6 +245,13 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
         Ok(requeue) => Ok(requeue),
         Err(finalizer::Error::CleanupFailed(ReconcileError::StillStopping(after))) => Ok(Requeue::requeue(after)),
         Err(finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e)) => Err(e),
+        // A reconcile that ran on a cached object from before the finalizer list changed (or
+        // the object went): nothing was changed; plan again from the fresh object. (A CI run
+        // counted it as a failed reconcile.)
+        Err(finalizer::Error::AddFinalizer(e) | finalizer::Error::RemoveFinalizer(e)) if stale_finalizer_patch(&e) => {
+            tracing::debug!(error = %e, "finalizer list changed since this reconcile read it; planning again");
+            Ok(Requeue::requeue(Duration::from_millis(200)))
+        }
         Err(finalizer::Error::AddFinalizer(e) | finalizer::Error::RemoveFinalizer(e)) => {
             Err(ReconcileError::Finalizer(e))
         }
@@ -257,6 +264,14 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
         report_failure(&sj, &ctx, e).await;
     }
     result
+}
+
+/// Whether a failed finalizer patch only means the object changed since it was read. kube's
+/// helper tests the list it read in its JSON patch: the API server answers 422 (reason
+/// `Invalid`; the patch is otherwise fixed) when the list changed, 409 on a conflict, and 404
+/// once the object is gone (checked on a real API server).
+pub fn stale_finalizer_patch(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404 || s.code == 409 || (s.code == 422 && s.reason == "Invalid"))
 }
 
 /// How a reconcile ended: when to look again, and whether a deleted job has stopped.

@@ -267,3 +267,38 @@ async fn a_stale_writer_cannot_overwrite_the_write_ahead_status() {
     assert_eq!(write_status(&jobs, &before_count, &read, &from_stale_cache).await.unwrap(), StatusWrite::Conflict);
     assert_eq!(jobs.get("wa").await.unwrap().status.unwrap().relaunch_count, 1, "the count stays");
 }
+
+/// kube's finalizer helper, run on an object read before its finalizer list changed (or before
+/// it went), fails its JSON patch; the operator takes exactly those failures for a stale read
+/// and plans again instead of reporting a failed reconcile (a CI run reported one).
+#[tokio::test(flavor = "multi_thread")]
+async fn finalizer_patches_from_a_stale_read_are_recognised() {
+    use std::sync::Arc;
+
+    use kube::runtime::controller::Action;
+    use kube::runtime::finalizer::{finalizer, Error, Event};
+    use weir_operator::controller::stale_finalizer_patch;
+    let server = TestApiServer::start().expect("API server starts");
+    let client = server.client().await.unwrap();
+    server.install_crd(&client).await.unwrap();
+    let ar = ApiResource::erase::<StreamJob>(&());
+    Api::<DynamicObject>::namespaced_with(client.clone(), "default", &ar)
+        .create(&PostParams::default(), &manifest("fz", "", ""))
+        .await
+        .unwrap();
+    let jobs: Api<StreamJob> = Api::namespaced(client.clone(), "default");
+    let noop = |_: Event<StreamJob>| async { Ok::<Action, std::convert::Infallible>(Action::await_change()) };
+    let stale = Arc::new(jobs.get("fz").await.unwrap());
+    finalizer(&jobs, "weir.dev/test", stale.clone(), noop).await.expect("adds the finalizer");
+    match finalizer(&jobs, "weir.dev/test", stale, noop).await {
+        Err(Error::AddFinalizer(e)) => assert!(stale_finalizer_patch(&e), "{e:?}"),
+        other => panic!("a second add from the stale read: {other:?}"),
+    }
+    jobs.delete("fz", &Default::default()).await.unwrap();
+    let deleting = Arc::new(jobs.get("fz").await.unwrap());
+    finalizer(&jobs, "weir.dev/test", deleting.clone(), noop).await.expect("cleanup removes the finalizer");
+    match finalizer(&jobs, "weir.dev/test", deleting, noop).await {
+        Err(Error::RemoveFinalizer(e)) => assert!(stale_finalizer_patch(&e), "{e:?}"),
+        other => panic!("a second removal from the stale read: {other:?}"),
+    }
+}
