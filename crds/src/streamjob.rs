@@ -496,6 +496,21 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// Every phase, in lifecycle order.
+    pub const ALL: [Phase; 11] = [
+        Phase::Deploying,
+        Phase::Running,
+        Phase::Upgrading,
+        Phase::Suspending,
+        Phase::Suspended,
+        Phase::Cancelling,
+        Phase::Cancelled,
+        Phase::Relaunching,
+        Phase::Finished,
+        Phase::Failed,
+        Phase::Degraded,
+    ];
+
     /// The word shown in status.
     pub fn as_str(&self) -> &'static str {
         match self {

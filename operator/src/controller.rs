@@ -1079,27 +1079,13 @@ mod tests {
     /// sees the same state (times kept to the millisecond).
     #[test]
     fn status_and_planner_state_round_trip() {
-        use Phase::*;
-        let phases = [
-            Deploying,
-            Running,
-            Upgrading,
-            Suspending,
-            Suspended,
-            Cancelling,
-            Cancelled,
-            Relaunching,
-            Finished,
-            Failed,
-            Degraded,
-        ];
-        for phase in phases {
+        for phase in Phase::ALL {
             for state in [full_state(phase), PlanState { phase: Some(phase), ..PlanState::default() }] {
                 let plan = Plan { state: state.clone(), ..Plan::default() };
                 let status = status_from(&StreamJobStatus::default(), &plan, 4, Some(11), None);
                 let mut expected = state.clone();
                 // A job Degraded with no trace of a run reads back as new (see `plan_state`).
-                if phase == Degraded && state.relaunch_count == 0 {
+                if phase == Phase::Degraded && state.relaunch_count == 0 {
                     expected.phase = None;
                 }
                 assert_eq!(plan_state(&status), expected, "{phase:?}");

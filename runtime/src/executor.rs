@@ -263,7 +263,7 @@ pub fn run_job(
                     return Err(JobError::Failed { reason, restarts });
                 }
                 restarts += 1;
-                metrics.restarts.inc_by(1);
+                metrics.restarts.inc();
                 metrics.set_state(JobState::Restarting);
                 let delay = match r.strategy {
                     RestartStrategyKind::ExponentialBackoff => {

@@ -119,14 +119,15 @@ fn main() -> ExitCode {
     }
 }
 
+fn read_text(path: &str) -> Result<String, ExitCode> {
+    std::fs::read_to_string(path).map_err(|e| {
+        eprintln!("error: cannot read {path}: {e}");
+        ExitCode::from(2)
+    })
+}
+
 fn read_job(path: &str) -> Result<weir_crds::ValidatedJob, ExitCode> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("error: cannot read {path}: {e}");
-            return Err(ExitCode::from(2));
-        }
-    };
+    let text = read_text(path)?;
     weir_runtime::load_job(&text).map_err(|e| {
         eprintln!("error: {path} is not a valid job:\n{e}");
         ExitCode::from(2)
@@ -331,12 +332,9 @@ fn run(
 /// Validates a job file, or the inline job of a StreamJob manifest. A manifest is also checked for
 /// values kubectl (YAML 1.1) reads as booleans where Weir (YAML 1.2) reads strings, e.g. `as: n`.
 fn validate(path: &str) -> ExitCode {
-    let text = match std::fs::read_to_string(path) {
+    let text = match read_text(path) {
         Ok(t) => t,
-        Err(e) => {
-            eprintln!("error: cannot read {path}: {e}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     let ambiguous = match weir_crds::yaml11::ambiguous_scalars(&text) {
         Ok(found) => found,

@@ -75,6 +75,13 @@ pub struct StatusBoard {
     pub notices: Vec<String>,
 }
 
+impl StatusBoard {
+    /// The newest completed checkpoint or savepoint in the history.
+    pub fn latest_completed(&self) -> Option<CheckpointInfo> {
+        self.history.iter().find(|c| c.outcome == CheckpointOutcome::Completed).cloned()
+    }
+}
+
 impl JobMetrics {
     /// Fresh metrics.
     pub fn new(name: &str, job_id: &str) -> Self {
@@ -203,7 +210,7 @@ impl JobMetrics {
 
     /// The newest completed checkpoint or savepoint.
     pub fn latest_completed(&self) -> Option<CheckpointInfo> {
-        self.board().history.iter().find(|c| c.outcome == CheckpointOutcome::Completed).cloned()
+        self.board().latest_completed()
     }
 
     /// Completed and failed checkpoints so far in this process.
@@ -221,7 +228,7 @@ impl JobMetrics {
             restarts: u32::try_from(self.restarts.get()).unwrap_or(u32::MAX),
             records_in: self.records_in.get(),
             records_out: self.records_out.get(),
-            latest_checkpoint: board.history.iter().find(|c| c.outcome == CheckpointOutcome::Completed).cloned(),
+            latest_checkpoint: board.latest_completed(),
             restored_from: board.restored_from.clone(),
             epoch: board.epoch,
             notices: board.notices.clone(),
