@@ -4,8 +4,12 @@
 #   kube-apiserver, etcd  built from the Kubernetes Go modules (e2e/tools/build-k8s.sh) for the
 #                         operator's tests against a real API server;
 #   helm                  built from its Go module, for the chart's lint and render tests;
-#   openssl, curl         used by e2e/tools/start-apiserver.sh (Debian packages).
-# Prints the environment to use (WEIR_S3S_BIN=..., WEIR_HELM_BIN=..., KUBEBUILDER_ASSETS=...).
+#   openssl, curl         used by e2e/tools/start-apiserver.sh (Debian packages);
+#   libssl-dev, zlib1g-dev, cmake  librdkafka's build (the runtime's `kafka` feature);
+#   Apache Kafka          the broker's jars from Maven Central (.ci/kafka/pom.xml), run with Java
+#                         17 by the Kafka tests (a real broker, KRaft mode, single node).
+# Prints the environment to use (WEIR_S3S_BIN=..., WEIR_HELM_BIN=..., KUBEBUILDER_ASSETS=...,
+# WEIR_KAFKA_LIBS=...).
 set -euo pipefail
 cache="${WEIR_CACHE:-$HOME/.cache/weir}"
 tools="$cache/tools"
@@ -26,12 +30,27 @@ if [ ! -x "$tools/bin/helm" ] || ! grep -q "$HELM_VERSION" "$tools/.helm-version
   echo "$HELM_VERSION" > "$tools/.helm-version"
 fi
 missing=()
-for tool in openssl curl; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+for tool in openssl curl java mvn; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+missing=("${missing[@]/java/openjdk-17-jre-headless}")
+missing=("${missing[@]/mvn/maven}")
+for pkg in libssl-dev zlib1g-dev pkg-config; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing ${missing[*]} (apt)" >&2
   apt-get update >&2 && apt-get install -y "${missing[@]}" >&2
+fi
+# The Kafka broker: its jars (and their dependencies) resolved by Maven into the cache.
+kafka_pom="$(dirname "$0")/kafka/pom.xml"
+kafka_libs="$cache/kafka/lib"
+kafka_stamp="$cache/kafka/.pom-$(sha256sum "$kafka_pom" | cut -c1-16)"
+if [ ! -f "$kafka_stamp" ]; then
+  echo "resolving the Kafka broker's jars into $kafka_libs (once)" >&2
+  rm -rf "$cache/kafka" && mkdir -p "$kafka_libs"
+  mvn -q -B -f "$kafka_pom" -Dmaven.repo.local="$cache/m2" dependency:copy-dependencies \
+    -DincludeScope=runtime -DoutputDirectory="$kafka_libs" >&2
+  touch "$kafka_stamp"
 fi
 assets=$(WEIR_CACHE="$cache" bash "$(dirname "$0")/../e2e/tools/build-k8s.sh" | sed -n 's/^KUBEBUILDER_ASSETS=//p' | tail -1)
 echo "WEIR_S3S_BIN=$tools/bin/s3s-fs"
 echo "WEIR_HELM_BIN=$tools/bin/helm"
 echo "KUBEBUILDER_ASSETS=$assets"
+echo "WEIR_KAFKA_LIBS=$kafka_libs"

@@ -226,7 +226,7 @@ pub fn input_names<'a>(input: &'a Option<String>, inputs: &'a Option<Vec<String>
     }
 }
 
-/// A source node. Exactly one of `generator` or `file` is set.
+/// A source node. Exactly one of `generator`, `file` or `kafka` is set.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -245,6 +245,9 @@ pub struct SourceSpec {
     /// Lines of a local file or of every file in a directory.
     #[serde(default)]
     pub file: Option<FileSourceSpec>,
+    /// Records of Apache Kafka topics, with their offsets kept in checkpoints.
+    #[serde(default)]
+    pub kafka: Option<KafkaSourceSpec>,
 }
 
 /// The deterministic generator: every field and the event time derive from the sequence number,
@@ -346,6 +349,104 @@ pub struct UniformField {
 pub struct FileSourceSpec {
     /// A file, or a directory whose regular files (sorted by name) are read.
     pub path: String,
+}
+
+/// Reads Apache Kafka topics. Partitions are spread over the subtasks (stable for a given
+/// parallelism); the offset of every partition is part of each checkpoint and is restored
+/// exactly, never taken from the consumer group. Each record has the fields `value` (format
+/// `raw`) or the names in `fields` (format `json`), then `key`, `topic`, `partition`, `offset`,
+/// `timestamp` (ms) and `headers` (a JSON object as a string). Its event time is the record's
+/// timestamp.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KafkaSourceSpec {
+    /// Brokers to bootstrap from, `host:port[,host:port...]`.
+    pub bootstrap_servers: String,
+    /// Topics to read; they must exist when the job starts.
+    pub topics: Vec<String>,
+    /// Consumer group that offsets are committed to when a checkpoint completes, for lag
+    /// monitoring only (and for `startFrom: group-offsets`). Default: `weir-<job name>`.
+    #[serde(default)]
+    pub group_id: Option<String>,
+    /// Where a partition without a checkpointed offset starts: `earliest` (default), `latest`,
+    /// `group-offsets` (the group's committed offset, else earliest) or `timestamp`
+    /// (`startTimestampMs`).
+    #[serde(default)]
+    pub start_from: KafkaStartFrom,
+    /// First record timestamp (ms since the epoch) read with `startFrom: timestamp`.
+    #[serde(default)]
+    pub start_timestamp_ms: Option<i64>,
+    /// Read only records of committed transactions (`isolation.level=read_committed`).
+    #[serde(default = "default_true")]
+    pub read_committed: bool,
+    /// How a record's value is read: `raw` (UTF-8 text in field `value`) or `json` (an object
+    /// whose fields named in `fields` become the record's fields).
+    #[serde(default)]
+    pub format: KafkaFormat,
+    /// Fields taken from a `json` value, in order (absent fields are null).
+    #[serde(default)]
+    pub fields: Vec<String>,
+    /// Stop at the end offsets found when the job starts (a bounded read), instead of reading
+    /// forever.
+    #[serde(default)]
+    pub bounded: bool,
+    /// How far out of order record timestamps may be within a partition: the watermark trails
+    /// the newest timestamp by this much.
+    #[serde(default)]
+    pub max_out_of_orderness: HumanDuration,
+    /// A partition that yields no record for this long stops holding the watermark back.
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout: HumanDuration,
+    /// How often the topics are checked for new partitions (`0s`: never); new partitions are
+    /// read from their beginning.
+    #[serde(default = "default_discovery_interval")]
+    pub partition_discovery_interval: HumanDuration,
+    /// Further librdkafka consumer properties (e.g. `security.protocol`, `sasl.mechanism`).
+    /// Values of the form `${env:NAME}` are read from the runtime's environment, so secrets
+    /// come from a Secret and never appear in the job.
+    #[serde(default)]
+    pub properties: std::collections::BTreeMap<String, String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_idle_timeout() -> HumanDuration {
+    HumanDuration::from_millis(30_000)
+}
+
+fn default_discovery_interval() -> HumanDuration {
+    HumanDuration::from_millis(10_000)
+}
+
+/// Where a Kafka partition without a checkpointed offset starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
+#[serde(rename_all = "kebab-case")]
+pub enum KafkaStartFrom {
+    /// The oldest retained record.
+    #[default]
+    Earliest,
+    /// Records produced after the job started.
+    Latest,
+    /// The consumer group's committed offset, or the oldest record when it has none.
+    GroupOffsets,
+    /// The first record at or after `startTimestampMs`.
+    Timestamp,
+}
+
+/// How Kafka record values are read or written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
+#[serde(rename_all = "kebab-case")]
+pub enum KafkaFormat {
+    /// Text: one field's value as is.
+    #[default]
+    Raw,
+    /// A JSON object of the record's fields.
+    Json,
 }
 
 /// An operator node. Exactly one kind (`map`, `filter`, `flatMap`, `keyBy`, `window`,
@@ -578,7 +679,7 @@ pub struct AggregateFn {
     pub output: String,
 }
 
-/// A sink node. Exactly one of `file`, `stdout`, `blackhole` is set.
+/// A sink node. Exactly one of `file`, `kafka`, `stdout`, `blackhole` is set.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -600,6 +701,9 @@ pub struct SinkSpec {
     /// Exactly-once files (JSON lines), published when a checkpoint completes.
     #[serde(default)]
     pub file: Option<FileSinkSpec>,
+    /// Records written to an Apache Kafka topic, exactly once by default.
+    #[serde(default)]
+    pub kafka: Option<KafkaSinkSpec>,
     /// JSON lines on standard output (at-least-once after a restart).
     #[serde(default)]
     pub stdout: Option<Empty>,
@@ -616,6 +720,84 @@ pub struct FileSinkSpec {
     /// Output directory: a local path, `file:///...` or `s3://bucket/prefix`. Committed files are
     /// named `part-<uid>-<checkpoint>-<subtask>.jsonl`; staged files start with `.`.
     pub path: String,
+}
+
+/// Writes records to an Apache Kafka topic.
+///
+/// `exactly-once`: the records of each checkpoint are staged in the job's checkpoint storage
+/// and, when the checkpoint completes, written in one Kafka transaction together with a commit
+/// marker in `markerTopic`. After a crash, recovery reads the markers and writes again exactly
+/// the checkpoints whose transaction never committed. Consumers must read `read_committed`;
+/// records become visible when their checkpoint completes (latency: up to one checkpoint
+/// interval). `at-least-once`: records are sent as they come and flushed on every barrier.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KafkaSinkSpec {
+    /// Brokers to bootstrap from, `host:port[,host:port...]`.
+    pub bootstrap_servers: String,
+    /// Topic written to; it must exist when the job starts.
+    pub topic: String,
+    /// `exactly-once` (default) or `at-least-once`.
+    #[serde(default)]
+    pub delivery: KafkaDelivery,
+    /// Field whose value is the record key (absent: no key).
+    #[serde(default)]
+    pub key_field: Option<String>,
+    /// Value format: `json` (default: the record as a JSON object) or `raw` (the text of
+    /// `valueField`).
+    #[serde(default = "default_json")]
+    pub format: KafkaFormat,
+    /// The field written as the value with `format: raw`.
+    #[serde(default)]
+    pub value_field: Option<String>,
+    /// Fields sent as record headers (their text), in addition to the value.
+    #[serde(default)]
+    pub header_fields: Vec<String>,
+    /// librdkafka partitioner: `murmur2_random` (default, as the Java client), `murmur2`,
+    /// `consistent_random`, `consistent`, `fnv1a`, `fnv1a_random` or `random`.
+    #[serde(default)]
+    pub partitioner: Option<String>,
+    /// Transaction timeout (`transaction.timeout.ms`, exactly-once). It must exceed
+    /// checkpoint interval + checkpoint timeout + restart maxDelay, and not exceed the broker's
+    /// `transaction.max.timeout.ms` (checked at start).
+    #[serde(default = "default_transaction_timeout")]
+    pub transaction_timeout: HumanDuration,
+    /// Compacted topic holding commit markers (exactly-once); created when missing.
+    #[serde(default = "default_marker_topic")]
+    pub marker_topic: String,
+    /// Prefix of the transactional ids (`<prefix>-<uid>-<subtask>`) and marker keys; must be
+    /// unique among the jobs writing to one Kafka cluster. Default: `weir-<job name>`.
+    #[serde(default)]
+    pub transactional_id_prefix: Option<String>,
+    /// Further librdkafka producer properties; `${env:NAME}` values are read from the
+    /// runtime's environment.
+    #[serde(default)]
+    pub properties: std::collections::BTreeMap<String, String>,
+}
+
+fn default_json() -> KafkaFormat {
+    KafkaFormat::Json
+}
+
+fn default_transaction_timeout() -> HumanDuration {
+    HumanDuration::from_millis(900_000)
+}
+
+fn default_marker_topic() -> String {
+    "weir-commit-markers".to_string()
+}
+
+/// Delivery guarantee of a Kafka sink.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
+#[serde(rename_all = "kebab-case")]
+pub enum KafkaDelivery {
+    /// Transactions committed when a checkpoint completes, with markers for recovery.
+    #[default]
+    ExactlyOnce,
+    /// Sent as they come, flushed on every barrier: duplicates after a failure, no loss.
+    AtLeastOnce,
 }
 
 /// A parse failure: where in the document and why.

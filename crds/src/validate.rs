@@ -45,6 +45,8 @@ pub enum NodeKind {
     Generator(GeneratorSpec),
     /// File source.
     FileSource(FileSourceSpec),
+    /// Kafka source.
+    KafkaSource(KafkaSourceSpec),
     /// CEL map.
     Map(MapSpec),
     /// CEL filter.
@@ -61,6 +63,8 @@ pub enum NodeKind {
     Dedupe,
     /// Exactly-once file sink.
     FileSink(FileSinkSpec),
+    /// Kafka sink.
+    KafkaSink(KafkaSinkSpec),
     /// Standard output sink.
     Stdout,
     /// Discarding sink.
@@ -73,6 +77,7 @@ impl NodeKind {
         match self {
             NodeKind::Generator(_) => "generator",
             NodeKind::FileSource(_) => "file source",
+            NodeKind::KafkaSource(_) => "kafka source",
             NodeKind::Map(_) => "map",
             NodeKind::Filter(_) => "filter",
             NodeKind::FlatMap(_) => "flatMap",
@@ -81,6 +86,7 @@ impl NodeKind {
             NodeKind::Aggregate(_) => "aggregate",
             NodeKind::Dedupe => "dedupe",
             NodeKind::FileSink(_) => "file sink",
+            NodeKind::KafkaSink(_) => "kafka sink",
             NodeKind::Stdout => "stdout sink",
             NodeKind::Blackhole => "blackhole sink",
         }
@@ -92,10 +98,12 @@ impl NodeKind {
             self,
             NodeKind::Generator(_)
                 | NodeKind::FileSource(_)
+                | NodeKind::KafkaSource(_)
                 | NodeKind::Window(_)
                 | NodeKind::Aggregate(_)
                 | NodeKind::Dedupe
                 | NodeKind::FileSink(_)
+                | NodeKind::KafkaSink(_)
         )
     }
 
@@ -106,12 +114,12 @@ impl NodeKind {
 
     /// Whether the node is a source.
     pub fn is_source(&self) -> bool {
-        matches!(self, NodeKind::Generator(_) | NodeKind::FileSource(_))
+        matches!(self, NodeKind::Generator(_) | NodeKind::FileSource(_) | NodeKind::KafkaSource(_))
     }
 
     /// Whether the node is a sink.
     pub fn is_sink(&self) -> bool {
-        matches!(self, NodeKind::FileSink(_) | NodeKind::Stdout | NodeKind::Blackhole)
+        matches!(self, NodeKind::FileSink(_) | NodeKind::KafkaSink(_) | NodeKind::Stdout | NodeKind::Blackhole)
     }
 }
 
@@ -159,6 +167,45 @@ pub fn validate(spec: &JobSpec) -> Result<ValidatedJob, ValidationErrors> {
 
 struct Validator {
     errors: Vec<Violation>,
+}
+
+/// Fields every Kafka source record has after its value field(s).
+pub const KAFKA_METADATA_FIELDS: [&str; 6] = ["key", "topic", "partition", "offset", "timestamp", "headers"];
+
+/// Partitioners librdkafka knows.
+pub const KAFKA_PARTITIONERS: [&str; 7] =
+    ["murmur2_random", "murmur2", "consistent_random", "consistent", "fnv1a", "fnv1a_random", "random"];
+
+/// librdkafka properties Weir sets itself: a job may not override them.
+pub const MANAGED_KAFKA_PROPERTIES: [&str; 9] = [
+    "bootstrap.servers",
+    "group.id",
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    "isolation.level",
+    "transactional.id",
+    "transaction.timeout.ms",
+    "enable.idempotence",
+    "partitioner",
+];
+
+const TOPIC_RULE: &str = "1-249 letters, digits, '.', '_' or '-', not `.` or `..`";
+
+fn valid_topic(t: &str) -> bool {
+    !t.is_empty()
+        && t.len() <= 249
+        && t != "."
+        && t != ".."
+        && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '_' || c == '-')
+}
+
+/// The fields of a Kafka source's records: the value field(s), then the metadata fields.
+pub fn kafka_source_schema(k: &KafkaSourceSpec) -> Vec<String> {
+    let values: Vec<String> = match k.format {
+        KafkaFormat::Raw => vec!["value".to_string()],
+        KafkaFormat::Json => k.fields.clone(),
+    };
+    values.into_iter().chain(KAFKA_METADATA_FIELDS.iter().map(|f| f.to_string())).collect()
 }
 
 fn valid_name(name: &str) -> bool {
@@ -241,7 +288,7 @@ impl Validator {
 
         for (i, s) in spec.sources.iter().enumerate() {
             let path = format!("job.sources[{i}]");
-            let kinds = [s.generator.is_some(), s.file.is_some()];
+            let kinds = [s.generator.is_some(), s.file.is_some(), s.kafka.is_some()];
             let kind = match kinds.iter().filter(|k| **k).count() {
                 1 => {
                     if let Some(g) = &s.generator {
@@ -252,21 +299,25 @@ impl Validator {
                             self.err(format!("{path}.file.path"), "must not be empty");
                         }
                         NodeKind::FileSource(f.clone())
+                    } else if let Some(k) = &s.kafka {
+                        self.kafka_source(&format!("{path}.kafka"), k);
+                        NodeKind::KafkaSource(k.clone())
                     } else {
                         unreachable!("one kind counted")
                     }
                 }
                 0 => {
-                    self.err(path.clone(), "set exactly one of: generator, file");
+                    self.err(path.clone(), "set exactly one of: generator, file, kafka");
                     continue;
                 }
                 _ => {
-                    self.err(path.clone(), "set only one of: generator, file");
+                    self.err(path.clone(), "set only one of: generator, file, kafka");
                     continue;
                 }
             };
             let schema = match &kind {
                 NodeKind::Generator(g) => g.fields.iter().map(|f| f.name.clone()).collect(),
+                NodeKind::KafkaSource(k) => kafka_source_schema(k),
                 _ => vec!["line".to_string()],
             };
             let parallelism = self.parallelism(spec, &path, s.parallelism);
@@ -363,9 +414,12 @@ impl Validator {
                 &by_name,
                 "a source or an operator",
             );
-            let set = [s.file.is_some(), s.stdout.is_some(), s.blackhole.is_some()].iter().filter(|x| **x).count();
+            let set = [s.file.is_some(), s.kafka.is_some(), s.stdout.is_some(), s.blackhole.is_some()]
+                .iter()
+                .filter(|x| **x)
+                .count();
             if set != 1 {
-                self.err(path.clone(), "set exactly one of: file, stdout, blackhole");
+                self.err(path.clone(), "set exactly one of: file, kafka, stdout, blackhole");
                 continue;
             }
             let kind = if let Some(f) = &s.file {
@@ -373,6 +427,8 @@ impl Validator {
                     self.err(format!("{path}.file.path"), reason);
                 }
                 NodeKind::FileSink(f.clone())
+            } else if let Some(k) = &s.kafka {
+                NodeKind::KafkaSink(k.clone())
             } else if s.stdout.is_some() {
                 NodeKind::Stdout
             } else {
@@ -380,6 +436,9 @@ impl Validator {
             };
             let Some(inputs) = inputs else { continue };
             let schema = self.union_schema(&path, &inputs, &nodes);
+            if let NodeKind::KafkaSink(k) = &kind {
+                self.kafka_sink(&format!("{path}.kafka"), k, &schema, spec);
+            }
             let parallelism = self.parallelism(spec, &path, s.parallelism);
             self.add_node(
                 &mut nodes,
@@ -515,6 +574,133 @@ impl Validator {
             self.err(path, format!("no field `{name}` in the input (fields: {})", schema.join(", ")));
         }
         pos
+    }
+
+    fn kafka_common(&mut self, path: &str, bootstrap: &str, properties: &std::collections::BTreeMap<String, String>) {
+        if bootstrap
+            .split(',')
+            .any(|b| b.trim().rsplit_once(':').is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err()))
+        {
+            self.err(format!("{path}.bootstrapServers"), format!("`{bootstrap}`: expected host:port[,host:port...]"));
+        }
+        for (key, value) in properties {
+            if MANAGED_KAFKA_PROPERTIES.contains(&key.as_str()) {
+                self.err(
+                    format!("{path}.properties.{key}"),
+                    "is set by Weir (exactly-once depends on it); use the sink's or source's own field",
+                );
+            }
+            if let Some(rest) = value.strip_prefix("${env:") {
+                if !rest.ends_with('}') || rest.len() < 2 {
+                    self.err(format!("{path}.properties.{key}"), "write an environment reference as ${env:NAME}");
+                }
+            }
+        }
+    }
+
+    fn kafka_source(&mut self, path: &str, k: &KafkaSourceSpec) {
+        self.kafka_common(path, &k.bootstrap_servers, &k.properties);
+        if k.topics.is_empty() {
+            self.err(format!("{path}.topics"), "at least one topic is required");
+        }
+        for (i, t) in k.topics.iter().enumerate() {
+            if !valid_topic(t) {
+                self.err(format!("{path}.topics[{i}]"), format!("`{t}` is not a Kafka topic name ({TOPIC_RULE})"));
+            }
+        }
+        match (k.start_from, k.start_timestamp_ms) {
+            (KafkaStartFrom::Timestamp, None) => {
+                self.err(format!("{path}.startTimestampMs"), "required with startFrom: timestamp")
+            }
+            (KafkaStartFrom::Timestamp, Some(_)) | (_, None) => {}
+            (_, Some(_)) => self.err(format!("{path}.startTimestampMs"), "only read with startFrom: timestamp"),
+        }
+        match k.format {
+            KafkaFormat::Json if k.fields.is_empty() => {
+                self.err(format!("{path}.fields"), "name the JSON fields to read (format: json)")
+            }
+            KafkaFormat::Raw if !k.fields.is_empty() => {
+                self.err(format!("{path}.fields"), "only read with format: json (raw values are in field `value`)")
+            }
+            _ => {}
+        }
+        let mut seen = HashSet::new();
+        for (i, f) in k.fields.iter().enumerate() {
+            if KAFKA_METADATA_FIELDS.contains(&f.as_str()) {
+                self.err(
+                    format!("{path}.fields[{i}]"),
+                    format!("`{f}` is a metadata field of every Kafka record ({})", KAFKA_METADATA_FIELDS.join(", ")),
+                );
+            }
+            if !seen.insert(f) {
+                self.err(format!("{path}.fields[{i}]"), format!("`{f}` is listed twice"));
+            }
+        }
+    }
+
+    fn kafka_sink(&mut self, path: &str, k: &KafkaSinkSpec, schema: &[String], spec: &JobSpec) {
+        self.kafka_common(path, &k.bootstrap_servers, &k.properties);
+        if !valid_topic(&k.topic) {
+            self.err(format!("{path}.topic"), format!("`{}` is not a Kafka topic name ({TOPIC_RULE})", k.topic));
+        }
+        if let Some(f) = &k.key_field {
+            self.field(&format!("{path}.keyField"), f, schema);
+        }
+        for (i, f) in k.header_fields.iter().enumerate() {
+            self.field(&format!("{path}.headerFields[{i}]"), f, schema);
+        }
+        match (k.format, &k.value_field) {
+            (KafkaFormat::Raw, None) => self.err(format!("{path}.valueField"), "required with format: raw"),
+            (KafkaFormat::Raw, Some(f)) => {
+                self.field(&format!("{path}.valueField"), f, schema);
+            }
+            (KafkaFormat::Json, Some(_)) => self.err(format!("{path}.valueField"), "only read with format: raw"),
+            (KafkaFormat::Json, None) => {}
+        }
+        if let Some(p) = &k.partitioner {
+            if !KAFKA_PARTITIONERS.contains(&p.as_str()) {
+                self.err(
+                    format!("{path}.partitioner"),
+                    format!("`{p}`: expected one of {}", KAFKA_PARTITIONERS.join(", ")),
+                );
+            }
+        }
+        if k.delivery == KafkaDelivery::ExactlyOnce {
+            if !valid_topic(&k.marker_topic) {
+                self.err(
+                    format!("{path}.markerTopic"),
+                    format!("`{}` is not a Kafka topic name ({TOPIC_RULE})", k.marker_topic),
+                );
+            }
+            if k.marker_topic == k.topic {
+                self.err(format!("{path}.markerTopic"), "must differ from the output topic");
+            }
+            if let Some(prefix) = &k.transactional_id_prefix {
+                if !valid_name(prefix) {
+                    self.err(
+                        format!("{path}.transactionalIdPrefix"),
+                        "must be 1-63 letters, digits, '-', '_' or '.', not starting with a symbol",
+                    );
+                }
+            }
+            let c = &spec.checkpointing;
+            if !c.enabled {
+                self.err(
+                    format!("{path}.delivery"),
+                    "exactly-once commits on checkpoint completion: enable job.checkpointing, or use at-least-once",
+                );
+            }
+            let needed = c.interval.as_millis() + c.timeout.as_millis() + spec.restart.max_delay.as_millis();
+            if k.transaction_timeout.as_millis() <= needed {
+                self.err(
+                    format!("{path}.transactionTimeout"),
+                    format!(
+                        "must exceed checkpointing.interval + checkpointing.timeout + restart.maxDelay ({needed} ms): \
+                         a transaction must outlive the wait for its checkpoint and a restart"
+                    ),
+                );
+            }
+        }
     }
 
     fn generator(&mut self, path: &str, g: &GeneratorSpec, spec: &JobSpec) {

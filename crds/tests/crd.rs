@@ -14,20 +14,25 @@ fn committed_crds_match_the_rust_types() {
     }
 }
 
+/// Visits every schema node (not the maps of property names, so a field called `properties`
+/// is a field, not a keyword).
 fn walk<'a>(v: &'a serde_json::Value, path: String, out: &mut Vec<(String, &'a serde_json::Value)>) {
     out.push((path.clone(), v));
-    match v {
-        serde_json::Value::Object(m) => {
-            for (k, x) in m {
-                walk(x, format!("{path}.{k}"), out);
-            }
+    let Some(m) = v.as_object() else { return };
+    if let Some(props) = m.get("properties").and_then(|p| p.as_object()) {
+        for (name, x) in props {
+            walk(x, format!("{path}.properties.{name}"), out);
         }
-        serde_json::Value::Array(a) => {
-            for (i, x) in a.iter().enumerate() {
-                walk(x, format!("{path}[{i}]"), out);
-            }
+    }
+    for key in ["items", "additionalProperties"] {
+        if let Some(x) = m.get(key).filter(|x| x.is_object()) {
+            walk(x, format!("{path}.{key}"), out);
         }
-        _ => {}
+    }
+    for key in ["anyOf", "oneOf", "allOf"] {
+        for (i, x) in m.get(key).and_then(|a| a.as_array()).into_iter().flatten().enumerate() {
+            walk(x, format!("{path}.{key}[{i}]"), out);
+        }
     }
 }
 

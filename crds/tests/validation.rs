@@ -108,7 +108,7 @@ fn each_mistake_names_its_field() {
                 "{ name: out, uid: out, file: { path: /tmp/out } }",
                 "{ name: out, uid: out, file: { path: /tmp/out }, stdout: {} }",
             ),
-            "job.sinks[0]: set exactly one of: file, stdout, blackhole",
+            "job.sinks[0]: set exactly one of: file, kafka, stdout, blackhole",
         ),
         (
             with(
@@ -180,4 +180,106 @@ fn unused_nodes_are_reported() {
         "{ name: out, uid: out, input: totals, file: { path: /tmp/out } }",
     );
     assert!(errors_of(&yaml).contains("job.operators[2]: `idle` feeds no operator or sink"), "{}", errors_of(&yaml));
+}
+
+const KAFKA: &str = r#"
+name: kafka-job
+checkpointing: { interval: 1s, timeout: 30s }
+sources:
+  - name: events
+    uid: events
+    kafka: { bootstrapServers: "k1:9092,k2:9092", topics: [events], format: json, fields: [id, word] }
+operators:
+  - { name: by-word, keyBy: { fields: [word] } }
+  - { name: counts, uid: counts, aggregate: { aggregates: [ { fn: count, as: n } ] } }
+sinks:
+  - name: out
+    uid: out
+    kafka: { bootstrapServers: "k1:9092", topic: counts, keyField: word }
+"#;
+
+fn kafka_with(from: &str, to: &str) -> String {
+    assert!(KAFKA.contains(from), "fixture lacks `{from}`");
+    KAFKA.replacen(from, to, 1)
+}
+
+#[test]
+fn a_kafka_job_is_valid_with_metadata_fields_and_exactly_once_by_default() {
+    let job = validate(&JobSpec::from_yaml(KAFKA).unwrap()).unwrap();
+    let events = job.nodes.iter().find(|n| n.name == "events").unwrap();
+    assert_eq!(events.schema, vec!["id", "word", "key", "topic", "partition", "offset", "timestamp", "headers"]);
+    let out = job.spec.sinks[0].kafka.as_ref().unwrap();
+    assert_eq!(out.delivery, weir_crds::job::KafkaDelivery::ExactlyOnce);
+    assert_eq!(out.transaction_timeout.as_millis(), 900_000);
+    let raw = kafka_with(", format: json, fields: [id, word]", "")
+        .replace("fields: [word]", "fields: [value]")
+        .replace("keyField: word", "keyField: value");
+    let job = validate(&JobSpec::from_yaml(&raw).unwrap()).unwrap();
+    assert_eq!(job.nodes[0].schema[0], "value", "raw values are in `value`");
+}
+
+#[test]
+fn kafka_mistakes_name_their_field() {
+    let cases: Vec<(String, &str)> = vec![
+        (
+            kafka_with("\"k1:9092,k2:9092\"", "\"k1\""),
+            "job.sources[0].kafka.bootstrapServers: `k1`: expected host:port",
+        ),
+        (kafka_with("topics: [events]", "topics: []"), "job.sources[0].kafka.topics: at least one topic is required"),
+        (
+            kafka_with("topics: [events]", "topics: [\"a b\"]"),
+            "job.sources[0].kafka.topics[0]: `a b` is not a Kafka topic",
+        ),
+        (
+            kafka_with("fields: [id, word]", "fields: [id, word, offset]"),
+            "job.sources[0].kafka.fields[2]: `offset` is a metadata field",
+        ),
+        (kafka_with(", fields: [id, word]", ""), "job.sources[0].kafka.fields: name the JSON fields"),
+        (
+            kafka_with("format: json", "startFrom: timestamp, format: json"),
+            "job.sources[0].kafka.startTimestampMs: required with startFrom: timestamp",
+        ),
+        (kafka_with("keyField: word", "keyField: nope"), "job.sinks[0].kafka.keyField: no field `nope` in the input"),
+        (
+            kafka_with("keyField: word", "keyField: word, format: raw"),
+            "job.sinks[0].kafka.valueField: required with format: raw",
+        ),
+        (kafka_with("keyField: word", "keyField: word, partitioner: hash"), "job.sinks[0].kafka.partitioner: `hash`"),
+        (
+            kafka_with("topic: counts", "topic: counts, markerTopic: counts"),
+            "job.sinks[0].kafka.markerTopic: must differ",
+        ),
+        (
+            kafka_with("interval: 1s, timeout: 30s", "enabled: false"),
+            "job.sinks[0].kafka.delivery: exactly-once commits on checkpoint completion",
+        ),
+        (
+            kafka_with("keyField: word", "keyField: word, transactionTimeout: 20s"),
+            "job.sinks[0].kafka.transactionTimeout: must exceed checkpointing.interval + checkpointing.timeout + \
+             restart.maxDelay (",
+        ),
+        (
+            kafka_with("keyField: word", "keyField: word, properties: { transactional.id: mine }"),
+            "job.sinks[0].kafka.properties.transactional.id: is set by Weir",
+        ),
+        (
+            kafka_with("keyField: word", "keyField: word, properties: { sasl.password: \"${env:PW\" }"),
+            "job.sinks[0].kafka.properties.sasl.password: write an environment reference as ${env:NAME}",
+        ),
+        (
+            kafka_with(
+                "    kafka: { bootstrapServers: \"k1:9092\"",
+                "    stdout: {}\n    kafka: { bootstrapServers: \"k1:9092\"",
+            ),
+            "job.sinks[0]: set exactly one of: file, kafka, stdout, blackhole",
+        ),
+    ];
+    for (yaml, want) in cases {
+        let got = errors_of(&yaml);
+        assert!(got.contains(want), "expected `{want}` in:\n{got}\nfor:\n{yaml}");
+    }
+    // At-least-once needs no checkpointing.
+    let alo = kafka_with("keyField: word", "keyField: word, delivery: at-least-once")
+        .replace("interval: 1s, timeout: 30s", "enabled: false");
+    assert_eq!(errors_of(&alo), "");
 }

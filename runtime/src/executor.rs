@@ -119,6 +119,14 @@ pub enum JobError {
     /// A newer run of this job claimed a newer epoch: this one stopped without writing more.
     #[error(transparent)]
     Fenced(weir_checkpoint::epoch::EpochError),
+    /// The job uses a connector this build of the runtime leaves out.
+    #[error("{path}: this weir-runtime was built without its `{feature}` feature (rebuild with --features {feature})")]
+    MissingFeature {
+        /// The node using it.
+        path: String,
+        /// The cargo feature.
+        feature: &'static str,
+    },
     /// The job failed and its restart strategy gave up.
     #[error("job failed after {restarts} restart(s): {reason}")]
     Failed {
@@ -187,6 +195,12 @@ pub fn run_job(
     metrics: Arc<JobMetrics>,
     requests: Receiver<Request>,
 ) -> Result<JobOutcome, JobError> {
+    if !cfg!(feature = "kafka") {
+        if let Some(n) = job.nodes.iter().find(|n| matches!(n.kind, NodeKind::KafkaSource(_) | NodeKind::KafkaSink(_)))
+        {
+            return Err(JobError::MissingFeature { path: n.path.clone(), feature: "kafka" });
+        }
+    }
     let storage = Storage::open(&storage_url(job, opts))?;
     let faults = Faults::new(opts.faults.clone(), metrics.clone());
     let mut exec = Executor {
@@ -336,7 +350,9 @@ struct CommitTracker {
 impl CommitTracker {
     /// The completion of checkpoint `id` commits these (every sink subtask's pending list).
     fn expect(&mut self, id: u64, pending: impl IntoIterator<Item = Committable>) {
-        let pending: Vec<Committable> = pending.into_iter().filter(|c| c.checkpoint <= id).collect();
+        // Kafka transactions have no manifest: their markers are in Kafka.
+        let pending: Vec<Committable> =
+            pending.into_iter().filter(|c| c.checkpoint <= id && !sinks::is_kafka(c)).collect();
         // A transaction older than every pending one was committed before this barrier: no
         // later acknowledgement lists it again, so its group need not be remembered.
         let floor = pending.iter().map(|c| c.checkpoint).min().unwrap_or(id + 1);
@@ -352,7 +368,7 @@ impl CommitTracker {
     /// A task committed these; returns the manifests of the groups now complete.
     fn committed(&mut self, done: Vec<Committable>) -> Vec<(CommitGroup, sinks::file::CommitManifest)> {
         let mut ready = Vec::new();
-        for c in done {
+        for c in done.into_iter().filter(|c| !sinks::is_kafka(c)) {
             let g = c.group();
             if self.written.contains(&g) {
                 continue;
@@ -525,6 +541,40 @@ impl Executor<'_> {
                 );
             }
         }
+        self.recover_kafka_sinks(restored)
+    }
+
+    /// Fences every Kafka sink's earlier producers and commits what the restored state staged
+    /// and no marker shows committed.
+    #[cfg(feature = "kafka")]
+    fn recover_kafka_sinks(&self, restored: Option<&RestoredState>) -> Result<(), String> {
+        for node in &self.job.nodes {
+            let (NodeKind::KafkaSink(spec), Some(uid)) = (&node.kind, &node.uid) else { continue };
+            let docs = restored.map(|r| r.operator_docs(uid)).unwrap_or_default();
+            let report = sinks::kafka::recover(
+                spec,
+                &self.job.spec.name,
+                uid,
+                self.epoch,
+                node.parallelism,
+                &docs,
+                &self.storage,
+                &self.faults,
+            )
+            .map_err(|e| format!("kafka sink `{uid}`: {e}"))?;
+            tracing::info!(
+                sink = %uid,
+                fenced = report.fenced,
+                already_committed = report.already_committed,
+                recommitted = report.recommitted,
+                "kafka sink recovered"
+            );
+        }
+        Ok(())
+    }
+
+    #[cfg(not(feature = "kafka"))]
+    fn recover_kafka_sinks(&self, _restored: Option<&RestoredState>) -> Result<(), String> {
         Ok(())
     }
 
@@ -598,6 +648,14 @@ impl Executor<'_> {
                             Box::new(GeneratorSource::new(g, spec.max_parallelism, subtask, v.parallelism, &docs)?)
                         }
                         NodeKind::FileSource(f) => Box::new(FileSource::new(&f.path, subtask, v.parallelism, &docs)?),
+                        #[cfg(feature = "kafka")]
+                        NodeKind::KafkaSource(k) => Box::new(crate::sources::kafka::KafkaSource::new(
+                            k,
+                            &spec.name,
+                            subtask,
+                            v.parallelism,
+                            &docs,
+                        )?),
                         _ => unreachable!("is_source"),
                     };
                     running.source_tasks.push(id);
@@ -735,9 +793,26 @@ impl Executor<'_> {
                     .expect("every file sink node was opened at start");
                 Box::new(FileSink::new(&uid, subtask, self.epoch, node.schema.clone(), storage, self.metrics.clone()))
             }
+            #[cfg(feature = "kafka")]
+            NodeKind::KafkaSink(k) => {
+                let ctx = sinks::kafka::KafkaSinkContext {
+                    uid: uid.clone(),
+                    job: job.spec.name.clone(),
+                    subtask,
+                    parallelism: v.parallelism,
+                    epoch: self.epoch,
+                    schema: node.schema.clone(),
+                    storage: self.storage.clone(),
+                    metrics: self.metrics.clone(),
+                    faults: self.faults.clone(),
+                };
+                Box::new(sinks::kafka::KafkaSink::new(ctx, k)?)
+            }
+            #[cfg(not(feature = "kafka"))]
+            NodeKind::KafkaSink(_) => unreachable!("refused by run_job without the kafka feature"),
             NodeKind::Stdout => Box::new(StdoutSink::new(node.schema.clone(), self.metrics.clone())),
             NodeKind::Blackhole => Box::new(BlackholeSink::new(self.metrics.clone())),
-            NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) => {
+            NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) | NodeKind::KafkaSource(_) => {
                 unreachable!("not a chain element")
             }
         };

@@ -24,6 +24,12 @@ pub struct FaultPlan {
     pub abort_before_commit: f64,
     /// Per savepoint: it fails (the upload of its state is refused).
     pub savepoint_failure: f64,
+    /// Per Kafka transaction: the process aborts after sending its records and marker, before
+    /// committing it.
+    pub abort_in_transaction: f64,
+    /// Per Kafka transaction: the process aborts right after committing it, before the task
+    /// reports the commit.
+    pub abort_after_transaction: f64,
     /// Most faults injected in total (0 = no limit).
     pub max_faults: u64,
 }
@@ -42,10 +48,13 @@ impl FaultPlan {
                 "commit-crash" => plan.crash_before_commit = num(v)?,
                 "commit-abort" => plan.abort_before_commit = num(v)?,
                 "savepoint" => plan.savepoint_failure = num(v)?,
+                "txn-abort-open" => plan.abort_in_transaction = num(v)?,
+                "txn-abort-committed" => plan.abort_after_transaction = num(v)?,
                 "max" => plan.max_faults = v.parse().map_err(|_| format!("`{part}`: not an integer"))?,
                 other => {
                     return Err(format!(
-                        "unknown fault `{other}` (panic, upload, commit-crash, commit-abort, savepoint, seed, max)"
+                        "unknown fault `{other}` (panic, upload, commit-crash, commit-abort, savepoint, \
+                         txn-abort-open, txn-abort-committed, seed, max)"
                     ))
                 }
             }
@@ -75,6 +84,10 @@ pub enum Fault {
     AbortBeforeCommit,
     /// A savepoint fails.
     Savepoint,
+    /// The process aborts inside a Kafka transaction.
+    AbortInTransaction,
+    /// The process aborts after a Kafka transaction committed.
+    AbortAfterTransaction,
 }
 
 impl Faults {
@@ -97,6 +110,8 @@ impl Faults {
             Fault::CrashBeforeCommit => plan.crash_before_commit,
             Fault::AbortBeforeCommit => plan.abort_before_commit,
             Fault::Savepoint => plan.savepoint_failure,
+            Fault::AbortInTransaction => plan.abort_in_transaction,
+            Fault::AbortAfterTransaction => plan.abort_after_transaction,
         };
         if p <= 0.0 {
             return false;

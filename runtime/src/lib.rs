@@ -6,6 +6,8 @@ pub mod control;
 pub mod executor;
 pub mod expr;
 pub mod faults;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod message;
 pub mod metrics;
 pub mod operator;

@@ -204,12 +204,12 @@ impl Task {
     fn checkpoint(
         &mut self,
         barrier: Barrier,
-        source: Option<(&str, &dyn Source)>,
+        source: Option<(&str, &mut dyn Source)>,
         alignment: Duration,
     ) -> Result<(), TaskError> {
         let mut parts = Vec::new();
         if let Some((uid, src)) = source {
-            let doc = src.snapshot();
+            let doc = src.snapshot(barrier.id);
             parts
                 .push((uid.to_string(), crate::operator::StateParts { operator_doc: Some(doc), ..Default::default() }));
         }
@@ -300,7 +300,7 @@ impl Task {
                             self.advance_watermark(watermark)?;
                         }
                         let id = barrier.id;
-                        self.checkpoint(barrier, Some((&uid, source.as_ref())), Duration::ZERO)?;
+                        self.checkpoint(barrier, Some((&uid, source.as_mut())), Duration::ZERO)?;
                         if stop {
                             paused_for = Some(id);
                         }
@@ -312,6 +312,9 @@ impl Task {
                         }
                     }
                     other => {
+                        if let TaskControl::Complete(id) = other {
+                            source.on_checkpoint_complete(id);
+                        }
                         if let Some(end) = self.on_control(other)? {
                             return Ok(end);
                         }
@@ -339,7 +342,14 @@ impl Task {
                 }
                 SourcePoll::Idle(wait) => {
                     if !batch.is_empty() {
+                        self.metrics.records_in.inc_by(batch.len() as u64);
                         self.process_from(0, batch)?;
+                    }
+                    // An idle input may still move event time on (idle partitions).
+                    let wm = source.watermark();
+                    if wm > watermark {
+                        watermark = wm;
+                        self.advance_watermark(wm)?;
                     }
                     idle = Some(wait);
                 }

@@ -128,7 +128,7 @@ impl Source for FileSource {
         }
     }
 
-    fn snapshot(&self) -> Vec<u8> {
+    fn snapshot(&mut self, _checkpoint: u64) -> Vec<u8> {
         serde_json::to_vec(&Positions { files: self.positions.clone() }).expect("positions serialize")
     }
 }
@@ -147,7 +147,7 @@ mod tests {
         let mut src = FileSource::new(path, 0, 1, &[]).unwrap();
         let mut out = Vec::new();
         src.poll(&mut out, 2).unwrap();
-        let doc = src.snapshot();
+        let doc = src.snapshot(0);
         let mut resumed = FileSource::new(path, 0, 1, &[&doc]).unwrap();
         while resumed.poll(&mut out, 10).unwrap() != SourcePoll::Finished {}
         let lines: Vec<String> = out.iter().map(|r| r.fields[0].to_string()).collect();
@@ -170,13 +170,13 @@ mod tests {
         for s in &mut sources {
             s.poll(&mut out, 3).unwrap();
         }
-        let docs: Vec<Vec<u8>> = sources.iter().map(|s| s.snapshot()).collect();
+        let docs: Vec<Vec<u8>> = sources.iter_mut().map(|s| s.snapshot(0)).collect();
         let refs: Vec<&[u8]> = docs.iter().map(|d| d.as_slice()).collect();
         let mut sources: Vec<FileSource> = (0..2).map(|s| FileSource::new(path, s, 2, &refs).unwrap()).collect();
         for s in &mut sources {
             s.poll(&mut out, 4).unwrap();
         }
-        let docs: Vec<Vec<u8>> = sources.iter().map(|s| s.snapshot()).collect();
+        let docs: Vec<Vec<u8>> = sources.iter_mut().map(|s| s.snapshot(0)).collect();
         let refs: Vec<&[u8]> = docs.iter().map(|d| d.as_slice()).collect();
         for s in 0..2 {
             let mut src = FileSource::new(path, s, 2, &refs).unwrap();
@@ -249,7 +249,7 @@ mod tests {
                             since.extend(out.iter().map(|r| r.fields[0].to_string()));
                         }
                         Op::Checkpoint => {
-                            docs = sources.iter().map(|s| s.snapshot()).collect();
+                            docs = sources.iter_mut().map(|s| s.snapshot(0)).collect();
                             checkpointed.append(&mut since);
                         }
                         Op::Restore(p) => {

@@ -221,7 +221,7 @@ impl Source for GeneratorSource {
             .unwrap_or(i64::MAX)
     }
 
-    fn snapshot(&self) -> Vec<u8> {
+    fn snapshot(&mut self, _checkpoint: u64) -> Vec<u8> {
         let mut p = Positions::default();
         p.splits.extend(self.splits.iter().copied());
         p.splits.extend(self.finished_splits.iter().map(|(s, k)| (*s, *k)));
@@ -289,7 +289,7 @@ mod tests {
             let mut out = Vec::new();
             g.poll(&mut out, 100).unwrap();
             first.extend(out);
-            docs.push(g.snapshot());
+            docs.push(g.snapshot(0));
         }
         let refs: Vec<&[u8]> = docs.iter().map(|d| d.as_slice()).collect();
         let mut rest = Vec::new();

@@ -9,6 +9,8 @@ use crate::value::Record;
 
 pub mod file;
 pub mod generator;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 
 /// What a poll produced.
 #[derive(Debug, PartialEq, Eq)]
@@ -27,6 +29,8 @@ pub trait Source: Send {
     fn poll(&mut self, out: &mut Vec<Record>, max: usize) -> Result<SourcePoll, TaskError>;
     /// The event time below which no further record will come.
     fn watermark(&self) -> i64;
-    /// The positions document for a checkpoint.
-    fn snapshot(&self) -> Vec<u8>;
+    /// The positions document for checkpoint `checkpoint`.
+    fn snapshot(&mut self, checkpoint: u64) -> Vec<u8>;
+    /// Checkpoint `checkpoint` completed (its positions are durable).
+    fn on_checkpoint_complete(&mut self, _checkpoint: u64) {}
 }

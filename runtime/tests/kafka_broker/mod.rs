@@ -1,0 +1,228 @@
+//! A real Apache Kafka broker for tests: one node in KRaft mode, from the jars that
+//! `.ci/install-tools.sh` resolves from Maven Central (`WEIR_KAFKA_LIBS`), run with the
+//! machine's Java on free loopback ports, in a temporary directory, stopped when the test
+//! process ends. Plus the client helpers the tests use: create topics, produce, read back
+//! `read_committed`.
+
+#![allow(dead_code)]
+
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::Message;
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::{Offset, TopicPartitionList};
+
+/// A running broker.
+pub struct Broker {
+    _child: Child,
+    dir: tempfile::TempDir,
+    /// `127.0.0.1:<port>`.
+    pub bootstrap: String,
+}
+
+fn libs() -> String {
+    let dir = std::env::var("WEIR_KAFKA_LIBS")
+        .unwrap_or_else(|_| format!("{}/.cache/weir/kafka/lib", std::env::var("HOME").unwrap_or_default()));
+    assert!(
+        std::path::Path::new(&dir).join("slf4j-simple-1.7.36.jar").exists(),
+        "the Kafka broker's jars are not in {dir}: run `bash .ci/install-tools.sh` (or set WEIR_KAFKA_LIBS)"
+    );
+    dir
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The broker of this test process, started on first use.
+pub fn broker() -> &'static Broker {
+    static BROKER: OnceLock<Broker> = OnceLock::new();
+    BROKER.get_or_init(start)
+}
+
+fn start() -> Broker {
+    let started = Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let (port, controller) = (free_port(), free_port());
+    let props = dir.path().join("server.properties");
+    std::fs::write(
+        &props,
+        format!(
+            "process.roles=broker,controller\n\
+             node.id=1\n\
+             controller.quorum.voters=1@127.0.0.1:{controller}\n\
+             listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller}\n\
+             advertised.listeners=PLAINTEXT://127.0.0.1:{port}\n\
+             controller.listener.names=CONTROLLER\n\
+             listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT\n\
+             inter.broker.listener.name=PLAINTEXT\n\
+             log.dirs={}\n\
+             num.partitions=1\n\
+             auto.create.topics.enable=false\n\
+             offsets.topic.replication.factor=1\n\
+             offsets.topic.num.partitions=3\n\
+             transaction.state.log.replication.factor=1\n\
+             transaction.state.log.min.isr=1\n\
+             transaction.state.log.num.partitions=3\n\
+             group.initial.rebalance.delay.ms=0\n\
+             transaction.max.timeout.ms=900000\n\
+             transaction.abort.timed.out.transaction.cleanup.interval.ms=1000\n\
+             log.cleaner.backoff.ms=1000\n",
+            dir.path().join("data").display()
+        ),
+    )
+    .unwrap();
+    let classpath = format!("{}/*", libs());
+    let java = |main: &str| {
+        let mut c = Command::new("java");
+        c.args(["-Xms128m", "-Xmx512m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xshare:auto"])
+            .arg("-Dorg.slf4j.simpleLogger.defaultLogLevel=warn")
+            .args(["-cp", &classpath, main]);
+        c
+    };
+    let format = java("kafka.tools.StorageTool")
+        .args(["format", "-t", "weir-test-cluster-00001", "-c"])
+        .arg(&props)
+        .output()
+        .expect("java runs");
+    assert!(format.status.success(), "formatting the broker's storage: {}", String::from_utf8_lossy(&format.stderr));
+    let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
+    // A shell watches this test process and stops the broker when it is gone (statics are
+    // never dropped, so nothing else would).
+    let watchdog = concat!(
+        r#"parent=$1; shift; "$@" & server=$!; "#,
+        r#"while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; kill -9 "$server""#
+    );
+    let server = java("kafka.Kafka");
+    let mut args: Vec<String> = vec![server.get_program().to_string_lossy().into()];
+    args.extend(server.get_args().map(|a| a.to_string_lossy().to_string()));
+    args.push(props.to_string_lossy().into());
+    let child = Command::new("sh")
+        .args(["-c", watchdog, "sh", &std::process::id().to_string()])
+        .args(&args)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("the broker starts");
+    let bootstrap = format!("127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let probe: BaseConsumer = config(&bootstrap).create().unwrap();
+    loop {
+        if probe.fetch_metadata(None, Duration::from_secs(2)).is_ok_and(|m| !m.brokers().is_empty()) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the Kafka broker did not start in 90 s; its log: {}",
+            std::fs::read_to_string(dir.path().join("broker.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("kafka broker on {bootstrap} ready in {:?}", started.elapsed());
+    Broker { _child: child, dir, bootstrap }
+}
+
+/// A client configuration for `bootstrap`.
+pub fn config(bootstrap: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", bootstrap).set("log_level", "3");
+    c
+}
+
+impl Broker {
+    /// The broker's log so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("broker.log")).unwrap_or_default()
+    }
+
+    /// Creates `topic` with `partitions` partitions.
+    pub fn create_topic(&self, topic: &str, partitions: i32) {
+        let admin: AdminClient<DefaultClientContext> = config(&self.bootstrap).create().unwrap();
+        let t = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+        let r = weir_runtime::io()
+            .block_on(admin.create_topics([&t], &AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)))))
+            .unwrap();
+        for x in r {
+            x.unwrap_or_else(|(t, e)| panic!("creating {t}: {e}"));
+        }
+        // Wait until the broker serves its metadata.
+        let probe: BaseConsumer = config(&self.bootstrap).create().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !probe
+            .fetch_metadata(Some(topic), Duration::from_secs(2))
+            .is_ok_and(|m| m.topics().iter().any(|t| t.name() == topic && t.partitions().len() == partitions as usize))
+        {
+            assert!(Instant::now() < deadline, "topic {topic} not ready");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// A plain (non-transactional, idempotent) producer.
+    pub fn producer(&self) -> ThreadedProducer<DefaultProducerContext> {
+        config(&self.bootstrap).set("enable.idempotence", "true").set("linger.ms", "5").create().unwrap()
+    }
+
+    /// Sends `(key, value)` records to `topic` and waits until all are acknowledged.
+    pub fn produce(&self, topic: &str, records: impl IntoIterator<Item = (String, String)>) {
+        let p = self.producer();
+        for (k, v) in records {
+            let mut rec = BaseRecord::to(topic).key(&k).payload(&v);
+            loop {
+                match p.send(rec) {
+                    Ok(()) => break,
+                    Err((KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull), back)) => {
+                        rec = back;
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err((e, _)) => panic!("producing to {topic}: {e}"),
+                }
+            }
+        }
+        p.flush(Duration::from_secs(30)).unwrap();
+    }
+
+    /// Every record of `topic` visible to a `read_committed` consumer now, as (key, value).
+    pub fn read_committed(&self, topic: &str) -> Vec<(Option<String>, String)> {
+        let c: BaseConsumer = config(&self.bootstrap)
+            .set("group.id", "weir-test-reader")
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .set("enable.partition.eof", "true")
+            .create()
+            .unwrap();
+        let md = c.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
+        let partitions: Vec<i32> = md.topics()[0].partitions().iter().map(|p| p.id()).collect();
+        let mut tpl = TopicPartitionList::new();
+        for &p in &partitions {
+            tpl.add_partition_offset(topic, p, Offset::Beginning).unwrap();
+        }
+        c.assign(&tpl).unwrap();
+        let mut at_end = std::collections::BTreeSet::new();
+        let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while at_end.len() < partitions.len() {
+            assert!(Instant::now() < deadline, "reading {topic} did not reach its end");
+            match c.poll(Duration::from_millis(500)) {
+                None => {}
+                Some(Err(KafkaError::PartitionEOF(p))) => {
+                    at_end.insert(p);
+                }
+                Some(Err(e)) => panic!("reading {topic}: {e}"),
+                Some(Ok(m)) => {
+                    at_end.remove(&m.partition());
+                    let key = m.key().map(|k| String::from_utf8_lossy(k).to_string());
+                    out.push((key, String::from_utf8_lossy(m.payload().unwrap_or_default()).to_string()));
+                }
+            }
+        }
+        out
+    }
+}
