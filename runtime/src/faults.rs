@@ -30,6 +30,9 @@ pub struct FaultPlan {
     /// Per Kafka transaction: the process aborts right after committing it, before the task
     /// reports the commit.
     pub abort_after_transaction: f64,
+    /// Per Kafka transaction: it stalls, open, for longer than its transaction timeout, so
+    /// that the broker aborts it.
+    pub stall_in_transaction: f64,
     /// Most faults injected in total (0 = no limit).
     pub max_faults: u64,
 }
@@ -50,11 +53,12 @@ impl FaultPlan {
                 "savepoint" => plan.savepoint_failure = num(v)?,
                 "txn-abort-open" => plan.abort_in_transaction = num(v)?,
                 "txn-abort-committed" => plan.abort_after_transaction = num(v)?,
+                "txn-stall" => plan.stall_in_transaction = num(v)?,
                 "max" => plan.max_faults = v.parse().map_err(|_| format!("`{part}`: not an integer"))?,
                 other => {
                     return Err(format!(
                         "unknown fault `{other}` (panic, upload, commit-crash, commit-abort, savepoint, \
-                         txn-abort-open, txn-abort-committed, seed, max)"
+                         txn-abort-open, txn-abort-committed, txn-stall, seed, max)"
                     ))
                 }
             }
@@ -88,6 +92,8 @@ pub enum Fault {
     AbortInTransaction,
     /// The process aborts after a Kafka transaction committed.
     AbortAfterTransaction,
+    /// A Kafka transaction stalls past its timeout.
+    StallInTransaction,
 }
 
 impl Faults {
@@ -112,6 +118,7 @@ impl Faults {
             Fault::Savepoint => plan.savepoint_failure,
             Fault::AbortInTransaction => plan.abort_in_transaction,
             Fault::AbortAfterTransaction => plan.abort_after_transaction,
+            Fault::StallInTransaction => plan.stall_in_transaction,
         };
         if p <= 0.0 {
             return false;

@@ -321,3 +321,155 @@ fn sigkills_and_aborts_at_every_commit_phase_keep_kafka_output_exactly_once() {
     assert!(kills >= 1 && aborts >= 1, "the campaign disturbed nothing: {kills} kills, {aborts} aborts");
     assert_exactly_once(&b.read_committed(&output_topic), total, &format!("seed {seed}"));
 }
+
+/// Produces `total` input records in chunks, in the background, while a job runs.
+fn produce_slowly(input_topic: &str, total: u64, chunk: u64, pause: Duration) -> std::thread::JoinHandle<()> {
+    let input_topic = input_topic.to_string();
+    std::thread::spawn(move || {
+        for c in 0..total.div_ceil(chunk) {
+            broker().produce(&input_topic, (c * chunk..((c + 1) * chunk).min(total)).map(input));
+            std::thread::sleep(pause);
+        }
+    })
+}
+
+/// Waits until `topic` holds at least `n` committed records.
+fn wait_for_output(topic: &str, n: u64, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let got = broker().read_committed(topic).len() as u64;
+        if got >= n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "only {got} of {n} records committed to {topic} in {timeout:?}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+#[test]
+fn a_transaction_the_broker_aborts_on_timeout_is_sent_again_once() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 2);
+    b.create_topic(&output_topic, 2);
+    let total = 6_000;
+    b.produce(&input_topic, (0..total).map(input));
+    let (_dir, _out, chk) = workdir("kafka-txn-timeout");
+    // A short transaction timeout (the broker checks every second, see kafka_broker), and the
+    // first transaction stalls past it: the broker aborts it and the sink's commit fails.
+    let yaml = job_yaml(
+        "kafka-txn-timeout",
+        &b.bootstrap,
+        &input_topic,
+        &output_topic,
+        true,
+        "exactly-once",
+        2,
+        "transactionTimeout: 5s",
+    )
+    .replace("timeout: 10s", "timeout: 2s");
+    let plan = weir_runtime::faults::FaultPlan::parse("seed=1,txn-stall=1,max=1").unwrap();
+    let started = Instant::now();
+    let (outcome, metrics) = run_to_end(&yaml, opts(&chk).with_faults(plan));
+    assert_eq!(outcome, weir_runtime::executor::JobOutcome::Finished);
+    assert_eq!(metrics.injected_faults.get(), 1, "the transaction stalled");
+    assert!(metrics.restarts.get() >= 1, "the aborted transaction failed the job, which restarted");
+    record_faults(1);
+    eprintln!("finished in {:?} after a stalled transaction", started.elapsed());
+    assert_exactly_once(&b.read_committed(&output_topic), total, "after a broker-side abort");
+}
+
+#[test]
+fn rescaling_through_savepoints_two_three_two_stays_exactly_once() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 6);
+    b.create_topic(&output_topic, 3);
+    let total = 18_000;
+    let mut producer = Some(produce_slowly(&input_topic, total, 600, Duration::from_millis(200)));
+    let (_dir, _out, chk) = workdir("kafka-rescale");
+    let yaml = |p: u32| job_yaml("kafka-rescale", &b.bootstrap, &input_topic, &output_topic, false, "exactly-once", p, "");
+    let mut restore: Option<String> = None;
+    for (round, parallelism) in [2u32, 3, 2].into_iter().enumerate() {
+        let o = match &restore {
+            None => opts(&chk),
+            Some(path) => opts(&chk).restore_path(path),
+        };
+        let run = InProcess::start(&yaml(parallelism), o);
+        run.wait_for_checkpoints(4, Duration::from_secs(60));
+        if round < 2 {
+            run.request_savepoint(true, false);
+            let (r, _) = run.join();
+            let weir_runtime::executor::JobOutcome::Stopped { savepoint } = r.unwrap() else {
+                panic!("expected a stop with savepoint")
+            };
+            eprintln!("parallelism {parallelism} stopped with {savepoint}");
+            restore = Some(savepoint);
+        } else {
+            producer.take().unwrap().join().unwrap();
+            wait_for_output(&output_topic, total, Duration::from_secs(120));
+            run.request_savepoint(true, false);
+            run.join().0.unwrap();
+        }
+    }
+    assert_exactly_once(&b.read_committed(&output_topic), total, "2 → 3 → 2 subtasks");
+}
+
+/// Sends SIGSTOP or SIGCONT to a process.
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+#[test]
+fn a_frozen_runtime_that_wakes_after_its_replacement_started_is_fenced() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 2);
+    b.create_topic(&output_topic, 2);
+    let total = 12_000;
+    let producer = produce_slowly(&input_topic, total, 500, Duration::from_millis(150));
+    let (dir, _out, chk) = workdir("kafka-zombie");
+    let job_file = dir.path().join("job.yaml");
+    let yaml = job_yaml("kafka-zombie", &b.bootstrap, &input_topic, &output_topic, false, "exactly-once", 2, "");
+    std::fs::write(&job_file, yaml).unwrap();
+    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
+    let mut old = runtime(&job_file, &chk, None).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while newest_complete(&storage) < 3 {
+        assert!(Instant::now() < deadline, "the first runtime made no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Freeze it (a partitioned node, a long GC pause), start its replacement, let the
+    // replacement commit, then wake the old one up.
+    signal(old.id(), "-STOP");
+    let replaced_at = newest_complete(&storage);
+    let mut new = runtime(&job_file, &chk, None).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while newest_complete(&storage) < replaced_at + 3 {
+        assert!(Instant::now() < deadline, "the replacement made no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal(old.id(), "-CONT");
+    let status = {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(s) = old.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "the woken runtime neither stopped nor failed");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(old.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "the stale runtime must stop with an error, not finish");
+    assert!(err.contains("fenced") || err.contains("epoch"), "the stale runtime says it was fenced: {err}");
+    producer.join().unwrap();
+    wait_for_output(&output_topic, total, Duration::from_secs(120));
+    std::thread::sleep(Duration::from_secs(1));
+    new.kill().unwrap();
+    new.wait().unwrap();
+    record_faults(1);
+    assert_exactly_once(&b.read_committed(&output_topic), total, "a stale runtime woke up");
+}

@@ -156,6 +156,11 @@ fn commit_transaction(
         let value = serde_json::to_vec(marker).expect("a marker serializes");
         let m = OutRecord { key: Some(marker_key.as_bytes().to_vec()), value, headers: Vec::new() };
         send(producer, &spec.marker_topic, &m)?;
+        if faults.fires(Fault::StallInTransaction) {
+            let stall = Duration::from_millis(spec.transaction_timeout.as_millis()) + Duration::from_secs(3);
+            tracing::warn!(?stall, "injected fault: a Kafka transaction stalls past its timeout");
+            std::thread::sleep(stall);
+        }
         if faults.fires(Fault::AbortInTransaction) {
             eprintln!("injected fault: aborting inside a Kafka transaction");
             std::process::abort();
