@@ -358,7 +358,22 @@ pub struct FileSourceSpec {
 /// `timestamp` (ms) and `headers` (a JSON object as a string). Its event time is the record's
 /// timestamp.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
+#[cfg_attr(feature = "kubernetes", derive(kube::KubeSchema))]
+#[cfg_attr(
+    feature = "kubernetes",
+    x_kube(
+        validation = kube::core::Rule::new("self.topics.size() > 0").message("at least one topic is required")
+    )
+)]
+#[cfg_attr(
+    feature = "kubernetes",
+    x_kube(
+        validation = kube::core::Rule::new(
+            "(has(self.startFrom) && self.startFrom == 'timestamp') == has(self.startTimestampMs)"
+        )
+        .message("startTimestampMs is required with startFrom: timestamp, and only read with it")
+    )
+)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KafkaSourceSpec {
     /// Brokers to bootstrap from, `host:port[,host:port...]`.
@@ -731,7 +746,14 @@ pub struct FileSinkSpec {
 /// records become visible when their checkpoint completes (latency: up to one checkpoint
 /// interval). `at-least-once`: records are sent as they come and flushed on every barrier.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
+#[cfg_attr(feature = "kubernetes", derive(kube::KubeSchema))]
+#[cfg_attr(
+    feature = "kubernetes",
+    x_kube(
+        validation = kube::core::Rule::new("!has(self.format) || self.format != 'raw' || has(self.valueField)")
+            .message("valueField is required with format: raw")
+    )
+)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KafkaSinkSpec {
     /// Brokers to bootstrap from, `host:port[,host:port...]`.

@@ -395,6 +395,11 @@ pub struct PodOverrides {
     /// Image pull secrets.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// Secrets whose keys become environment variables of the runtime container, e.g. Kafka
+    /// credentials, which Kafka `properties` reference as `${env:KEY}` so that no secret is
+    /// written in the job.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env_from_secrets: Vec<LocalObjectReference>,
 }
 
 /// Observed state of a StreamJob, written only by the operator.

@@ -81,15 +81,18 @@ fn schema_is_structural_and_documented() {
 }
 
 #[test]
-fn the_example_streamjob_is_valid() {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/streamjob.yaml")).unwrap();
-    let sj: StreamJob = serde_yaml::from_str(&text).expect("examples/streamjob.yaml is a StreamJob");
-    let inline = sj.spec.job.inline.expect("an inline job");
-    let job = weir_crds::JobSpec {
-        sources: inline.sources,
-        operators: inline.operators,
-        sinks: inline.sinks,
-        ..weir_crds::JobSpec::from_yaml("name: x\nsources: []\nsinks: []").unwrap()
-    };
-    weir_crds::validate(&job).expect("its job graph validates");
+fn the_example_streamjobs_are_valid() {
+    for name in ["streamjob.yaml", "kafka-streamjob.yaml"] {
+        let path = format!("{}/../examples/{name}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let sj: StreamJob = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{path} is not a StreamJob: {e}"));
+        let inline = sj.spec.job.inline.expect("an inline job");
+        let job = weir_crds::JobSpec {
+            sources: inline.sources,
+            operators: inline.operators,
+            sinks: inline.sinks,
+            ..weir_crds::JobSpec::from_yaml("name: x\nsources: []\nsinks: []").unwrap()
+        };
+        weir_crds::validate(&job).unwrap_or_else(|e| panic!("{path}: {e}"));
+    }
 }

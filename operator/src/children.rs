@@ -275,12 +275,7 @@ pub fn pod(
             container_port: CONTROL_PORT,
             ..ContainerPort::default()
         }]),
-        env_from: s.checkpointing.credentials_secret.as_ref().map(|r| {
-            vec![EnvFromSource {
-                secret_ref: Some(SecretEnvSource { name: r.name.clone(), optional: Some(false) }),
-                ..EnvFromSource::default()
-            }]
-        }),
+        env_from: env_from_secrets(s),
         resources: s.resources.clone(),
         readiness_probe: Some(Probe {
             http_get: Some(HTTPGetAction {
@@ -366,6 +361,24 @@ pub fn pod(
     })
 }
 
+/// The Secrets whose keys the runtime container gets as environment variables: the
+/// checkpoint storage credentials, then `podTemplate.envFromSecrets` (Kafka credentials and
+/// the like). A missing Secret keeps the pod from starting (`optional: false`).
+fn env_from_secrets(s: &weir_crds::StreamJobSpec) -> Option<Vec<EnvFromSource>> {
+    let extra = s.pod_template.iter().flat_map(|t| t.env_from_secrets.iter());
+    let secrets: Vec<EnvFromSource> = s
+        .checkpointing
+        .credentials_secret
+        .iter()
+        .chain(extra)
+        .map(|r| EnvFromSource {
+            secret_ref: Some(SecretEnvSource { name: r.name.clone(), optional: Some(false) }),
+            ..EnvFromSource::default()
+        })
+        .collect();
+    (!secrets.is_empty()).then_some(secrets)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -407,6 +420,7 @@ job:
     sources: [ { name: s, uid: s, generator: { fields: [ { name: a, sequence: {} } ] } } ]
     sinks: [ { name: o, stdout: {} } ]
 checkpointing: { interval: 5s, credentialsSecret: { name: s3-creds } }
+podTemplate: { envFromSecrets: [ { name: kafka-creds } ] }
 "#,
         )
         .unwrap();
@@ -447,7 +461,9 @@ checkpointing: { interval: 5s, credentialsSecret: { name: s3-creds } }
         let args = c.args.as_ref().unwrap().join(" ");
         assert!(args.contains("--restore s3://bucket/weir/shop/orders/savepoints/sp-1-3"), "{args}");
         assert!(args.contains("--checkpoint-dir s3://bucket/weir/shop/orders"), "{args}");
-        assert_eq!(c.env_from.as_ref().unwrap()[0].secret_ref.as_ref().unwrap().name, "s3-creds");
+        let secrets: Vec<&str> =
+            c.env_from.iter().flatten().map(|e| e.secret_ref.as_ref().unwrap().name.as_str()).collect();
+        assert_eq!(secrets, ["s3-creds", "kafka-creds"], "storage credentials, then podTemplate.envFromSecrets");
         assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
         let latest = pod(&sj, "abc", &root, None, RestoreMode::Latest).unwrap();
         let fresh = pod(&sj, "abc", &root, None, RestoreMode::Fresh).unwrap();

@@ -113,6 +113,29 @@ async fn invalid_manifests_are_refused_with_field_and_reason() {
             "relaunch: { maxCheckpointAge: 0s, backoff: 10s,",
             "spec.relaunch.maxCheckpointAge",
         ),
+        // Kafka nodes: rules within one connector are CEL at apply time.
+        (
+            "sinks: [ { name: o, stdout: {} } ]",
+            "sinks: [ { name: o, uid: o, kafka: { bootstrapServers: \"k:9092\", topic: t, format: raw } } ]",
+            "spec.job.inline.sinks[0].kafka: Invalid value: valueField is required with format: raw",
+        ),
+        (
+            "sources: [ { name: s, uid: s, generator: { fields: [ { name: a, sequence: {} } ] } } ]",
+            "sources: [ { name: s, uid: s, kafka: { bootstrapServers: \"k:9092\", topics: [] } } ]",
+            "spec.job.inline.sources[0].kafka: Invalid value: at least one topic is required",
+        ),
+        (
+            "sources: [ { name: s, uid: s, generator: { fields: [ { name: a, sequence: {} } ] } } ]",
+            "sources: [ { name: s, uid: s, kafka: { bootstrapServers: \"k:9092\", topics: [a], \
+             startFrom: timestamp } } ]",
+            "startTimestampMs is required with startFrom: timestamp",
+        ),
+        (
+            "sources: [ { name: s, uid: s, generator: { fields: [ { name: a, sequence: {} } ] } } ]",
+            "sources: [ { name: s, uid: s, kafka: { bootstrapServers: \"k:9092\", topics: [a], \
+             startFrom: newest } } ]",
+            "spec.job.inline.sources[0].kafka.startFrom",
+        ),
     ];
     assert!(cases.len() >= 15);
     for (i, (from, to, expected)) in cases.iter().enumerate() {

@@ -213,52 +213,31 @@ fn runtime(job_file: &std::path::Path, chk: &std::path::Path, faults: Option<Str
     cmd
 }
 
-#[test]
-fn sigkills_and_aborts_at_every_commit_phase_keep_kafka_output_exactly_once() {
-    let b = broker();
-    let (input_topic, output_topic) = (topic("in"), topic("out"));
-    b.create_topic(&input_topic, 3);
-    b.create_topic(&output_topic, 2);
-    let total: u64 = 24_000;
-    // Input arrives while the job runs (about 8 s), so that kills land mid-stream.
-    let producer = {
-        let bootstrap = b.bootstrap.clone();
-        let input_topic = input_topic.clone();
-        std::thread::spawn(move || {
-            let _ = bootstrap;
-            for chunk in 0..48u64 {
-                broker().produce(&input_topic, (chunk * 500..(chunk + 1) * 500).map(input));
-                std::thread::sleep(Duration::from_millis(160));
-            }
-        })
-    };
-    let (dir, _out, chk) = workdir("kafka-killed");
-    let job_file = dir.path().join("job.yaml");
-    std::fs::write(
-        &job_file,
-        job_yaml("kafka-killed", &b.bootstrap, &input_topic, &output_topic, false, "exactly-once", 2, ""),
-    )
-    .unwrap();
-    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
+fn seed() -> u64 {
     let seed = std::env::var("WEIR_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 % 10_000
     });
     eprintln!("seed {seed} (set WEIR_TEST_SEED to replay)");
-    // Disturbed runs: SIGKILL at a random moment after progress, or the process aborts itself
-    // at one phase of the commit protocol.
-    let phases = [
-        None,
-        Some("commit-abort=1"),          // checkpoint complete, before any transaction
-        Some("txn-abort-open=0.5"),      // records and marker sent, transaction not committed
-        Some("txn-abort-committed=0.5"), // committed, not yet reported
-        Some("upload=0.3"),              // staging fails: the checkpoint fails, nothing is lost
-    ];
+    seed
+}
+
+/// Runs `rounds` disturbed runs of the runtime on `job_file`: each is SIGKILLed at a random
+/// moment after it made progress, or aborts itself through the fault `phases[i]`. Returns
+/// (kills, aborts).
+fn disturbed_runs(
+    job_file: &std::path::Path,
+    chk: &std::path::Path,
+    seed: u64,
+    rounds: u64,
+    phases: &[Option<&str>],
+) -> (u64, u64) {
+    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
     let (mut kills, mut aborts) = (0, 0);
-    for round in 0..10u64 {
+    for round in 0..rounds {
         let phase = phases[((seed + round) % phases.len() as u64) as usize];
         let faults = phase.map(|p| format!("seed={},{p},max=1", seed + round));
         let before = newest_complete(&storage);
-        let mut child = runtime(&job_file, &chk, faults.clone()).spawn().unwrap();
+        let mut child = runtime(job_file, chk, faults.clone()).spawn().unwrap();
         let extra = Duration::from_millis(weir_runtime::value::mix64(seed ^ round) % 700);
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut progressed: Option<Instant> = None;
@@ -290,24 +269,20 @@ fn sigkills_and_aborts_at_every_commit_phase_keep_kafka_output_exactly_once() {
             }
         }
     }
-    producer.join().unwrap();
-    // The last run reads everything; then it is killed too, and one more run restores and
-    // recovers: nothing more may appear.
-    let mut last = runtime(&job_file, &chk, None).spawn().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let n = b.read_committed(&output_topic).len() as u64;
-        if n >= total {
-            break;
-        }
-        assert!(last.try_wait().unwrap().is_none(), "the last run ended early");
-        assert!(Instant::now() < deadline, "only {n} of {total} records committed after 120 s");
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    (kills, aborts)
+}
+
+/// Runs the job until `topic` holds `total` records, SIGKILLs it, then runs it once more for
+/// three checkpoints (recovery of whatever the kill left) and kills that too.
+fn finish_then_kill_and_recover(job_file: &std::path::Path, chk: &std::path::Path, topic: &str, total: u64) {
+    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
+    let mut last = runtime(job_file, chk, None).spawn().unwrap();
+    wait_for_output(topic, total, Duration::from_secs(120));
+    assert!(last.try_wait().unwrap().is_none(), "the last run ended early");
     std::thread::sleep(Duration::from_secs(1));
     last.kill().unwrap();
     last.wait().unwrap();
-    let mut again = runtime(&job_file, &chk, None).spawn().unwrap();
+    let mut again = runtime(job_file, chk, None).spawn().unwrap();
     let before = newest_complete(&storage);
     let deadline = Instant::now() + Duration::from_secs(60);
     while newest_complete(&storage) < before + 3 {
@@ -316,10 +291,78 @@ fn sigkills_and_aborts_at_every_commit_phase_keep_kafka_output_exactly_once() {
     }
     again.kill().unwrap();
     again.wait().unwrap();
+}
+
+#[test]
+fn sigkills_and_aborts_at_every_commit_phase_keep_kafka_output_exactly_once() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 3);
+    b.create_topic(&output_topic, 2);
+    let total: u64 = 24_000;
+    // Input arrives while the job runs (about 8 s), so that kills land mid-stream.
+    let producer = produce_slowly(&input_topic, total, 500, Duration::from_millis(160));
+    let (dir, _out, chk) = workdir("kafka-killed");
+    let job_file = dir.path().join("job.yaml");
+    let yaml = job_yaml("kafka-killed", &b.bootstrap, &input_topic, &output_topic, false, "exactly-once", 2, "");
+    std::fs::write(&job_file, yaml).unwrap();
+    let seed = seed();
+    let phases = [
+        None,                            // SIGKILL at a random moment
+        Some("commit-abort=1"),          // checkpoint complete, before any transaction
+        Some("txn-abort-open=0.5"),      // records and marker sent, transaction not committed
+        Some("txn-abort-committed=0.5"), // committed, not yet reported
+        Some("upload=0.3"),              // staging fails: the checkpoint fails, nothing is lost
+    ];
+    let (kills, aborts) = disturbed_runs(&job_file, &chk, seed, 10, &phases);
+    producer.join().unwrap();
+    finish_then_kill_and_recover(&job_file, &chk, &output_topic, total);
     eprintln!("SIGKILLs: {kills}, self-aborts: {aborts}");
     record_faults(kills + aborts);
     assert!(kills >= 1 && aborts >= 1, "the campaign disturbed nothing: {kills} kills, {aborts} aborts");
     assert_exactly_once(&b.read_committed(&output_topic), total, &format!("seed {seed}"));
+}
+
+#[test]
+fn at_least_once_loses_nothing_under_sigkills() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 2);
+    b.create_topic(&output_topic, 2);
+    let total: u64 = 12_000;
+    let producer = produce_slowly(&input_topic, total, 400, Duration::from_millis(150));
+    let (dir, _out, chk) = workdir("kafka-alo-killed");
+    let job_file = dir.path().join("job.yaml");
+    let yaml = job_yaml("kafka-alo-killed", &b.bootstrap, &input_topic, &output_topic, false, "at-least-once", 2, "");
+    std::fs::write(&job_file, yaml).unwrap();
+    let seed = seed();
+    let (kills, _) = disturbed_runs(&job_file, &chk, seed, 4, &[None]);
+    producer.join().unwrap();
+    // Duplicates are allowed: wait until every (word, count) is there at least once.
+    let want = expected_counts(total);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut last = runtime(&job_file, &chk, None).spawn().unwrap();
+    let (records, missing) = loop {
+        let records = b.read_committed(&output_topic);
+        let got = counts_by_word(&records);
+        let missing: u64 = want
+            .iter()
+            .map(|(w, &n)| {
+                let have: std::collections::BTreeSet<u64> = got.get(w).into_iter().flatten().copied().collect();
+                (1..=n).filter(|c| !have.contains(c)).count() as u64
+            })
+            .sum();
+        if missing == 0 || Instant::now() > deadline {
+            break (records, missing);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    last.kill().unwrap();
+    last.wait().unwrap();
+    record_faults(kills);
+    let duplicates = records.len() as u64 - total;
+    eprintln!("seed {seed}: {kills} SIGKILLs, {} records, {duplicates} duplicates", records.len());
+    assert_eq!(missing, 0, "seed {seed}: at-least-once lost {missing} (word, count) records");
 }
 
 /// Produces `total` input records in chunks, in the background, while a job runs.
@@ -388,7 +431,8 @@ fn rescaling_through_savepoints_two_three_two_stays_exactly_once() {
     let total = 18_000;
     let mut producer = Some(produce_slowly(&input_topic, total, 600, Duration::from_millis(200)));
     let (_dir, _out, chk) = workdir("kafka-rescale");
-    let yaml = |p: u32| job_yaml("kafka-rescale", &b.bootstrap, &input_topic, &output_topic, false, "exactly-once", p, "");
+    let yaml =
+        |p: u32| job_yaml("kafka-rescale", &b.bootstrap, &input_topic, &output_topic, false, "exactly-once", p, "");
     let mut restore: Option<String> = None;
     for (round, parallelism) in [2u32, 3, 2].into_iter().enumerate() {
         let o = match &restore {
@@ -472,4 +516,45 @@ fn a_frozen_runtime_that_wakes_after_its_replacement_started_is_fenced() {
     new.wait().unwrap();
     record_faults(1);
     assert_exactly_once(&b.read_committed(&output_topic), total, "a stale runtime woke up");
+}
+
+#[test]
+fn the_kafka_wordcount_example_counts_every_word_once() {
+    let b = broker();
+    let (lines, counts) = (topic("lines"), topic("word-counts"));
+    b.create_topic(&lines, 2);
+    b.create_topic(&counts, 2);
+    let vocabulary = ["alpha", "beta", "gamma", "delta", "epsilon"];
+    let text: Vec<(String, String)> = (0..3_000usize)
+        .map(|i| {
+            let line: Vec<&str> = (0..4).map(|j| vocabulary[(i * 7 + j * 3) % vocabulary.len()]).collect();
+            (i.to_string(), line.join(" "))
+        })
+        .collect();
+    let mut want: BTreeMap<String, u64> = BTreeMap::new();
+    for (_, line) in &text {
+        for w in line.split(' ') {
+            *want.entry(w.to_string()).or_default() += 1;
+        }
+    }
+    b.produce(&lines, text);
+    let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/kafka-wordcount.yaml"))
+        .unwrap()
+        .replace("localhost:9092", &b.bootstrap)
+        .replace("topics: [lines]", &format!("topics: [{lines}]"))
+        .replace("topic: word-counts", &format!("topic: {counts}"))
+        // A bounded read, so that the last windows fire and the job ends.
+        .replace("      startFrom: earliest\n", "      startFrom: earliest\n      bounded: true\n");
+    let (_dir, _out, chk) = workdir("kafka-example");
+    run_to_end(&example, opts(&chk));
+    let mut got: BTreeMap<String, u64> = BTreeMap::new();
+    let mut windows = std::collections::BTreeSet::new();
+    for (key, value) in b.read_committed(&counts) {
+        let v: serde_json::Value = serde_json::from_str(&value).unwrap();
+        let word = v["word"].as_str().unwrap().to_string();
+        assert_eq!(key.as_deref(), Some(word.as_str()));
+        assert!(windows.insert((word.clone(), v["window_start"].as_i64().unwrap())), "{word}'s window twice: {v}");
+        *got.entry(word).or_default() += v["n"].as_u64().unwrap();
+    }
+    assert_eq!(got, want, "every word counted once");
 }
