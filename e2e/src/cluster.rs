@@ -21,7 +21,8 @@ pub fn runtime_image() -> String {
     std::env::var("WEIR_E2E_RUNTIME_IMAGE").unwrap_or_else(|_| "weir.local/weir-runtime:dev".into())
 }
 
-fn node_ip() -> String {
+/// The node address: pods and this process both reach services listening on it.
+pub fn node_ip() -> String {
     std::env::var("WEIR_E2E_NODE_IP").unwrap_or_else(|_| "10.244.0.1".into())
 }
 

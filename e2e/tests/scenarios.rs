@@ -398,3 +398,141 @@ async fn h_invalid_manifests_are_refused_with_a_clear_message() {
     assert!(s.pods().get_opt("counter-runtime-0").await.unwrap().is_none());
     s.finish().await;
 }
+
+/// A Kafka broker for the scenario, on the node address (pods and the suite both reach it):
+/// the runtime tests' broker harness.
+#[path = "../../runtime/tests/kafka_broker/mod.rs"]
+mod kafka_broker;
+
+/// The Kafka counter: JSON records `{id, word}` from topic `input`, a running count per word,
+/// a map tagging each record with `v`, into topic `output` exactly once (the default).
+fn kafka_counter(bootstrap: &str, parallelism: u32, v: &str) -> String {
+    format!(
+        r#"
+apiVersion: weir.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: kcount
+spec:
+  image: {image}
+  imagePullPolicy: IfNotPresent
+  parallelism: {parallelism}
+  upgradeMode: savepoint
+  checkpointing: {{ interval: 1s, credentialsSecret: {{ name: weir-s3 }} }}
+  job:
+    inline:
+      sources:
+        - name: events
+          uid: events
+          kafka: {{ bootstrapServers: "{bootstrap}", topics: [input], format: json, fields: [id, word] }}
+      operators:
+        - {{ name: by-word, keyBy: {{ fields: [word] }} }}
+        - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: "n" }} ] }} }}
+        - {{ name: tag, map: {{ keepInput: true, fields: {{ v: "'{v}'" }} }} }}
+      sinks:
+        - name: out
+          uid: out
+          kafka: {{ bootstrapServers: "{bootstrap}", topic: output, keyField: word }}
+"#,
+        image = runtime_image()
+    )
+}
+
+/// Records committed to `topic`, read `read_committed` (blocking the worker thread briefly).
+fn kafka_output(broker: &kafka_broker::Broker, topic: &str) -> Vec<serde_json::Value> {
+    tokio::task::block_in_place(|| broker.read_committed(topic))
+        .into_iter()
+        .map(|(_, v)| serde_json::from_str(&v).expect("output is JSON"))
+        .collect()
+}
+
+async fn wait_kafka_output(broker: &kafka_broker::Broker, topic: &str, n: usize, secs: u64) {
+    eventually(&format!("{n} records in {topic}"), secs, || async {
+        (kafka_output(broker, topic).len() >= n).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn i_kafka_in_kafka_out_survives_a_pod_kill_and_an_upgrade_exactly_once() {
+    let s = Scenario::start("e2e-i").await;
+    let broker =
+        tokio::task::spawn_blocking(|| kafka_broker::Broker::start_on(&weir_e2e::cluster::node_ip())).await.unwrap();
+    let bootstrap = broker.bootstrap.clone();
+    tokio::task::block_in_place(|| {
+        broker.create_topic("input", 2);
+        broker.create_topic("output", 2);
+    });
+    // Input keeps arriving (100 records a second for a minute) through the kill and the upgrade.
+    let total: u64 = 6_000;
+    let producer = {
+        let b = bootstrap.clone();
+        std::thread::spawn(move || {
+            let client = kafka_broker::Broker::client(&b);
+            for c in 0..total / 100 {
+                client.produce(
+                    "input",
+                    (c * 100..(c + 1) * 100).map(|i| (i.to_string(), format!(r#"{{"id":{i},"word":"w{}"}}"#, i % 23))),
+                );
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        })
+    };
+    s.apply(&kafka_counter(&bootstrap, 1, "v1"));
+    let pod = s.wait_pod_running("kcount", 180).await;
+    wait_kafka_output(&broker, "output", 300, 120).await;
+
+    // 1. The pod is deleted mid-stream: the relaunch restores the newest checkpoint, and the
+    // sink's recovery commits what that checkpoint staged and no marker shows.
+    let out = s.kubectl(&["delete", "pod", "kcount-runtime-0", "--wait=false"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let uid = pod.metadata.uid.clone().unwrap();
+    let pods = s.pods();
+    eventually("a new pod", 180, || async {
+        let p = pods.get_opt("kcount-runtime-0").await.ok()??;
+        (p.metadata.uid.as_deref() != Some(uid.as_str())).then_some(p)
+    })
+    .await;
+    s.wait_pod_running("kcount", 180).await;
+    let before = kafka_output(&broker, "output").len();
+    wait_kafka_output(&broker, "output", before + 200, 120).await;
+
+    // 2. A GitOps upgrade (a new tag, two subtasks): stop with savepoint, redeploy from it.
+    let jobs = s.jobs();
+    let savepoints_before = jobs.get("kcount").await.unwrap().status.unwrap_or_default().savepoint_history.len();
+    s.apply(&kafka_counter(&bootstrap, 2, "v2"));
+    eventually("the upgrade's savepoint", 180, || async {
+        let st = jobs.get("kcount").await.ok()?.status?;
+        (st.savepoint_history.len() > savepoints_before).then_some(())
+    })
+    .await;
+    s.wait_phase("kcount", "Running", 180).await;
+    producer.join().unwrap();
+    wait_kafka_output(&broker, "output", total as usize, 240).await;
+
+    // 3. Suspend (stop with savepoint), then check every running count exactly once.
+    s.jobs()
+        .patch(
+            "kcount",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "state": "suspended" } })),
+        )
+        .await
+        .unwrap();
+    s.wait_phase("kcount", "Suspended", 120).await;
+    let records = kafka_output(&broker, "output");
+    let mut by_word: std::collections::BTreeMap<String, Vec<u64>> = Default::default();
+    for r in &records {
+        by_word.entry(r["word"].as_str().unwrap().to_string()).or_default().push(r["n"].as_u64().unwrap());
+    }
+    for (word, counts) in &mut by_word {
+        counts.sort_unstable();
+        let expect: Vec<u64> = (1..=counts.len() as u64).collect();
+        assert_eq!(counts, &expect, "{word}: every running count exactly once");
+    }
+    assert_eq!(records.len() as u64, total, "one output record per input record");
+    assert!(records.iter().any(|r| r["v"] == "v1") && records.iter().any(|r| r["v"] == "v2"), "both versions ran");
+    eprintln!("{}: {} Kafka records, every running count exactly once", s.ns, records.len());
+    s.finish().await;
+}

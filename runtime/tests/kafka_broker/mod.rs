@@ -23,8 +23,20 @@ use rdkafka::{Offset, TopicPartitionList};
 pub struct Broker {
     _child: Child,
     dir: tempfile::TempDir,
-    /// `127.0.0.1:<port>`.
+    client: Client,
+}
+
+/// A client of a broker: topics, produce, read back.
+pub struct Client {
+    /// `<host>:<port>`.
     pub bootstrap: String,
+}
+
+impl std::ops::Deref for Broker {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        &self.client
+    }
 }
 
 fn libs() -> String {
@@ -37,29 +49,28 @@ fn libs() -> String {
     dir
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// The broker of this test process, started on first use.
+/// The broker of this test process (on loopback), started on first use.
 pub fn broker() -> &'static Broker {
     static BROKER: OnceLock<Broker> = OnceLock::new();
-    BROKER.get_or_init(start)
+    BROKER.get_or_init(|| Broker::start_on("127.0.0.1"))
 }
 
-fn start() -> Broker {
-    let started = Instant::now();
-    let dir = tempfile::tempdir().unwrap();
-    let (port, controller) = (free_port(), free_port());
-    let props = dir.path().join("server.properties");
-    std::fs::write(
-        &props,
-        format!(
-            "process.roles=broker,controller\n\
+impl Broker {
+    /// Starts a broker listening on `host` (free ports); it stops when this process ends.
+    pub fn start_on(host: &str) -> Broker {
+        let started = Instant::now();
+        let dir = tempfile::tempdir().unwrap();
+        let free_port = || std::net::TcpListener::bind((host, 0)).unwrap().local_addr().unwrap().port();
+        let (port, controller) = (free_port(), free_port());
+        let props = dir.path().join("server.properties");
+        std::fs::write(
+            &props,
+            format!(
+                "process.roles=broker,controller\n\
              node.id=1\n\
-             controller.quorum.voters=1@127.0.0.1:{controller}\n\
-             listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller}\n\
-             advertised.listeners=PLAINTEXT://127.0.0.1:{port}\n\
+             controller.quorum.voters=1@{host}:{controller}\n\
+             listeners=PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller}\n\
+             advertised.listeners=PLAINTEXT://{host}:{port}\n\
              controller.listener.names=CONTROLLER\n\
              listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT\n\
              inter.broker.listener.name=PLAINTEXT\n\
@@ -75,59 +86,74 @@ fn start() -> Broker {
              transaction.max.timeout.ms=900000\n\
              transaction.abort.timed.out.transaction.cleanup.interval.ms=1000\n\
              log.cleaner.backoff.ms=1000\n",
-            dir.path().join("data").display()
-        ),
-    )
-    .unwrap();
-    let classpath = format!("{}/*", libs());
-    let java = |main: &str| {
-        let mut c = Command::new("java");
-        c.args(["-Xms128m", "-Xmx512m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xshare:auto"])
-            .arg("-Dorg.slf4j.simpleLogger.defaultLogLevel=warn")
-            .args(["-cp", &classpath, main]);
-        c
-    };
-    let format = java("kafka.tools.StorageTool")
-        .args(["format", "-t", "weir-test-cluster-00001", "-c"])
-        .arg(&props)
-        .output()
-        .expect("java runs");
-    assert!(format.status.success(), "formatting the broker's storage: {}", String::from_utf8_lossy(&format.stderr));
-    let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
-    // A shell watches this test process and stops the broker when it is gone (statics are
-    // never dropped, so nothing else would).
-    let watchdog = concat!(
-        r#"parent=$1; shift; "$@" & server=$!; "#,
-        r#"while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; kill -9 "$server""#
-    );
-    let server = java("kafka.Kafka");
-    let mut args: Vec<String> = vec![server.get_program().to_string_lossy().into()];
-    args.extend(server.get_args().map(|a| a.to_string_lossy().to_string()));
-    args.push(props.to_string_lossy().into());
-    let child = Command::new("sh")
-        .args(["-c", watchdog, "sh", &std::process::id().to_string()])
-        .args(&args)
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("the broker starts");
-    let bootstrap = format!("127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(90);
-    let probe: BaseConsumer = config(&bootstrap).create().unwrap();
-    loop {
-        if probe.fetch_metadata(None, Duration::from_secs(2)).is_ok_and(|m| !m.brokers().is_empty()) {
-            break;
-        }
+                dir.path().join("data").display()
+            ),
+        )
+        .unwrap();
+        let classpath = format!("{}/*", libs());
+        let java = |main: &str| {
+            let mut c = Command::new("java");
+            c.args(["-Xms128m", "-Xmx512m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xshare:auto"])
+                .arg("-Dorg.slf4j.simpleLogger.defaultLogLevel=warn")
+                .args(["-cp", &classpath, main]);
+            c
+        };
+        let format = java("kafka.tools.StorageTool")
+            .args(["format", "-t", "weir-test-cluster-00001", "-c"])
+            .arg(&props)
+            .output()
+            .expect("java runs");
         assert!(
-            Instant::now() < deadline,
-            "the Kafka broker did not start in 90 s; its log: {}",
-            std::fs::read_to_string(dir.path().join("broker.log")).unwrap_or_default()
+            format.status.success(),
+            "formatting the broker's storage: {}",
+            String::from_utf8_lossy(&format.stderr)
         );
-        std::thread::sleep(Duration::from_millis(200));
+        let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
+        // A shell watches this test process and stops the broker when it is gone (statics are
+        // never dropped, so nothing else would).
+        let watchdog = concat!(
+            r#"parent=$1; shift; "$@" & server=$!; "#,
+            r#"while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; kill -9 "$server""#
+        );
+        let server = java("kafka.Kafka");
+        let mut args: Vec<String> = vec![server.get_program().to_string_lossy().into()];
+        args.extend(server.get_args().map(|a| a.to_string_lossy().to_string()));
+        args.push(props.to_string_lossy().into());
+        let child = Command::new("sh")
+            .args(["-c", watchdog, "sh", &std::process::id().to_string()])
+            .args(&args)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("the broker starts");
+        let bootstrap = format!("{host}:{port}");
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let probe: BaseConsumer = config(&bootstrap).create().unwrap();
+        loop {
+            if probe.fetch_metadata(None, Duration::from_secs(2)).is_ok_and(|m| !m.brokers().is_empty()) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the Kafka broker did not start in 90 s; its log: {}",
+                std::fs::read_to_string(dir.path().join("broker.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        eprintln!("kafka broker on {bootstrap} ready in {:?}", started.elapsed());
+        Broker { _child: child, dir, client: Client { bootstrap } }
     }
-    eprintln!("kafka broker on {bootstrap} ready in {:?}", started.elapsed());
-    Broker { _child: child, dir, bootstrap }
+
+    /// A client of the broker at `bootstrap` (for another thread).
+    pub fn client(bootstrap: &str) -> Client {
+        Client { bootstrap: bootstrap.to_string() }
+    }
+
+    /// The broker's log so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("broker.log")).unwrap_or_default()
+    }
 }
 
 /// A client configuration for `bootstrap`.
@@ -137,19 +163,14 @@ pub fn config(bootstrap: &str) -> ClientConfig {
     c
 }
 
-impl Broker {
-    /// The broker's log so far (for failure messages).
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("broker.log")).unwrap_or_default()
-    }
-
+impl Client {
     /// Creates `topic` with `partitions` partitions.
     pub fn create_topic(&self, topic: &str, partitions: i32) {
         let admin: AdminClient<DefaultClientContext> = config(&self.bootstrap).create().unwrap();
         let t = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
-        let r = weir_runtime::io()
-            .block_on(admin.create_topics([&t], &AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)))))
-            .unwrap();
+        // The admin client's own thread drives its futures: any executor will do.
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+        let r = futures::executor::block_on(admin.create_topics([&t], &options)).unwrap();
         for x in r {
             x.unwrap_or_else(|(t, e)| panic!("creating {t}: {e}"));
         }
