@@ -558,3 +558,118 @@ fn the_kafka_wordcount_example_counts_every_word_once() {
     }
     assert_eq!(got, want, "every word counted once");
 }
+
+#[test]
+fn partitions_added_while_running_are_read_from_their_start() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 1);
+    b.create_topic(&output_topic, 1);
+    b.produce(&input_topic, (0..1_000).map(input));
+    let (_dir, _out, chk) = workdir("kafka-discovery");
+    let yaml = job_yaml("kafka-discovery", &b.bootstrap, &input_topic, &output_topic, false, "exactly-once", 2, "")
+        .replace("      bounded: false\n", "      bounded: false\n      partitionDiscoveryInterval: 500ms\n");
+    let run = InProcess::start(&yaml, opts(&chk));
+    wait_for_output(&output_topic, 1_000, Duration::from_secs(60));
+    // Two more partitions; the producer's partitioner spreads new records over all three.
+    b.add_partitions(&input_topic, 3);
+    std::thread::sleep(Duration::from_secs(1));
+    b.produce(&input_topic, (1_000..4_000).map(input));
+    wait_for_output(&output_topic, 4_000, Duration::from_secs(60));
+    run.request_savepoint(true, false);
+    run.join().0.unwrap();
+    assert_exactly_once(&b.read_committed(&output_topic), 4_000, "partitions added while running");
+}
+
+#[test]
+fn start_positions_and_offsets_committed_to_the_group() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 1);
+    b.produce(&input_topic, (0..600).map(input));
+    std::thread::sleep(Duration::from_millis(50));
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+    std::thread::sleep(Duration::from_millis(50));
+    b.produce(&input_topic, (600..1_000).map(input));
+    let run = |name: &str, source_extra: &str| {
+        let output = format!("{output_topic}-{name}");
+        b.create_topic(&output, 1);
+        let (_dir, _out, chk) = workdir(name);
+        let yaml = job_yaml(name, &b.bootstrap, &input_topic, &output, true, "exactly-once", 1, "")
+            .replace("      bounded: true\n", &format!("      bounded: true\n{source_extra}"));
+        run_to_end(&yaml, opts(&chk));
+        let ids: Vec<u64> = b
+            .read_committed(&output)
+            .iter()
+            .map(|(_, v)| serde_json::from_str::<serde_json::Value>(v).unwrap()["n"].as_u64().unwrap())
+            .collect();
+        ids.len()
+    };
+    assert_eq!(run("from-earliest", ""), 1_000);
+    assert_eq!(run("from-timestamp", &format!("      startFrom: timestamp\n      startTimestampMs: {since}\n")), 400);
+    // The group's committed offset decides where a stateless start begins...
+    b.commit_offsets("weir-group-test", &input_topic, &[250]);
+    assert_eq!(run("from-group", "      startFrom: group-offsets\n      groupId: weir-group-test\n"), 750);
+    // ...and a run commits its checkpointed offsets back to the group (for lag monitoring).
+    assert_eq!(b.committed_offsets("weir-group-test", &input_topic, 1), vec![1_000]);
+    assert_eq!(b.committed_offsets("weir-from-earliest", &input_topic, 1), vec![1_000], "default group weir-<job>");
+}
+
+#[test]
+fn keys_values_headers_and_metadata_reach_the_job_and_the_output() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 1);
+    b.create_topic(&output_topic, 1);
+    {
+        use rdkafka::message::{Header, OwnedHeaders};
+        let p = b.producer();
+        for i in 0..10 {
+            let (key, value) = (format!("k{i}"), format!("line {i}"));
+            let headers = OwnedHeaders::new().insert(Header { key: "trace", value: Some(&format!("t{i}")) });
+            let record = rdkafka::producer::BaseRecord::to(&input_topic).key(&key).payload(&value).headers(headers);
+            p.send(record).map_err(|(e, _)| e).unwrap();
+        }
+        rdkafka::producer::Producer::flush(&p, Duration::from_secs(10)).unwrap();
+    }
+    let yaml = format!(
+        r#"name: kafka-metadata
+checkpointing: {{ interval: 300ms }}
+sources:
+  - name: raw
+    uid: raw
+    kafka: {{ bootstrapServers: "{bootstrap}", topics: [{input_topic}], bounded: true }}
+operators:
+  - name: shaped
+    map:
+      fields:
+        id: "key"
+        text: "value.upperAscii()"
+        where: "topic + '/' + string(partition) + '@' + string(offset)"
+        fresh: "timestamp > 0"
+        headers: "headers"
+sinks:
+  - name: out
+    uid: out
+    kafka:
+      bootstrapServers: "{bootstrap}"
+      topic: {output_topic}
+      keyField: id
+      format: raw
+      valueField: text
+      headerFields: [where, headers]
+"#,
+        bootstrap = b.bootstrap
+    );
+    let (_dir, _out, chk) = workdir("kafka-metadata");
+    run_to_end(&yaml, opts(&chk));
+    let out = b.read_committed_records(&output_topic);
+    assert_eq!(out.len(), 10);
+    for (i, r) in out.iter().enumerate() {
+        assert_eq!(r.key.as_deref(), Some(format!("k{i}").as_str()));
+        assert_eq!(r.value, format!("LINE {i}"), "raw value: the text of valueField");
+        let header = |name: &str| r.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()).unwrap();
+        assert_eq!(header("where"), format!("{input_topic}/0@{i}"));
+        assert_eq!(header("headers"), format!(r#"{{"trace":"t{i}"}}"#));
+    }
+}

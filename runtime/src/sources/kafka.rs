@@ -385,8 +385,10 @@ impl Source for KafkaSource {
         if positions.count() == 0 {
             return;
         }
-        // For lag monitoring only: a failure here loses nothing.
-        if let Err(e) = self.consumer.commit(&positions, CommitMode::Async) {
+        // For lag monitoring only: a failure here loses nothing. The last commit of a bounded
+        // read waits, so that the group shows the end once the job has finished.
+        let mode = if self.all_ended() { CommitMode::Sync } else { CommitMode::Async };
+        if let Err(e) = self.consumer.commit(&positions, mode) {
             tracing::debug!(error = %e, "committing offsets to the consumer group");
         }
     }

@@ -26,6 +26,15 @@ pub struct Broker {
     client: Client,
 }
 
+/// A record read back.
+#[derive(Clone, Debug)]
+pub struct ReadRecord {
+    pub key: Option<String>,
+    pub value: String,
+    pub headers: Vec<(String, String)>,
+    pub partition: i32,
+}
+
 /// A client of a broker: topics, produce, read back.
 pub struct Client {
     /// `<host>:<port>`.
@@ -212,6 +221,42 @@ impl Client {
 
     /// Every record of `topic` visible to a `read_committed` consumer now, as (key, value).
     pub fn read_committed(&self, topic: &str) -> Vec<(Option<String>, String)> {
+        self.read_committed_records(topic).into_iter().map(|r| (r.key, r.value)).collect()
+    }
+
+    /// Grows `topic` to `partitions` partitions.
+    pub fn add_partitions(&self, topic: &str, partitions: usize) {
+        let admin: AdminClient<DefaultClientContext> = config(&self.bootstrap).create().unwrap();
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+        let grow = rdkafka::admin::NewPartitions::new(topic, partitions);
+        for r in futures::executor::block_on(admin.create_partitions([&grow], &options)).unwrap() {
+            r.unwrap_or_else(|(t, e)| panic!("adding partitions to {t}: {e}"));
+        }
+    }
+
+    /// The offsets consumer group `group` committed for `topic`'s partitions `0..partitions`.
+    pub fn committed_offsets(&self, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
+        let c: BaseConsumer = config(&self.bootstrap).set("group.id", group).create().unwrap();
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition(topic, p);
+        }
+        let got = c.committed_offsets(tpl, Duration::from_secs(10)).unwrap();
+        (0..partitions).map(|p| got.find_partition(topic, p).and_then(|e| e.offset().to_raw()).unwrap_or(-1)).collect()
+    }
+
+    /// Commits `offsets` (one per partition, from 0) for consumer group `group`.
+    pub fn commit_offsets(&self, group: &str, topic: &str, offsets: &[i64]) {
+        let c: BaseConsumer = config(&self.bootstrap).set("group.id", group).create().unwrap();
+        let mut tpl = TopicPartitionList::new();
+        for (p, &o) in offsets.iter().enumerate() {
+            tpl.add_partition_offset(topic, p as i32, Offset::Offset(o)).unwrap();
+        }
+        c.commit(&tpl, rdkafka::consumer::CommitMode::Sync).unwrap();
+    }
+
+    /// Every record of `topic` visible to a `read_committed` consumer now, with its headers.
+    pub fn read_committed_records(&self, topic: &str) -> Vec<ReadRecord> {
         let c: BaseConsumer = config(&self.bootstrap)
             .set("group.id", "weir-test-reader")
             .set("enable.auto.commit", "false")
@@ -239,8 +284,19 @@ impl Client {
                 Some(Err(e)) => panic!("reading {topic}: {e}"),
                 Some(Ok(m)) => {
                     at_end.remove(&m.partition());
-                    let key = m.key().map(|k| String::from_utf8_lossy(k).to_string());
-                    out.push((key, String::from_utf8_lossy(m.payload().unwrap_or_default()).to_string()));
+                    use rdkafka::message::Headers;
+                    let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
+                    out.push(ReadRecord {
+                        key: m.key().map(text),
+                        value: text(m.payload().unwrap_or_default()),
+                        headers: m
+                            .headers()
+                            .map(|h| {
+                                h.iter().map(|h| (h.key.to_string(), h.value.map(text).unwrap_or_default())).collect()
+                            })
+                            .unwrap_or_default(),
+                        partition: m.partition(),
+                    });
                 }
             }
         }
