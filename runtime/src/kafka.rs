@@ -9,9 +9,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
-use rdkafka::client::DefaultClientContext;
+use std::sync::{Arc, Mutex};
+
+use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
 use rdkafka::metadata::Metadata;
@@ -36,12 +38,13 @@ pub enum KafkaClientError {
     #[error("configuring the Kafka client: {0}")]
     Configure(KafkaError),
     /// Metadata could not be fetched in time.
-    #[error("cannot reach Kafka at {bootstrap}: {source}")]
+    #[error("cannot reach Kafka at {bootstrap}: {reason}")]
     Unreachable {
         /// The bootstrap servers.
         bootstrap: String,
-        /// librdkafka's error.
-        source: KafkaError,
+        /// librdkafka's error, and what the client last reported (an authentication failure,
+        /// say).
+        reason: String,
     },
     /// A topic the job names does not exist.
     #[error("topic `{topic}` does not exist on {bootstrap}; create it first")]
@@ -80,13 +83,71 @@ pub enum KafkaClientError {
     },
 }
 
+/// Remembers the last error librdkafka reported for a client: an authentication failure, for
+/// one, arrives only this way, while the request that failed says "transport failure". The
+/// text is librdkafka's, which never includes credentials.
+#[derive(Clone, Default)]
+pub struct ErrorCapture(Arc<Mutex<Option<String>>>);
+
+impl ErrorCapture {
+    fn remember(&self, message: String) {
+        *self.0.lock().expect("not poisoned") = Some(message);
+    }
+
+    /// `; the client reported: <last error>`, or nothing.
+    pub fn detail(&self) -> String {
+        match self.0.lock().expect("not poisoned").as_ref() {
+            Some(e) => format!("; the client reported: {e}"),
+            None => String::new(),
+        }
+    }
+}
+
+impl ClientContext for ErrorCapture {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        // Connection failures (authentication among them) are logged by librdkafka's own
+        // threads; errors come as events only when the client is polled.
+        use rdkafka::config::RDKafkaLogLevel as Level;
+        if matches!(level, Level::Emerg | Level::Alert | Level::Critical | Level::Error) {
+            tracing::debug!(fac, message, "kafka client error");
+            self.remember(message.to_string());
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::debug!(%error, reason, "kafka client error");
+        self.remember(reason.to_string());
+    }
+}
+
+impl ConsumerContext for ErrorCapture {}
+
+/// A consumer that remembers its client's last error.
+pub type CheckedConsumer = BaseConsumer<ErrorCapture>;
+
+/// Why `consumer` could not fetch metadata: `source`, with what the client reported (its error
+/// events are served by a poll, which is made here).
+fn unreachable(consumer: &CheckedConsumer, bootstrap: &str, source: KafkaError) -> KafkaClientError {
+    if let Some(Err(e)) = consumer.poll(Duration::from_millis(100)) {
+        consumer.context().remember(e.to_string());
+    }
+    let reason = format!("{source}{}", consumer.context().detail());
+    KafkaClientError::Unreachable { bootstrap: bootstrap.to_string(), reason }
+}
+
+/// Creates a consumer on `config` that remembers its client's errors.
+pub fn checked_consumer(config: &ClientConfig) -> Result<CheckedConsumer, KafkaClientError> {
+    config.create_with_context(ErrorCapture::default()).map_err(KafkaClientError::Configure)
+}
+
 /// A client configuration: `bootstrap.servers`, then the job's properties with `${env:NAME}`
 /// values read from the environment.
 pub fn client_config(bootstrap: &str, properties: &BTreeMap<String, String>) -> Result<ClientConfig, KafkaClientError> {
     let mut config = ClientConfig::new();
     config.set("bootstrap.servers", bootstrap);
-    // librdkafka logs through its own logger; keep it to errors (it never logs secrets).
-    config.set("log_level", "3");
+    // Errors only (librdkafka never logs secrets); they reach ErrorCapture::log. Set here and
+    // not through the `log` crate's level, which this process does not configure.
+    config.set_log_level(rdkafka::config::RDKafkaLogLevel::Error);
     for (key, value) in properties {
         let value = match value.strip_prefix("${env:").and_then(|r| r.strip_suffix('}')) {
             Some(variable) => std::env::var(variable)
@@ -101,14 +162,14 @@ pub fn client_config(bootstrap: &str, properties: &BTreeMap<String, String>) -> 
 /// Fetches metadata of `topics` (all topics when empty), failing on an unreachable broker or a
 /// missing topic.
 pub fn topic_metadata(
-    consumer: &BaseConsumer,
+    consumer: &CheckedConsumer,
     bootstrap: &str,
     topics: &[String],
 ) -> Result<HashMap<String, Vec<i32>>, KafkaClientError> {
-    let unreachable = |source| KafkaClientError::Unreachable { bootstrap: bootstrap.to_string(), source };
     let mut partitions = HashMap::new();
     for topic in topics {
-        let md: Metadata = consumer.fetch_metadata(Some(topic), REQUEST_TIMEOUT).map_err(unreachable)?;
+        let md: Metadata =
+            consumer.fetch_metadata(Some(topic), REQUEST_TIMEOUT).map_err(|e| unreachable(consumer, bootstrap, e))?;
         let t = md.topics().iter().find(|t| t.name() == topic);
         let found = t.filter(|t| t.error().is_none() && !t.partitions().is_empty());
         let Some(t) = found else {
@@ -123,11 +184,10 @@ pub fn topic_metadata(
 
 /// The broker's `transaction.max.timeout.ms`, read from the first broker of the metadata.
 pub fn broker_transaction_max_timeout(config: &ClientConfig, bootstrap: &str) -> Result<u64, KafkaClientError> {
-    let admin: AdminClient<DefaultClientContext> = config.create().map_err(KafkaClientError::Configure)?;
-    let md = admin
-        .inner()
-        .fetch_metadata(None, REQUEST_TIMEOUT)
-        .map_err(|source| KafkaClientError::Unreachable { bootstrap: bootstrap.to_string(), source })?;
+    let probe = checked_consumer(config)?;
+    let md = probe.fetch_metadata(None, REQUEST_TIMEOUT).map_err(|e| unreachable(&probe, bootstrap, e))?;
+    let admin: AdminClient<ErrorCapture> =
+        config.create_with_context(ErrorCapture::default()).map_err(KafkaClientError::Configure)?;
     let broker = md.brokers().first().map(|b| b.id()).unwrap_or(0);
     let opts = AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT));
     let results = crate::io()
@@ -152,7 +212,8 @@ pub fn broker_transaction_max_timeout(config: &ClientConfig, bootstrap: &str) ->
 /// Creates the compacted marker topic when it does not exist (one partition: recovery reads
 /// it whole).
 pub fn ensure_marker_topic(config: &ClientConfig, topic: &str) -> Result<(), KafkaClientError> {
-    let admin: AdminClient<DefaultClientContext> = config.create().map_err(KafkaClientError::Configure)?;
+    let admin: AdminClient<ErrorCapture> =
+        config.create_with_context(ErrorCapture::default()).map_err(KafkaClientError::Configure)?;
     let brokers = admin
         .inner()
         .fetch_metadata(None, REQUEST_TIMEOUT)

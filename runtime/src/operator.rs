@@ -94,6 +94,12 @@ pub trait Operator: Send {
         Ok(Vec::new())
     }
 
+    /// All input was processed and the job is finishing: deliver what is buffered outside
+    /// checkpoints (an at-least-once sink flushes), failing if it cannot.
+    fn end_of_input(&mut self) -> Result<(), TaskError> {
+        Ok(())
+    }
+
     /// Whether the operator still holds work that a future checkpoint completion will commit.
     fn has_uncommitted(&self) -> bool {
         false

@@ -257,6 +257,9 @@ impl Task {
 
     /// After end of input: wait until every pending transaction is committed.
     fn finish(&mut self) -> Result<TaskEnd, TaskError> {
+        for c in &mut self.chain {
+            c.op.end_of_input()?;
+        }
         for o in &self.outputs {
             o.broadcast(|| Message::End)?;
         }

@@ -673,3 +673,52 @@ sinks:
         assert_eq!(header("headers"), format!(r#"{{"trace":"t{i}"}}"#));
     }
 }
+
+#[test]
+fn at_least_once_without_checkpoints_delivers_everything_before_the_job_ends() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 2);
+    b.create_topic(&output_topic, 2);
+    let total = 20_000;
+    b.produce(&input_topic, (0..total).map(input));
+    let (_dir, _out, chk) = workdir("kafka-no-checkpoints");
+    let yaml = job_yaml("kafka-no-chk", &b.bootstrap, &input_topic, &output_topic, true, "at-least-once", 2, "")
+        .replace("checkpointing: { interval: 300ms, timeout: 10s }", "checkpointing: { enabled: false }");
+    run_to_end(&yaml, opts(&chk));
+    // Read right after the job returned: the sink flushed before it ended.
+    assert_exactly_once(&b.read_committed(&output_topic), total, "at-least-once, no checkpoints, no failures");
+}
+
+#[test]
+fn sasl_credentials_come_from_the_environment_and_never_appear_in_errors() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 1);
+    b.create_topic(&output_topic, 1);
+    b.produce(&input_topic, (0..500).map(input));
+    let sasl = "properties: { security.protocol: SASL_PLAINTEXT, sasl.mechanism: PLAIN, sasl.username: weir, \
+                sasl.password: \"${env:WEIR_TEST_KAFKA_PASSWORD}\" }";
+    let yaml = |name: &str| {
+        job_yaml(name, &b.sasl_bootstrap, &input_topic, &output_topic, true, "exactly-once", 1, sasl)
+            .replace("      bounded: true\n", &format!("      bounded: true\n      {sasl}\n"))
+    };
+    // The right password, from the environment: the job runs through the SASL listener.
+    std::env::set_var("WEIR_TEST_KAFKA_PASSWORD", kafka_broker::SASL_PASSWORD);
+    let (_dir, _out, chk) = workdir("kafka-sasl");
+    run_to_end(&yaml("kafka-sasl"), opts(&chk));
+    assert_exactly_once(&b.read_committed(&output_topic), 500, "through SASL");
+    // A wrong one is refused, and neither the error nor the job's status shows it.
+    let wrong = "not-the-password-0c1d";
+    std::env::set_var("WEIR_TEST_KAFKA_PASSWORD", wrong);
+    let (_dir, _out, chk) = workdir("kafka-sasl-wrong");
+    let (r, metrics) =
+        InProcess::start(&yaml("kafka-sasl-wrong").replace("attempts: 20", "attempts: 0"), opts(&chk)).join();
+    let e = r.expect_err("a wrong password is refused").to_string();
+    eprintln!("refused: {e}");
+    assert!(e.to_lowercase().contains("auth"), "says authentication failed: {e}");
+    let status = serde_json::to_string(&metrics.job_status()).unwrap();
+    for text in [&e, &status] {
+        assert!(!text.contains(wrong) && !text.contains(kafka_broker::SASL_PASSWORD), "a secret leaked: {text}");
+    }
+}

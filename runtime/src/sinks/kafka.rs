@@ -241,9 +241,9 @@ impl KafkaSink {
         let txn_id = exactly_once.then(|| transactional_id(&prefix, &ctx.uid, ctx.subtask));
         let config = producer_config(spec, txn_id.as_deref()).map_err(|e| fail(&e))?;
         let producer = create_producer(&config).map_err(|e| fail(&e))?;
-        let check: rdkafka::consumer::BaseConsumer = kafka::client_config(&spec.bootstrap_servers, &spec.properties)
+        let check: kafka::CheckedConsumer = kafka::client_config(&spec.bootstrap_servers, &spec.properties)
             .map_err(|e| fail(&e))?
-            .create()
+            .create_with_context(kafka::ErrorCapture::default())
             .map_err(|e| fail(&e))?;
         kafka::topic_metadata(&check, &spec.bootstrap_servers, std::slice::from_ref(&spec.topic))
             .map_err(|e| fail(&e))?;
@@ -388,6 +388,20 @@ impl Operator for KafkaSink {
             done.push(c);
         }
         Ok(done)
+    }
+
+    fn end_of_input(&mut self) -> Result<(), TaskError> {
+        if self.exactly_once() {
+            // Committed by the final checkpoint, which `has_uncommitted` waits for.
+            return Ok(());
+        }
+        // Without checkpoints nothing else flushes: the job must not end before the broker
+        // acknowledged every record.
+        self.producer.flush(COMMIT_TIMEOUT).map_err(|e| self.failed(format!("flushing: {e}")))?;
+        match self.errors.take() {
+            Some(e) => Err(self.failed(format!("delivery failed: {e}"))),
+            None => Ok(()),
+        }
     }
 
     fn has_uncommitted(&self) -> bool {

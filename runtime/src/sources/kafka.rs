@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
@@ -52,7 +52,7 @@ pub struct KafkaSource {
     spec: KafkaSourceSpec,
     subtask: u32,
     parallelism: u32,
-    consumer: BaseConsumer,
+    consumer: kafka::CheckedConsumer,
     partitions: BTreeMap<(String, i32), PartitionState>,
     /// Positions of each snapshot until its checkpoint completes (then committed to the group).
     snapshots: BTreeMap<u64, TopicPartitionList>,
@@ -89,7 +89,8 @@ impl KafkaSource {
             .set("enable.auto.offset.store", "false")
             .set("enable.partition.eof", "true")
             .set("isolation.level", if spec.read_committed { "read_committed" } else { "read_uncommitted" });
-        let consumer: BaseConsumer = config.create().map_err(|e| fail(&e))?;
+        let consumer: kafka::CheckedConsumer =
+            config.create_with_context(kafka::ErrorCapture::default()).map_err(|e| fail(&e))?;
         let mut restored_positions: HashMap<(String, i32), i64> = HashMap::new();
         for doc in restored {
             let p: Positions = serde_json::from_slice(doc)

@@ -24,7 +24,13 @@ pub struct Broker {
     _child: Child,
     dir: tempfile::TempDir,
     client: Client,
+    /// `<host>:<port>` of the SASL_PLAINTEXT listener (mechanism PLAIN, user `weir`,
+    /// password [`SASL_PASSWORD`]).
+    pub sasl_bootstrap: String,
 }
+
+/// The password of user `weir` on the SASL listener.
+pub const SASL_PASSWORD: &str = "weir-test-secret-7f3a";
 
 /// A record read back.
 #[derive(Clone, Debug)]
@@ -70,7 +76,7 @@ impl Broker {
         let started = Instant::now();
         let dir = tempfile::tempdir().unwrap();
         let free_port = || std::net::TcpListener::bind((host, 0)).unwrap().local_addr().unwrap().port();
-        let (port, controller) = (free_port(), free_port());
+        let (port, controller, sasl) = (free_port(), free_port(), free_port());
         let props = dir.path().join("server.properties");
         std::fs::write(
             &props,
@@ -78,10 +84,13 @@ impl Broker {
                 "process.roles=broker,controller\n\
              node.id=1\n\
              controller.quorum.voters=1@{host}:{controller}\n\
-             listeners=PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller}\n\
-             advertised.listeners=PLAINTEXT://{host}:{port}\n\
+             listeners=PLAINTEXT://{host}:{port},SASL_PLAINTEXT://{host}:{sasl},CONTROLLER://{host}:{controller}\n\
+             advertised.listeners=PLAINTEXT://{host}:{port},SASL_PLAINTEXT://{host}:{sasl}\n\
              controller.listener.names=CONTROLLER\n\
-             listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT\n\
+             listener.security.protocol.map=PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT\n\
+             sasl.enabled.mechanisms=PLAIN\n\
+             listener.name.sasl_plaintext.plain.sasl.jaas.config=\
+             org.apache.kafka.common.security.plain.PlainLoginModule required user_weir=\"{SASL_PASSWORD}\";\n\
              inter.broker.listener.name=PLAINTEXT\n\
              log.dirs={}\n\
              num.partitions=1\n\
@@ -151,7 +160,7 @@ impl Broker {
             std::thread::sleep(Duration::from_millis(200));
         }
         eprintln!("kafka broker on {bootstrap} ready in {:?}", started.elapsed());
-        Broker { _child: child, dir, client: Client { bootstrap } }
+        Broker { _child: child, dir, client: Client { bootstrap }, sasl_bootstrap: format!("{host}:{sasl}") }
     }
 
     /// A client of the broker at `bootstrap` (for another thread).
