@@ -722,3 +722,63 @@ fn sasl_credentials_come_from_the_environment_and_never_appear_in_errors() {
         assert!(!text.contains(wrong) && !text.contains(kafka_broker::SASL_PASSWORD), "a secret leaked: {text}");
     }
 }
+
+#[test]
+fn an_idle_partition_stops_holding_event_time_back() {
+    let b = broker();
+    let (input_topic, output_topic) = (topic("in"), topic("out"));
+    b.create_topic(&input_topic, 2);
+    b.create_topic(&output_topic, 1);
+    // Records only in partition 0, one every 100 ms of event time over 3 s; partition 1 stays
+    // empty. One subtask reads both: without idleness its watermark would wait for partition
+    // 1 forever and no window would ever fire.
+    let base: i64 = 1_700_000_000_000;
+    {
+        let p = b.producer();
+        for i in 0..30i64 {
+            let (key, value) = (i.to_string(), format!(r#"{{"id":{i},"word":"w"}}"#));
+            let record = rdkafka::producer::BaseRecord::to(&input_topic)
+                .partition(0)
+                .timestamp(base + i * 100)
+                .key(&key)
+                .payload(&value);
+            p.send(record).map_err(|(e, _)| e).unwrap();
+        }
+        rdkafka::producer::Producer::flush(&p, Duration::from_secs(10)).unwrap();
+    }
+    let yaml = format!(
+        r#"name: kafka-idle
+parallelism: 1
+checkpointing: {{ interval: 300ms }}
+sources:
+  - name: events
+    uid: events
+    kafka:
+      bootstrapServers: "{bootstrap}"
+      topics: [{input_topic}]
+      format: json
+      fields: [id, word]
+      idleTimeout: 1s
+operators:
+  - {{ name: by-word, keyBy: {{ fields: [word] }} }}
+  - name: per-second
+    uid: per-second
+    window: {{ type: tumbling, size: 1s, aggregates: [ {{ fn: count, as: "n" }} ] }}
+sinks:
+  - {{ name: out, uid: out, kafka: {{ bootstrapServers: "{bootstrap}", topic: {output_topic}, keyField: word }} }}
+"#,
+        bootstrap = b.bootstrap
+    );
+    let (_dir, _out, chk) = workdir("kafka-idle");
+    let run = InProcess::start(&yaml, opts(&chk));
+    // Event time reaches base + 2.9 s: the windows [base, base+1s) and [base+1s, base+2s) close.
+    wait_for_output(&output_topic, 2, Duration::from_secs(30));
+    run.requests.send(weir_runtime::executor::Request::Cancel).unwrap();
+    run.join().0.unwrap();
+    let counts: Vec<u64> = b
+        .read_committed(&output_topic)
+        .iter()
+        .map(|(_, v)| serde_json::from_str::<serde_json::Value>(v).unwrap()["n"].as_u64().unwrap())
+        .collect();
+    assert_eq!(&counts[..2], &[10, 10], "two full one-second windows fired: {counts:?}");
+}
