@@ -607,11 +607,34 @@ fn start_positions_and_offsets_committed_to_the_group() {
     };
     assert_eq!(run("from-earliest", ""), 1_000);
     assert_eq!(run("from-timestamp", &format!("      startFrom: timestamp\n      startTimestampMs: {since}\n")), 400);
+    // `latest`: only what arrives after the start, and the position is checkpointed before
+    // any record came, so a restart in between skips nothing.
+    let output = format!("{output_topic}-from-latest");
+    b.create_topic(&output, 1);
+    let (_dir, _out, chk) = workdir("from-latest");
+    let yaml = job_yaml("from-latest", &b.bootstrap, &input_topic, &output, false, "exactly-once", 1, "")
+        .replace("      bounded: false\n", "      bounded: false\n      startFrom: latest\n");
+    let first = InProcess::start(&yaml, opts(&chk));
+    first.wait_for_checkpoints(2, Duration::from_secs(60));
+    first.requests.send(weir_runtime::executor::Request::Cancel).unwrap();
+    first.join().0.unwrap();
+    b.produce(&input_topic, (1_000..1_300).map(input));
+    let second = InProcess::start(&yaml, opts(&chk).restore_latest());
+    wait_for_output(&output, 300, Duration::from_secs(60));
+    std::thread::sleep(Duration::from_secs(1));
+    second.requests.send(weir_runtime::executor::Request::Cancel).unwrap();
+    second.join().0.unwrap();
+    let ids: Vec<u64> = b
+        .read_committed(&output)
+        .iter()
+        .map(|(_, v)| serde_json::from_str::<serde_json::Value>(v).unwrap()["n"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 300, "exactly the records produced after the start, across a restart");
     // The group's committed offset decides where a stateless start begins...
     b.commit_offsets("weir-group-test", &input_topic, &[250]);
-    assert_eq!(run("from-group", "      startFrom: group-offsets\n      groupId: weir-group-test\n"), 750);
+    assert_eq!(run("from-group", "      startFrom: group-offsets\n      groupId: weir-group-test\n"), 1_050);
     // ...and a run commits its checkpointed offsets back to the group (for lag monitoring).
-    assert_eq!(b.committed_offsets("weir-group-test", &input_topic, 1), vec![1_000]);
+    assert_eq!(b.committed_offsets("weir-group-test", &input_topic, 1), vec![1_300]);
     assert_eq!(b.committed_offsets("weir-from-earliest", &input_topic, 1), vec![1_000], "default group weir-<job>");
 }
 

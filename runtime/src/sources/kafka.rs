@@ -161,15 +161,20 @@ impl KafkaSource {
         }
         self.resolve_start(&mut start)?;
         for (topic, p) in added {
-            let end = if spec.bounded {
+            let start_at = start.find_partition(&topic, p).map(|e| e.offset());
+            let high = if spec.bounded || start_at == Some(Offset::End) {
                 let (_, high) =
                     self.consumer.fetch_watermarks(&topic, p, REQUEST_TIMEOUT).map_err(|e| read_error(spec, e))?;
                 Some(high)
             } else {
                 None
             };
-            let next = match start.find_partition(&topic, p).map(|e| e.offset()) {
+            let end = high.filter(|_| spec.bounded);
+            // "The end" becomes an offset now, so that the first checkpoint records it: a
+            // restart before the first record must not skip what arrived in between.
+            let next = match start_at {
                 Some(Offset::Offset(o)) => Some(o),
+                Some(Offset::End) => high,
                 _ => None,
             };
             self.partitions
