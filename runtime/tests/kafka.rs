@@ -805,3 +805,38 @@ sinks:
         .collect();
     assert_eq!(&counts[..2], &[10, 10], "two full one-second windows fired: {counts:?}");
 }
+
+#[test]
+fn read_committed_skips_aborted_transactions_and_read_uncommitted_does_not() {
+    let b = broker();
+    let input_topic = topic("in");
+    b.create_topic(&input_topic, 1);
+    b.produce(&input_topic, (0..100).map(input));
+    {
+        // 50 records of a transaction that aborts.
+        use rdkafka::producer::Producer;
+        let p: rdkafka::producer::ThreadedProducer<rdkafka::producer::DefaultProducerContext> =
+            kafka_broker::config(&b.bootstrap)
+                .set("transactional.id", format!("aborter-{input_topic}"))
+                .create()
+                .unwrap();
+        p.init_transactions(Duration::from_secs(30)).unwrap();
+        p.begin_transaction().unwrap();
+        for (k, v) in (100..150).map(input) {
+            p.send(rdkafka::producer::BaseRecord::to(&input_topic).key(&k).payload(&v)).map_err(|(e, _)| e).unwrap();
+        }
+        p.flush(Duration::from_secs(30)).unwrap();
+        p.abort_transaction(Duration::from_secs(30)).unwrap();
+    }
+    for (read_committed, expected) in [(true, 100), (false, 150)] {
+        let output = topic("out");
+        b.create_topic(&output, 1);
+        let name = format!("kafka-isolation-{read_committed}");
+        let (_dir, _out, chk) = workdir(&name);
+        let yaml = job_yaml(&name, &b.bootstrap, &input_topic, &output, true, "exactly-once", 1, "")
+            .replace("      bounded: true\n", &format!("      bounded: true\n      readCommitted: {read_committed}\n"));
+        let (_, metrics) = run_to_end(&yaml, opts(&chk));
+        assert_eq!(metrics.records_in.get(), expected, "readCommitted: {read_committed}");
+        assert_eq!(b.read_committed(&output).len() as u64, expected);
+    }
+}
