@@ -25,14 +25,9 @@ use rdkafka::{Offset, TopicPartitionList};
 use weir_runtime::executor::{run_job, RunOptions};
 use weir_runtime::metrics::JobMetrics;
 
-fn cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let after = stat.rsplit(')').next().unwrap_or("");
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 = fields.get(11).and_then(|u| u.parse::<f64>().ok()).unwrap_or(0.0)
-        + fields.get(12).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
-    ticks / 100.0
-}
+#[path = "support/cpu.rs"]
+mod cpu;
+use cpu::cpu_seconds;
 
 fn job(name: &str, input: &str, output: &str, checkpoints: bool, delivery: &str, bounded: bool) -> String {
     let bootstrap = &broker().bootstrap;

@@ -350,9 +350,7 @@ struct CommitTracker {
 impl CommitTracker {
     /// The completion of checkpoint `id` commits these (every sink subtask's pending list).
     fn expect(&mut self, id: u64, pending: impl IntoIterator<Item = Committable>) {
-        // Kafka transactions have no manifest: their markers are in Kafka.
-        let pending: Vec<Committable> =
-            pending.into_iter().filter(|c| c.checkpoint <= id && !sinks::is_kafka(c)).collect();
+        let pending: Vec<Committable> = pending.into_iter().filter(|c| c.checkpoint <= id).collect();
         // A transaction older than every pending one was committed before this barrier: no
         // later acknowledgement lists it again, so its group need not be remembered.
         let floor = pending.iter().map(|c| c.checkpoint).min().unwrap_or(id + 1);
@@ -368,7 +366,7 @@ impl CommitTracker {
     /// A task committed these; returns the manifests of the groups now complete.
     fn committed(&mut self, done: Vec<Committable>) -> Vec<(CommitGroup, sinks::file::CommitManifest)> {
         let mut ready = Vec::new();
-        for c in done.into_iter().filter(|c| !sinks::is_kafka(c)) {
+        for c in done {
             let g = c.group();
             if self.written.contains(&g) {
                 continue;

@@ -272,23 +272,29 @@ fn disturbed_runs(
     (kills, aborts)
 }
 
+/// Waits until `n` more checkpoints than now completed under `chk`: whatever was in flight
+/// (a late or duplicate commit) has had its chance to appear.
+fn wait_for_more_checkpoints(chk: &std::path::Path, n: u64) {
+    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
+    let before = newest_complete(&storage);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while newest_complete(&storage) < before + n {
+        assert!(Instant::now() < deadline, "no {n} more checkpoints under {} in 60 s", chk.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Runs the job until `topic` holds `total` records, SIGKILLs it, then runs it once more for
 /// three checkpoints (recovery of whatever the kill left) and kills that too.
 fn finish_then_kill_and_recover(job_file: &std::path::Path, chk: &std::path::Path, topic: &str, total: u64) {
-    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
     let mut last = runtime(job_file, chk, None).spawn().unwrap();
     wait_for_output(topic, total, Duration::from_secs(120));
     assert!(last.try_wait().unwrap().is_none(), "the last run ended early");
-    std::thread::sleep(Duration::from_secs(1));
+    wait_for_more_checkpoints(chk, 2);
     last.kill().unwrap();
     last.wait().unwrap();
     let mut again = runtime(job_file, chk, None).spawn().unwrap();
-    let before = newest_complete(&storage);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while newest_complete(&storage) < before + 3 {
-        assert!(Instant::now() < deadline, "the run after the last kill made no checkpoints");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_more_checkpoints(chk, 3);
     again.kill().unwrap();
     again.wait().unwrap();
 }
@@ -511,7 +517,7 @@ fn a_frozen_runtime_that_wakes_after_its_replacement_started_is_fenced() {
     assert!(err.contains("fenced") || err.contains("epoch"), "the stale runtime says it was fenced: {err}");
     producer.join().unwrap();
     wait_for_output(&output_topic, total, Duration::from_secs(120));
-    std::thread::sleep(Duration::from_secs(1));
+    wait_for_more_checkpoints(&chk, 2);
     new.kill().unwrap();
     new.wait().unwrap();
     record_faults(1);
@@ -573,7 +579,6 @@ fn partitions_added_while_running_are_read_from_their_start() {
     wait_for_output(&output_topic, 1_000, Duration::from_secs(60));
     // Two more partitions; the producer's partitioner spreads new records over all three.
     b.add_partitions(&input_topic, 3);
-    std::thread::sleep(Duration::from_secs(1));
     b.produce(&input_topic, (1_000..4_000).map(input));
     wait_for_output(&output_topic, 4_000, Duration::from_secs(60));
     run.request_savepoint(true, false);
@@ -621,7 +626,7 @@ fn start_positions_and_offsets_committed_to_the_group() {
     b.produce(&input_topic, (1_000..1_300).map(input));
     let second = InProcess::start(&yaml, opts(&chk).restore_latest());
     wait_for_output(&output, 300, Duration::from_secs(60));
-    std::thread::sleep(Duration::from_secs(1));
+    wait_for_more_checkpoints(&chk, 2);
     second.requests.send(weir_runtime::executor::Request::Cancel).unwrap();
     second.join().0.unwrap();
     let ids: Vec<u64> = b

@@ -48,9 +48,10 @@ pub const STAGING_DIR: &str = "kafka-staging";
 /// How long a transaction's commit, or a flush, may take.
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The committable URL of a Kafka sink (never a storage URL: no commit manifest is written).
+/// The committable URL of a Kafka sink (for messages; its commits are recorded by markers in
+/// Kafka, so none is reported to the file sinks' commit manifests).
 pub fn sink_url(topic: &str) -> String {
-    format!("{}{topic}", super::KAFKA_SINK_SCHEME)
+    format!("kafka://{topic}")
 }
 
 /// Staged object of `(uid, epoch, checkpoint, subtask)` in the job's checkpoint storage.
@@ -360,16 +361,13 @@ impl Operator for KafkaSink {
             self.pending.push((c, data));
             self.buffered = 0;
         }
-        Ok(StateParts {
-            operator_doc: Some(self.state_doc()),
-            staged,
-            pending_commits: self.pending.iter().map(|(c, _)| c.clone()).collect(),
-            ..StateParts::default()
-        })
+        // `pending_commits` stays empty: it feeds the file sinks' commit manifests.
+        Ok(StateParts { operator_doc: Some(self.state_doc()), staged, ..StateParts::default() })
     }
 
+    /// Commits every staged checkpoint up to `id`. Returns nothing: the returned list feeds the
+    /// file sinks' commit manifests, and these commits are recorded by their markers.
     fn on_checkpoint_complete(&mut self, id: u64) -> Result<Vec<Committable>, TaskError> {
-        let mut done = Vec::new();
         while self.pending.first().is_some_and(|(c, _)| c.checkpoint <= id) {
             let (c, data) = self.pending.first().cloned().expect("checked");
             let records = kafka::decode_records(&data).expect("this run encoded it");
@@ -385,9 +383,8 @@ impl Operator for KafkaSink {
             if let Err(e) = crate::io().block_on(async move { storage.delete(&path).await }) {
                 tracing::warn!(path = %c.staged, error = %e, "could not delete a committed staging file");
             }
-            done.push(c);
         }
-        Ok(done)
+        Ok(Vec::new())
     }
 
     fn end_of_input(&mut self) -> Result<(), TaskError> {

@@ -192,7 +192,11 @@ impl Client {
         for x in r {
             x.unwrap_or_else(|(t, e)| panic!("creating {t}: {e}"));
         }
-        // Wait until the broker serves its metadata.
+        self.wait_for_partitions(topic, partitions);
+    }
+
+    /// Waits until the broker's metadata shows `partitions` partitions of `topic`.
+    fn wait_for_partitions(&self, topic: &str, partitions: i32) {
         let probe: BaseConsumer = config(&self.bootstrap).create().unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         while !probe
@@ -241,6 +245,7 @@ impl Client {
         for r in futures::executor::block_on(admin.create_partitions([&grow], &options)).unwrap() {
             r.unwrap_or_else(|(t, e)| panic!("adding partitions to {t}: {e}"));
         }
+        self.wait_for_partitions(topic, partitions as i32);
     }
 
     /// The offsets consumer group `group` committed for `topic`'s partitions `0..partitions`.
