@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The end-to-end scenario suite on a real single-node cluster (e2e/local/up): builds the
-# runtime image from the debug binary `cargo test --workspace` built, brings the cluster up with
-# it, runs the scenarios (the operator runs out of cluster, as a process of the suite), and
-# tears the cluster down again, whatever happened.
+# The end-to-end scenario suite on a real single-node cluster (e2e/local/up): builds the release
+# images (images/build.sh), brings the cluster up with them, checks the chart against the API
+# server (every rendered object accepted by a server-side dry-run), runs the scenarios (each
+# installs the operator with `helm install` and runs it in a pod), and tears the cluster down
+# again, whatever happened.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export WEIR_CACHE="${WEIR_CACHE:-$HOME/.cache/weir}"
@@ -11,18 +12,28 @@ images="$WEIR_CACHE/images"
 mkdir -p "$images"
 start=$(date +%s)
 
-# The debug runtime without its debug info: a quarter of the size to import.
-cargo build -p weir-runtime -p weir-operator --locked >&2
-objcopy --strip-debug "$CARGO_TARGET_DIR/debug/weir-runtime" "$images/weir-runtime.stripped"
-bash e2e/tools/build-image.sh --name weir.local/weir-runtime:dev --binary "$images/weir-runtime.stripped" \
-  --dest /usr/local/bin/weir-runtime --out "$images/weir-runtime.tar" --no-compress >&2
+# Release images, as users get them. Their refs come from the build's output lines.
+built="$(bash images/build.sh --out "$images")" || { echo "building the release images failed" >&2; exit 1; }
+echo "$built" >&2
+ref_of() { sed -n "s|^IMAGE=\([^ ]*/$1:[^ ]*\) ARCHIVE=.*|\1|p" <<<"$built"; }
+archive_of() { sed -n "s|^IMAGE=[^ ]*/$1:[^ ]* ARCHIVE=\([^ ]*\) .*|\1|p" <<<"$built"; }
+export WEIR_E2E_RUNTIME_IMAGE WEIR_E2E_OPERATOR_IMAGE
+WEIR_E2E_RUNTIME_IMAGE="$(ref_of weir-runtime)" WEIR_E2E_OPERATOR_IMAGE="$(ref_of weir-operator)"
+echo "release images built after $(( $(date +%s) - start ))s" >&2
 
 cleanup() { e2e/local/down >&2 || true; }
 trap cleanup EXIT
-eval "$(e2e/local/up --image "$images/weir-runtime.tar")"
+# A cluster that does not come up stops the suite here, with up's own error.
+if ! cluster_env="$(e2e/local/up --image "$(archive_of weir-runtime)" --image "$(archive_of weir-operator)")"; then
+  echo "e2e/local/up failed: the cluster did not come up (its logs: $WEIR_CACHE/cluster/logs)" >&2
+  exit 1
+fi
+eval "$cluster_env"
 echo "cluster up after $(( $(date +%s) - start ))s" >&2
 
 status=0
+# The chart against this API server: every object it renders passes a server-side dry-run.
+bash e2e/tools/chart-dry-run.sh || status=$?
 cargo test -p weir-e2e --test scenarios --locked -- --ignored --test-threads=1 || status=$?
-echo "e2e scenarios took $(( $(date +%s) - start ))s (cluster bring-up included)" >&2
+echo "e2e scenarios took $(( $(date +%s) - start ))s (images and cluster bring-up included)" >&2
 exit "$status"

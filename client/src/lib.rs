@@ -90,6 +90,12 @@ impl ClientError {
             _ => None,
         }
     }
+
+    /// Whether the request never reached the runtime: its name did not resolve or the
+    /// connection was refused or timed out. Such a request can be sent again safely.
+    pub fn never_sent(&self) -> bool {
+        matches!(self, ClientError::Send { source, .. } if source.is_connect())
+    }
 }
 
 /// An HTTP client for control API calls: pooled keep-alive connections, a connect timeout, and

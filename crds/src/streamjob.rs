@@ -49,6 +49,27 @@ const POSITIVE_MESSAGE: &str = "must be > 0";
         description = "When the newest checkpoint completed"
     ),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Savepoint",
+        type_ = "date",
+        json_path = ".status.latestSavepoint.completedAt",
+        description = "When the newest savepoint completed",
+        priority = "1"
+    ),
+    printcolumn(
+        name = "Relaunches",
+        type_ = "integer",
+        json_path = ".status.relaunchCount",
+        description = "Relaunches after failures so far",
+        priority = "1"
+    ),
+    printcolumn(
+        name = "Message",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].message",
+        description = "Why the job is not Ready (or that it runs)",
+        priority = "1"
+    ),
     validation = Rule::new(NAME_RULE).message(NAME_MESSAGE)
 )]
 #[x_kube(
@@ -413,7 +434,11 @@ pub struct StreamJobStatus {
     /// Cancelling, Cancelled, Relaunching, Finished, Failed, Degraded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,
-    /// Ready, Progressing and Degraded conditions.
+    /// Conditions: `Ready` (the job is where its spec asks: running, or suspended, cancelled or
+    /// finished; its message says why not), `Progressing` (a
+    /// transition is under way), `Degraded` (something needs attention), and kstatus's
+    /// `Reconciling` (= Progressing) and `Stalled` (failed, or degraded until the spec or the
+    /// cluster changes) that Flux and `kstatus` read.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Id of the current run of the runtime.

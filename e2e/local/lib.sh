@@ -8,18 +8,19 @@ K8S_VERSION="${K8S_VERSION:-v1.35.8}"
 NODE_NAME="${WEIR_NODE_NAME:-weir-local}"
 POD_CIDR="${WEIR_POD_CIDR:-10.244.0.0/24}"          # one /24: host-local IPAM on the bridge
 NODE_IP="${WEIR_NODE_IP:-10.244.0.1}"               # the bridge's address: gateway + node IP
-SERVICE_CIDR="${WEIR_SERVICE_CIDR:-10.96.0.0/24}"   # allocated only: there is no kube-proxy
+SERVICE_CIDR="${WEIR_SERVICE_CIDR:-10.96.0.0/24}"   # routed by kube-proxy (iptables)
 BRIDGE="${WEIR_BRIDGE:-weir0}"
 CNI_NETWORK="weir"                                  # the CNI network name (iptables comments)
 API_PORT="${WEIR_API_PORT:-6443}"
 ETCD_PORT="${WEIR_ETCD_PORT:-12379}"                # not 2379: e2e/tools/start-apiserver.sh
 ETCD_PEER_PORT="${WEIR_ETCD_PEER_PORT:-12380}"
 KCM_PORT=10257 SCHED_PORT=10259 KUBELET_PORT=10250 KUBELET_HEALTHZ_PORT=10248
+PROXY_HEALTHZ_PORT=10256 PROXY_METRICS_PORT=10249 DNS_HEALTH_PORT=18080
 PAUSE_IMAGE="weir.local/pause:1"
 EGRESS_COMMENT="weir-local: pods may not leave the pod network"
 
 # Daemons in start order; down stops them in the order it needs.
-COMPONENTS=(containerd etcd kube-apiserver kube-controller-manager kube-scheduler kubelet)
+COMPONENTS=(containerd etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy coredns kubelet)
 
 init_paths() {
   W="$1"

@@ -1,9 +1,13 @@
 //! The harness of the scenario suite: one scenario against the cluster that `KUBECONFIG` names
 //! (e.g. from `e2e/local/up`), in a namespace of its own (restricted Pod Security enforced), with
 //! its own S3 server (`s3s-fs` on the node address, which pods and host both reach) and its own
-//! `weir-operator` process running out of cluster, watching only that namespace and reaching
-//! runtimes by pod IP. When a scenario fails, its pods, logs, events, StreamJobs and the
-//! operator's log are dumped; when it ends, everything it started is stopped.
+//! operator watching only that namespace. The operator is, as in production, installed by
+//! `helm install` of `charts/weir-operator` and runs in a pod with the chart's ServiceAccount and
+//! RBAC, reaching runtimes through their headless Services by cluster DNS
+//! (`WEIR_E2E_OPERATOR=cluster`, the default); or, for development, a `weir-operator` process of
+//! the workspace running out of cluster and reaching runtimes by pod IP
+//! (`WEIR_E2E_OPERATOR=process`). When a scenario fails, its pods, logs, events, StreamJobs and
+//! the operator's log are dumped; when it ends, everything it started is stopped.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
@@ -14,11 +18,55 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use weir_checkpoint::Storage;
 use weir_crds::StreamJob;
 
+/// The label selector of the chart's operator pods.
+const OPERATOR_SELECTOR: &str = "app.kubernetes.io/name=weir-operator";
+
 /// Bucket of checkpoints, savepoints and job output.
 pub const BUCKET: &str = "weir-e2e";
 /// The runtime image the scenarios run (imported into the cluster beforehand).
 pub fn runtime_image() -> String {
     std::env::var("WEIR_E2E_RUNTIME_IMAGE").unwrap_or_else(|_| "weir.local/weir-runtime:dev".into())
+}
+
+/// The operator image of `WEIR_E2E_OPERATOR=cluster` (imported into the cluster beforehand).
+pub fn operator_image() -> String {
+    std::env::var("WEIR_E2E_OPERATOR_IMAGE").unwrap_or_else(|_| "weir.local/weir-operator:dev".into())
+}
+
+/// Where the scenarios' operator runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OperatorMode {
+    /// In a pod, installed by `helm install` (`WEIR_E2E_OPERATOR=cluster`, the default).
+    InCluster,
+    /// A process of this workspace on the host (`WEIR_E2E_OPERATOR=process`).
+    Process,
+}
+
+/// The operator mode `WEIR_E2E_OPERATOR` asks for.
+pub fn operator_mode() -> OperatorMode {
+    match std::env::var("WEIR_E2E_OPERATOR").as_deref() {
+        Ok("process") => OperatorMode::Process,
+        Ok("cluster") | Err(_) => OperatorMode::InCluster,
+        Ok(other) => panic!("WEIR_E2E_OPERATOR={other}: use cluster or process"),
+    }
+}
+
+/// `helm`: `$WEIR_HELM_BIN` (set by `.ci/install-tools.sh`), else the cached one, else PATH.
+pub fn helm_binary() -> PathBuf {
+    tool("WEIR_HELM_BIN", ".cache/weir/tools/bin/helm", "helm")
+}
+
+/// A tool: the path in `$env`, else `~/<cached>` when it exists, else `name` from PATH.
+fn tool(env: &str, cached: &str, name: &str) -> PathBuf {
+    if let Ok(p) = std::env::var(env) {
+        return p.into();
+    }
+    let built = PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(cached);
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from(name)
+    }
 }
 
 /// The node address: pods and this process both reach services listening on it.
@@ -35,15 +83,7 @@ fn s3s_binary() -> PathBuf {
 
 /// `kubectl`: `$KUBECTL`, else the one `build-k8s.sh --all` built, else from PATH.
 pub fn kubectl_binary() -> PathBuf {
-    if let Ok(p) = std::env::var("KUBECTL") {
-        return p.into();
-    }
-    let built = PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/weir/k8s/v1.35.8/bin/kubectl");
-    if built.exists() {
-        built
-    } else {
-        PathBuf::from("kubectl")
-    }
+    tool("KUBECTL", ".cache/weir/k8s/v1.35.8/bin/kubectl", "kubectl")
 }
 
 /// A child process killed when dropped (and by a watchdog shell when this process dies).
@@ -101,7 +141,11 @@ pub struct Scenario {
     pub s3_endpoint: String,
     dir: tempfile::TempDir,
     s3: Option<Guarded>,
+    mode: OperatorMode,
+    /// The operator process (`OperatorMode::Process`).
     operator: Option<Guarded>,
+    /// Whether the Helm release is installed (`OperatorMode::InCluster`).
+    released: bool,
     operator_starts: u32,
 }
 
@@ -158,7 +202,9 @@ impl Scenario {
             s3_endpoint: format!("http://{ip}:{port}"),
             dir,
             s3: Some(s3),
+            mode: operator_mode(),
             operator: None,
+            released: false,
             operator_starts: 0,
         };
         s.apply_crd().await;
@@ -208,8 +254,16 @@ impl Scenario {
         .await;
     }
 
-    /// Deletes the namespace without an operator: StreamJob finalizers are dropped first.
+    /// Deletes the namespace without an operator: an operator a failed run left there is
+    /// uninstalled and waited for (it would put the finalizers back), then StreamJob finalizers
+    /// are dropped.
     async fn force_delete_namespace(&self) {
+        self.helm_uninstall();
+        let _ = self.kubectl(&["delete", "deployment", "-l", OPERATOR_SELECTOR, "--wait=false"], None);
+        crate::eventually("the old operator pods gone", 120, || async {
+            self.operator_pods().await.is_empty().then_some(())
+        })
+        .await;
         let jobs: Api<StreamJob> = Api::namespaced(self.client.clone(), &self.ns);
         if let Ok(list) = jobs.list(&ListParams::default()).await {
             for j in list.items {
@@ -249,14 +303,80 @@ impl Scenario {
         self.dir.path().join("operator.log")
     }
 
-    /// Starts the operator (again), out of cluster, on this namespace only.
+    /// Starts the operator (again), watching this namespace only: installs the chart (first
+    /// time) or scales its Deployment back to one replica, or starts the process.
     pub async fn start_operator(&mut self) {
+        self.operator_starts += 1;
+        match self.mode {
+            OperatorMode::InCluster if !self.released => self.helm_install(),
+            OperatorMode::InCluster => {
+                self.kubectl_ok(&["scale", "deployment", &self.release_deployment(), "--replicas=1"]);
+                self.kubectl_ok(&["rollout", "status", "deployment", &self.release_deployment(), "--timeout=120s"]);
+            }
+            OperatorMode::Process => self.start_operator_process().await,
+        }
+    }
+
+    /// The Helm release of this scenario's operator (cluster-scoped RBAC objects carry its name).
+    fn release(&self) -> String {
+        format!("op-{}", self.ns)
+    }
+
+    /// The operator Deployment the chart names after the release.
+    fn release_deployment(&self) -> String {
+        format!("{}-weir-operator", self.release())
+    }
+
+    /// `helm install` of `charts/weir-operator` into this namespace, as a user installs it, and
+    /// waits until the operator is ready.
+    fn helm_install(&mut self) {
+        let image = operator_image();
+        let (repository, tag) = image.rsplit_once(':').expect("WEIR_E2E_OPERATOR_IMAGE names a tag");
+        let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/../charts/weir-operator");
+        let kubeconfig = std::env::var("KUBECONFIG").expect("KUBECONFIG names the cluster");
+        let sets = [
+            format!("image.repository={repository}"),
+            format!("image.tag={tag}"),
+            "image.pullPolicy=Never".to_string(),
+            format!("defaultStorage=s3://{BUCKET}/state"),
+            "storageCredentialsSecret=weir-s3".to_string(),
+            format!("watchNamespace={}", self.ns),
+            "statusRefreshSeconds=2".to_string(),
+            "logLevel=info\\,weir_operator=debug".to_string(),
+        ];
+        let mut cmd = Command::new(helm_binary());
+        cmd.args(["install", &self.release(), chart, "--namespace", &self.ns, "--kubeconfig", &kubeconfig]);
+        for set in &sets {
+            cmd.args(["--set", set]);
+        }
+        cmd.args(["--wait", "--timeout", "180s"]);
+        let out = cmd.output().expect("helm runs");
+        self.released = true;
+        assert!(
+            out.status.success(),
+            "helm install failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// `helm uninstall` of this scenario's release, if there is one: cluster-scoped objects (the
+    /// ClusterRole and its binding) go with it.
+    fn helm_uninstall(&self) {
+        let kubeconfig = std::env::var("KUBECONFIG").unwrap_or_default();
+        let _ = Command::new(helm_binary())
+            .args(["uninstall", &self.release(), "--namespace", &self.ns, "--kubeconfig", &kubeconfig, "--wait"])
+            .args(["--ignore-not-found"])
+            .output();
+    }
+
+    /// Starts the operator as a process out of cluster, reaching runtimes by pod IP.
+    async fn start_operator_process(&mut self) {
         assert!(self.operator.is_none(), "the operator already runs");
         let binary = crate::workspace_binary("weir-operator");
         assert!(binary.exists(), "{} missing: cargo build -p weir-operator", binary.display());
         let kubeconfig = std::env::var("KUBECONFIG").expect("KUBECONFIG names the cluster");
         let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-        self.operator_starts += 1;
         // The log is appended to across restarts; the shell redirect keeps it simple.
         let line = format!(
             "exec {} --kubeconfig {} --default-storage s3://{BUCKET}/state --http-addr {http} \
@@ -292,14 +412,44 @@ impl Scenario {
         }
     }
 
-    /// Kills the operator at once (SIGKILL), as a crash would.
-    pub fn kill_operator(&mut self) {
+    /// Kills the operator at once (SIGKILL), as a crash would. In the cluster its Deployment is
+    /// scaled to zero first, so that nothing restarts it, and its process is killed on the node
+    /// before its graceful termination can run.
+    pub async fn kill_operator(&mut self) {
+        if self.mode == OperatorMode::InCluster {
+            let pods = self.operator_pods().await;
+            self.kubectl_ok(&["scale", "deployment", &self.release_deployment(), "--replicas=0"]);
+            for pod in &pods {
+                let uid = pod.metadata.uid.clone().unwrap_or_default();
+                for pid in pod_pids(&uid, "weir-operator") {
+                    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+                }
+            }
+            let api = self.pods();
+            crate::eventually("the operator pod gone", 60, || async {
+                let left = api.list(&ListParams::default().labels(OPERATOR_SELECTOR)).await.ok()?;
+                left.items.is_empty().then_some(())
+            })
+            .await;
+            return;
+        }
         if let Some(mut op) = self.operator.take() {
             // The watchdog shell's child is the operator; kill both hard.
             let _ = Command::new("pkill").args(["-9", "-P", &op.0.id().to_string()]).status();
             let _ = op.0.kill();
             let _ = op.0.wait();
         }
+    }
+
+    /// The operator's pods (`OperatorMode::InCluster`).
+    async fn operator_pods(&self) -> Vec<Pod> {
+        self.pods().list(&ListParams::default().labels(OPERATOR_SELECTOR)).await.map(|l| l.items).unwrap_or_default()
+    }
+
+    /// `kubectl` in this namespace that must succeed.
+    fn kubectl_ok(&self, args: &[&str]) {
+        let out = self.kubectl(args, None);
+        assert!(out.status.success(), "kubectl {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
     }
 
     /// Runs kubectl in this namespace; `stdin` is piped in when given.
@@ -362,6 +512,19 @@ impl Scenario {
         .await
     }
 
+    /// The reasons of the job's events, oldest first: what `kubectl describe streamjob` lists.
+    pub async fn event_reasons(&self, job: &str) -> Vec<String> {
+        use k8s_openapi::api::events::v1::Event;
+        let api: Api<Event> = Api::namespaced(self.client.clone(), &self.ns);
+        let lp = ListParams::default().fields(&format!("regarding.name={job},regarding.kind=StreamJob"));
+        let mut events = api.list(&lp).await.map(|l| l.items).unwrap_or_default();
+        events.sort_by_key(|e| {
+            let at = e.event_time.as_ref().map(|t| t.0).or(e.metadata.creation_timestamp.as_ref().map(|t| t.0));
+            (at, e.metadata.resource_version.clone().and_then(|v| v.parse::<u64>().ok()))
+        });
+        events.into_iter().filter_map(|e| e.reason).collect()
+    }
+
     /// Storage at `url` as this scenario's S3 clients see it.
     pub fn storage(&self, url: &str) -> Storage {
         Storage::open_with_env(url, &s3_env(&self.s3_endpoint)).expect("S3 storage opens")
@@ -411,6 +574,10 @@ impl Scenario {
             jobs.list(&ListParams::default()).await.ok()?.items.is_empty().then_some(())
         })
         .await;
+        if self.released {
+            self.helm_uninstall();
+            self.released = false;
+        }
         let _ = Api::<Namespace>::all(self.client.clone()).delete(&self.ns, &DeleteParams::default()).await;
         self.operator.take();
         self.s3.take();
@@ -434,7 +601,13 @@ impl Scenario {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        let log = std::fs::read_to_string(self.operator_log()).unwrap_or_default();
+        let log = match self.mode {
+            OperatorMode::Process => std::fs::read_to_string(self.operator_log()).unwrap_or_default(),
+            OperatorMode::InCluster => {
+                let out = self.kubectl(&["logs", "-l", OPERATOR_SELECTOR, "--tail", "200", "--prefix"], None);
+                String::from_utf8_lossy(&out.stdout).into_owned()
+            }
+        };
         let tail: Vec<&str> = log.lines().rev().take(200).collect();
         eprintln!(
             "----- operator log (last 200 lines) -----\n{}",
@@ -473,12 +646,17 @@ pub fn assert_running_counts_exactly_once(records: &[serde_json::Value]) -> usiz
 
 /// Host PIDs of `weir-runtime` processes of the pod with this uid (its cgroup names the pod).
 pub fn runtime_pids(pod_uid: &str) -> Vec<u32> {
+    pod_pids(pod_uid, "weir-runtime")
+}
+
+/// Host PIDs of the processes of the pod with this uid whose command line names `program`.
+pub fn pod_pids(pod_uid: &str, program: &str) -> Vec<u32> {
     let mut pids = Vec::new();
     let needle = pod_uid.replace('-', "_");
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
         let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-        if !String::from_utf8_lossy(&cmdline).contains("weir-runtime") {
+        if !String::from_utf8_lossy(&cmdline).contains(program) {
             continue;
         }
         let cgroup = std::fs::read_to_string(e.path().join("cgroup")).unwrap_or_default();

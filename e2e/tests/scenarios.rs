@@ -136,6 +136,13 @@ async fn b_gitops_upgrade_takes_a_savepoint_and_stays_exactly_once() {
         s.committed(&output(&s.ns)).await.iter().any(|r| r["v"] == "v2").then_some(())
     })
     .await;
+    // `kubectl describe streamjob` tells the upgrade in order.
+    let reasons = s.event_reasons("counter").await;
+    let story = ["Deploying", "SavepointRequested", "SavepointCompleted", "Deploying", "Upgraded"];
+    let mut told = reasons.iter();
+    for step in story {
+        assert!(told.any(|r| r == step), "events {reasons:?} do not tell {story:?} in order (missing {step})");
+    }
     let records = suspend_and_check(&s).await;
     // Per key, every v1 count precedes every v2 count: the state went across the upgrade.
     let mut last_v1: std::collections::BTreeMap<i64, i64> = Default::default();
@@ -277,7 +284,7 @@ async fn f_a_corrupt_newest_checkpoint_is_skipped_on_relaunch() {
         .await;
 
     // The job goes down while no operator watches; its newest checkpoint is then corrupted.
-    s.kill_operator();
+    s.kill_operator().await;
     let out = s.kubectl(&["delete", "pod", "counter-runtime-0", "--wait=true", "--timeout=120s"], None);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let uid = pod.metadata.uid.clone().unwrap();
@@ -333,7 +340,7 @@ async fn g_an_operator_killed_mid_upgrade_completes_it() {
         .then_some(())
     })
     .await;
-    s.kill_operator();
+    s.kill_operator().await;
     // While no operator runs, the old runtime finishes its stop-with-savepoint and exits; the
     // restarted operator must finish the upgrade from the status it wrote ahead.
     let old_uid = old.metadata.uid.clone().unwrap();

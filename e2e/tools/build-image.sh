@@ -19,20 +19,25 @@
 #   --env KEY=VALUE      add to the image's Env (repeatable)
 #   --ca-certs           include the host's /etc/ssl/certs/ca-certificates.crt (TLS clients)
 #   --user UID[:GID]     image User (default 65532:65532, the "nonroot" user)
+#   --label KEY=VALUE    add to the image's Labels (repeatable), e.g. the OCI annotations
+#                        org.opencontainers.image.{source,version,revision}
 #   --no-compress        uncompressed layer (faster for big debug binaries, bigger archive)
+#   --rootfs-only DIR    write only the image's root filesystem to DIR (no archive): a
+#                        Dockerfile's build stage uses it, so both routes ship the same files
 #
 # The image holds: the binary, its libraries, /etc/passwd + /etc/group (root, nonroot 65532,
 # nobody), /etc/nsswitch.conf, /tmp (1777), /home/nonroot (owned by 65532 when run as root).
 # Output is reproducible for the same inputs: sorted entries, fixed mtimes
 # (SOURCE_DATE_EPOCH, default 0), numeric owners, gzip -n. The last stdout line is
-# `IMAGE=<name> ARCHIVE=<file> DIGEST=<manifest digest>`; progress goes to stderr.
+# `IMAGE=<name> ARCHIVE=<file> DIGEST=<manifest digest> UNPACKED=<bytes of the layer unpacked>`;
+# progress goes to stderr.
 set -euo pipefail
 
 log() { echo "[build-image] $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-name="" binary="" dest="" out="" user="65532:65532" compress=1 ca_certs=0
-files=() links=() cmd=() envs=()
+name="" binary="" dest="" out="" user="65532:65532" compress=1 ca_certs=0 rootfs_only=""
+files=() links=() cmd=() envs=() labels=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --name) name="${2:?--name needs a value}"; shift 2 ;;
@@ -44,13 +49,16 @@ while [[ $# -gt 0 ]]; do
     --cmd) cmd+=("${2?--cmd needs a value}"); shift 2 ;;
     --env) envs+=("${2:?--env needs a value}"); shift 2 ;;
     --user) user="${2:?--user needs a value}"; shift 2 ;;
+    --label) labels+=("${2:?--label needs a value}"); shift 2 ;;
+    --rootfs-only) rootfs_only="${2:?--rootfs-only needs a value}"; shift 2 ;;
     --ca-certs) ca_certs=1; shift ;;
     --no-compress) compress=0; shift ;;
-    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
-[[ -n "$name" ]] || die "--name is required"
+[[ -n "$name" || -n "$rootfs_only" ]] || die "--name is required"
+for l in ${labels[@]+"${labels[@]}"}; do [[ "$l" == ?*=* ]] || die "--label wants KEY=VALUE, got '$l'"; done
 [[ -n "$binary" ]] || die "--binary is required"
 [[ -f "$binary" && -x "$binary" ]] || die "'$binary' is not an executable file"
 for tool in tar sha256sum gzip ldd; do command -v "$tool" >/dev/null || die "'$tool' is needed"; done
@@ -155,12 +163,20 @@ fi
 # Every directory the copies created gets the usual mode, whatever umask said.
 find "$root" -type d ! -path "$root/tmp" ! -path "$root/home/nonroot" -exec chmod 0755 {} +
 
+if [[ -n "$rootfs_only" ]]; then
+  mkdir -p "$rootfs_only"
+  cp -a "$root/." "$rootfs_only/"
+  log "wrote the root filesystem to $rootfs_only ($(find "$root" | wc -l) paths)"
+  exit 0
+fi
+
 # The layer: a reproducible tar of the rootfs.
 layer_tar="$work/layer.tar"
 tar --create --file "$layer_tar" --directory "$root" --sort=name --numeric-owner \
   --mtime="@$epoch" --format=posix \
   --pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime .
 diff_id="$(sha256sum "$layer_tar" | cut -d' ' -f1)"
+layer_raw_size="$(stat -c %s "$layer_tar")"
 if (( compress )); then
   gzip -n -6 "$layer_tar"
   layer_file="$layer_tar.gz"
@@ -202,7 +218,9 @@ config="$(
   printf '{"created":"%s","architecture":"%s","os":"linux",' "$created" "$arch"
   printf '"config":{"User":%s,"Env":%s,"Entrypoint":%s,' "$(jstr "$user")" "$(jarr "${env_list[@]}")" "$(jarr "$dest")"
   if [[ ${#cmd[@]} -gt 0 ]]; then printf '"Cmd":%s,' "$(jarr "${cmd[@]}")"; fi
-  printf '"WorkingDir":"/","Labels":{"org.opencontainers.image.title":%s}},' "$(jstr "$name")"
+  printf '"WorkingDir":"/","Labels":{"org.opencontainers.image.title":%s' "$(jstr "$name")"
+  for l in ${labels[@]+"${labels[@]}"}; do printf ',%s:%s' "$(jstr "${l%%=*}")" "$(jstr "${l#*=}")"; done
+  printf '}},'
   printf '"rootfs":{"type":"layers","diff_ids":["sha256:%s"]},' "$diff_id"
   printf '"history":[{"created":"%s","created_by":"e2e/tools/build-image.sh"}]}' "$created"
 )"
@@ -231,4 +249,4 @@ tar --create --file "$out.tmp" --directory "$work" --sort=name --owner=0 --group
   oci-layout index.json blobs
 mv -f "$out.tmp" "$out"
 log "wrote $out ($(du -h "$out" | cut -f1); layer $(( layer_size / 1024 )) KiB, $(find "$root" | wc -l) paths)"
-echo "IMAGE=$name ARCHIVE=$out DIGEST=sha256:$manifest_digest"
+echo "IMAGE=$name ARCHIVE=$out DIGEST=sha256:$manifest_digest UNPACKED=$layer_raw_size"

@@ -3,11 +3,14 @@
 # module proxy is needed) into a cache outside the clone, so reruns are instant:
 #
 #   $WEIR_CACHE/k8s/$K8S_VERSION/bin/{kube-apiserver,etcd}        always
-#   ... kube-controller-manager, kube-scheduler, kubelet, kubectl    with --all (or by name)
+#   ... kube-controller-manager, kube-scheduler, kubelet, kubectl,
+#       kube-proxy, coredns                                          with --all (or by name)
+#   ... kubeadm                                                      by name (kind node images)
 #
 # Usage:  e2e/tools/build-k8s.sh [--all | NAME...]      NAME: kube-apiserver etcd kubectl
 #                                                              kube-controller-manager
 #                                                              kube-scheduler kubelet
+#                                                              kube-proxy kubeadm coredns
 # The last line of stdout is `KUBEBUILDER_ASSETS=<bin dir>`; everything else goes to stderr.
 # So `eval "$(e2e/tools/build-k8s.sh)"` sets KUBEBUILDER_ASSETS (export it yourself).
 #
@@ -23,9 +26,12 @@
 # (k8s.io/X v0.35.N for kubernetes v1.35.N); the list is read from kubernetes' own go.mod.
 # etcd is built in the same module at the version kubernetes itself pins (go.etcd.io/etcd/
 # server/v3, whose root package is etcd's `main`), which avoids etcd's own replace directives.
+# CoreDNS (the cluster DNS; its go.mod has no replace directives) is a plain `go install` of
+# github.com/coredns/coredns at $COREDNS_VERSION, the version kubeadm 1.35 deploys.
 set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-v1.35.8}"   # newest v1.35.x the Go proxy serves (2026-07)
+COREDNS_VERSION="${COREDNS_VERSION:-v1.13.1}"
 CACHE="${WEIR_CACHE:-$HOME/.cache/weir}"
 NICE="${BUILD_NICE:-15}"
 JOBS="${BUILD_JOBS:-$(nproc)}"
@@ -37,10 +43,10 @@ die() { log "error: $*"; exit 1; }
 want=(kube-apiserver etcd)
 for arg in "$@"; do
   case "$arg" in
-    --all) want=(kube-apiserver etcd kubectl kube-controller-manager kube-scheduler kubelet) ;;
-    kube-apiserver|etcd|kubectl|kube-controller-manager|kube-scheduler|kubelet)
+    --all) want=(kube-apiserver etcd kubectl kube-controller-manager kube-scheduler kubelet kube-proxy coredns) ;;
+    kube-apiserver|etcd|kubectl|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|kubeadm|coredns)
       [[ " ${want[*]} " == *" $arg "* ]] || want+=("$arg") ;;
-    -h|--help) sed -n '2,13p' "$0" >&2; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" >&2; exit 0 ;;
     *) die "unknown argument '$arg' (see --help)" ;;
   esac
 done
@@ -73,7 +79,10 @@ mkdir -p "$bin" "$mod" "$GOCACHE"
 gorun() { nice -n "$NICE" go "$@"; }
 
 start=$(date +%s)
-if [[ ! -s "$mod/go.sum" ]] || [[ "$(cat "$mod/.resolved" 2>/dev/null)" != "$K8S_VERSION" ]]; then
+# The tools of the build module; a change of this list re-resolves it.
+k8s_tools=(kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet kube-proxy kubeadm)
+resolved_stamp="$K8S_VERSION ${k8s_tools[*]}"
+if [[ ! -s "$mod/go.sum" ]] || [[ "$(cat "$mod/.resolved" 2>/dev/null)" != "$resolved_stamp" ]]; then
   log "downloading k8s.io/kubernetes@$K8S_VERSION (module proxy)"
   kgomod="$(cd "$root" && gorun mod download -json "k8s.io/kubernetes@$K8S_VERSION" \
     | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')"
@@ -107,7 +116,7 @@ if [[ ! -s "$mod/go.sum" ]] || [[ "$(cat "$mod/.resolved" 2>/dev/null)" != "$K8S
     echo ")"
     echo
     echo "tool ("
-    for t in kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet; do
+    for t in "${k8s_tools[@]}"; do
       echo "	k8s.io/kubernetes/cmd/$t"
     done
     echo "	go.etcd.io/etcd/server/v3"
@@ -116,7 +125,7 @@ if [[ ! -s "$mod/go.sum" ]] || [[ "$(cat "$mod/.resolved" 2>/dev/null)" != "$K8S
   rm -f "$mod/go.sum" "$mod/.resolved"
   log "resolving dependencies (go mod tidy; $(grep -c '=>' <<<"$replaces") staging replaces at $staging_version, etcd $etcd_version)"
   (cd "$mod" && gorun mod tidy) || die "go mod tidy failed in $mod"
-  echo "$K8S_VERSION" > "$mod/.resolved"
+  echo "$resolved_stamp" > "$mod/.resolved"
   log "dependencies resolved in $(( $(date +%s) - start ))s"
 fi
 
@@ -129,11 +138,19 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 
 for b in "${missing[@]}"; do
+  t0=$(date +%s)
+  if [[ "$b" == coredns ]]; then
+    log "building coredns $COREDNS_VERSION (go install) with nice -n $NICE, -p $JOBS"
+    (cd "$root" && GOBIN="$bin/.coredns.d" gorun install -p "$JOBS" -trimpath -ldflags "-s -w" \
+      "github.com/coredns/coredns@$COREDNS_VERSION") || die "building coredns failed"
+    mv -f "$bin/.coredns.d/coredns" "$bin/coredns" && rmdir "$bin/.coredns.d"
+    log "built coredns in $(( $(date +%s) - t0 ))s"
+    continue
+  fi
   case "$b" in
     etcd) pkg=go.etcd.io/etcd/server/v3 ;;
     *) pkg="k8s.io/kubernetes/cmd/$b" ;;
   esac
-  t0=$(date +%s)
   log "building $b ($pkg) with nice -n $NICE, -p $JOBS"
   (cd "$mod" && gorun build -p "$JOBS" -trimpath -ldflags "$ldflags" -o "$bin/.$b.tmp" "$pkg") || die "building $b failed"
   mv -f "$bin/.$b.tmp" "$bin/$b"

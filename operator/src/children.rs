@@ -213,6 +213,10 @@ pub fn service(sj: &StreamJob) -> Result<Service, BuildError> {
             // Headless: the name resolves straight to the pod, and no cluster IP is used up per
             // job (a /24 service range would otherwise cap a cluster at ~250 jobs).
             cluster_ip: Some("None".into()),
+            // The name resolves as soon as the pod has an IP, ready or not: the operator must
+            // reach a runtime that is starting or failing too (to stop it with a savepoint),
+            // and a name that appears only at readiness leaves a window of cached NXDOMAIN.
+            publish_not_ready_addresses: Some(true),
             selector: Some(BTreeMap::from([(JOB_LABEL.to_string(), job.clone())])),
             ports: Some(vec![ServicePort {
                 name: Some("control".into()),

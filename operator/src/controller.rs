@@ -608,31 +608,53 @@ async fn apply(
                     }
                 }
             }
-            Action::RequestSavepoint { stop } => {
-                let request = weir_crds::control::SavepointRequest { drain: false, wait: false };
-                let answer = match control(ctx, &seen.control_url, seen.token.as_deref()) {
-                    Ok(client) if stop => client.stop(&request).await,
-                    Ok(client) => client.trigger_savepoint(&request).await,
-                    Err(e) => Err(e),
-                };
-                match answer {
-                    Ok(s) => request_id = Some(s.request_id),
-                    Err(e) => {
-                        let failed = SavepointProgress::Failed(e.to_string());
-                        *p = replan_after_failed_request(job, seen, inputs, p, failed).await?;
-                        for a in &p.actions {
-                            if let Action::DeletePods { grace_seconds } = a {
-                                delete_pods(&pods, &seen.pods, *grace_seconds).await?;
-                            }
+            Action::RequestSavepoint { stop } => match request_savepoint(ctx, seen, job, stop).await {
+                Ok(s) => request_id = Some(s.request_id),
+                Err(e) => {
+                    let failed = SavepointProgress::Failed(e.to_string());
+                    *p = replan_after_failed_request(job, seen, inputs, p, failed).await?;
+                    for a in &p.actions {
+                        if let Action::DeletePods { grace_seconds } = a {
+                            delete_pods(&pods, &seen.pods, *grace_seconds).await?;
                         }
-                        return Ok(None);
                     }
+                    return Ok(None);
                 }
-            }
+            },
         }
     }
     Ok(request_id)
 }
+
+/// Asks the runtime for a savepoint (and to stop after it when `stop`). A request that never
+/// reached it (the name of a just-ready pod not yet in cluster DNS, a refused connection) is
+/// sent again for a few seconds before it counts as a failed savepoint, which on a cancel kills
+/// the pods: a blip must not cost a job its savepoint.
+async fn request_savepoint(
+    ctx: &Context,
+    seen: &Seen,
+    job: &JobRef,
+    stop: bool,
+) -> Result<weir_crds::control::SavepointStatus, ClientError> {
+    let request = weir_crds::control::SavepointRequest { drain: false, wait: false };
+    let mut pause = Duration::from_millis(250);
+    let give_up = tokio::time::Instant::now() + SAVEPOINT_REQUEST_RETRY;
+    loop {
+        let client = control(ctx, &seen.control_url, seen.token.as_deref())?;
+        let answer = if stop { client.stop(&request).await } else { client.trigger_savepoint(&request).await };
+        match answer {
+            Err(e) if e.never_sent() && tokio::time::Instant::now() + pause < give_up => {
+                tracing::debug!(job = %job.name, error = %e, "savepoint request not delivered; sending it again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// How long a savepoint request that never reached the runtime is sent again.
+const SAVEPOINT_REQUEST_RETRY: Duration = Duration::from_secs(10);
 
 /// The plan again, after the savepoint it requested could not even start; the first plan's
 /// events are kept.
@@ -705,21 +727,24 @@ async fn report_failure(sj: &StreamJob, ctx: &Context, error: &ReconcileError) {
         return;
     }
     publish(ctx, sj, name, true, EventReason::ReconcileFailed, &message).await;
-    let generation = sj.metadata.generation.unwrap_or(0);
-    let mut conditions: Vec<Condition> = old.conditions.iter().filter(|c| c.type_ != "Degraded").cloned().collect();
-    conditions.push(condition(
-        "Degraded",
-        true,
-        EventReason::ReconcileFailed.as_str(),
-        message,
-        generation,
-        &old.conditions,
-    ));
+    let conditions = failure_conditions(&old.conditions, &message, sj.metadata.generation.unwrap_or(0));
     let patch = serde_json::json!({ "status": { "conditions": conditions } });
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), ns);
     if let Err(e) = api.patch_status(name, &PatchParams::default(), &Patch::Merge(patch)).await {
         tracing::warn!(job = %name, error = %e, "could not report the failed reconcile in status");
     }
+}
+
+/// The conditions after a failed reconcile: `Degraded` says what failed, `Reconciling` (kstatus:
+/// in progress) that it is retried; the others are kept.
+pub fn failure_conditions(old: &[Condition], message: &str, generation: i64) -> Vec<Condition> {
+    let mut conditions: Vec<Condition> =
+        old.iter().filter(|c| c.type_ != "Degraded" && c.type_ != "Reconciling").cloned().collect();
+    for type_ in ["Degraded", "Reconciling"] {
+        let reason = EventReason::ReconcileFailed.as_str();
+        conditions.push(condition(type_, true, reason, message.to_string(), generation, old));
+    }
+    conditions
 }
 
 /// The job's control API base URL: the annotation override, else by Service or pod IP.
@@ -883,29 +908,28 @@ pub fn status_from(
     let s = &p.state;
     let phase = s.phase.unwrap_or(Phase::Deploying);
     let phase = if p.degraded.is_some() && !matches!(phase, Phase::Failed) { Phase::Degraded } else { phase };
-    let ready = phase == Phase::Running;
+    // Ready: the job is where its spec asks it to be, nothing in progress (kstatus and Flux
+    // read Ready=False as "not done yet", so a suspended or finished job is Ready too).
+    let ready = matches!(phase, Phase::Running | Phase::Suspended | Phase::Cancelled | Phase::Finished);
     let progressing = matches!(
         phase,
         Phase::Deploying | Phase::Upgrading | Phase::Suspending | Phase::Cancelling | Phase::Relaunching
     );
     let degraded_msg = p.degraded.clone().unwrap_or_default();
+    let stalled = matches!(phase, Phase::Failed | Phase::Degraded);
+    let transition =
+        if progressing { format!("{} in progress", phase.as_str()) } else { "no transition in progress".into() };
+    let ready_message = match phase {
+        Phase::Running | Phase::Suspended | Phase::Cancelled | Phase::Finished => {
+            format!("the job is {}", phase.as_str().to_lowercase())
+        }
+        _ if !degraded_msg.is_empty() => degraded_msg.clone(),
+        _ if progressing => transition.clone(),
+        _ => format!("the job is {}", phase.as_str().to_lowercase()),
+    };
     let conditions = vec![
-        condition(
-            "Ready",
-            ready,
-            phase.as_str(),
-            format!("the job is {}", phase.as_str().to_lowercase()),
-            generation,
-            &old.conditions,
-        ),
-        condition(
-            "Progressing",
-            progressing,
-            phase.as_str(),
-            if progressing { format!("{} in progress", phase.as_str()) } else { "no transition in progress".into() },
-            generation,
-            &old.conditions,
-        ),
+        condition("Ready", ready, phase.as_str(), ready_message, generation, &old.conditions),
+        condition("Progressing", progressing, phase.as_str(), transition.clone(), generation, &old.conditions),
         condition(
             "Degraded",
             p.degraded.is_some(),
@@ -917,6 +941,25 @@ pub fn status_from(
                 "AsExpected"
             },
             if degraded_msg.is_empty() { "no problem".into() } else { degraded_msg.clone() },
+            generation,
+            &old.conditions,
+        ),
+        // kstatus (Flux, kpt, cli-utils): Reconciling while a transition runs, Stalled when the
+        // job cannot get back to Ready by itself.
+        condition("Reconciling", progressing, phase.as_str(), transition, generation, &old.conditions),
+        condition(
+            "Stalled",
+            stalled,
+            phase.as_str(),
+            if stalled {
+                if degraded_msg.is_empty() {
+                    format!("the job is {}", phase.as_str().to_lowercase())
+                } else {
+                    degraded_msg.clone()
+                }
+            } else {
+                "not stalled".into()
+            },
             generation,
             &old.conditions,
         ),

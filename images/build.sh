@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Builds Weir's release images, weir-runtime and weir-operator, without Docker or a registry:
+# release binaries, stripped, each in a single-layer OCI image archive made by
+# e2e/tools/build-image.sh (non-root user 65532, CA certificates, the binary's shared libraries
+# and nothing else), labelled with the OCI source, version and revision. Reproducible: the
+# same commit gives byte-identical archives (fixed mtimes from the commit's time, sorted
+# entries, gzip -n). `images/*.Dockerfile` build the same root filesystems with Docker.
+#
+#   images/build.sh [--registry REG] [--tag TAG] [--out DIR] [--profile release|dev]
+#
+#   --registry   image name prefix (default weir.local): REG/weir-runtime, REG/weir-operator
+#   --tag        image tag (default: the workspace version from Cargo.toml)
+#   --out        where the archives go (default $WEIR_CACHE/images)
+#   --profile    cargo profile (default release; `dev` is for quick local iterations only)
+#
+# stdout: one line per image, `IMAGE=<ref> ARCHIVE=<file> DIGEST=<digest> UNPACKED=<bytes>
+# SIZE=<archive bytes>`. Fails when the runtime image unpacks to 30 MiB or more (its budget).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { echo "[images] $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+registry="weir.local" tag="" profile="release"
+out="${WEIR_CACHE:-$HOME/.cache/weir}/images"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --registry) registry="${2:?}"; shift 2 ;;
+    --tag) tag="${2:?}"; shift 2 ;;
+    --out) out="${2:?}"; shift 2 ;;
+    --profile) profile="${2:?}"; shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+case "$profile" in release) dir=release ;; dev) dir=debug ;; *) die "--profile release or dev" ;; esac
+
+version="$(sed -n '/^\[workspace.package\]/,/^\[/ s/^version = "\(.*\)"/\1/p' Cargo.toml)"
+[[ -n "$version" ]] || die "no version in Cargo.toml [workspace.package]"
+tag="${tag:-$version}"
+revision="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+git diff --quiet HEAD 2>/dev/null || revision="$revision-dirty"
+source_url="$(sed -n 's/^home: //p' charts/weir-operator/Chart.yaml)"
+# Reproducible: every timestamp in the archive is the commit's.
+export SOURCE_DATE_EPOCH="${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || echo 0)}"
+
+target="${CARGO_TARGET_DIR:-target}"
+t0=$(date +%s)
+log "cargo build --profile $profile -p weir-runtime -p weir-operator"
+cargo build --profile "$profile" --locked -p weir-runtime -p weir-operator >&2 || die "cargo build failed"
+log "built in $(( $(date +%s) - t0 ))s"
+mkdir -p "$out"
+
+for name in weir-runtime weir-operator; do
+  stripped="$out/$name.$profile.stripped"
+  objcopy --strip-all "$target/$dir/$name" "$stripped"
+  line="$(bash e2e/tools/build-image.sh --name "$registry/$name:$tag" --binary "$stripped" \
+    --dest "/usr/local/bin/$name" --ca-certs --out "$out/$name-$tag.tar" \
+    --label "org.opencontainers.image.source=$source_url" \
+    --label "org.opencontainers.image.version=$version" \
+    --label "org.opencontainers.image.revision=$revision" \
+    --label "org.opencontainers.image.licenses=Apache-2.0" | tail -1)"
+  echo "$line SIZE=$(stat -c %s "$out/$name-$tag.tar")"
+  unpacked="${line##*UNPACKED=}"
+  if [[ "$name" == weir-runtime && "$profile" == release ]] && (( unpacked >= 30 * 1024 * 1024 )); then
+    die "the runtime image unpacks to $unpacked bytes: over its 30 MiB budget"
+  fi
+done
+log "done in $(( $(date +%s) - t0 ))s"
