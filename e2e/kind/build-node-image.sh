@@ -83,10 +83,12 @@ xt=/usr/sbin/xtables-nft-multi
 [[ -x "$xt" ]] || die "no $xt (apt-get install iptables)"
 links=()
 for t in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do
-  links+=(--symlink "/usr/sbin/$t=xtables-nft-multi")
+  links+=(--symlink "/usr/local/bin/$t=/usr/sbin/xtables-nft-multi")
 done
+xt_ext="$(readlink -f "$(dirname "$(ldd "$xt" | awk '/libxtables/ {print $3}')")/xtables")"   # match/target modules
+[[ -d "$xt_ext" ]] || die "no iptables extensions at $xt_ext"
 build kube-proxy "$(image_ref kube-proxy)" "$bin/kube-proxy" /usr/local/bin/kube-proxy --user 0:0 \
-  --file "$xt:$xt" "${links[@]}"
+  --file "$xt:$xt" --file "$xt_ext:$xt_ext" "${links[@]}"
 # CoreDNS binds :53: root in its image, as kubeadm's Deployment adds NET_BIND_SERVICE only.
 build coredns "$(image_ref coredns)" "$bin/coredns" /coredns --user 0:0
 gcc -static -O2 -s -o "$work/pause" "$repo/e2e/tools/pause/pause.c" || die "compiling pause failed"

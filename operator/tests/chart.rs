@@ -67,20 +67,43 @@ fn chart_lints_and_refuses_bad_values_with_a_reason() {
     }
 }
 
+/// With `watchNamespace`, the operator's rights on jobs are a Role in that namespace only; the
+/// cluster-wide role keeps the CRD read, and the operator is told to watch that namespace.
+#[test]
+fn watch_namespace_confines_the_operators_rights_to_it() {
+    let docs = rendered_with("s3://weir-state/prod", &["--set", "watchNamespace=jobs"]);
+    let cluster_roles = of_kind::<ClusterRole>(&docs, "ClusterRole");
+    let cluster_rules: Vec<_> = cluster_roles.iter().flat_map(|r| r.rules.clone().unwrap_or_default()).collect();
+    assert_eq!(cluster_rules.len(), 1, "only the CRD read is cluster-wide: {cluster_rules:?}");
+    assert_eq!(cluster_rules[0].resources.as_deref(), Some(&["customresourcedefinitions".to_string()][..]));
+    let roles = of_kind::<Role>(&docs, "Role");
+    let jobs_role = roles.iter().find(|r| r.metadata.namespace.as_deref() == Some("jobs")).expect("a Role in jobs");
+    let resources: Vec<String> =
+        jobs_role.rules.iter().flatten().flat_map(|r| r.resources.clone().unwrap_or_default()).collect();
+    for needed in ["streamjobs", "streamjobs/status", "pods", "secrets", "events"] {
+        assert!(resources.iter().any(|r| r == needed), "the jobs Role lacks {needed}: {resources:?}");
+    }
+    let bindings = of_kind::<RoleBinding>(&docs, "RoleBinding");
+    assert!(bindings.iter().any(|b| b.metadata.namespace.as_deref() == Some("jobs") && b.role_ref.kind == "Role"));
+    let deployment = &of_kind::<Deployment>(&docs, "Deployment")[0];
+    let args = deployment.spec.as_ref().unwrap().template.spec.as_ref().unwrap().containers[0].args.clone();
+    assert!(args.unwrap_or_default().contains(&"--namespace=jobs".to_string()));
+}
+
 /// The rendered chart, parsed per document.
 fn rendered(storage: &str) -> Vec<serde_yaml::Value> {
+    rendered_with(storage, &[])
+}
+
+/// The rendered chart with further `helm template` arguments, parsed per document.
+fn rendered_with(storage: &str, extra: &[&str]) -> Vec<serde_yaml::Value> {
     let chart = chart().display().to_string();
-    let (ok, out) = helm_run(&[
-        "template",
-        "weir-operator",
-        &chart,
-        "--kube-version",
-        KUBE_VERSION,
-        "--namespace",
-        RELEASE_NS,
-        "--set",
-        &format!("defaultStorage={storage}"),
-    ]);
+    let storage = format!("defaultStorage={storage}");
+    let mut args =
+        vec!["template", "weir-operator", &chart, "--kube-version", KUBE_VERSION, "--namespace", RELEASE_NS, "--set"];
+    args.push(&storage);
+    args.extend_from_slice(extra);
+    let (ok, out) = helm_run(&args);
     assert!(ok, "helm template failed:\n{out}");
     out.split("\n---")
         .filter_map(|doc| serde_yaml::from_str::<serde_yaml::Value>(doc).ok())
