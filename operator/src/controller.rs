@@ -639,8 +639,8 @@ async fn request_savepoint(
     let request = weir_crds::control::SavepointRequest { drain: false, wait: false };
     let mut pause = Duration::from_millis(250);
     let give_up = tokio::time::Instant::now() + SAVEPOINT_REQUEST_RETRY;
+    let client = control(ctx, &seen.control_url, seen.token.as_deref())?;
     loop {
-        let client = control(ctx, &seen.control_url, seen.token.as_deref())?;
         let answer = if stop { client.stop(&request).await } else { client.trigger_savepoint(&request).await };
         match answer {
             Err(e) if e.never_sent() && tokio::time::Instant::now() + pause < give_up => {
@@ -919,14 +919,10 @@ pub fn status_from(
     let stalled = matches!(phase, Phase::Failed | Phase::Degraded);
     let transition =
         if progressing { format!("{} in progress", phase.as_str()) } else { "no transition in progress".into() };
-    let ready_message = match phase {
-        Phase::Running | Phase::Suspended | Phase::Cancelled | Phase::Finished => {
-            format!("the job is {}", phase.as_str().to_lowercase())
-        }
-        _ if !degraded_msg.is_empty() => degraded_msg.clone(),
-        _ if progressing => transition.clone(),
-        _ => format!("the job is {}", phase.as_str().to_lowercase()),
-    };
+    let in_phase = format!("the job is {}", phase.as_str().to_lowercase());
+    // What needs attention: the planner's reason, else the phase itself.
+    let problem = if degraded_msg.is_empty() { in_phase.clone() } else { degraded_msg.clone() };
+    let ready_message = if ready || !progressing { problem.clone() } else { transition.clone() };
     let conditions = vec![
         condition("Ready", ready, phase.as_str(), ready_message, generation, &old.conditions),
         condition("Progressing", progressing, phase.as_str(), transition.clone(), generation, &old.conditions),
@@ -951,15 +947,7 @@ pub fn status_from(
             "Stalled",
             stalled,
             phase.as_str(),
-            if stalled {
-                if degraded_msg.is_empty() {
-                    format!("the job is {}", phase.as_str().to_lowercase())
-                } else {
-                    degraded_msg.clone()
-                }
-            } else {
-                "not stalled".into()
-            },
+            if stalled { problem } else { "not stalled".into() },
             generation,
             &old.conditions,
         ),
