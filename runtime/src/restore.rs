@@ -60,6 +60,10 @@ pub struct KeyedRestore {
     pub continue_chain: bool,
     /// The chain's file references, when it continues.
     pub chain: Vec<FileRef>,
+    /// The operator documents of the snapshot's subtasks whose key groups overlap this
+    /// subtask's, with those key groups (keyed operators with per-key-group operator state,
+    /// such as a window's watermark, take each key group's value from its previous owner).
+    pub operator_docs: Vec<((u32, u32), Vec<u8>)>,
 }
 
 /// One restored subtask's state.
@@ -158,17 +162,18 @@ impl RestoredState {
     /// The keyed state for a subtask owning `key_groups` at `parallelism`.
     pub fn keyed_for(&self, uid: &str, key_groups: (u32, u32), parallelism: u32) -> Option<KeyedRestore> {
         let op = self.operators.get(uid)?;
-        let overlapping: Vec<&RestoredSubtask> = op
-            .subtasks
-            .iter()
-            .filter(|s| s.key_groups.0 < key_groups.1 && key_groups.0 < s.key_groups.1 && !s.keyed_files.is_empty())
-            .collect();
+        let overlaps = |s: &&RestoredSubtask| s.key_groups.0 < key_groups.1 && key_groups.0 < s.key_groups.1;
+        let operator_docs =
+            op.subtasks.iter().filter(overlaps).filter_map(|s| Some((s.key_groups, s.operator_doc.clone()?))).collect();
+        let overlapping: Vec<&RestoredSubtask> =
+            op.subtasks.iter().filter(overlaps).filter(|s| !s.keyed_files.is_empty()).collect();
         let same = op.parallelism == parallelism && overlapping.len() == 1 && overlapping[0].key_groups == key_groups;
         let continue_chain = same && self.kind == SnapshotKind::Checkpoint;
         Some(KeyedRestore {
             files: overlapping.iter().flat_map(|s| s.keyed_files.iter().cloned()).collect(),
             continue_chain,
             chain: if continue_chain { overlapping[0].keyed_refs.clone() } else { Vec::new() },
+            operator_docs,
         })
     }
 }

@@ -29,6 +29,10 @@ use crate::value::{Record, Value};
 struct Positions {
     /// `topic` → partition → next offset to read.
     topics: BTreeMap<String, BTreeMap<i32, i64>>,
+    /// `topic` → partition → newest record timestamp read: a restored partition's watermark
+    /// continues from there instead of starting over (absent in snapshots of older versions).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    max_ts: BTreeMap<String, BTreeMap<i32, i64>>,
 }
 
 /// The subtask that reads partition `partition` of `topic`.
@@ -57,6 +61,8 @@ pub struct KafkaSource {
     /// Positions of each snapshot until its checkpoint completes (then committed to the group).
     snapshots: BTreeMap<u64, TopicPartitionList>,
     next_discovery: Option<Instant>,
+    /// Newest timestamps of the restored partitions (see [`Positions::max_ts`]).
+    restored_max_ts: HashMap<(String, i32), i64>,
     fields: Vec<String>,
     out_of_orderness: i64,
     idle_timeout: Duration,
@@ -92,12 +98,18 @@ impl KafkaSource {
         let consumer: kafka::CheckedConsumer =
             config.create_with_context(kafka::ErrorCapture::default()).map_err(|e| fail(&e))?;
         let mut restored_positions: HashMap<(String, i32), i64> = HashMap::new();
+        let mut restored_max_ts: HashMap<(String, i32), i64> = HashMap::new();
         for doc in restored {
             let p: Positions = serde_json::from_slice(doc)
                 .map_err(|e| TaskError::Restore { uid: "kafka".into(), reason: e.to_string() })?;
             for (topic, parts) in p.topics {
                 for (partition, offset) in parts {
                     restored_positions.insert((topic.clone(), partition), offset);
+                }
+            }
+            for (topic, parts) in p.max_ts {
+                for (partition, ts) in parts {
+                    restored_max_ts.insert((topic.clone(), partition), ts);
                 }
             }
         }
@@ -113,6 +125,7 @@ impl KafkaSource {
             partitions: BTreeMap::new(),
             snapshots: BTreeMap::new(),
             next_discovery: None,
+            restored_max_ts,
             fields,
             out_of_orderness: spec.max_out_of_orderness.as_millis() as i64,
             idle_timeout: Duration::from_millis(spec.idle_timeout.as_millis()),
@@ -177,8 +190,8 @@ impl KafkaSource {
                 Some(Offset::End) => high,
                 _ => None,
             };
-            self.partitions
-                .insert((topic, p), PartitionState { next, end, max_ts: i64::MIN, last_record: Instant::now() });
+            let max_ts = self.restored_max_ts.get(&(topic.clone(), p)).copied().unwrap_or(i64::MIN);
+            self.partitions.insert((topic, p), PartitionState { next, end, max_ts, last_record: Instant::now() });
         }
         let mut all = TopicPartitionList::new();
         for ((topic, p), st) in &self.partitions {
@@ -380,6 +393,9 @@ impl Source for KafkaSource {
                 positions.topics.entry(topic.clone()).or_default().insert(*p, next);
                 let _ = commit.add_partition_offset(topic, *p, Offset::Offset(next));
             }
+            if st.max_ts > i64::MIN {
+                positions.max_ts.entry(topic.clone()).or_default().insert(*p, st.max_ts);
+            }
         }
         self.snapshots.insert(checkpoint, commit);
         serde_json::to_vec(&positions).expect("positions serialize")
@@ -417,5 +433,17 @@ mod tests {
             assert!(max - min <= 1, "round robin from a start: {load:?}");
         }
         assert_eq!(owner("a", 3, 4), owner("a", 3, 4), "stable");
+    }
+
+    #[test]
+    fn positions_keep_each_partitions_newest_timestamp_and_read_older_snapshots() {
+        let old: Positions = serde_json::from_str(r#"{"topics":{"t":{"0":5}}}"#).unwrap();
+        assert_eq!(old.topics["t"][&0], 5);
+        assert!(old.max_ts.is_empty(), "a snapshot without timestamps restores with none");
+        let mut p = Positions::default();
+        p.topics.entry("t".into()).or_default().insert(1, 9);
+        p.max_ts.entry("t".into()).or_default().insert(1, 1_700_000_000_000);
+        let back: Positions = serde_json::from_slice(&serde_json::to_vec(&p).unwrap()).unwrap();
+        assert_eq!(back.max_ts["t"][&1], 1_700_000_000_000);
     }
 }
