@@ -326,8 +326,8 @@ mod tests {
     use weir_crds::job::{AggregateFn, AggregateKind};
     use weir_crds::HumanDuration;
 
-    fn op(kind: WindowKind, size: u64, slide: Option<u64>) -> WindowOperator {
-        let spec = WindowSpec {
+    fn spec(kind: WindowKind, size: u64, slide: Option<u64>) -> WindowSpec {
+        WindowSpec {
             kind,
             size: HumanDuration::from_millis(size),
             slide: slide.map(HumanDuration::from_millis),
@@ -335,7 +335,10 @@ mod tests {
                 AggregateFn { function: AggregateKind::Count, field: None, output: "n".into() },
                 AggregateFn { function: AggregateKind::Sum, field: Some("v".into()), output: "s".into() },
             ],
-        };
+        }
+    }
+
+    fn op(kind: WindowKind, size: u64, slide: Option<u64>) -> WindowOperator {
         let ctx = KeyedContext {
             uid: "w".into(),
             key: vec![0],
@@ -344,20 +347,19 @@ mod tests {
             incremental: true,
             full_every: 5,
         };
-        WindowOperator::new(ctx, &spec, &["k".to_string(), "v".to_string()], None).unwrap()
+        WindowOperator::new(ctx, &spec(kind, size, slide), &["k".to_string(), "v".to_string()], None).unwrap()
     }
 
-    /// The tumbling spec `w` was built from (a restore builds a second operator).
-    fn spec_of(w: &WindowOperator) -> WindowSpec {
-        WindowSpec {
-            kind: WindowKind::Tumbling,
-            size: HumanDuration::from_millis(w.size as u64),
-            slide: None,
-            aggregates: vec![
-                AggregateFn { function: AggregateKind::Count, field: None, output: "n".into() },
-                AggregateFn { function: AggregateKind::Sum, field: Some("v".into()), output: "s".into() },
-            ],
-        }
+    /// Checkpoints `w` and builds the operator of `spec` restored from that checkpoint.
+    fn checkpoint_and_restore(w: &mut WindowOperator, spec: &WindowSpec) -> WindowOperator {
+        let snap = w.snapshot(&Barrier { id: 1, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
+        let restore = KeyedRestore {
+            files: vec![snap.keyed.unwrap().data],
+            continue_chain: true,
+            chain: vec![],
+            operator_docs: vec![(w.ctx.key_groups, snap.operator_doc.unwrap())],
+        };
+        WindowOperator::new(w.ctx.clone(), spec, &["k".to_string(), "v".to_string()], Some(&restore)).unwrap()
     }
 
     fn rec(k: &str, t: i64) -> Record {
@@ -448,31 +450,7 @@ mod tests {
         let mut out = Vec::new();
         w.process(vec![rec("a", 7), rec("a", 12)], &mut out).unwrap();
         w.on_watermark(10, &mut out).unwrap();
-        let snap = w.snapshot(&Barrier { id: 1, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
-        let restore = KeyedRestore {
-            files: vec![snap.keyed.unwrap().data],
-            continue_chain: true,
-            chain: vec![],
-            operator_docs: vec![((0, 8), snap.operator_doc.unwrap())],
-        };
-        let ctx = KeyedContext {
-            uid: "w".into(),
-            key: vec![0],
-            max_parallelism: 8,
-            key_groups: (0, 8),
-            incremental: true,
-            full_every: 5,
-        };
-        let spec = WindowSpec {
-            kind: WindowKind::Sliding,
-            size: HumanDuration::from_millis(10),
-            slide: Some(HumanDuration::from_millis(5)),
-            aggregates: vec![
-                AggregateFn { function: AggregateKind::Count, field: None, output: "n".into() },
-                AggregateFn { function: AggregateKind::Sum, field: Some("v".into()), output: "s".into() },
-            ],
-        };
-        let mut r = WindowOperator::new(ctx, &spec, &["k".to_string(), "v".to_string()], Some(&restore)).unwrap();
+        let mut r = checkpoint_and_restore(&mut w, &spec(WindowKind::Sliding, 10, Some(5)));
         let mut rest = Vec::new();
         r.on_watermark(i64::MAX, &mut rest).unwrap();
         let mut all = out.clone();
@@ -489,16 +467,7 @@ mod tests {
         w.process(vec![rec("a", 3)], &mut out).unwrap();
         w.on_watermark(10, &mut out).unwrap();
         assert_eq!(rows(&out), vec![("a".to_string(), 0, 10, 1, 3)]);
-        let snap = w.snapshot(&Barrier { id: 1, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
-        let restore = KeyedRestore {
-            files: vec![snap.keyed.unwrap().data],
-            continue_chain: true,
-            chain: vec![],
-            operator_docs: vec![((0, 8), snap.operator_doc.unwrap())],
-        };
-        let mut r =
-            WindowOperator::new(w.ctx.clone(), &spec_of(&w), &["k".to_string(), "v".to_string()], Some(&restore))
-                .unwrap();
+        let mut r = checkpoint_and_restore(&mut w, &spec(WindowKind::Tumbling, 10, None));
         let mut rest = Vec::new();
         r.process(vec![rec("a", 5)], &mut rest).unwrap();
         r.on_watermark(i64::MAX, &mut rest).unwrap();
