@@ -10,6 +10,8 @@ KUBECONFIG_FILE="$KIND_DIR/kubeconfig"
 DOCKERD_PID="$KIND_DIR/dockerd.pid"
 DOCKERD_LOG="$KIND_DIR/dockerd.log"
 POD_ROUTE="10.244.0.0/16"
+# Workers join with this taint until their CNI config names their pod CIDR.
+CNI_TAINT="weir.dev/cni-pending"
 WRAPPER=/usr/local/sbin/runc-without-sys-resource
 
 log() { echo "[kind $(date +%H:%M:%S)] $*" >&2; }

@@ -666,3 +666,45 @@ pub fn pod_pids(pod_uid: &str, program: &str) -> Vec<u32> {
     }
     pids
 }
+
+/// Host PIDs of the processes named `comm` (as `ps -o comm` shows it) in the kind node container
+/// `node` (`docker top`): on kind, a node's kubelet is such a process.
+pub fn kind_node_pids(node: &str, comm: &str) -> Vec<u32> {
+    let out = Command::new("docker").args(["top", node, "-eo", "pid,comm"]).output();
+    let Ok(out) = out else { return Vec::new() };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            let pid = words.next()?.parse().ok()?;
+            (words.next()? == comm).then_some(pid)
+        })
+        .collect()
+}
+
+/// Runs `args` in the kind node container `node` (`docker exec`).
+pub fn kind_node_exec(node: &str, args: &[&str]) -> Output {
+    Command::new("docker").arg("exec").arg(node).args(args).output().expect("docker runs")
+}
+
+/// Sends `signal` (`STOP`, `CONT`, `KILL`) to host processes.
+pub fn signal(pids: &[u32], signal: &str) {
+    for pid in pids {
+        let _ = Command::new("kill").args([format!("-{signal}"), pid.to_string()]).status();
+    }
+}
+
+/// Every file of a file sink's output directory but the staged ones (`.part-…`), and its length:
+/// published output and commit manifests, which a reader may have consumed and nothing may
+/// delete or change.
+pub async fn published_files(storage: &Storage) -> std::collections::BTreeMap<String, u64> {
+    let mut files = std::collections::BTreeMap::new();
+    for f in storage.list("").await.unwrap_or_default() {
+        if !f.split('/').any(|seg| seg.starts_with('.')) {
+            let len = storage.get(&f).await.map(|b| b.len() as u64).unwrap_or(u64::MAX);
+            files.insert(f, len);
+        }
+    }
+    files
+}

@@ -102,6 +102,17 @@ async fn a_the_example_runs_checkpoints_and_commits() {
     assert!(chk.path.contains(&format!("state/{}/counter/checkpoints/chk-", s.ns)), "{chk:?}");
     assert!(chk.completed_at.is_some());
     s.wait_output("s3://weir-examples/counter", 200, 60).await;
+    // What `kubectl get streamjobs -o wide` shows a user: the printer columns, in order.
+    let wide = s.kubectl(&["get", "streamjobs", "-o", "wide"], None);
+    let wide = String::from_utf8_lossy(&wide.stdout).to_string();
+    let header: Vec<&str> = wide.lines().next().unwrap_or_default().split_whitespace().collect();
+    assert_eq!(
+        header,
+        ["NAME", "PHASE", "PARALLELISM", "CHECKPOINT", "AGE", "SAVEPOINT", "RELAUNCHES", "MESSAGE"],
+        "{wide}"
+    );
+    let row = wide.lines().nth(1).unwrap_or_default();
+    assert!(row.starts_with("counter ") && row.contains(" Running ") && row.ends_with("the job is running"), "{wide}");
     patch_spec(&s, serde_json::json!({ "state": "suspended" })).await;
     s.wait_phase("counter", "Suspended", 120).await;
     assert_running_counts_exactly_once(&s.committed("s3://weir-examples/counter").await);
@@ -546,4 +557,93 @@ async fn i_kafka_in_kafka_out_survives_a_pod_kill_and_an_upgrade_exactly_once() 
     assert!(records.iter().any(|r| r["v"] == "v1") && records.iter().any(|r| r["v"] == "v2"), "both versions ran");
     eprintln!("{}: {} Kafka records, every running count exactly once", s.ns, records.len());
     s.finish().await;
+}
+
+/// The zombie on a cluster: the runtime and the kubelet of its node are frozen (SIGSTOP), as on
+/// a node cut off from the cluster. The suspend's savepoint times out and the operator kills the
+/// pod, which stays Terminating (its kubelet cannot confirm); an administrator force-deletes it,
+/// as one does for a lost node, and the job resumes on the other node. Then the old runtime
+/// wakes (SIGCONT), still holding its state and its storage credentials: it must stop with the
+/// fencing exit code and publish nothing, and the output stays exactly once, no published file
+/// touched. Needs two schedulable nodes (kind with a worker: `e2e/kind/up`).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: see the module docs"]
+async fn j_a_frozen_runtime_woken_after_its_relaunch_is_fenced_and_publishes_nothing() {
+    use weir_e2e::cluster::{kind_node_exec, kind_node_pids, published_files, signal};
+    let s = Scenario::start("e2e-j").await;
+    let nodes = s.kubectl(&["get", "nodes", "-o", "name"], None);
+    let nodes = String::from_utf8_lossy(&nodes.stdout).lines().count();
+    assert!(nodes >= 2, "this scenario freezes a node while another runs the job: {nodes} node(s) here");
+    s.apply(&counter(&s.ns, 1, "v1", "  savepoint: { timeout: 10s }"));
+    let pod = s.wait_pod_running("counter", 180).await;
+    s.wait_output(&output(&s.ns), 200, 90).await;
+    let jobs = s.jobs();
+    eventually("a checkpoint", 60, || async { jobs.get("counter").await.ok()?.status?.latest_checkpoint }).await;
+
+    // 1. Freeze the runtime and its node's kubelet; keep the node out of scheduling.
+    let node = pod.spec.as_ref().and_then(|p| p.node_name.clone()).expect("a scheduled pod");
+    let uid = pod.metadata.uid.clone().unwrap();
+    let container = pod.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0].container_id.clone().unwrap();
+    let container = container.trim_start_matches("containerd://").to_string();
+    let runtime = runtime_pids(&uid);
+    let kubelet = kind_node_pids(&node, "kubelet");
+    assert!(!runtime.is_empty() && kubelet.len() == 1, "runtime {runtime:?}, kubelet {kubelet:?} on {node}");
+    let out = s.kubectl(&["cordon", &node], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    signal(&kubelet, "STOP");
+    signal(&runtime, "STOP");
+    eprintln!("{}: froze runtime {runtime:?} and kubelet {kubelet:?} on {node}", s.ns);
+
+    // 2. Suspend: the savepoint times out, the operator kills the pod, which stays Terminating.
+    patch_spec(&s, serde_json::json!({ "state": "suspended" })).await;
+    let pods = s.pods();
+    eventually("the pod killed by the operator", 60, || async {
+        pods.get_opt("counter-runtime-0").await.ok()??.metadata.deletion_timestamp.map(|_| ())
+    })
+    .await;
+    // What an administrator does for a lost node (or the pod GC after the node is deleted).
+    let out = s.kubectl(&["delete", "pod", "counter-runtime-0", "--force", "--grace-period=0"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let status = s.wait_phase("counter", "Suspended", 120).await;
+    assert!(status.recovery_point.is_some(), "the kill names the checkpoint to resume from: {status:?}");
+    assert!(s.event_reasons("counter").await.iter().any(|r| r == "SavepointFailedPodsKilled"));
+
+    // 3. Resume on the other node; it claims a newer epoch and commits.
+    patch_spec(&s, serde_json::json!({ "state": "running" })).await;
+    let second = s.wait_pod_running("counter", 180).await;
+    assert_ne!(second.spec.as_ref().unwrap().node_name.as_deref(), Some(node.as_str()));
+    let before = s.committed(&output(&s.ns)).await.len();
+    s.wait_output(&output(&s.ns), before + 100, 90).await;
+    let sink = s.storage(&output(&s.ns));
+    let published = published_files(&sink).await;
+
+    // 4. Wake the old runtime (its kubelet stays frozen, so nothing kills it): fenced.
+    signal(&runtime, "CONT");
+    eventually("the woken runtime to stop by itself", 90, || async {
+        runtime.iter().all(|p| !std::path::Path::new(&format!("/proc/{p}")).exists()).then_some(())
+    })
+    .await;
+    // Its log and exit status, as containerd on the node kept them.
+    let logs =
+        kind_node_exec(&node, &["sh", "-c", &format!("cat /var/log/pods/{}_counter-runtime-0_{uid}/*/*.log", s.ns)]);
+    let logs = String::from_utf8_lossy(&logs.stdout).to_string();
+    assert!(logs.contains("fenced by a newer run"), "the stale runtime stops as fenced; its log:\n{logs}");
+    let status = kind_node_exec(
+        &node,
+        &["cat", &format!("/var/lib/containerd/io.containerd.grpc.v1.cri/containers/{container}/status")],
+    );
+    let status = String::from_utf8_lossy(&status.stdout).to_string();
+    assert!(status.contains("\"ExitCode\":3"), "exits with the fencing code 3: {status}");
+    let fenced = logs.lines().filter(|l| l.contains("fenced") || l.contains("epoch")).collect::<Vec<_>>().join("\n");
+    eprintln!("{}: the woken runtime stopped with code 3:\n{fenced}", s.ns);
+    signal(&kubelet, "CONT");
+    let out = s.kubectl(&["uncordon", &node], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // 5. Nothing published was touched, and the job goes on exactly once.
+    let after = published_files(&sink).await;
+    for (file, len) in &published {
+        assert_eq!(after.get(file), Some(len), "published file {file} deleted or changed");
+    }
+    progresses_then_exactly_once(s).await;
 }

@@ -125,6 +125,13 @@ for spec in ${files[@]+"${files[@]}"}; do
   put "$src" "$dst"
   log "  + $dst (from $src)"
   if [[ -f "$src" && -x "$src" ]]; then add_libs "$src"; fi
+  # A directory of plugins (iptables' match modules): their libraries too (libxt_statistic
+  # needs libm, which the binary itself does not).
+  if [[ -d "$src" ]]; then
+    while IFS= read -r -d '' plugin; do
+      [[ "$(head -c4 "$plugin" | od -An -c | tr -d ' ')" == '177ELF' ]] && add_libs "$plugin"
+    done < <(find "$src" -type f -print0)
+  fi
 done
 for spec in ${links[@]+"${links[@]}"}; do
   link="${spec%%=*}"; target="${spec#*=}"
