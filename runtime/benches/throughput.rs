@@ -5,6 +5,9 @@
 //! - keyed count over 1M keys, checkpoints off vs every 1 s (exactly-once, incremental);
 //! - a sliding-window aggregation (10 s windows every 1 s, 1K keys, sum and max), checkpoints
 //!   off vs every 1 s;
+//! - the CEL pipeline (lines split into words by a CEL `flatMap`, CEL filter, CEL map, keyBy,
+//!   running count and sum, keyBy, dedupe), checkpoints every 1 s, in words per CPU-second; and
+//!   its expressions evaluated alone, by the lowered tree and by the `cel` interpreter;
 //! - restoring the newest keyed-count checkpoint.
 //!
 //! Figures are records/s of the job, records per CPU-second (the per-core figure: the job runs
@@ -114,6 +117,72 @@ sinks:
     )
 }
 
+/// Words per generated line of the CEL pipeline.
+const WORDS_PER_LINE: u64 = 8;
+
+fn cel_pipeline_job(lines: u64) -> String {
+    format!(
+        r#"name: bench-cel
+parallelism: 1
+checkpointing: {{ interval: 1s, mode: exactly-once, incremental: true, fullEvery: 10 }}
+sources:
+  - name: lines
+    uid: lines
+    generator:
+      count: {lines}
+      fields: [ {{ name: line, text: {{ words: {WORDS_PER_LINE}, vocabulary: 100000 }} }} ]
+operators:
+  - {{ name: words, flatMap: {{ expr: "line.split(' ')", as: word }} }}
+  - {{ name: long, filter: {{ expr: "size(word) > 3 && !word.startsWith('x')" }} }}
+  - {{ name: tagged, map: {{ fields: {{ word: "word.lowerAscii()", len: "size(word)" }} }} }}
+  - {{ name: by-word, keyBy: {{ fields: [word] }} }}
+  - name: counts
+    uid: counts
+    aggregate: {{ aggregates: [ {{ fn: count, as: n }}, {{ fn: sum, field: len, as: total }} ] }}
+  - {{ name: by-count, keyBy: {{ fields: [word, n] }} }}
+  - {{ name: unique, uid: unique, dedupe: {{}} }}
+sinks:
+  - {{ name: out, blackhole: {{}} }}
+"#
+    )
+}
+
+/// Evaluations per second of the pipeline's expressions on `n` words: by the lowered tree (what
+/// jobs use), then by the `cel` interpreter (what they used before it).
+fn cel_expressions(n: usize) -> (f64, f64) {
+    use weir_runtime::expr::Expr;
+    use weir_runtime::value::{Record, Value};
+    let schema = ["line".to_string(), "word".to_string()];
+    let exprs: Vec<Expr> =
+        ["line.split(' ')", "size(word) > 3 && !word.startsWith('x')", "word.lowerAscii()", "size(word)"]
+            .iter()
+            .map(|t| Expr::compile(t, &schema).unwrap())
+            .collect();
+    assert!(exprs.iter().all(Expr::is_lowered));
+    let records: Vec<Record> = (0..n)
+        .map(|i| Record {
+            time: 0,
+            fields: vec![Value::str(&format!("Alpha beta{i} gamma delta")), Value::str(&format!("Word{}", i % 977))],
+        })
+        .collect();
+    let t0 = Instant::now();
+    for r in &records {
+        std::hint::black_box(exprs[0].eval_list(r).unwrap());
+        std::hint::black_box(exprs[1].eval_bool(r).unwrap());
+        std::hint::black_box(exprs[2].eval_value(r).unwrap());
+        std::hint::black_box(exprs[3].eval_value(r).unwrap());
+    }
+    let tree = (4 * n) as f64 / t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    for r in &records {
+        for e in &exprs {
+            std::hint::black_box(e.eval(r).unwrap());
+        }
+    }
+    let interpreter = (4 * n) as f64 / t0.elapsed().as_secs_f64();
+    (tree, interpreter)
+}
+
 fn baseline(records: u64) -> (f64, usize) {
     // The generator's first field uses this salt: the same key stream as the jobs.
     let salt = weir_runtime::value::mix64(0x2545_f491_4f6c_dd1d);
@@ -169,6 +238,8 @@ fn main() {
     let (restore_s_per_gib, restore_bytes) = restore_seconds_per_gib(&tmp.path().join("count-on"), distinct_keys);
     let w_off = run(&window_job(window_records, false), &tmp.path().join("win-off"));
     let w_on = run(&window_job(window_records, true), &tmp.path().join("win-on"));
+    let cel_lines = (1_000_000.0 * scale) as u64;
+    let cel = run(&cel_pipeline_job(cel_lines), &tmp.path().join("cel"));
 
     println!();
     println!(
@@ -212,6 +283,19 @@ fn main() {
         assert!(on.checkpoints >= 1, "at least the final checkpoint");
         println!("1 passed, 0 failed");
     }
+    println!(
+        "CEL pipeline (flatMap → filter → map → keyBy → count+sum → keyBy → dedupe, checkpoints 1 s): \
+         {:.2}M words/s, {:.2}M words/CPU-s",
+        (cel.records * WORDS_PER_LINE) as f64 / cel.wall / 1e6,
+        (cel.records * WORDS_PER_LINE) as f64 / cel.cpu / 1e6
+    );
+    let (tree, interpreter) = cel_expressions((200_000.0 * scale.max(0.05)) as usize);
+    println!(
+        "CEL expressions of that pipeline alone: lowered tree {:.2}M evaluations/s, cel interpreter {:.2}M/s: {:.1}×",
+        tree / 1e6,
+        interpreter / 1e6,
+        tree / interpreter
+    );
     println!(
         "restore: {:.2} s per GiB (newest keyed-count checkpoint, {} MiB, read + verified + rebuilt)",
         restore_s_per_gib,

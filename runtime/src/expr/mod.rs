@@ -1,5 +1,9 @@
 //! CEL expressions over a record's fields, compiled once per operator (by
-//! [`weir_crds::expr::compile`], which validation runs too) and evaluated here.
+//! [`weir_crds::expr::compile`], which validation runs too) and evaluated here: on the
+//! record path by a lowered tree ([`tree`]), else (and wherever the tree cannot answer) by the
+//! `cel` interpreter.
+
+pub mod tree;
 
 use std::sync::Arc;
 
@@ -31,6 +35,8 @@ pub struct Expr {
     /// `(field position, variable name)` of the fields the expression reads.
     inputs: Vec<(usize, String)>,
     root: Context<'static, 'static>,
+    /// The lowered tree, when the expression uses only what it covers.
+    tree: Option<tree::Node>,
 }
 
 impl std::fmt::Debug for Expr {
@@ -43,10 +49,21 @@ impl Expr {
     /// Compiles `text` against the fields of `schema`.
     pub fn compile(text: &str, schema: &[String]) -> Result<Expr, ExprError> {
         let weir_crds::expr::Compiled { program, inputs } = weir_crds::expr::compile(text, schema)?;
-        Ok(Expr { text: text.to_string(), program, inputs, root: Context::with_env(weir_crds::expr::env()) })
+        let tree = tree::lower(program.expression(), &inputs);
+        Ok(Expr { text: text.to_string(), program, inputs, root: Context::with_env(weir_crds::expr::env()), tree })
     }
 
-    /// Evaluates the expression on a record.
+    /// Whether the record path evaluates it by the lowered tree (not the interpreter).
+    pub fn is_lowered(&self) -> bool {
+        self.tree.is_some()
+    }
+
+    /// The tree's answer, when it has one.
+    fn eval_tree(&self, record: &Record) -> Option<tree::V> {
+        self.tree.as_ref()?.eval(record).ok()
+    }
+
+    /// Evaluates the expression on a record with the `cel` interpreter.
     pub fn eval(&self, record: &Record) -> Result<cel::Value, ExprError> {
         let mut scope = self.root.new_inner_scope();
         for (pos, name) in &self.inputs {
@@ -57,6 +74,9 @@ impl Expr {
 
     /// Evaluates to a field value.
     pub fn eval_value(&self, record: &Record) -> Result<Value, ExprError> {
+        if let Some(v) = self.eval_tree(record).and_then(tree::V::into_value) {
+            return Ok(v);
+        }
         let v = self.eval(record)?;
         from_cel(&v)
             .ok_or_else(|| ExprError::Eval { expr: self.text.clone(), reason: format!("result {v:?} is not a scalar") })
@@ -64,6 +84,9 @@ impl Expr {
 
     /// Evaluates a predicate.
     pub fn eval_bool(&self, record: &Record) -> Result<bool, ExprError> {
+        if let Some(tree::V::Bool(b)) = self.eval_tree(record) {
+            return Ok(b);
+        }
         match self.eval(record)? {
             cel::Value::Bool(b) => Ok(b),
             other => Err(ExprError::Eval { expr: self.text.clone(), reason: format!("must be a bool, got {other:?}") }),
@@ -72,6 +95,11 @@ impl Expr {
 
     /// Evaluates to a list of field values.
     pub fn eval_list(&self, record: &Record) -> Result<Vec<Value>, ExprError> {
+        if let Some(tree::V::List(items)) = self.eval_tree(record) {
+            if let Some(values) = items.into_iter().map(tree::V::into_value).collect::<Option<Vec<_>>>() {
+                return Ok(values);
+            }
+        }
         match self.eval(record)? {
             cel::Value::List(items) => items
                 .iter()
