@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Builds Weir's release images, weir-runtime and weir-operator, without Docker or a registry:
-# release binaries, stripped, each in a single-layer OCI image archive made by
+# binaries of the `dist` profile (release, with startup code optimized for size), stripped, each in a single-layer OCI image archive made by
 # e2e/tools/build-image.sh (non-root user 65532, CA certificates, the binary's shared libraries
 # and nothing else), labelled with the OCI source, version and revision. Reproducible: the
 # same commit gives byte-identical archives (fixed mtimes from the commit's time, sorted
 # entries, gzip -n). `images/*.Dockerfile` build the same root filesystems with Docker.
 #
-#   images/build.sh [--registry REG] [--tag TAG] [--out DIR] [--profile release|dev]
+#   images/build.sh [--registry REG] [--tag TAG] [--out DIR] [--profile dist|release|dev]
 #
 #   --registry   image name prefix (default weir.local): REG/weir-runtime, REG/weir-operator
 #   --tag        image tag (default: the workspace version from Cargo.toml)
 #   --out        where the archives go (default $WEIR_CACHE/images)
-#   --profile    cargo profile (default release; `dev` is for quick local iterations only)
+#   --profile    cargo profile (default dist, see Cargo.toml; `dev` is for quick local iterations)
 #
 # stdout: one line per image, `IMAGE=<ref> ARCHIVE=<file> DIGEST=<digest> UNPACKED=<bytes>
 # SIZE=<archive bytes>`. Fails when the runtime image unpacks to 30 MiB or more (its budget).
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 log() { echo "[images] $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-registry="weir.local" tag="" profile="release"
+registry="weir.local" tag="" profile="dist"
 out="${WEIR_CACHE:-$HOME/.cache/weir}/images"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -32,7 +32,7 @@ while [[ $# -gt 0 ]]; do
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
-case "$profile" in release) dir=release ;; dev) dir=debug ;; *) die "--profile release or dev" ;; esac
+case "$profile" in dist | release) dir="$profile" ;; dev) dir=debug ;; *) die "--profile dist, release or dev" ;; esac
 
 version="$(sed -n '/^\[workspace.package\]/,/^\[/ s/^version = "\(.*\)"/\1/p' Cargo.toml)"
 [[ -n "$version" ]] || die "no version in Cargo.toml [workspace.package]"

@@ -9,8 +9,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends libssl-dev zlib
       binutils ca-certificates && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p weir-operator \
- && objcopy --strip-all target/release/weir-operator /weir-operator \
+RUN cargo build --profile dist --locked -p weir-operator \
+ && objcopy --strip-all target/dist/weir-operator /weir-operator \
  && bash e2e/tools/build-image.sh --rootfs-only /rootfs --binary /weir-operator \
       --dest /usr/local/bin/weir-operator --ca-certs
 

@@ -9,8 +9,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends libssl-dev zlib
       binutils ca-certificates && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p weir-runtime \
- && objcopy --strip-all target/release/weir-runtime /weir-runtime \
+RUN cargo build --profile dist --locked -p weir-runtime \
+ && objcopy --strip-all target/dist/weir-runtime /weir-runtime \
  && bash e2e/tools/build-image.sh --rootfs-only /rootfs --binary /weir-runtime \
       --dest /usr/local/bin/weir-runtime --ca-certs
 
