@@ -33,7 +33,8 @@ missing=()
 for tool in openssl curl java mvn; do command -v "$tool" >/dev/null || missing+=("$tool"); done
 missing=("${missing[@]/java/openjdk-17-jre-headless}")
 missing=("${missing[@]/mvn/maven}")
-for pkg in libssl-dev zlib1g-dev pkg-config; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+# strace: the runtime test that checks local storage fsyncs before it publishes.
+for pkg in libssl-dev zlib1g-dev pkg-config strace; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing ${missing[*]} (apt)" >&2
   apt-get update >&2 && apt-get install -y "${missing[@]}" >&2

@@ -308,3 +308,99 @@ fn a_manifest_with_yaml11_booleans_is_refused_naming_the_fix() {
     assert!(o.status.success(), "{err}");
     assert!(err.contains("warning:") && err.contains("quote it: as: \"n\""), "{err}");
 }
+
+/// One traced system call: `fsync` of a path, or a rename.
+#[derive(Debug)]
+enum Traced {
+    Fsync(String),
+    Rename(String, String),
+}
+
+/// Parses `strace -f -y` lines: `PID fsync(7</dir/file>) = 0` and `PID rename("a", "b") = 0`
+/// (or `renameat`/`renameat2` with `AT_FDCWD` arguments); failed calls are skipped. A call that
+/// another thread interrupted (`<unfinished ...>`) counts where it completes (`<... resumed>`).
+fn parse_strace(log: &str) -> Vec<Traced> {
+    let quoted = |s: &str| -> Vec<String> { s.split('"').skip(1).step_by(2).map(str::to_string).collect() };
+    let mut unfinished: std::collections::HashMap<String, String> = Default::default();
+    let mut calls = Vec::new();
+    for line in log.lines() {
+        let (pid, call) = line.split_once(' ').unwrap_or(("", line));
+        let call = call.trim_start();
+        let call = match call.strip_suffix("<unfinished ...>") {
+            Some(start) => {
+                unfinished.insert(pid.to_string(), start.to_string());
+                continue;
+            }
+            None if call.starts_with("<... ") => match (unfinished.remove(pid), call.split_once("resumed>")) {
+                (Some(start), Some((_, end))) => format!("{start}{end}"),
+                _ => continue,
+            },
+            None => call.to_string(),
+        };
+        if !call.trim_end().ends_with("= 0") {
+            continue;
+        }
+        if let Some(rest) = call.strip_prefix("fsync(") {
+            if let Some((_, path)) = rest.split_once('<') {
+                if let Some((path, _)) = path.split_once('>') {
+                    calls.push(Traced::Fsync(path.to_string()));
+                }
+            }
+        } else if call.starts_with("rename") {
+            let paths = quoted(&call);
+            if paths.len() == 2 {
+                calls.push(Traced::Rename(paths[0].clone(), paths[1].clone()));
+            }
+        }
+    }
+    calls
+}
+
+/// Local storage is durable before output is published: every published file's staged bytes
+/// are fsynced before the rename that publishes it, and its directory after, as `strace` sees
+/// the real process do it (a power loss can then never publish a file whose data is lost).
+#[test]
+fn published_files_are_fsynced_before_and_their_directory_after_the_rename() {
+    let mut p = JobParams::new("fsync");
+    p.count = 2_000;
+    let (dir, out, chk) = workdir("fsync");
+    let job_file = dir.path().join("job.yaml");
+    std::fs::write(&job_file, job_yaml(&p, &out)).unwrap();
+    let log = dir.path().join("strace.log");
+    let run = Command::new("strace")
+        .args(["-f", "-y", "-qq", "-e", "trace=fsync,rename,renameat,renameat2", "-o"])
+        .arg(&log)
+        .arg(env!("CARGO_BIN_EXE_weir-runtime"))
+        .args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--quiet"])
+        .output()
+        .expect("strace runs (.ci/install-tools.sh installs it)");
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let calls = parse_strace(&std::fs::read_to_string(&log).unwrap());
+    let mut published = 0;
+    for sink in std::fs::read_dir(&out).unwrap().flatten() {
+        for f in std::fs::read_dir(sink.path()).unwrap().flatten() {
+            let name = f.file_name().to_string_lossy().to_string();
+            if !name.starts_with("part-") {
+                continue;
+            }
+            published += 1;
+            let target = f.path().display().to_string();
+            let at = calls
+                .iter()
+                .position(|c| matches!(c, Traced::Rename(_, to) if *to == target))
+                .unwrap_or_else(|| panic!("{target} was not published by a rename"));
+            let Traced::Rename(staged, _) = &calls[at] else { unreachable!() };
+            assert!(staged.contains("/.part-"), "{target} published from {staged}");
+            assert!(
+                calls[..at].iter().any(|c| matches!(c, Traced::Fsync(p) if p == staged)),
+                "{staged} was not fsynced before its publish"
+            );
+            let dir = sink.path().display().to_string();
+            assert!(
+                calls[at..].iter().any(|c| matches!(c, Traced::Fsync(p) if *p == dir)),
+                "{dir} was not fsynced after {target} was published"
+            );
+        }
+    }
+    assert!(published >= 3, "every sink published: {published} files");
+}
