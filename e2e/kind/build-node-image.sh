@@ -46,6 +46,9 @@ need=()
 command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
 command -v jq >/dev/null || need+=(jq)
 command -v gcc >/dev/null || need+=(gcc libc6-dev)
+# kube-proxy's image carries the host's iptables (nft) binary and its modules; a fresh machine
+# has none until the local cluster or dockerd installs it, which happens after this build.
+[[ -x /usr/sbin/xtables-nft-multi ]] || need+=(iptables)
 if [[ ${#need[@]} -gt 0 ]]; then
   log "installing ${need[*]} (apt)"
   export DEBIAN_FRONTEND=noninteractive
