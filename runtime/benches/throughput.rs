@@ -162,7 +162,10 @@ fn cel_expressions(n: usize) -> (f64, f64) {
     let records: Vec<Record> = (0..n)
         .map(|i| Record {
             time: 0,
-            fields: vec![Value::str(&format!("Alpha beta{i} gamma delta")), Value::str(&format!("Word{}", i % 977))],
+            fields: smallvec::smallvec![
+                Value::str(&format!("Alpha beta{i} gamma delta")),
+                Value::str(&format!("Word{}", i % 977))
+            ],
         })
         .collect();
     let t0 = Instant::now();

@@ -166,13 +166,21 @@ impl Value {
     }
 }
 
+/// Fields a record holds inline, without a heap allocation of its own.
+pub const INLINE_FIELDS: usize = 3;
+
+/// A record's field values: up to [`INLINE_FIELDS`] live inside the record itself, so that
+/// creating, moving and dropping the records of a batch allocates nothing per record (the
+/// keyed count spent a third of its time in `malloc` and `free` with a `Vec` per record).
+pub type Fields = smallvec::SmallVec<[Value; INLINE_FIELDS]>;
+
 /// One record: its event time (ms) and its fields in schema order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Record {
     /// Event time, milliseconds.
     pub time: i64,
     /// Field values, in the order of the producing node's schema.
-    pub fields: Vec<Value>,
+    pub fields: Fields,
 }
 
 /// A key: one or several field values.
@@ -338,7 +346,7 @@ mod tests {
         let mut out = Vec::new();
         write_json_line(
             &["w".into(), "n".into(), "x".into()],
-            &Record { time: 0, fields: vec![Value::str("a\"b"), Value::Int(3), Value::Float(0.5)] },
+            &Record { time: 0, fields: smallvec::smallvec![Value::str("a\"b"), Value::Int(3), Value::Float(0.5)] },
             &mut out,
         );
         assert_eq!(String::from_utf8(out).unwrap(), "{\"w\":\"a\\\"b\",\"n\":3,\"x\":0.5}\n");

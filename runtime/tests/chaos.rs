@@ -549,7 +549,7 @@ fn rescaling_through_savepoints_between_random_kills() {
 
 #[test]
 fn the_file_source_survives_random_kills() {
-    let (_d, input) = input_files("chaos-files-in", 4, 60_000, |f, i| {
+    let (_d, input) = input_files("chaos-files-in", 4, 200_000, |f, i| {
         format!("user{} item{} {}", mix64(i * 4 + f) % 500, mix64(i + f) % 40, i % 7)
     });
     let t = campaign(

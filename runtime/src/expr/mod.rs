@@ -142,7 +142,7 @@ mod tests {
     use super::*;
 
     fn rec(fields: Vec<Value>) -> Record {
-        Record { time: 0, fields }
+        Record { time: 0, fields: fields.into() }
     }
 
     #[test]

@@ -456,7 +456,14 @@ mod tests {
         let f = proptest::sample::select(vec![0.0, -1.5, 2.25, 1e300, f64::NAN, f64::INFINITY]);
         (int.clone(), int, s.clone(), s, f, any::<bool>()).prop_map(|(i, j, s, t, f, b)| Record {
             time: 0,
-            fields: vec![Value::Int(i), Value::Int(j), Value::str(s), Value::str(t), Value::Float(f), Value::Bool(b)],
+            fields: smallvec::smallvec![
+                Value::Int(i),
+                Value::Int(j),
+                Value::str(s),
+                Value::str(t),
+                Value::Float(f),
+                Value::Bool(b)
+            ],
         })
     }
 
@@ -495,12 +502,14 @@ mod tests {
     #[test]
     fn errors_and_unhandled_mixes_are_left_to_the_interpreter() {
         let e = Expr::compile("i / j", &schema()).unwrap();
-        let r = Record { time: 0, fields: vec![Value::Int(1), Value::Int(0)] };
+        let r = Record { time: 0, fields: smallvec::smallvec![Value::Int(1), Value::Int(0)] };
         assert_eq!(e.tree.as_ref().unwrap().eval(&r).unwrap_err(), Fallback);
         assert!(e.eval_value(&r).unwrap_err().to_string().contains("i / j"), "the interpreter's error");
         let mixed = Expr::compile("i == f", &schema()).unwrap();
-        let r =
-            Record { time: 0, fields: vec![Value::Int(1), Value::Int(0), Value::Null, Value::Null, Value::Float(1.0)] };
+        let r = Record {
+            time: 0,
+            fields: smallvec::smallvec![Value::Int(1), Value::Int(0), Value::Null, Value::Null, Value::Float(1.0)],
+        };
         assert_eq!(mixed.tree.as_ref().unwrap().eval(&r).unwrap_err(), Fallback);
         assert_eq!(mixed.eval_bool(&r).unwrap(), matches!(mixed.eval(&r).unwrap(), cel::Value::Bool(true)));
     }

@@ -5,7 +5,7 @@ use weir_checkpoint::format::{Decoder, Encoder, FormatError};
 use weir_crds::job::{AggregateFn, AggregateKind};
 
 use crate::state::StateValue;
-use crate::value::{Record, Value};
+use crate::value::{Fields, Record, Value};
 
 /// One aggregate's running value.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,6 +43,16 @@ impl Aggregates {
                 .map(|a| (a.function, a.field.as_ref().and_then(|f| input.iter().position(|x| x == f))))
                 .collect(),
         }
+    }
+
+    /// Number of aggregates (fields that [`Aggregates::results`] appends).
+    pub fn len(&self) -> usize {
+        self.specs.len()
+    }
+
+    /// Whether there is no aggregate.
+    pub fn is_empty(&self) -> bool {
+        self.specs.is_empty()
     }
 
     /// Fresh accumulators.
@@ -133,7 +143,7 @@ impl Aggregates {
     }
 
     /// The output values.
-    pub fn results(accs: &[Acc], out: &mut Vec<Value>) {
+    pub fn results(accs: &[Acc], out: &mut Fields) {
         for acc in accs {
             out.push(match acc {
                 Acc::Count(n) => Value::Int(*n),
@@ -239,22 +249,25 @@ mod tests {
         let a = Aggregates::new(&specs, &["x".to_string()]);
         let mut accs = a.init();
         for x in [3, -1, 10] {
-            a.add(&mut accs, &Record { time: 0, fields: vec![Value::Int(x)] });
+            a.add(&mut accs, &Record { time: 0, fields: smallvec::smallvec![Value::Int(x)] });
         }
-        let mut out = Vec::new();
+        let mut out = Fields::new();
         Aggregates::results(&accs, &mut out);
-        assert_eq!(out, vec![Value::Int(3), Value::Int(12), Value::Int(-1), Value::Int(10), Value::Float(4.0)]);
-        a.add(&mut accs, &Record { time: 0, fields: vec![Value::Float(0.5)] });
-        let mut out = Vec::new();
+        assert_eq!(out.as_slice(), [Value::Int(3), Value::Int(12), Value::Int(-1), Value::Int(10), Value::Float(4.0)]);
+        a.add(&mut accs, &Record { time: 0, fields: smallvec::smallvec![Value::Float(0.5)] });
+        let mut out = Fields::new();
         Aggregates::results(&accs, &mut out);
         assert_eq!(out[1], Value::Float(12.5), "sum promotes to float");
         // Merging two halves equals aggregating everything at once.
         let mut left = a.init();
         let mut right = a.init();
         for (i, x) in [3i64, -1, 10].into_iter().enumerate() {
-            a.add(if i % 2 == 0 { &mut left } else { &mut right }, &Record { time: 0, fields: vec![Value::Int(x)] });
+            a.add(
+                if i % 2 == 0 { &mut left } else { &mut right },
+                &Record { time: 0, fields: smallvec::smallvec![Value::Int(x)] },
+            );
         }
-        a.add(&mut right, &Record { time: 0, fields: vec![Value::Float(0.5)] });
+        a.add(&mut right, &Record { time: 0, fields: smallvec::smallvec![Value::Float(0.5)] });
         Aggregates::merge(&mut left, &right);
         assert_eq!(left, accs);
         let mut e = Encoder::default();

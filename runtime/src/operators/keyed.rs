@@ -7,7 +7,7 @@ use crate::operator::{Operator, StateParts, TaskError};
 use crate::operators::accumulators::{AccList, Aggregates};
 use crate::restore::KeyedRestore;
 use crate::state::{KeyedState, StateValue};
-use crate::value::{Key, Record, Value};
+use crate::value::{Fields, Key, Record};
 
 /// Settings every keyed operator needs.
 #[derive(Clone, Debug)]
@@ -77,10 +77,11 @@ impl AggregateOperator {
 impl Operator for AggregateOperator {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         out.reserve(batch.len());
-        for r in batch {
-            let key = Key::of(&r, &self.ctx.key);
+        let keys: Vec<Key> = batch.iter().map(|r| Key::of(r, &self.ctx.key)).collect();
+        std::hint::black_box(self.state.prefetch(&keys));
+        for (r, key) in batch.into_iter().zip(keys) {
             let aggregates = &self.aggregates;
-            let mut fields: Vec<Value> = Vec::with_capacity(self.ctx.key.len() + 2);
+            let mut fields = Fields::with_capacity(self.ctx.key.len() + self.aggregates.len());
             fields.extend(key.values().iter().cloned());
             let accs = self.state.update(key, || AccList(aggregates.init()));
             aggregates.add(&mut accs.0, &r);
@@ -111,8 +112,9 @@ impl DedupeOperator {
 
 impl Operator for DedupeOperator {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
-        for r in batch {
-            let key = Key::of(&r, &self.ctx.key);
+        let keys: Vec<Key> = batch.iter().map(|r| Key::of(r, &self.ctx.key)).collect();
+        std::hint::black_box(self.state.prefetch(&keys));
+        for (r, key) in batch.into_iter().zip(keys) {
             if self.state.get(&key).is_none() {
                 self.state.update(key, || ());
                 out.push(r);

@@ -4,7 +4,7 @@ use weir_crds::job::{FlatMapSpec, MapSpec};
 
 use crate::expr::{Expr, ExprError};
 use crate::operator::{Operator, TaskError};
-use crate::value::{Record, Value};
+use crate::value::{Fields, Record, Value};
 
 /// Computes output fields from CEL expressions.
 pub struct MapOperator {
@@ -36,7 +36,7 @@ impl Operator for MapOperator {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         out.reserve(batch.len());
         for r in batch {
-            let mut fields = Vec::with_capacity(self.outputs.len());
+            let mut fields = Fields::with_capacity(self.outputs.len());
             for o in &self.outputs {
                 fields.push(match o {
                     MapOutput::Copy(i) => r.fields[*i].clone(),
@@ -153,8 +153,9 @@ mod tests {
         };
         let mut m = MapOperator::new(&spec, &s(&["w", "n"]), &s(&["w", "n", "tag"])).unwrap();
         let mut out = Vec::new();
-        m.process(vec![Record { time: 5, fields: vec![Value::str("a"), Value::Int(2)] }], &mut out).unwrap();
-        assert_eq!(out[0].fields, vec![Value::str("a"), Value::Int(20), Value::str("x")]);
+        m.process(vec![Record { time: 5, fields: smallvec::smallvec![Value::str("a"), Value::Int(2)] }], &mut out)
+            .unwrap();
+        assert_eq!(out[0].fields.as_slice(), [Value::str("a"), Value::Int(20), Value::str("x")]);
         assert_eq!(out[0].time, 5);
     }
 
@@ -167,7 +168,7 @@ mod tests {
         };
         let mut f = FlatMapOperator::new(&spec, &s(&["line"])).unwrap();
         let mut out = Vec::new();
-        f.process(vec![Record { time: 0, fields: vec![Value::str("A b  C")] }], &mut out).unwrap();
+        f.process(vec![Record { time: 0, fields: smallvec::smallvec![Value::str("A b  C")] }], &mut out).unwrap();
         assert_eq!(
             out.iter().map(|r| r.fields[0].clone()).collect::<Vec<_>>(),
             vec![Value::str("a"), Value::str("b"), Value::str("c")]

@@ -21,7 +21,7 @@ use crate::operators::accumulators::{Acc, Accs, Aggregates};
 use crate::operators::keyed::{snapshot_keyed, KeyedContext};
 use crate::restore::KeyedRestore;
 use crate::state::{KeyedState, StateValue};
-use crate::value::{Key, Record, Value};
+use crate::value::{Fields, Key, Record, Value};
 
 /// The panes of one key and the end of its next window not yet emitted.
 #[derive(Clone, Debug, Default)]
@@ -196,7 +196,7 @@ impl WindowOperator {
                 }
             }
             if let Some(accs) = merged {
-                let mut fields: Vec<Value> = key.values().to_vec();
+                let mut fields = Fields::from(key.values());
                 fields.push(Value::Int(start));
                 fields.push(Value::Int(e));
                 Aggregates::results(&accs, &mut fields);
@@ -363,7 +363,7 @@ mod tests {
     }
 
     fn rec(k: &str, t: i64) -> Record {
-        Record { time: t, fields: vec![Value::str(k), Value::Int(t)] }
+        Record { time: t, fields: smallvec::smallvec![Value::str(k), Value::Int(t)] }
     }
 
     fn rows(out: &[Record]) -> Vec<(String, i64, i64, i64, i64)> {
@@ -580,7 +580,7 @@ mod tests {
             }
 
             fn record(&mut self, k: i64, t: i64, out: &mut Vec<Record>) {
-                let r = Record { time: t, fields: vec![Value::Int(k), Value::Int(t)] };
+                let r = Record { time: t, fields: smallvec::smallvec![Value::Int(k), Value::Int(t)] };
                 let kg = Key::of(&r, &[0]).key_group(MAX_PARALLELISM);
                 let part = self.parts.iter_mut().find(|(_, g, _)| kg >= g.0 && kg < g.1).unwrap();
                 part.0.process(vec![r], out).unwrap();

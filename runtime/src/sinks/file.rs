@@ -920,7 +920,7 @@ mod tests {
                     match op {
                         Op::Write(n) => {
                             let batch: Vec<Record> = (run.position..run.position + n)
-                                .map(|i| Record { time: 0, fields: vec![Value::Int(i as i64)] })
+                                .map(|i| Record { time: 0, fields: smallvec::smallvec![Value::Int(i as i64)] })
                                 .collect();
                             run.position += n;
                             run.sink.process(batch, &mut Vec::new()).unwrap();

@@ -114,7 +114,7 @@ impl Source for FileSource {
             pos.0 += n as u64;
             pos.1 += 1;
             let text = self.line.trim_end_matches(['\n', '\r']);
-            out.push(Record { time: pos.1 - 1, fields: vec![Value::str(text)] });
+            out.push(Record { time: pos.1 - 1, fields: smallvec::smallvec![Value::str(text)] });
             produced += 1;
         }
         Ok(if produced > 0 { SourcePoll::Data } else { SourcePoll::Finished })

@@ -12,7 +12,7 @@ use weir_crds::job::GeneratorSpec;
 
 use crate::operator::TaskError;
 use crate::sources::{Source, SourcePoll};
-use crate::value::{mix64, Record, Value};
+use crate::value::{mix64, Fields, Record, Value};
 
 enum FieldGen {
     Sequence,
@@ -139,7 +139,7 @@ impl GeneratorSource {
 
     #[inline]
     fn record(&self, seq: u64) -> Record {
-        let mut fields = Vec::with_capacity(self.fields.len());
+        let mut fields = Fields::with_capacity(self.fields.len());
         for f in &self.fields {
             fields.push(match f {
                 FieldGen::Sequence => Value::Int(seq as i64),

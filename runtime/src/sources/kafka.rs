@@ -23,7 +23,7 @@ use weir_crds::job::{KafkaFormat, KafkaSourceSpec, KafkaStartFrom};
 use crate::kafka::{self, REQUEST_TIMEOUT};
 use crate::operator::TaskError;
 use crate::sources::{Source, SourcePoll};
-use crate::value::{Record, Value};
+use crate::value::{Fields, Record, Value};
 
 #[derive(Serialize, Deserialize, Default)]
 struct Positions {
@@ -249,7 +249,7 @@ impl KafkaSource {
 
     fn record(&self, m: &rdkafka::message::BorrowedMessage<'_>) -> Result<Record, TaskError> {
         let text = |b: Option<&[u8]>| b.map_or(Value::Null, |b| Value::str(&String::from_utf8_lossy(b)));
-        let mut fields = Vec::with_capacity(self.fields.len() + 6);
+        let mut fields = Fields::with_capacity(self.fields.len() + 6);
         match self.spec.format {
             KafkaFormat::Raw => fields.push(text(m.payload())),
             KafkaFormat::Json => {
