@@ -43,6 +43,9 @@ pub struct JobMetrics {
     pub last_checkpoint_bytes: Gauge,
     /// Total time tasks spent aligning barriers, seconds.
     pub alignment_seconds: Counter<f64, AtomicU64>,
+    /// Total time tasks spent in the synchronous part of snapshots (the part that stops their
+    /// records: capturing state; encoding happens there too for keyed state), seconds.
+    pub snapshot_sync_seconds: Counter<f64, AtomicU64>,
     /// In-process restarts.
     pub restarts: Counter,
     /// Faults injected by the test hook.
@@ -98,6 +101,7 @@ impl JobMetrics {
         let last_checkpoint_duration = Gauge::<f64, AtomicU64>::default();
         let last_checkpoint_bytes = Gauge::default();
         let alignment_seconds = Counter::<f64, AtomicU64>::default();
+        let snapshot_sync_seconds = Counter::<f64, AtomicU64>::default();
         let restarts = Counter::default();
         let injected_faults = Counter::default();
         let late_records = Counter::default();
@@ -139,6 +143,12 @@ impl JobMetrics {
             Unit::Seconds,
             alignment_seconds.clone(),
         );
+        registry.register_with_unit(
+            "checkpoint_sync",
+            "Time tasks spent in the synchronous part of snapshots, records stopped",
+            Unit::Seconds,
+            snapshot_sync_seconds.clone(),
+        );
         registry.register("restarts", "In-process restarts from the newest checkpoint", restarts.clone());
         registry.register("injected_faults", "Faults injected by the test hook", injected_faults.clone());
         registry.register("late_records", "Records windows dropped as behind the watermark", late_records.clone());
@@ -154,6 +164,7 @@ impl JobMetrics {
             last_checkpoint_duration,
             last_checkpoint_bytes,
             alignment_seconds,
+            snapshot_sync_seconds,
             restarts,
             injected_faults,
             late_records,
@@ -258,6 +269,7 @@ mod tests {
         m.records_in.inc_by(41);
         m.records_in.inc();
         m.alignment_seconds.inc_by(0.25);
+        m.snapshot_sync_seconds.inc_by(0.5);
         m.record_checkpoint(CheckpointInfo {
             id: 1,
             kind: CheckpointKind::Checkpoint,
@@ -277,6 +289,7 @@ mod tests {
         assert!(text.contains(&format!("weir_checkpoint_duration_seconds_bucket{{{job},le=\"0.64\"}} 0\n")), "{text}");
         assert!(text.contains(&format!("weir_last_checkpoint_size_bytes{{{job}}} 3145728\n")), "{text}");
         assert!(text.contains(&format!("weir_checkpoint_alignment_seconds_total{{{job}}} 0.25\n")), "{text}");
+        assert!(text.contains(&format!("weir_checkpoint_sync_seconds_total{{{job}}} 0.5\n")), "{text}");
         assert!(text.contains("# UNIT weir_checkpoint_duration_seconds seconds\n"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
         assert!(!text.contains("_ms"), "no millisecond series are left:\n{text}");

@@ -221,25 +221,58 @@ impl<V: StateValue> KeyedState<V> {
         finish(FileKind::KeyedFull, w)
     }
 
+    /// Makes room for the entries of a full image in `[start, end)` before it is restored: a
+    /// map grown one doubling at a time moves every entry again at each doubling and touches
+    /// fresh pages each time. Only full images: an increment's puts mostly replace keys that
+    /// already exist, so its count would reserve memory the state never uses.
+    pub fn reserve_for_full_image(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), FormatError> {
+        let mut puts = 0;
+        for entry in keyed_entries(body) {
+            let entry = entry?;
+            puts +=
+                usize::from(entry.value.is_some() && entry.key_group >= key_groups.0 && entry.key_group < key_groups.1);
+        }
+        self.map.reserve(puts);
+        Ok(())
+    }
+
     /// Applies one restored state file body, keeping only key groups in `[start, end)`.
+    /// Entries are decoded in batches whose lookups run back to back before the batch is
+    /// applied (see [`Self::prefetch`]); within a file, entries apply in file order.
     pub fn restore_file(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), FormatError> {
+        const BATCH: usize = 256;
+        let mut batch: Vec<(u32, Key, Option<V>)> = Vec::with_capacity(BATCH);
         for entry in keyed_entries(body) {
             let entry = entry?;
             if entry.key_group < key_groups.0 || entry.key_group >= key_groups.1 {
                 continue;
             }
             let key = Key::decode(&mut Decoder::new(entry.key))?;
-            match entry.value {
-                Some(raw) => {
-                    let value = V::decode(&mut Decoder::new(raw))?;
-                    self.map.insert(key, Slot { value, key_group: entry.key_group, dirty: false });
+            let value = match entry.value {
+                Some(raw) => Some(V::decode(&mut Decoder::new(raw))?),
+                None => None,
+            };
+            batch.push((entry.key_group, key, value));
+            if batch.len() == BATCH {
+                self.apply_restored(&mut batch);
+            }
+        }
+        self.apply_restored(&mut batch);
+        Ok(())
+    }
+
+    fn apply_restored(&mut self, batch: &mut Vec<(u32, Key, Option<V>)>) {
+        std::hint::black_box(self.prefetch(batch.iter().map(|(_, k, _)| k)));
+        for (key_group, key, value) in batch.drain(..) {
+            match value {
+                Some(value) => {
+                    self.map.insert(key, Slot { value, key_group, dirty: false });
                 }
                 None => {
                     self.map.remove(&key);
                 }
             }
         }
-        Ok(())
     }
 
     /// After a restore: continue the restored incremental chain of `chain_len` files (same key

@@ -207,6 +207,7 @@ impl Task {
         source: Option<(&str, &mut dyn Source)>,
         alignment: Duration,
     ) -> Result<(), TaskError> {
+        let started = Instant::now();
         let mut parts = Vec::new();
         if let Some((uid, src)) = source {
             let doc = src.snapshot(barrier.id);
@@ -219,6 +220,7 @@ impl Task {
                 parts.push((uid.clone(), p));
             }
         }
+        self.metrics.snapshot_sync_seconds.inc_by(started.elapsed().as_secs_f64());
         for o in &self.outputs {
             let b = barrier.clone();
             o.broadcast(move || Message::Barrier(b.clone()))?;

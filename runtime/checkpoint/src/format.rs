@@ -231,13 +231,22 @@ impl StateFileWriter {
         self.entries += 1;
     }
 
-    /// Writes what `write` encodes behind its exact length, as [`Encoder::bytes`] would (the
-    /// bytes go through a scratch buffer; keys and values are small).
+    /// Writes what `write` encodes behind its exact length, as [`Encoder::bytes`] would. The
+    /// bytes are encoded in place behind a one-byte length that is patched afterwards; the rare
+    /// key or value of 128 bytes or more moves its bytes to make room for a longer varint.
     #[inline]
     fn length_prefixed(&mut self, write: impl FnOnce(&mut Encoder)) {
-        self.scratch.buf.clear();
-        write(&mut self.scratch);
-        self.enc.bytes(&self.scratch.buf);
+        let at = self.enc.buf.len();
+        self.enc.buf.push(0);
+        write(&mut self.enc);
+        let len = self.enc.buf.len() - at - 1;
+        if len < 0x80 {
+            self.enc.buf[at] = len as u8;
+        } else {
+            self.scratch.buf.clear();
+            self.scratch.varint(len as u64);
+            self.enc.buf.splice(at..=at, self.scratch.buf.iter().copied());
+        }
     }
 
     /// Sets the operator-state document (for [`FileKind::OperatorState`] files).

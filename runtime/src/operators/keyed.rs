@@ -32,11 +32,15 @@ impl KeyedContext {
         let mut state = KeyedState::new(self.max_parallelism, self.incremental, self.full_every);
         if let Some(r) = restore {
             for file in &r.files {
-                let (_, body) = weir_checkpoint::format::open(file)
-                    .map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
-                state
-                    .restore_file(body, self.key_groups)
-                    .map_err(|e| TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() })?;
+                let failed = |e: weir_checkpoint::format::FormatError| TaskError::Restore {
+                    uid: self.uid.clone(),
+                    reason: e.to_string(),
+                };
+                let (kind, body) = weir_checkpoint::format::open(file).map_err(failed)?;
+                if kind == weir_checkpoint::format::FileKind::KeyedFull {
+                    state.reserve_for_full_image(body, self.key_groups).map_err(failed)?;
+                }
+                state.restore_file(body, self.key_groups).map_err(failed)?;
             }
             state.after_restore(r.continue_chain, r.files.len());
         }
