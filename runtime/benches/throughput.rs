@@ -130,21 +130,7 @@ sinks:
 /// A keyed count in which every record has a key of its own (`keys` of them), checkpoints
 /// every second: its state for the restore-at-scale figure.
 fn distinct_keys_job(keys: u64) -> String {
-    format!(
-        r#"name: bench-restore
-parallelism: 1
-checkpointing: {{ interval: 1s, mode: exactly-once, incremental: true, fullEvery: 10 }}
-sources:
-  - name: src
-    uid: src
-    generator: {{ count: {keys}, fields: [ {{ name: key, sequence: {{}} }} ] }}
-operators:
-  - {{ name: by-key, keyBy: {{ fields: [key] }} }}
-  - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
-sinks:
-  - {{ name: out, blackhole: {{}} }}
-"#
-    )
+    keyed_count_job(keys, true).replace("modulo: 1000000", "sequence: {}")
 }
 
 /// Words per generated line of the CEL pipeline.
