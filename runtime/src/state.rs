@@ -229,8 +229,7 @@ impl<V: StateValue> KeyedState<V> {
         let mut puts = 0;
         for entry in keyed_entries(body) {
             let entry = entry?;
-            puts +=
-                usize::from(entry.value.is_some() && entry.key_group >= key_groups.0 && entry.key_group < key_groups.1);
+            puts += usize::from(entry.value.is_some() && owns(key_groups, entry.key_group));
         }
         self.map.reserve(puts);
         Ok(())
@@ -244,7 +243,7 @@ impl<V: StateValue> KeyedState<V> {
         let mut batch: Vec<(u32, Key, Option<V>)> = Vec::with_capacity(BATCH);
         for entry in keyed_entries(body) {
             let entry = entry?;
-            if entry.key_group < key_groups.0 || entry.key_group >= key_groups.1 {
+            if !owns(key_groups, entry.key_group) {
                 continue;
             }
             let key = Key::decode(&mut Decoder::new(entry.key))?;
@@ -285,6 +284,11 @@ impl<V: StateValue> KeyedState<V> {
         self.increments_since_full = if continue_chain { chain_len.saturating_sub(1) as u32 } else { 0 };
         self.force_full.store(!continue_chain, Ordering::Release);
     }
+}
+
+/// Whether `key_group` is in the range `[start, end)`.
+fn owns(key_groups: (u32, u32), key_group: u32) -> bool {
+    (key_groups.0..key_groups.1).contains(&key_group)
 }
 
 fn finish(kind: FileKind, w: StateFileWriter) -> KeyedSnapshot {

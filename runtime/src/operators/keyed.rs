@@ -48,6 +48,16 @@ impl KeyedContext {
     }
 }
 
+impl KeyedContext {
+    /// The keys of a batch's records, their entries brought into the caches first (see
+    /// [`KeyedState::prefetch`]).
+    pub fn prefetched_keys<V: StateValue>(&self, state: &KeyedState<V>, batch: &[Record]) -> Vec<Key> {
+        let keys: Vec<Key> = batch.iter().map(|r| Key::of(r, &self.key)).collect();
+        std::hint::black_box(state.prefetch(&keys));
+        keys
+    }
+}
+
 /// The snapshot parts of keyed state for a barrier.
 pub fn snapshot_keyed<V: StateValue>(state: &mut KeyedState<V>, barrier: &Barrier) -> StateParts {
     let keyed = if barrier.is_savepoint() { state.snapshot_full_copy() } else { state.snapshot_checkpoint() };
@@ -81,8 +91,7 @@ impl AggregateOperator {
 impl Operator for AggregateOperator {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         out.reserve(batch.len());
-        let keys: Vec<Key> = batch.iter().map(|r| Key::of(r, &self.ctx.key)).collect();
-        std::hint::black_box(self.state.prefetch(&keys));
+        let keys = self.ctx.prefetched_keys(&self.state, &batch);
         for (r, key) in batch.into_iter().zip(keys) {
             let aggregates = &self.aggregates;
             let mut fields = Fields::with_capacity(self.ctx.key.len() + self.aggregates.len());
@@ -116,8 +125,7 @@ impl DedupeOperator {
 
 impl Operator for DedupeOperator {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
-        let keys: Vec<Key> = batch.iter().map(|r| Key::of(r, &self.ctx.key)).collect();
-        std::hint::black_box(self.state.prefetch(&keys));
+        let keys = self.ctx.prefetched_keys(&self.state, &batch);
         for (r, key) in batch.into_iter().zip(keys) {
             if self.state.get(&key).is_none() {
                 self.state.update(key, || ());
