@@ -45,8 +45,12 @@ export SOURCE_DATE_EPOCH="${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/
 
 target="${CARGO_TARGET_DIR:-target}"
 t0=$(date +%s)
-log "cargo build --profile $profile -p weir-runtime -p weir-operator"
-cargo build --profile "$profile" --locked -p weir-runtime -p weir-operator >&2 || die "cargo build failed"
+# One package at a time, as each Dockerfile builds it: built together, cargo unifies their
+# dependencies' features and the runtime binary grows by about 1 MB of the operator's needs.
+for package in weir-runtime weir-operator; do
+  log "cargo build --profile $profile -p $package"
+  cargo build --profile "$profile" --locked -p "$package" >&2 || die "cargo build of $package failed"
+done
 log "built in $(( $(date +%s) - t0 ))s"
 mkdir -p "$out"
 
@@ -55,13 +59,14 @@ for name in weir-runtime weir-operator; do
   objcopy --strip-all "$target/$dir/$name" "$stripped"
   line="$(bash e2e/tools/build-image.sh --name "$registry/$name:$tag" --binary "$stripped" \
     --dest "/usr/local/bin/$name" --ca-certs --out "$out/$name-$tag.tar" \
+    --label "org.opencontainers.image.title=$name" \
     --label "org.opencontainers.image.source=$source_url" \
     --label "org.opencontainers.image.version=$version" \
     --label "org.opencontainers.image.revision=$revision" \
     --label "org.opencontainers.image.licenses=Apache-2.0" | tail -1)"
   echo "$line SIZE=$(stat -c %s "$out/$name-$tag.tar")"
   unpacked="${line##*UNPACKED=}"
-  if [[ "$name" == weir-runtime && "$profile" == release ]] && (( unpacked >= 30 * 1024 * 1024 )); then
+  if [[ "$name" == weir-runtime && "$profile" != dev ]] && (( unpacked >= 30 * 1024 * 1024 )); then
     die "the runtime image unpacks to $unpacked bytes: over its 30 MiB budget"
   fi
 done

@@ -4,7 +4,11 @@
 # The root filesystem is assembled by the same script as images/build.sh (which builds this
 # image here without Docker): the stripped binary, its shared libraries, CA certificates,
 # passwd/group with the non-root user 65532, /tmp. Nothing else: no shell, no package manager.
-FROM docker.io/library/rust:1-bookworm AS build
+# BUILD_IMAGE: the build stage's image; images/check-dockerfiles.sh passes a stand-in made
+# without a registry.
+ARG BUILD_IMAGE=docker.io/library/rust:1-bookworm
+FROM ${BUILD_IMAGE} AS build
+ARG SOURCE_DATE_EPOCH=0
 RUN apt-get update && apt-get install -y --no-install-recommends libssl-dev zlib1g-dev pkg-config \
       binutils ca-certificates && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
