@@ -18,8 +18,8 @@
 # Needs the network to Debian's mirror and crates.io (the Dockerfiles run apt-get and cargo).
 # Starts dockerd like e2e/kind/up when none runs (e2e/kind/down stops it). Prints one line per
 # image: `DOCKERFILE=<file> IMAGE=<ref> BUILD_SECONDS=<s> FILES=<n> BINARY_BYTES=<docker>/<build.sh>
-# SAME=yes`; exits non-zero with the differences otherwise. Not part of .ci/run (two cold release builds in Docker take
-# about 15 minutes here); see images/README.md for the last run's figures.
+# SAME=yes`; exits non-zero with the differences otherwise. Not part of .ci/run (two cold release
+# builds in Docker take about 11 minutes here); see images/README.md for the last run's figures.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -87,7 +87,7 @@ git diff --quiet HEAD || revision="$revision-dirty"
 epoch="$(git log -1 --format=%ct)"
 
 # Lists a root filesystem directory as `type mode uid:gid path [sha256]`, the binary's hash
-# left out (it is compared by running it).
+# left out (its size is compared, and it is run).
 listing() {  # DIR BINARY_PATH
   (cd "$1" && find . -mindepth 1 | LC_ALL=C sort | while read -r p; do
     if [[ -L "$p" ]]; then echo "l $(stat -c '%a %u:%g' "$p") ${p#.} -> $(readlink "$p")"
@@ -110,7 +110,7 @@ unpack_oci() {  # ARCHIVE DIR: the single layer of images/build.sh's archive, an
 }
 
 # Which Debian package a file of the image comes from, and that package's version here and in
-# the Dockerfiles' build stage (the build image after the Dockerfiles' own apt-get install).
+# the Dockerfile's build stage (its own image, as `docker build --target build` tags it).
 package_of() {
   case "$1" in
     /etc/ssl/certs/ca-certificates.crt) echo ca-certificates ;;
@@ -118,15 +118,8 @@ package_of() {
   esac
 }
 version_here() { dpkg-query -W -f '${Version}' "$1" 2>/dev/null; }
-build_versions="$work/build-image-packages"
-version_in_build_image() {
-  if [[ ! -s "$build_versions" ]]; then
-    docker run --rm --network host "$builder" sh -c 'apt-get update -qq >/dev/null &&
-      apt-get install -y -qq --no-install-recommends libssl-dev zlib1g-dev ca-certificates >/dev/null 2>&1;
-      dpkg-query -W -f "\${Package} \${Version}\n"' | sed 's/:amd64 / /' > "$build_versions"
-  fi
-  awk -v p="$1" '$1 == p {print $2}' "$build_versions"
-}
+version_in_build_stage() { awk -v p="$1" '$1 == p {print $2}' "$d/build-stage-packages"; }
+strip_hash() { sed 's/ [0-9a-f]\{16\}$//' "$1"; }
 failed=0 explained=0
 for name in weir-runtime weir-operator; do
   ref_line="$(line_of "$name")"
@@ -136,11 +129,16 @@ for name in weir-runtime weir-operator; do
   image="weir.local/$name:dockerfile"
   log "docker build -f images/$name.Dockerfile (build image $builder)"
   t0=$(date +%s)
-  docker build --network host -f "images/$name.Dockerfile" -t "$image" \
-    --build-arg "BUILD_IMAGE=$builder" --build-arg "REVISION=$revision" \
-    --build-arg "SOURCE_DATE_EPOCH=$epoch" . > "$d/docker-build.log" 2>&1 \
+  args=(--network host -f "images/$name.Dockerfile" --build-arg "BUILD_IMAGE=$builder"
+    --build-arg "REVISION=$revision" --build-arg "SOURCE_DATE_EPOCH=$epoch")
+  docker build "${args[@]}" -t "$image" . > "$d/docker-build.log" 2>&1 \
     || { tail -30 "$d/docker-build.log" >&2; die "docker build of $name failed (log above)"; }
   seconds=$(( $(date +%s) - t0 ))
+  # The build stage's packages, from its layers that the build above cached.
+  docker build "${args[@]}" --target build -t "$image-build-stage" . > "$d/docker-build-stage.log" 2>&1 \
+    || { tail -30 "$d/docker-build-stage.log" >&2; die "tagging the build stage of $name failed"; }
+  docker run --rm --entrypoint dpkg-query "$image-build-stage" -W -f '${Package} ${Version}\n' \
+    | sed 's/:amd64 / /' > "$d/build-stage-packages"
   # The image's own layers (docker save), not a container's file system (docker export adds
   # /etc/hosts, /etc/mtab and the like).
   mkdir -p "$d/docker/saved" "$d/docker/root"
@@ -156,15 +154,14 @@ for name in weir-runtime weir-operator; do
   # Paths, types, modes and owners must match exactly. A file's bytes may differ only when it
   # comes from a Debian package at another version in the build image than here (the shared
   # libraries and CA certificates come from each route's build environment).
-  strip_hash() { sed 's/ [0-9a-f]\{16\}$//' "$1"; }
   if ! diff -u <(strip_hash "$d/ref/files") <(strip_hash "$d/docker/files") >&2; then
     same=no; log "$name: the file lists differ (above: - build.sh, + Dockerfile)"
   fi
   while read -r path; do
     package="$(package_of "$path")"
-    here="$(version_here "$package")" there="$(version_in_build_image "$package")"
+    here="$(version_here "$package")" there="$(version_in_build_stage "$package")"
     if [[ -n "$package" && "$here" != "$there" ]]; then
-      log "$name: $path differs: Debian package $package is $here here, $there in the build image"
+      log "$name: $path differs: Debian package $package is $here here, $there in the build stage"
       explained=$((explained + 1))
     else
       same=no; log "$name: $path differs, and not by a package version (${package:-no package}: $here / $there)"
