@@ -6,6 +6,8 @@
 #   helm                  built from its Go module, for the chart's lint and render tests;
 #   openssl, curl         used by e2e/tools/start-apiserver.sh (Debian packages);
 #   libssl-dev, zlib1g-dev, cmake  librdkafka's build (the runtime's `kafka` feature);
+#   librocksdb-dev, libclang-dev   the rocksdb state backend: Debian's RocksDB 7.8 is linked
+#                         (.cargo/config.toml) and bindgen reads its headers with libclang;
 #   Apache Kafka          the broker's jars from Maven Central (.ci/kafka/pom.xml), run with Java
 #                         17 by the Kafka tests (a real broker, KRaft mode, single node).
 # Prints the environment to use (WEIR_S3S_BIN=..., WEIR_HELM_BIN=..., KUBEBUILDER_ASSETS=...,
@@ -34,7 +36,7 @@ for tool in openssl curl java mvn; do command -v "$tool" >/dev/null || missing+=
 missing=("${missing[@]/java/openjdk-17-jre-headless}")
 missing=("${missing[@]/mvn/maven}")
 # strace: the runtime test that checks local storage fsyncs before it publishes.
-for pkg in libssl-dev zlib1g-dev pkg-config strace; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+for pkg in libssl-dev zlib1g-dev pkg-config strace librocksdb-dev libclang-dev; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing ${missing[*]} (apt)" >&2
   apt-get update >&2 && apt-get install -y "${missing[@]}" >&2

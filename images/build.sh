@@ -14,7 +14,8 @@
 #   --profile    cargo profile (default dist, see Cargo.toml; `dev` is for quick local iterations)
 #
 # stdout: one line per image, `IMAGE=<ref> ARCHIVE=<file> DIGEST=<digest> UNPACKED=<bytes>
-# SIZE=<archive bytes>`. Fails when the runtime image unpacks to 30 MiB or more (its budget).
+# SIZE=<archive bytes>`. Fails when the runtime image unpacks to 48 MiB or more (its budget; RocksDB
+# and its C++ and compression libraries are 15 MB of it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { echo "[images] $*" >&2; }
@@ -66,8 +67,8 @@ for name in weir-runtime weir-operator; do
     --label "org.opencontainers.image.licenses=Apache-2.0" | tail -1)"
   echo "$line SIZE=$(stat -c %s "$out/$name-$tag.tar")"
   unpacked="${line##*UNPACKED=}"
-  if [[ "$name" == weir-runtime && "$profile" != dev ]] && (( unpacked >= 30 * 1024 * 1024 )); then
-    die "the runtime image unpacks to $unpacked bytes: over its 30 MiB budget"
+  if [[ "$name" == weir-runtime && "$profile" != dev ]] && (( unpacked >= 48 * 1024 * 1024 )); then
+    die "the runtime image unpacks to $unpacked bytes: over its 48 MiB budget"
   fi
 done
 log "done in $(( $(date +%s) - t0 ))s"

@@ -9,8 +9,10 @@
 ARG BUILD_IMAGE=docker.io/library/rust:1-bookworm
 FROM ${BUILD_IMAGE} AS build
 ARG SOURCE_DATE_EPOCH=0
+# librocksdb-dev and libclang-dev: the rocksdb state backend links Debian's RocksDB
+# (.cargo/config.toml); bindgen reads its headers with libclang.
 RUN apt-get update && apt-get install -y --no-install-recommends libssl-dev zlib1g-dev pkg-config \
-      binutils ca-certificates && rm -rf /var/lib/apt/lists/*
+      binutils ca-certificates librocksdb-dev libclang-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 RUN cargo build --profile dist --locked -p weir-runtime \

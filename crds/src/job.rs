@@ -29,6 +29,17 @@ pub struct JobSpec {
     /// What happens when a task fails inside the process.
     #[serde(default)]
     pub restart: RestartSpec,
+    /// Where keyed state (aggregates, windows, dedupe) lives between checkpoints: `heap` (in
+    /// memory; fastest) or `rocksdb` (a RocksDB store on the pod's local disk behind an
+    /// in-memory cache of `stateCacheEntries` entries per subtask, for state larger than
+    /// memory). Checkpoints and savepoints have the same format on both, so a job can switch
+    /// backend across a savepoint or a restart.
+    #[serde(default)]
+    pub state_backend: StateBackendKind,
+    /// With `stateBackend: rocksdb`, how many keyed-state entries each stateful subtask keeps
+    /// in memory (the rest are on disk). Each costs about 100 bytes plus its key and value.
+    #[serde(default = "default_state_cache_entries")]
+    pub state_cache_entries: u64,
     /// Where records come from.
     pub sources: Vec<SourceSpec>,
     /// Transformations, in order; each reads the node(s) named in `input`.
@@ -36,6 +47,22 @@ pub struct JobSpec {
     pub operators: Vec<OperatorSpec>,
     /// Where results go.
     pub sinks: Vec<SinkSpec>,
+}
+
+/// Keyed state backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "kubernetes", derive(JsonSchema))]
+#[serde(rename_all = "kebab-case")]
+pub enum StateBackendKind {
+    /// Every entry in memory.
+    #[default]
+    Heap,
+    /// RocksDB on local disk behind a bounded in-memory cache.
+    Rocksdb,
+}
+
+fn default_state_cache_entries() -> u64 {
+    1_000_000
 }
 
 fn default_parallelism() -> u32 {

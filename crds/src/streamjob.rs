@@ -11,7 +11,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::duration::HumanDuration;
-use crate::job::{default_retained, one, CheckpointMode, OperatorSpec, RetentionOnCancel, SinkSpec, SourceSpec};
+use crate::job::{
+    default_retained, one, CheckpointMode, OperatorSpec, RetentionOnCancel, SinkSpec, SourceSpec, StateBackendKind,
+};
 
 /// A stream-processing job run by Weir: its dataflow graph, parallelism, checkpointing and
 /// lifecycle.
@@ -137,6 +139,17 @@ pub struct StreamJobSpec {
     /// What to do when the job fails.
     #[serde(default)]
     pub relaunch: RelaunchPolicy,
+    /// Where keyed state lives between checkpoints: `heap` (in memory, the default) or
+    /// `rocksdb` (RocksDB on the pod's local disk behind an in-memory cache, for state larger
+    /// than the pod's memory). Checkpoints and savepoints have one format for both, so changing
+    /// it is an ordinary upgrade: the new backend restores the old one's savepoint.
+    #[serde(default)]
+    pub state_backend: StateBackendKind,
+    /// With `stateBackend: rocksdb`, the keyed-state entries each stateful subtask keeps in
+    /// memory (default 1000000; each costs about 100 bytes plus its key and value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 100").message("must be at least 100"))]
+    pub state_cache_entries: Option<u64>,
     /// CPU and memory of each runtime pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,

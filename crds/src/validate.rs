@@ -232,6 +232,9 @@ impl Validator {
         } else if spec.parallelism > spec.max_parallelism {
             self.err("job.parallelism", format!("must be <= maxParallelism ({})", spec.max_parallelism));
         }
+        if spec.state_cache_entries < 100 {
+            self.err("job.stateCacheEntries", "must be at least 100");
+        }
         let c = &spec.checkpointing;
         if c.interval.as_millis() == 0 {
             self.err("job.checkpointing.interval", "must be > 0");

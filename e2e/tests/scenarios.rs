@@ -128,8 +128,9 @@ async fn b_gitops_upgrade_takes_a_savepoint_and_stays_exactly_once() {
     s.wait_phase("counter", "Running", 60).await;
     s.wait_output(&output(&s.ns), 300, 90).await;
 
-    // The GitOps change: a new map expression and parallelism, by kubectl apply.
-    s.apply(&counter(&s.ns, 2, "v2", ""));
+    // The GitOps change: a new map expression, parallelism and state backend (heap to
+    // rocksdb: the savepoint's format is the same for both), by kubectl apply.
+    s.apply(&counter(&s.ns, 2, "v2", "  stateBackend: rocksdb\n  stateCacheEntries: 100"));
     let pods = s.pods();
     let first_uid = first.metadata.uid.clone().unwrap();
     let second = eventually("the old pod replaced", 180, || async {
@@ -393,6 +394,8 @@ async fn h_invalid_manifests_are_refused_with_a_clear_message() {
         ("interval: 1s,", "interval: 1s, retained: 0,", "spec.checkpointing.retained"),
         ("interval: 1s,", "interval: 1s, storage: 'ftp://x',", "storage must be"),
         ("imagePullPolicy: IfNotPresent", "imagePullPolicy: Sometimes", "spec.imagePullPolicy"),
+        ("parallelism: 1", "parallelism: 1\n  stateBackend: disk", "spec.stateBackend"),
+        ("parallelism: 1", "parallelism: 1\n  stateCacheEntries: 5", "spec.stateCacheEntries"),
     ];
     for (from, to, expected) in cases {
         assert!(valid.contains(from), "fixture lacks {from}");

@@ -96,6 +96,7 @@ pub fn spec_hash(sj: &StreamJob) -> String {
 pub fn job_file(sj: &StreamJob, graph: &JobGraph, storage_root: &str) -> Result<String, BuildError> {
     let s = &sj.spec;
     let c = &s.checkpointing;
+    let defaults = JobSpec::from_yaml("name: x\nsources: []\nsinks: []").expect("the smallest job file parses");
     let job = JobSpec {
         name: sj.metadata.name.clone().ok_or(BuildError::MissingMetadata("name"))?,
         parallelism: s.parallelism,
@@ -115,6 +116,8 @@ pub fn job_file(sj: &StreamJob, graph: &JobGraph, storage_root: &str) -> Result<
         },
         // In-process restarts first; the operator relaunches when they are used up.
         restart: RestartSpec { strategy: RestartStrategyKind::ExponentialBackoff, ..RestartSpec::default() },
+        state_backend: s.state_backend,
+        state_cache_entries: s.state_cache_entries.unwrap_or(defaults.state_cache_entries),
         sources: graph.sources.clone(),
         operators: graph.operators.clone(),
         sinks: graph.sinks.clone(),

@@ -680,6 +680,8 @@ mod tests {
             initial_savepoint: None,
             allow_non_restored_state: false,
             relaunch: Default::default(),
+            state_backend: Default::default(),
+            state_cache_entries: None,
             resources: None,
             pod_template: None,
         }

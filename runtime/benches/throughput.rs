@@ -85,9 +85,19 @@ fn run(yaml: &str, dir: &std::path::Path) -> Run {
     }
 }
 
+/// The job's state backend lines: the heap, or rocksdb with a cache of `cache` entries.
+fn backend_lines(rocksdb_cache: Option<u64>) -> String {
+    rocksdb_cache.map(|c| format!("stateBackend: rocksdb\nstateCacheEntries: {c}\n")).unwrap_or_default()
+}
+
 fn keyed_count_job(records: u64, checkpoints: bool) -> String {
-    format!(
-        r#"name: bench-count
+    keyed_count_job_on(records, checkpoints, None)
+}
+
+fn keyed_count_job_on(records: u64, checkpoints: bool, rocksdb_cache: Option<u64>) -> String {
+    backend_lines(rocksdb_cache)
+        + &format!(
+            r#"name: bench-count
 parallelism: 1
 checkpointing: {{ enabled: {checkpoints}, interval: 1s, mode: exactly-once, incremental: true, fullEvery: 10 }}
 sources:
@@ -100,7 +110,7 @@ operators:
 sinks:
   - {{ name: out, blackhole: {{}} }}
 "#
-    )
+        )
 }
 
 fn window_job(records: u64, checkpoints: bool) -> String {
@@ -215,7 +225,7 @@ fn baseline(records: u64) -> (f64, usize) {
     (rate, std::hint::black_box(map.len()))
 }
 
-fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize) -> (f64, u64) {
+fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize, rocksdb: bool) -> (f64, u64) {
     let storage = weir_checkpoint::Storage::open(&dir.display().to_string()).unwrap();
     let (valid, _) = weir_runtime::io().block_on(weir_checkpoint::recovery::restorable_checkpoints(&storage)).unwrap();
     let newest = valid.first().expect("a checkpoint to restore");
@@ -229,11 +239,17 @@ fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize) -> (f64,
         key_groups: (0, 128),
         incremental: true,
         full_every: 10,
+        store: rocksdb
+            .then(|| weir_runtime::state::StoreSettings { parent_dir: dir.join("stores"), cache_entries: 1_000_000 }),
     };
     let state: weir_runtime::state::KeyedState<weir_runtime::operators::accumulators::AccList> =
         ctx.state(Some(&keyed)).unwrap();
     let secs = t0.elapsed().as_secs_f64();
-    assert_eq!(state.len(), expected_keys, "every key restored");
+    if rocksdb {
+        assert_eq!(state.evicted() as usize, expected_keys, "every key restored into the store");
+    } else {
+        assert_eq!(state.cached_len(), expected_keys, "every key restored");
+    }
     (secs / (restored.bytes as f64 / (1u64 << 30) as f64), restored.bytes)
 }
 
@@ -264,7 +280,24 @@ fn main() {
         offs.iter().zip(&ons).map(|(a, b)| format!("{:+.1}%", (1.0 - b.per_cpu() / a.per_cpu()) * 100.0)).collect();
     let off = median_run(offs);
     let on = median_run(ons);
-    let (restore_s_per_gib, restore_bytes) = restore_seconds_per_gib(&tmp.path().join("count-on-0"), distinct_keys);
+    let (restore_s_per_gib, restore_bytes) =
+        restore_seconds_per_gib(&tmp.path().join("count-on-0"), distinct_keys, false);
+    let (restore_rocksdb_s_per_gib, _) = restore_seconds_per_gib(&tmp.path().join("count-on-0"), distinct_keys, true);
+    // The rocksdb backend: with a cache that holds every key (1M), and with one that holds a
+    // tenth of them, so that most updates miss the cache and read the store.
+    // A quarter of the records: each key is still updated three times on average.
+    let rocksdb_records = count_records / 4;
+    let mut rocksdb_rows = Vec::new();
+    for cache in [1_000_000u64, 100_000] {
+        for checkpoints in [false, true] {
+            let dir = tmp.path().join(format!("count-rocksdb-{cache}-{checkpoints}"));
+            rocksdb_rows.push((
+                cache,
+                checkpoints,
+                run(&keyed_count_job_on(rocksdb_records, checkpoints, Some(cache)), &dir),
+            ));
+        }
+    }
     let w_off = run(&window_job(window_records, false), &tmp.path().join("win-off"));
     let w_on = run(&window_job(window_records, true), &tmp.path().join("win-on"));
     let cel_lines = (1_000_000.0 * scale) as u64;
@@ -281,7 +314,12 @@ fn main() {
         ("keyed count, 1M keys", "1 s", &on),
         ("sliding window 10s/1s, 1K keys", "off", &w_off),
         ("sliding window 10s/1s, 1K keys", "1 s", &w_on),
-    ] {
+    ]
+    .into_iter()
+    .map(|(name, ck, r)| (name.to_string(), ck, r))
+    .chain(rocksdb_rows.iter().map(|(cache, checkpoints, r)| {
+        (format!("keyed count, 1M keys, rocksdb, cache {}K", cache / 1000), if *checkpoints { "1 s" } else { "off" }, r)
+    })) {
         let mean_kib = if r.bytes.is_empty() { 0 } else { r.bytes.iter().sum::<u64>() / r.bytes.len() as u64 / 1024 };
         println!(
             "| {name} | {ck} | {} | {:.2}M | {:.2}M | {:.2}× | {} | {} | {} | {} | {:.1} |",
@@ -313,7 +351,19 @@ fn main() {
         (1.0 - w_on.rate() / w_off.rate()) * 100.0,
         (1.0 - w_on.per_cpu() / w_off.per_cpu()) * 100.0
     );
+    for pair in rocksdb_rows.chunks(2) {
+        println!(
+            "rocksdb backend, cache {}K: {:.2}× the heap backend's records/CPU-s without checkpoints, \
+             checkpoint overhead {:+.1}% records/CPU-s",
+            pair[0].0 / 1000,
+            pair[0].2.per_cpu() / off.per_cpu(),
+            (1.0 - pair[1].2.per_cpu() / pair[0].2.per_cpu()) * 100.0
+        );
+    }
     if smoke {
+        for (_, _, r) in &rocksdb_rows {
+            assert_eq!(r.records, rocksdb_records);
+        }
         assert_eq!(off.records, count_records);
         assert_eq!(on.records, count_records);
         assert!(on.checkpoints >= 1, "at least the final checkpoint");
@@ -333,16 +383,18 @@ fn main() {
         tree / interpreter
     );
     println!(
-        "restore: {:.2} s per GiB (newest keyed-count checkpoint, {} MiB, read + verified + rebuilt)",
+        "restore: {:.2} s per GiB (newest keyed-count checkpoint, {} MiB, read + verified + rebuilt); \
+         onto the rocksdb backend {:.2} s per GiB",
         restore_s_per_gib,
-        restore_bytes >> 20
+        restore_bytes >> 20,
+        restore_rocksdb_s_per_gib
     );
     // Restore at scale, on request: WEIR_BENCH_RESTORE_KEYS distinct keys (about 12 bytes each
     // in a state file and 72 in memory: 90M keys make a 1 GiB checkpoint and 6.5 GB of heap).
     if let Some(keys) = std::env::var("WEIR_BENCH_RESTORE_KEYS").ok().and_then(|s| s.parse::<u64>().ok()) {
         let dir = tmp.path().join("restore-at-scale");
         let job = run(&distinct_keys_job(keys), &dir);
-        let (s_per_gib, bytes) = restore_seconds_per_gib(&dir, keys as usize);
+        let (s_per_gib, bytes) = restore_seconds_per_gib(&dir, keys as usize, false);
         println!(
             "restore at scale: {keys} keys, {} MiB of checkpoint files, {:.2} s per GiB \
              (the job that built it: {:.2}M records/CPU-s, {:.1} s)",

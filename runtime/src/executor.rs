@@ -13,7 +13,7 @@ use weir_checkpoint::{
     epoch, layout, recovery, retention, CheckpointMetadata, OperatorSnapshot, SnapshotKind, Storage,
 };
 use weir_crds::control::{CheckpointInfo, CheckpointKind, CheckpointOutcome, JobState, SavepointStatus};
-use weir_crds::job::{RestartStrategyKind, RetentionOnCancel};
+use weir_crds::job::{RestartStrategyKind, RetentionOnCancel, StateBackendKind};
 use weir_crds::validate::{NodeKind, ValidatedJob};
 
 use crate::faults::{Fault, FaultPlan, Faults};
@@ -31,6 +31,7 @@ use crate::sinks::stdout::{BlackholeSink, StdoutSink};
 use crate::sources::file::FileSource;
 use crate::sources::generator::GeneratorSource;
 use crate::sources::Source;
+use crate::state::StoreSettings;
 use crate::task::{Head, Output, Task, TaskEnd};
 
 /// Capacity of a data channel, in batches: the backpressure window.
@@ -763,6 +764,10 @@ impl Executor<'_> {
             key_groups,
             incremental: job.spec.checkpointing.incremental,
             full_every: job.spec.checkpointing.full_every,
+            store: (job.spec.state_backend == StateBackendKind::Rocksdb).then(|| StoreSettings {
+                parent_dir: local_state_dir(),
+                cache_entries: job.spec.state_cache_entries.try_into().unwrap_or(usize::MAX),
+            }),
         };
         let keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
         if let Some(k) = &keyed_restore {
@@ -1108,4 +1113,10 @@ fn fenced_or_failed(e: epoch::EpochError) -> AttemptEnd {
         epoch::EpochError::Superseded { .. } => AttemptEnd::Fenced(e),
         other => AttemptEnd::Failed(format!("checking the epoch: {other}")),
     }
+}
+
+/// Where the rocksdb backend's stores go: `weir-state` in the temporary directory (`TMPDIR`,
+/// else `/tmp`; in a pod, the `scratch` emptyDir volume mounted there).
+fn local_state_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join("weir-state")
 }

@@ -41,6 +41,14 @@ pub enum TaskError {
         /// Why.
         reason: String,
     },
+    /// The keyed state's store failed (rocksdb backend: local disk).
+    #[error("keyed state of `{uid}`: {source}")]
+    State {
+        /// Operator uid.
+        uid: String,
+        /// The store's error.
+        source: crate::state::StoreError,
+    },
     /// A channel closed: the job is being torn down.
     #[error("job is shutting down")]
     Shutdown,

@@ -137,7 +137,7 @@ async fn upload(
                 if savepoint_dir.is_none() && kind == FileKind::KeyedIncrement && chain.broken {
                     return Err(format!("`{uid}`: an earlier increment was lost; waiting for a full image"));
                 }
-                let (data, crc) = (keyed.data, keyed.crc32c);
+                let (len, crc) = (keyed.len(), keyed.crc32c);
                 let rel = match &savepoint_dir {
                     Some(_) => layout::savepoint_keyed_file(&uid, job.subtask),
                     None => layout::shared_keyed_file(&uid, job.subtask, job.barrier.id, epoch),
@@ -145,11 +145,14 @@ async fn upload(
                 if faults.fires(Fault::Upload) {
                     return Err(format!("injected fault: upload of {rel} failed"));
                 }
-                let len = data.len() as u64;
-                storage
-                    .put(&layout::resolve(&base, &rel), data)
-                    .await
-                    .map_err(|e| format!("uploading keyed state of `{uid}`: {e}"))?;
+                let target = layout::resolve(&base, &rel);
+                match &keyed.file {
+                    // A full image larger than memory, streamed from local disk.
+                    Some(file) => storage.put_file(&target, &file.path).await,
+                    None => storage.put(&target, keyed.data.clone()).await,
+                }
+                .map_err(|e| format!("uploading keyed state of `{uid}`: {e}"))?;
+                drop(keyed);
                 ack.bytes += len;
                 let file = FileRef { path: rel, len, crc32c: crc };
                 if savepoint_dir.is_some() {

@@ -9,6 +9,9 @@
 //! duplicated and unexpected all 0), and every published file must be listed, with its length
 //! and CRC-32C, in a commit manifest.
 //!
+//! Each run picks the heap or the rocksdb state backend at random (the latter with a cache of
+//! 100 entries, so most keys are on disk), so restores cross between the two backends.
+//!
 //! The campaign seed is printed; `WEIR_CHAOS_SEED=<seed>` replays the same kill schedule.
 //! `WEIR_CHAOS_KILLS=<n>` sets the kills per campaign for a soak run (default: 70, 70 and 60,
 //! plus as many as the file source lasts for: over 200 in all).
@@ -361,6 +364,8 @@ struct Tally {
     aborts: u64,
     corrupted: u64,
     rescales: u64,
+    /// Runs on the rocksdb backend (the others ran on the heap backend).
+    rocksdb_runs: u64,
 }
 
 /// Runs one shape through a campaign and checks it against an undisturbed run.
@@ -397,7 +402,14 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
         let r = mix64(campaign_seed ^ round);
         let must_finish = tally.kills >= c.kills;
         let job_file = dir.path().join(format!("job-{round}.yaml"));
-        std::fs::write(&job_file, (shape.yaml)(&out, if must_finish { None } else { c.rate }, parallelism)).unwrap();
+        let mut yaml = (shape.yaml)(&out, if must_finish { None } else { c.rate }, parallelism);
+        // Each run picks a state backend: restores cross from one to the other all the time,
+        // and the rocksdb runs' cache is small enough that most keys live on disk.
+        if (r >> 40).is_multiple_of(2) {
+            yaml.push_str("stateBackend: rocksdb\nstateCacheEntries: 100\n");
+            tally.rocksdb_runs += 1;
+        }
+        std::fs::write(&job_file, yaml).unwrap();
         let rescale = !must_finish && c.rescale_every.is_some_and(|n| r.is_multiple_of(n));
         let port = free_port();
         let mut cmd = bin();
@@ -512,6 +524,12 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
             );
         }
     }
+    assert!(
+        tally.rocksdb_runs > 0 && tally.rocksdb_runs < round,
+        "{}: both state backends ran (seed {}, {tally:?}, {round} rounds)",
+        shape.name,
+        seed()
+    );
     eprintln!("{}: {tally:?} (seed {})", shape.name, seed());
     record_faults(tally.kills + tally.aborts + tally.corrupted);
     tally

@@ -267,6 +267,66 @@ impl StateFileWriter {
     }
 }
 
+/// Writes one keyed state file to a [`std::io::Write`] as it is built, for files too large to
+/// hold in memory (the rocksdb backend's full images). The bytes are those
+/// [`StateFileWriter`] would produce for the same entries.
+pub struct StateFileStream<W: std::io::Write> {
+    out: W,
+    buf: Encoder,
+    /// CRC-32C of the bytes written to `out` so far.
+    crc: u32,
+    len: u64,
+    entries: u64,
+}
+
+impl<W: std::io::Write> StateFileStream<W> {
+    /// Bytes buffered before they are written out.
+    const FLUSH_AT: usize = 1 << 20;
+
+    /// Starts a file of `kind` on `out`.
+    pub fn new(kind: FileKind, out: W) -> Self {
+        let mut buf = Encoder::with_capacity(Self::FLUSH_AT + 4096);
+        buf.buf.extend_from_slice(MAGIC);
+        buf.u8(kind as u8);
+        StateFileStream { out, buf, crc: 0, len: 0, entries: 0 }
+    }
+
+    /// Adds a keyed put of an encoded key and value.
+    pub fn put(&mut self, key_group: u32, key: &[u8], value: &[u8]) -> std::io::Result<()> {
+        self.buf.varint(u64::from(key_group));
+        self.buf.bytes(key);
+        self.buf.u8(1);
+        self.buf.bytes(value);
+        self.entries += 1;
+        if self.buf.buf.len() >= Self::FLUSH_AT {
+            self.flush_buf()?;
+        }
+        Ok(())
+    }
+
+    fn flush_buf(&mut self) -> std::io::Result<()> {
+        self.crc = crc32c::crc32c_append(self.crc, &self.buf.buf);
+        self.out.write_all(&self.buf.buf)?;
+        self.len += self.buf.buf.len() as u64;
+        self.buf.buf.clear();
+        Ok(())
+    }
+
+    /// Number of keyed entries written.
+    pub fn entries(&self) -> u64 {
+        self.entries
+    }
+
+    /// Seals the file with its checksum; returns the writer, the file's length and its CRC-32C.
+    pub fn finish(mut self) -> std::io::Result<(W, u64, u32)> {
+        self.flush_buf()?;
+        let trailer = self.crc.to_le_bytes();
+        self.out.write_all(&trailer)?;
+        self.out.flush()?;
+        Ok((self.out, self.len + 4, crc32c::crc32c_append(self.crc, &trailer)))
+    }
+}
+
 /// One keyed entry read back.
 #[derive(Debug, PartialEq, Eq)]
 pub struct KeyedEntry<'a> {

@@ -263,6 +263,26 @@ impl Storage {
         self.sync_local(&[rel]).map_err(local_io("fsync", rel))
     }
 
+    /// Writes the local file `local` at `rel` as one object, streamed in parts (a file may be
+    /// larger than memory).
+    pub async fn put_file(&self, rel: &str, local: &std::path::Path) -> Result<(), StorageError> {
+        use std::io::Read;
+        let mut file = std::fs::File::open(local).map_err(local_io("open", rel))?;
+        let upload = self.store.put_multipart(&self.full(rel)).await.map_err(io("put", rel))?;
+        let mut writer = object_store::WriteMultipart::new_with_chunk_size(upload, 8 << 20);
+        let mut chunk = vec![0u8; 1 << 20];
+        loop {
+            let n = file.read(&mut chunk).map_err(local_io("read", rel))?;
+            if n == 0 {
+                break;
+            }
+            writer.wait_for_capacity(4).await.map_err(io("put", rel))?;
+            writer.write(&chunk[..n]);
+        }
+        writer.finish().await.map_err(io("put", rel))?;
+        self.sync_local(&[rel]).map_err(local_io("fsync", rel))
+    }
+
     /// Writes an object only if none exists under that name (S3 `If-None-Match: *`, a hard
     /// link on a filesystem): [`StorageError::AlreadyExists`] when another writer was first.
     pub async fn put_if_absent(&self, rel: &str, data: Bytes) -> Result<(), StorageError> {

@@ -6,7 +6,7 @@ use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
 use crate::operators::accumulators::{AccList, Aggregates};
 use crate::restore::KeyedRestore;
-use crate::state::{KeyedState, StateValue};
+use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings};
 use crate::value::{Fields, Key, Record};
 
 /// Settings every keyed operator needs.
@@ -24,12 +24,19 @@ pub struct KeyedContext {
     pub incremental: bool,
     /// Full image every N checkpoints.
     pub full_every: u32,
+    /// The rocksdb backend's settings; `None` for the heap backend.
+    pub store: Option<StoreSettings>,
 }
 
 impl KeyedContext {
-    /// Empty state, filled from `restore` when given.
+    /// Empty state on the job's backend, filled from `restore` when given.
     pub fn state<V: StateValue>(&self, restore: Option<&KeyedRestore>) -> Result<KeyedState<V>, TaskError> {
         let mut state = KeyedState::new(self.max_parallelism, self.incremental, self.full_every);
+        if let Some(settings) = &self.store {
+            let label = format!("{}-kg{}", self.uid, self.key_groups.0);
+            let store = StateStore::open(&settings.parent_dir, &label).map_err(|e| self.state_failed(e))?;
+            state = state.on_store(store, settings.cache_entries);
+        }
         if let Some(r) = restore {
             for file in &r.files {
                 let failed = |e: weir_checkpoint::format::FormatError| TaskError::Restore {
@@ -40,31 +47,45 @@ impl KeyedContext {
                 if kind == weir_checkpoint::format::FileKind::KeyedFull {
                     state.reserve_for_full_image(body, self.key_groups).map_err(failed)?;
                 }
-                state.restore_file(body, self.key_groups).map_err(failed)?;
+                state.restore_file(body, self.key_groups).map_err(|e| match e {
+                    StoreError::Decode(e) => failed(e),
+                    e => self.state_failed(e),
+                })?;
             }
             state.after_restore(r.continue_chain, r.files.len());
         }
         Ok(state)
     }
-}
 
-impl KeyedContext {
-    /// The keys of a batch's records, their entries brought into the caches first (see
-    /// [`KeyedState::prefetch`]).
-    pub fn prefetched_keys<V: StateValue>(&self, state: &KeyedState<V>, batch: &[Record]) -> Vec<Key> {
-        let keys: Vec<Key> = batch.iter().map(|r| Key::of(r, &self.key)).collect();
-        std::hint::black_box(state.prefetch(&keys));
-        keys
+    /// The task error for a failure of the state's store.
+    pub fn state_failed(&self, source: StoreError) -> TaskError {
+        TaskError::State { uid: self.uid.clone(), source }
     }
-}
 
-/// The snapshot parts of keyed state for a barrier.
-pub fn snapshot_keyed<V: StateValue>(state: &mut KeyedState<V>, barrier: &Barrier) -> StateParts {
-    let keyed = if barrier.is_savepoint() { state.snapshot_full_copy() } else { state.snapshot_checkpoint() };
-    StateParts {
-        keyed: Some(keyed),
-        force_full: (!barrier.is_savepoint()).then(|| state.force_full_flag()),
-        ..StateParts::default()
+    /// The keys of a batch's records, prepared for the batch's updates (see
+    /// [`KeyedState::prefetch`]).
+    pub fn prefetched_keys<V: StateValue>(
+        &self,
+        state: &mut KeyedState<V>,
+        batch: &[Record],
+    ) -> Result<Vec<Key>, TaskError> {
+        let keys: Vec<Key> = batch.iter().map(|r| Key::of(r, &self.key)).collect();
+        std::hint::black_box(state.prefetch(&keys).map_err(|e| self.state_failed(e))?);
+        Ok(keys)
+    }
+
+    /// The snapshot parts of keyed state for a barrier.
+    pub fn snapshot<V: StateValue>(
+        &self,
+        state: &mut KeyedState<V>,
+        barrier: &Barrier,
+    ) -> Result<StateParts, TaskError> {
+        let keyed = if barrier.is_savepoint() { state.snapshot_full_copy() } else { state.snapshot_checkpoint() };
+        Ok(StateParts {
+            keyed: Some(keyed.map_err(|e| self.state_failed(e))?),
+            force_full: (!barrier.is_savepoint()).then(|| state.force_full_flag()),
+            ..StateParts::default()
+        })
     }
 }
 
@@ -91,12 +112,15 @@ impl AggregateOperator {
 impl Operator for AggregateOperator {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         out.reserve(batch.len());
-        let keys = self.ctx.prefetched_keys(&self.state, &batch);
+        let keys = self.ctx.prefetched_keys(&mut self.state, &batch)?;
         for (r, key) in batch.into_iter().zip(keys) {
             let aggregates = &self.aggregates;
             let mut fields = Fields::with_capacity(self.ctx.key.len() + self.aggregates.len());
             fields.extend(key.values().iter().cloned());
-            let accs = self.state.update(key, || AccList(aggregates.init()));
+            let accs = match self.state.update(key, || AccList(aggregates.init())) {
+                Ok(accs) => accs,
+                Err(e) => return Err(self.ctx.state_failed(e)),
+            };
             aggregates.add(&mut accs.0, &r);
             Aggregates::results(&accs.0, &mut fields);
             out.push(Record { time: r.time, fields });
@@ -105,7 +129,7 @@ impl Operator for AggregateOperator {
     }
 
     fn snapshot(&mut self, barrier: &Barrier) -> Result<StateParts, TaskError> {
-        Ok(snapshot_keyed(&mut self.state, barrier))
+        self.ctx.snapshot(&mut self.state, barrier)
     }
 }
 
@@ -125,10 +149,9 @@ impl DedupeOperator {
 
 impl Operator for DedupeOperator {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
-        let keys = self.ctx.prefetched_keys(&self.state, &batch);
+        let keys = self.ctx.prefetched_keys(&mut self.state, &batch)?;
         for (r, key) in batch.into_iter().zip(keys) {
-            if self.state.get(&key).is_none() {
-                self.state.update(key, || ());
+            if self.state.insert_new(key, ()).map_err(|e| self.ctx.state_failed(e))? {
                 out.push(r);
             }
         }
@@ -136,6 +159,6 @@ impl Operator for DedupeOperator {
     }
 
     fn snapshot(&mut self, barrier: &Barrier) -> Result<StateParts, TaskError> {
-        Ok(snapshot_keyed(&mut self.state, barrier))
+        self.ctx.snapshot(&mut self.state, barrier)
     }
 }

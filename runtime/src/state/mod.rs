@@ -1,0 +1,1122 @@
+//! Keyed state of one operator subtask, on one of two backends:
+//!
+//! - **heap**: a hash map holding every entry;
+//! - **rocksdb**: the same map as a bounded write-back cache in front of a RocksDB store on
+//!   local disk ([`store`]), so that state may outgrow memory.
+//!
+//! Entries carry their key group, and change tracking makes a checkpoint's synchronous part cost
+//! O(changed keys). A snapshot encodes the entries changed since the previous snapshot (or all
+//! of them for a full image) into an owned [`KeyedSnapshot`] in the canonical state-file format,
+//! whichever the backend: a checkpoint or savepoint taken on one backend restores on the other,
+//! and at any parallelism (entries are filtered by key group). Upload happens later, off the task
+//! thread. Savepoints take full copies without disturbing change tracking, so the next
+//! incremental checkpoint still holds every change since the previous checkpoint.
+
+pub mod store;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+use weir_checkpoint::format::{
+    keyed_entries, Decoder, Encoder, FileKind, FormatError, StateFileStream, StateFileWriter,
+};
+
+pub use store::{StateStore, StoreError, StoreSettings};
+
+use crate::value::Key;
+
+/// The largest full image the rocksdb backend keeps in memory; larger ones go to local disk.
+pub const FULL_IMAGE_IN_MEMORY: usize = 8 << 20;
+
+/// A state value that can be written to and read from state files.
+pub trait StateValue: Clone + Send + 'static {
+    /// Binary encoding.
+    fn encode(&self, e: &mut Encoder);
+    /// Reads what `encode` wrote.
+    fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError>;
+}
+
+impl StateValue for () {
+    fn encode(&self, _: &mut Encoder) {}
+    fn decode(_: &mut Decoder<'_>) -> Result<Self, FormatError> {
+        Ok(())
+    }
+}
+
+struct Slot<V> {
+    value: V,
+    key_group: u32,
+    dirty: bool,
+    /// Read or written since the cache last looked for entries to evict (second chance).
+    touched: bool,
+    /// (rocksdb backend) The store holds this value: evicting the entry writes nothing.
+    stored: bool,
+}
+
+/// The `rocksdb` backend's store and the bound of the cache in front of it.
+struct Spill {
+    store: StateStore,
+    cache_entries: usize,
+    /// Keys the last [`KeyedState::prefetch`] found in neither the cache nor the store: the
+    /// batch's updates create them without reading the store again. A key leaves the set when
+    /// it is inserted (it may be evicted to the store later in the batch).
+    absent: FxHashSet<Key>,
+    /// Full images larger than this many bytes are written to a file, not held in memory.
+    full_image_in_memory: usize,
+    /// Entries written to the store by evictions and restores (for metrics and tests).
+    evicted: u64,
+}
+
+/// Keyed state of one operator subtask.
+pub struct KeyedState<V> {
+    /// Every entry (heap backend), or the cached ones (rocksdb backend).
+    map: FxHashMap<Key, Slot<V>>,
+    /// Keys changed since the last snapshot. With the heap backend, only while few: once more
+    /// than a quarter of the keys changed, the next snapshot scans the dirty flags instead and
+    /// the list stops growing. With the rocksdb backend always, and it may repeat keys (an
+    /// entry evicted while dirty leaves the map, and so its flag).
+    changed: Vec<Key>,
+    scan: bool,
+    deleted: Vec<(u32, Key)>,
+    max_parallelism: u32,
+    incremental: bool,
+    full_every: u32,
+    increments_since_full: u32,
+    force_full: Arc<AtomicBool>,
+    spill: Option<Spill>,
+}
+
+/// A snapshot of keyed state, already encoded as a state file by the task thread (encoding the
+/// changed entries costs what copying them would, and the bytes are what the uploader needs).
+pub struct KeyedSnapshot {
+    /// Full image or increment.
+    pub kind: FileKind,
+    /// The state file (empty when it is in `file`).
+    pub data: bytes::Bytes,
+    /// The state file on local disk instead, when it was too large to hold in memory (the
+    /// rocksdb backend's full images). Deleted when dropped.
+    pub file: Option<LocalStateFile>,
+    /// Its CRC-32C.
+    pub crc32c: u32,
+    /// Entries written.
+    pub entries: u64,
+}
+
+impl<V: StateValue> KeyedState<V> {
+    /// Empty heap state. `incremental` and `full_every` come from the job's checkpointing
+    /// settings.
+    pub fn new(max_parallelism: u32, incremental: bool, full_every: u32) -> Self {
+        KeyedState {
+            map: FxHashMap::default(),
+            changed: Vec::new(),
+            scan: false,
+            deleted: Vec::new(),
+            max_parallelism,
+            incremental,
+            full_every: full_every.max(1),
+            increments_since_full: 0,
+            // The first checkpoint of a run is always a full image.
+            force_full: Arc::new(AtomicBool::new(true)),
+            spill: None,
+        }
+    }
+
+    /// Empty state on the rocksdb backend: at most `cache_entries` entries in memory, the rest
+    /// in `store`.
+    pub fn on_store(mut self, store: StateStore, cache_entries: usize) -> Self {
+        self.spill = Some(Spill {
+            store,
+            cache_entries: cache_entries.max(1),
+            absent: FxHashSet::default(),
+            full_image_in_memory: FULL_IMAGE_IN_MEMORY,
+            evicted: 0,
+        });
+        self
+    }
+
+    /// The flag the uploader raises when an upload failed (the next snapshot must be full).
+    pub fn force_full_flag(&self) -> Arc<AtomicBool> {
+        self.force_full.clone()
+    }
+
+    /// Number of entries in memory: every key on the heap backend, the cached ones otherwise.
+    pub fn cached_len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Entries the rocksdb backend's cache wrote to its store so far (0 on the heap backend).
+    pub fn evicted(&self) -> u64 {
+        self.spill.as_ref().map_or(0, |s| s.evicted)
+    }
+
+    /// The key group of a key.
+    #[inline]
+    pub fn key_group(&self, key: &Key) -> u32 {
+        key.key_group(self.max_parallelism)
+    }
+
+    /// Brings a key's entry from the store into the cache when it is only in the store; whether
+    /// the key exists. Heap backend: whether it is in the map.
+    fn load(&mut self, key: &Key) -> Result<bool, StoreError> {
+        if self.map.contains_key(key) {
+            return Ok(true);
+        }
+        let Some(spill) = &self.spill else { return Ok(false) };
+        if spill.absent.contains(key) {
+            return Ok(false);
+        }
+        let key_group = key.key_group(self.max_parallelism);
+        let mut raw = Vec::with_capacity(16);
+        StateStore::encode_key(key_group, key, &mut raw);
+        let Some(stored) = spill.store.get(&raw)? else { return Ok(false) };
+        let value = V::decode(&mut Decoder::new(&stored))?;
+        drop(stored);
+        self.make_room(1)?;
+        self.map.insert(key.clone(), Slot { value, key_group, dirty: false, touched: true, stored: true });
+        Ok(true)
+    }
+
+    /// Evicts entries (writing the dirty ones to the store) until `incoming` more fit in the
+    /// cache. Evicts an eighth of the cache at once so that the pass over the map, which
+    /// gives recently used entries a second chance, is paid once per many insertions.
+    fn make_room(&mut self, incoming: usize) -> Result<(), StoreError> {
+        let Some(spill) = &mut self.spill else { return Ok(()) };
+        let capacity = spill.cache_entries;
+        if self.map.len() + incoming <= capacity {
+            return Ok(());
+        }
+        let target = capacity.saturating_sub(incoming.max(capacity / 8));
+        let mut excess = self.map.len().saturating_sub(target);
+        let mut batch = rocksdb::WriteBatch::default();
+        let mut raw_key = Vec::with_capacity(32);
+        let mut value = Encoder::default();
+        let mut written = 0u64;
+        for second_chance in [true, false] {
+            if excess == 0 {
+                break;
+            }
+            self.map.retain(|k, s| {
+                if excess == 0 {
+                    return true;
+                }
+                if second_chance && s.touched {
+                    s.touched = false;
+                    return true;
+                }
+                if !s.stored {
+                    raw_key.clear();
+                    StateStore::encode_key(s.key_group, k, &mut raw_key);
+                    value.buf.clear();
+                    s.value.encode(&mut value);
+                    batch.put(&raw_key, &value.buf);
+                    written += 1;
+                }
+                excess -= 1;
+                false
+            });
+        }
+        spill.evicted += written;
+        spill.store.write(batch)
+    }
+
+    /// The value of a key, for reading.
+    pub fn get(&mut self, key: &Key) -> Result<Option<&V>, StoreError> {
+        if self.spill.is_some() {
+            self.load(key)?;
+        }
+        Ok(self.map.get_mut(key).map(|s| {
+            s.touched = true;
+            &s.value
+        }))
+    }
+
+    /// Inserts `key` with `value` unless it exists; whether it was inserted. One lookup where
+    /// [`Self::get`] then [`Self::update`] would take two (two store reads for a new key).
+    pub fn insert_new(&mut self, key: Key, value: V) -> Result<bool, StoreError> {
+        if self.load(&key)? {
+            return Ok(false);
+        }
+        self.make_room(1)?;
+        let key_group = key.key_group(self.max_parallelism);
+        if !self.scan {
+            self.changed.push(key.clone());
+        }
+        if let Some(spill) = &mut self.spill {
+            spill.absent.remove(&key);
+        }
+        self.map.insert(key, Slot { value, key_group, dirty: true, touched: true, stored: false });
+        Ok(true)
+    }
+
+    /// Prepares a batch's keys before the batch updates them, and returns how many exist.
+    ///
+    /// Heap backend: brings their entries into the CPU's caches. A lookup's time is mostly two
+    /// cache misses (the control bytes, then the entry); in a loop that does nothing else the
+    /// CPU overlaps the misses of many independent lookups, where interleaved with each
+    /// record's other work it waits for them one by one. On the 1M-key count (parallelism 2)
+    /// this took the job from 3.1M to 4.2M records per CPU-second.
+    ///
+    /// Rocksdb backend: reads the keys missing from the cache from the store in one call.
+    pub fn prefetch<'k>(&mut self, keys: impl IntoIterator<Item = &'k Key>) -> Result<usize, StoreError> {
+        if self.spill.is_none() {
+            return Ok(keys.into_iter().filter(|k| self.map.contains_key(*k)).count());
+        }
+        let mut present = 0;
+        let mut seen = FxHashSet::default();
+        let mut missing: Vec<(&Key, u32)> = Vec::new();
+        for k in keys {
+            if self.map.contains_key(k) {
+                present += 1;
+            } else if seen.insert(k) {
+                missing.push((k, k.key_group(self.max_parallelism)));
+            }
+        }
+        let spill = self.spill.as_mut().expect("checked above");
+        spill.absent.clear();
+        if missing.is_empty() {
+            return Ok(present);
+        }
+        let raw: Vec<Vec<u8>> = missing
+            .iter()
+            .map(|(k, kg)| {
+                let mut raw = Vec::with_capacity(16);
+                StateStore::encode_key(*kg, k, &mut raw);
+                raw
+            })
+            .collect();
+        let found = spill.store.multi_get(&raw)?;
+        let mut loaded: Vec<(Key, u32, V)> = Vec::with_capacity(found.len());
+        for ((k, kg), v) in missing.into_iter().zip(found) {
+            match v {
+                Some(v) => loaded.push((k.clone(), kg, V::decode(&mut Decoder::new(&v))?)),
+                None => {
+                    spill.absent.insert(k.clone());
+                }
+            }
+        }
+        self.make_room(loaded.len())?;
+        present += loaded.len();
+        for (key, key_group, value) in loaded {
+            self.map.insert(key, Slot { value, key_group, dirty: false, touched: true, stored: true });
+        }
+        Ok(present)
+    }
+
+    /// The value of a key for update, created with `init` when absent; marks it changed.
+    #[inline]
+    pub fn update(&mut self, key: Key, init: impl FnOnce() -> V) -> Result<&mut V, StoreError> {
+        use std::collections::hash_map::Entry;
+        if self.spill.is_some() && !self.load(&key)? {
+            self.make_room(1)?;
+        }
+        let len = self.map.len();
+        let track_all = self.spill.is_some();
+        match self.map.entry(key) {
+            Entry::Occupied(o) => {
+                if !o.get().dirty && !self.scan {
+                    self.changed.push(o.key().clone());
+                    self.scan = !track_all && self.changed.len() * 4 > len;
+                }
+                let slot = o.into_mut();
+                slot.dirty = true;
+                slot.touched = true;
+                slot.stored = false;
+                Ok(&mut slot.value)
+            }
+            Entry::Vacant(v) => {
+                let key_group = v.key().key_group(self.max_parallelism);
+                if !self.scan {
+                    self.changed.push(v.key().clone());
+                }
+                if let Some(spill) = &mut self.spill {
+                    spill.absent.remove(v.key());
+                }
+                Ok(&mut v.insert(Slot { value: init(), key_group, dirty: true, touched: true, stored: false }).value)
+            }
+        }
+    }
+
+    /// Like [`Self::update`] for an existing key; `None` when absent.
+    pub fn update_existing(&mut self, key: &Key) -> Result<Option<&mut V>, StoreError> {
+        if self.spill.is_some() {
+            self.load(key)?;
+        }
+        let (changed, scan) = (&mut self.changed, self.scan);
+        Ok(self.map.get_mut(key).map(|slot| {
+            if !slot.dirty {
+                slot.dirty = true;
+                if !scan {
+                    changed.push(key.clone());
+                }
+            }
+            slot.touched = true;
+            slot.stored = false;
+            &mut slot.value
+        }))
+    }
+
+    /// Removes a key.
+    pub fn remove(&mut self, key: &Key) -> Result<Option<V>, StoreError> {
+        if self.spill.is_some() {
+            self.load(key)?;
+        }
+        let Some(slot) = self.map.remove(key) else { return Ok(None) };
+        if let Some(spill) = &self.spill {
+            let mut raw = Vec::with_capacity(16);
+            StateStore::encode_key(slot.key_group, key, &mut raw);
+            let mut batch = rocksdb::WriteBatch::default();
+            batch.delete(&raw);
+            spill.store.write(batch)?;
+        }
+        self.deleted.push((slot.key_group, key.clone()));
+        Ok(Some(slot.value))
+    }
+
+    /// Calls `f` with every entry (for rebuilding derived indexes after a restore, and tests).
+    pub fn for_each(&self, mut f: impl FnMut(&Key, &V)) -> Result<(), StoreError> {
+        for (k, s) in &self.map {
+            f(k, &s.value);
+        }
+        if let Some(spill) = &self.spill {
+            spill.store.scan(|raw_key, raw_value| {
+                let (_, encoded_key) = StateStore::split_key(raw_key)?;
+                let key = Key::decode(&mut Decoder::new(encoded_key))?;
+                if !self.map.contains_key(&key) {
+                    f(&key, &V::decode(&mut Decoder::new(raw_value))?);
+                }
+                Ok::<_, StoreError>(())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Takes the synchronous part of a checkpoint: an increment of the changes since the
+    /// previous snapshot, or a full image when due. Cost: O(changed keys) for an increment
+    /// (a sequential scan replaces per-key lookups when most keys changed on the heap backend;
+    /// the rocksdb backend reads the evicted changed entries back in one call).
+    pub fn snapshot_checkpoint(&mut self) -> Result<KeyedSnapshot, StoreError> {
+        let full = !self.incremental
+            || self.force_full.swap(false, Ordering::AcqRel)
+            || self.increments_since_full + 1 >= self.full_every;
+        if self.spill.is_some() {
+            return self.snapshot_checkpoint_on_store(full);
+        }
+        let scan = std::mem::take(&mut self.scan) || self.changed.len() * 4 > self.map.len();
+        if full {
+            self.increments_since_full = 0;
+            self.changed.clear();
+            self.deleted.clear();
+            let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
+            for (k, s) in self.map.iter_mut() {
+                s.dirty = false;
+                w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+            }
+            return Ok(finish(FileKind::KeyedFull, w));
+        }
+        self.increments_since_full += 1;
+        let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.changed.len() * 16 + self.deleted.len() * 12);
+        // Deletions first: a key removed and inserted again since the previous snapshot is in
+        // both lists, and a restore applies entries in file order, so its put must come last.
+        for (kg, k) in self.deleted.drain(..) {
+            w.delete_encoded(kg, |e| k.encode(e));
+        }
+        if scan {
+            for (k, s) in self.map.iter_mut().filter(|(_, s)| s.dirty) {
+                s.dirty = false;
+                w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+            }
+            self.changed.clear();
+        } else {
+            for k in self.changed.drain(..) {
+                if let Some(s) = self.map.get_mut(&k) {
+                    if s.dirty {
+                        s.dirty = false;
+                        w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+                    }
+                }
+            }
+        }
+        Ok(finish(FileKind::KeyedIncrement, w))
+    }
+
+    /// [`Self::snapshot_checkpoint`] on the rocksdb backend.
+    fn snapshot_checkpoint_on_store(&mut self, full: bool) -> Result<KeyedSnapshot, StoreError> {
+        if full {
+            self.increments_since_full = 0;
+            self.changed.clear();
+            self.deleted.clear();
+            for s in self.map.values_mut() {
+                s.dirty = false;
+            }
+            return self.full_image();
+        }
+        self.increments_since_full += 1;
+        let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.changed.len() * 16 + self.deleted.len() * 12);
+        for (kg, k) in self.deleted.drain(..) {
+            w.delete_encoded(kg, |e| k.encode(e));
+        }
+        let changed = std::mem::take(&mut self.changed);
+        let mut seen = FxHashSet::default();
+        let mut evicted: Vec<&Key> = Vec::new();
+        for k in &changed {
+            if !seen.insert(k) {
+                continue;
+            }
+            match self.map.get_mut(k) {
+                // Clean entries too: one may have been evicted while dirty and read back since.
+                Some(s) => {
+                    s.dirty = false;
+                    w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+                }
+                None => evicted.push(k),
+            }
+        }
+        let spill = self.spill.as_ref().expect("on the rocksdb backend");
+        let raw: Vec<Vec<u8>> = evicted
+            .iter()
+            .map(|k| {
+                let mut raw = Vec::with_capacity(16);
+                StateStore::encode_key(k.key_group(self.max_parallelism), k, &mut raw);
+                raw
+            })
+            .collect();
+        for (raw_key, value) in raw.iter().zip(spill.store.multi_get(&raw)?) {
+            // Absent: removed after it changed, and the removal is written above.
+            if let Some(value) = value {
+                let (key_group, encoded_key) = StateStore::split_key(raw_key)?;
+                w.put_encoded(key_group, |e| e.buf.extend_from_slice(encoded_key), |e| e.buf.extend_from_slice(&value));
+            }
+        }
+        Ok(finish(FileKind::KeyedIncrement, w))
+    }
+
+    /// Every entry, cached or stored, as a full image. On the rocksdb backend the image is
+    /// streamed: it stays in memory up to [`FULL_IMAGE_IN_MEMORY`] bytes and goes to a file
+    /// next to the store beyond that, so that its size is not bounded by memory.
+    fn full_image(&self) -> Result<KeyedSnapshot, StoreError> {
+        let Some(spill) = &self.spill else {
+            let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
+            for (k, s) in self.map.iter() {
+                w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+            }
+            return Ok(finish(FileKind::KeyedFull, w));
+        };
+        let out = SpillingBuffer {
+            memory: Vec::new(),
+            bound: spill.full_image_in_memory,
+            dir: spill.store.parent_dir().to_path_buf(),
+            file: None,
+        };
+        let spill_failed = |e: std::io::Error| StoreError::SpillImage(e);
+        let mut w = StateFileStream::new(FileKind::KeyedFull, out);
+        let (mut key, mut value) = (Encoder::default(), Encoder::default());
+        for (k, s) in self.map.iter() {
+            key.buf.clear();
+            value.buf.clear();
+            k.encode(&mut key);
+            s.value.encode(&mut value);
+            w.put(s.key_group, &key.buf, &value.buf).map_err(spill_failed)?;
+        }
+        spill.store.scan(|raw_key, raw_value| {
+            let (key_group, encoded_key) = StateStore::split_key(raw_key)?;
+            if !self.map.contains_key(&Key::decode(&mut Decoder::new(encoded_key))?) {
+                w.put(key_group, encoded_key, raw_value).map_err(spill_failed)?;
+            }
+            Ok::<_, StoreError>(())
+        })?;
+        let entries = w.entries();
+        let (out, len, crc32c) = w.finish().map_err(spill_failed)?;
+        let (data, file) = match out.file {
+            Some((f, path)) => {
+                let file = LocalStateFile { path, len };
+                f.into_inner().map_err(|e| spill_failed(e.into_error()))?.sync_all().map_err(spill_failed)?;
+                (bytes::Bytes::new(), Some(file))
+            }
+            None => (bytes::Bytes::from(out.memory), None),
+        };
+        Ok(KeyedSnapshot { kind: FileKind::KeyedFull, data, file, crc32c, entries })
+    }
+
+    /// A full image for a savepoint; change tracking is left as it is.
+    pub fn snapshot_full_copy(&self) -> Result<KeyedSnapshot, StoreError> {
+        self.full_image()
+    }
+
+    /// Makes room for the entries of a full image in `[start, end)` before it is restored: a
+    /// map grown one doubling at a time moves every entry again at each doubling and touches
+    /// fresh pages each time. Only full images: an increment's puts mostly replace keys that
+    /// already exist, so its count would reserve memory the state never uses. Nothing to do on
+    /// the rocksdb backend, which restores into its store.
+    pub fn reserve_for_full_image(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), FormatError> {
+        if self.spill.is_some() {
+            return Ok(());
+        }
+        let mut puts = 0;
+        for entry in keyed_entries(body) {
+            let entry = entry?;
+            puts += usize::from(entry.value.is_some() && owns(key_groups, entry.key_group));
+        }
+        self.map.reserve(puts);
+        Ok(())
+    }
+
+    /// Applies one restored state file body, keeping only key groups in `[start, end)`.
+    /// Entries are decoded in batches whose lookups run back to back before the batch is
+    /// applied (see [`Self::prefetch`]); within a file, entries apply in file order. On the
+    /// rocksdb backend the entries go to the store as they are, without decoding the values.
+    pub fn restore_file(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), StoreError> {
+        if let Some(spill) = &mut self.spill {
+            let mut batch = rocksdb::WriteBatch::default();
+            let mut raw = Vec::with_capacity(32);
+            for entry in keyed_entries(body) {
+                let entry = entry?;
+                if !owns(key_groups, entry.key_group) {
+                    continue;
+                }
+                raw.clear();
+                raw.extend_from_slice(&(entry.key_group as u16).to_be_bytes());
+                raw.extend_from_slice(entry.key);
+                match entry.value {
+                    Some(value) => batch.put(&raw, value),
+                    None => batch.delete(&raw),
+                }
+                spill.evicted += 1;
+                if batch.len() >= 4096 {
+                    spill.store.write(std::mem::take(&mut batch))?;
+                }
+            }
+            return spill.store.write(batch);
+        }
+        const BATCH: usize = 256;
+        let mut batch: Vec<(u32, Key, Option<V>)> = Vec::with_capacity(BATCH);
+        for entry in keyed_entries(body) {
+            let entry = entry?;
+            if !owns(key_groups, entry.key_group) {
+                continue;
+            }
+            let key = Key::decode(&mut Decoder::new(entry.key))?;
+            let value = match entry.value {
+                Some(raw) => Some(V::decode(&mut Decoder::new(raw))?),
+                None => None,
+            };
+            batch.push((entry.key_group, key, value));
+            if batch.len() == BATCH {
+                self.apply_restored(&mut batch);
+            }
+        }
+        self.apply_restored(&mut batch);
+        Ok(())
+    }
+
+    fn apply_restored(&mut self, batch: &mut Vec<(u32, Key, Option<V>)>) {
+        std::hint::black_box(batch.iter().filter(|(_, k, _)| self.map.contains_key(k)).count());
+        for (key_group, key, value) in batch.drain(..) {
+            match value {
+                Some(value) => {
+                    self.map.insert(key, Slot { value, key_group, dirty: false, touched: false, stored: false });
+                }
+                None => {
+                    self.map.remove(&key);
+                }
+            }
+        }
+    }
+
+    /// After a restore: continue the restored incremental chain of `chain_len` files (same key
+    /// groups) or start a new one with a full image. A continued chain keeps counting towards
+    /// its next full image, so restarting in a loop cannot grow a chain without bound.
+    pub fn after_restore(&mut self, continue_chain: bool, chain_len: usize) {
+        self.changed.clear();
+        self.scan = false;
+        self.deleted.clear();
+        self.increments_since_full = if continue_chain { chain_len.saturating_sub(1) as u32 } else { 0 };
+        self.force_full.store(!continue_chain, Ordering::Release);
+    }
+}
+
+/// Whether `key_group` is in the range `[start, end)`.
+fn owns(key_groups: (u32, u32), key_group: u32) -> bool {
+    (key_groups.0..key_groups.1).contains(&key_group)
+}
+
+fn finish(kind: FileKind, w: StateFileWriter) -> KeyedSnapshot {
+    let entries = w.entries();
+    let (data, crc32c) = w.finish();
+    KeyedSnapshot { kind, data, file: None, crc32c, entries }
+}
+
+/// A state file written to local disk, deleted when dropped (once uploaded, or when its
+/// checkpoint was abandoned).
+#[derive(Debug)]
+pub struct LocalStateFile {
+    /// Where it is.
+    pub path: std::path::PathBuf,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
+impl Drop for LocalStateFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl KeyedSnapshot {
+    /// The state file's length.
+    pub fn len(&self) -> u64 {
+        self.file.as_ref().map_or(self.data.len() as u64, |f| f.len)
+    }
+
+    /// Whether the file is empty (it never is: a state file has a header).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The state file's bytes, read from disk when it is there (tests).
+    pub fn bytes(&self) -> bytes::Bytes {
+        match &self.file {
+            Some(f) => std::fs::read(&f.path).expect("the local state file is readable").into(),
+            None => self.data.clone(),
+        }
+    }
+}
+
+/// An [`std::io::Write`] that keeps the bytes in memory up to a bound, then moves them to a file
+/// and streams the rest there.
+struct SpillingBuffer {
+    memory: Vec<u8>,
+    bound: usize,
+    dir: std::path::PathBuf,
+    file: Option<(std::io::BufWriter<std::fs::File>, std::path::PathBuf)>,
+}
+
+impl std::io::Write for SpillingBuffer {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if self.file.is_none() && self.memory.len() + bytes.len() > self.bound {
+            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            std::fs::create_dir_all(&self.dir)?;
+            let path = self.dir.join(format!("full-image-{}-{n}.wst", std::process::id()));
+            let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&path)?);
+            f.write_all(&std::mem::take(&mut self.memory))?;
+            self.file = Some((f, path));
+        }
+        match &mut self.file {
+            Some((f, _)) => f.write_all(bytes)?,
+            None => self.memory.extend_from_slice(bytes),
+        }
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match &mut self.file {
+            Some((f, _)) => f.flush(),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+impl<V: StateValue> KeyedState<V> {
+    /// Every entry, cached or stored (tests).
+    pub(crate) fn entries(&self) -> Vec<(Key, V)> {
+        let mut out = Vec::new();
+        self.for_each(|k, v| out.push((k.clone(), v.clone()))).expect("the store scans");
+        out
+    }
+
+    /// This state moved onto the rocksdb backend with a cache of `cache_entries` (tests). Full
+    /// images over 64 bytes go to local files, so that tests take that path too.
+    pub(crate) fn on_test_store(self, cache_entries: usize) -> Self {
+        let store = StateStore::open(&std::env::temp_dir().join("weir-state-tests"), "test").expect("a store opens");
+        let mut state = self.on_store(store, cache_entries);
+        state.spill.as_mut().expect("on a store").full_image_in_memory = 64;
+        state
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::value::Value;
+    use weir_checkpoint::format::open;
+
+    fn key(i: i64) -> Key {
+        Key::One(Value::Int(i))
+    }
+
+    fn restore_chain(files: &[bytes::Bytes], range: (u32, u32)) -> KeyedState<i64> {
+        let mut s = KeyedState::<i64>::new(16, true, 100);
+        for f in files {
+            let (_, body) = open(f).unwrap();
+            s.restore_file(body, range).unwrap();
+        }
+        s
+    }
+
+    #[test]
+    fn increments_hold_only_changes_and_chains_restore_exactly() {
+        let mut s = KeyedState::<i64>::new(16, true, 100);
+        for i in 0..100 {
+            *s.update(key(i), || 0).unwrap() += i;
+        }
+        let full = s.snapshot_checkpoint().unwrap();
+        assert_eq!(full.kind, FileKind::KeyedFull, "the first snapshot is full");
+        assert_eq!(full.crc32c, crc32c::crc32c(&full.data));
+        *s.update(key(5), || 0).unwrap() += 1000;
+        *s.update(key(500), || 0).unwrap() += 1;
+        s.remove(&key(7)).unwrap();
+        let inc = s.snapshot_checkpoint().unwrap();
+        assert_eq!(inc.kind, FileKind::KeyedIncrement);
+        assert_eq!(inc.entries, 3, "two puts and a deletion");
+        let files = vec![full.data, inc.data];
+        let mut r = restore_chain(&files, (0, 16));
+        assert_eq!(r.entries().len(), 100);
+        assert_eq!(r.get(&key(5)).unwrap(), Some(&1005));
+        assert_eq!(r.get(&key(7)).unwrap(), None);
+        assert_eq!(r.get(&key(500)).unwrap(), Some(&1));
+    }
+
+    #[test]
+    fn savepoint_copies_do_not_disturb_change_tracking() {
+        let mut s = KeyedState::<i64>::new(16, true, 100);
+        s.update(key(1), || 1).unwrap();
+        let _ = s.snapshot_checkpoint().unwrap();
+        s.update(key(2), || 2).unwrap();
+        let sp = s.snapshot_full_copy().unwrap();
+        assert_eq!(sp.entries, 2);
+        let inc = s.snapshot_checkpoint().unwrap();
+        assert_eq!(inc.entries, 1, "key 2 changed since the last checkpoint");
+    }
+
+    #[test]
+    fn full_image_every_n_and_after_a_failed_upload() {
+        let mut s = KeyedState::<i64>::new(16, true, 3);
+        s.update(key(1), || 1).unwrap();
+        assert_eq!(s.snapshot_checkpoint().unwrap().kind, FileKind::KeyedFull);
+        assert_eq!(s.snapshot_checkpoint().unwrap().kind, FileKind::KeyedIncrement);
+        assert_eq!(s.snapshot_checkpoint().unwrap().kind, FileKind::KeyedIncrement);
+        assert_eq!(s.snapshot_checkpoint().unwrap().kind, FileKind::KeyedFull, "every third checkpoint is full");
+        s.force_full_flag().store(true, Ordering::Release);
+        assert_eq!(s.snapshot_checkpoint().unwrap().kind, FileKind::KeyedFull);
+    }
+
+    #[test]
+    fn restore_filters_key_groups() {
+        let mut s = KeyedState::<i64>::new(16, true, 100);
+        for i in 0..1000 {
+            s.update(key(i), || i).unwrap();
+        }
+        let file = s.snapshot_checkpoint().unwrap().data;
+        let a = restore_chain(std::slice::from_ref(&file), (0, 8));
+        let b = restore_chain(std::slice::from_ref(&file), (8, 16));
+        assert_eq!(a.entries().len() + b.entries().len(), 1000);
+        assert!(a.entries().iter().all(|(k, _)| k.key_group(16) < 8));
+    }
+}
+
+#[cfg(test)]
+mod scan_tests {
+    use super::*;
+    use crate::value::Value;
+
+    #[test]
+    fn mostly_changed_state_is_scanned_and_gives_the_same_increment() {
+        let mut s = KeyedState::<()>::new(8, true, 100);
+        for i in 0..100 {
+            s.update(Key::One(Value::Int(i)), || ()).unwrap();
+        }
+        let _ = s.snapshot_checkpoint().unwrap();
+        for i in 0..90 {
+            s.update(Key::One(Value::Int(i)), || ()).unwrap();
+        }
+        s.update(Key::One(Value::Int(5)), || ()).unwrap();
+        let inc = s.snapshot_checkpoint().unwrap();
+        assert_eq!(inc.entries, 90, "each changed key once, found by scanning");
+        assert_eq!(s.snapshot_checkpoint().unwrap().entries, 0, "flags were cleared");
+    }
+}
+
+/// Keyed state against a plain map: random puts, updates and removals (keys removed and
+/// inserted again between two snapshots included), interleaved with incremental and full
+/// checkpoints, savepoint copies and restores, at the same parallelism (the chain continues)
+/// and at another one (the key groups are split), must always hold what the model holds.
+#[cfg(test)]
+mod model_tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+    use weir_checkpoint::format::open;
+
+    use super::*;
+    use crate::value::{key_group_range, Value};
+
+    impl StateValue for i64 {
+        fn encode(&self, e: &mut Encoder) {
+            e.svarint(*self)
+        }
+        fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
+            d.svarint()
+        }
+    }
+
+    const MAX_PARALLELISM: u32 = 16;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Add(i64, i64),
+        Remove(i64),
+        /// Prepare a batch of keys as an operator does before updating them.
+        Prefetch(Vec<i64>),
+        Checkpoint,
+        Savepoint,
+        /// Crash and restore from the last checkpoint at this parallelism (1..=3).
+        Restore(u32),
+        /// Restore from the last savepoint at this parallelism.
+        RestoreSavepoint(u32),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            8 => (0i64..40, -5i64..5).prop_map(|(k, v)| Op::Add(k, v)),
+            4 => (0i64..40).prop_map(Op::Remove),
+            3 => proptest::collection::vec(0i64..40, 1..6).prop_map(Op::Prefetch),
+            3 => Just(Op::Checkpoint),
+            1 => Just(Op::Savepoint),
+            1 => (1u32..=3).prop_map(Op::Restore),
+            1 => (1u32..=3).prop_map(Op::RestoreSavepoint),
+        ]
+    }
+
+    fn key(i: i64) -> Key {
+        Key::One(Value::Int(i))
+    }
+
+    /// The subtasks of one operator: each with its key groups and its current chain.
+    struct Subtasks {
+        parts: Vec<(KeyedState<i64>, KeyGroups, Chain)>,
+    }
+
+    /// Heap state, or rocksdb state with a cache of this many entries.
+    type Backend = Option<usize>;
+
+    fn empty(full_every: u32, backend: Backend) -> KeyedState<i64> {
+        let state = KeyedState::new(MAX_PARALLELISM, true, full_every);
+        match backend {
+            None => state,
+            Some(cache) => state.on_test_store(cache),
+        }
+    }
+
+    /// A subtask's key-group range.
+    type KeyGroups = (u32, u32);
+    /// The snapshot files a restore reads, full snapshot first.
+    type Chain = Vec<Bytes>;
+    /// Each subtask's key groups and chain, as one snapshot of the operator.
+    type Snapshot = Vec<(KeyGroups, Chain)>;
+
+    use bytes::Bytes;
+
+    impl Subtasks {
+        fn new(parallelism: u32, full_every: u32, backend: Backend) -> Self {
+            let parts = (0..parallelism)
+                .map(|s| (empty(full_every, backend), key_group_range(s, MAX_PARALLELISM, parallelism), Vec::new()))
+                .collect();
+            Subtasks { parts }
+        }
+
+        fn owner(&mut self, k: &Key) -> &mut KeyedState<i64> {
+            let kg = k.key_group(MAX_PARALLELISM);
+            &mut self
+                .parts
+                .iter_mut()
+                .find(|(_, r, _)| kg >= r.0 && kg < r.1)
+                .expect("a subtask owns every key group")
+                .0
+        }
+
+        fn contents(&self) -> BTreeMap<i64, i64> {
+            let mut out = BTreeMap::new();
+            for (s, _, _) in &self.parts {
+                for (k, v) in s.entries() {
+                    let Key::One(Value::Int(i)) = k else { panic!("{k:?}") };
+                    assert!(out.insert(i, v).is_none(), "key {i} in two subtasks");
+                }
+            }
+            out
+        }
+
+        /// A checkpoint: every subtask's chain as the uploader keeps it.
+        fn checkpoint(&mut self) -> Snapshot {
+            for (s, _, chain) in &mut self.parts {
+                let snap = s.snapshot_checkpoint().unwrap();
+                if snap.kind == FileKind::KeyedFull {
+                    chain.clear();
+                }
+                chain.push(snap.bytes());
+            }
+            self.parts.iter().map(|(_, r, c)| (*r, c.clone())).collect()
+        }
+
+        fn savepoint(&self) -> Snapshot {
+            self.parts.iter().map(|(s, r, _)| (*r, vec![s.snapshot_full_copy().unwrap().bytes()])).collect()
+        }
+
+        /// Restores `snapshot` at `parallelism`, as the engine does: a subtask whose key groups
+        /// are unchanged continues the chain of a checkpoint, any other starts a new one.
+        fn restore(
+            snapshot: &[((u32, u32), Vec<Bytes>)],
+            parallelism: u32,
+            full_every: u32,
+            from_checkpoint: bool,
+            backend: Backend,
+        ) -> Self {
+            let mut parts = Vec::new();
+            for s in 0..parallelism {
+                let range = key_group_range(s, MAX_PARALLELISM, parallelism);
+                let overlapping: Vec<_> = snapshot.iter().filter(|(r, _)| r.0 < range.1 && range.0 < r.1).collect();
+                let same = overlapping.len() == 1 && overlapping[0].0 == range;
+                let mut state = empty(full_every, backend);
+                let mut files = Vec::new();
+                for (_, chain) in &overlapping {
+                    for f in chain {
+                        let (_, body) = open(f).expect("a file written by a snapshot verifies");
+                        state.restore_file(body, range).unwrap();
+                        files.push(f.clone());
+                    }
+                }
+                let continue_chain = same && from_checkpoint;
+                state.after_restore(continue_chain, files.len());
+                parts.push((state, range, if continue_chain { files } else { Vec::new() }));
+            }
+            Subtasks { parts }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn keyed_state_equals_a_map_through_snapshots_and_restores(
+            ops in proptest::collection::vec(op(), 1..120),
+            full_every in 1u32..5,
+            // Heap, or rocksdb with a cache so small that most keys are evicted and read back.
+            backend in prop_oneof![Just(None), (1usize..6).prop_map(Some)]
+        ) {
+            let mut model: BTreeMap<i64, i64> = BTreeMap::new();
+            let mut subtasks = Subtasks::new(1, full_every, backend);
+            let mut last_checkpoint: (BTreeMap<i64, i64>, Snapshot) = (BTreeMap::new(), subtasks.checkpoint());
+            let mut last_savepoint: Option<(BTreeMap<i64, i64>, Snapshot)> = None;
+            for op in ops {
+                match op {
+                    Op::Add(k, v) => {
+                        *subtasks.owner(&key(k)).update(key(k), || 0).unwrap() += v;
+                        *model.entry(k).or_default() += v;
+                    }
+                    Op::Remove(k) => {
+                        prop_assert_eq!(subtasks.owner(&key(k)).remove(&key(k)).unwrap(), model.remove(&k));
+                    }
+                    Op::Prefetch(keys) => {
+                        for k in keys.iter().map(|k| key(*k)) {
+                            let batch: Vec<Key> = keys.iter().map(|k| key(*k)).collect();
+                            subtasks.owner(&k).prefetch(&batch).unwrap();
+                        }
+                    }
+                    Op::Checkpoint => last_checkpoint = (model.clone(), subtasks.checkpoint()),
+                    Op::Savepoint => last_savepoint = Some((model.clone(), subtasks.savepoint())),
+                    Op::Restore(p) => {
+                        model = last_checkpoint.0.clone();
+                        subtasks = Subtasks::restore(&last_checkpoint.1, p, full_every, true, backend);
+                    }
+                    Op::RestoreSavepoint(p) => {
+                        if let Some((m, snap)) = &last_savepoint {
+                            model = m.clone();
+                            subtasks = Subtasks::restore(snap, p, full_every, false, backend);
+                        }
+                    }
+                }
+                prop_assert_eq!(&subtasks.contents(), &model);
+            }
+            // Whatever happened, the next checkpoint restores to the model too, at any
+            // parallelism and on either backend (the snapshot format is the same).
+            let snap = subtasks.checkpoint();
+            for p in 1..=3 {
+                for restored_on in [None, Some(2)] {
+                    prop_assert_eq!(
+                        &Subtasks::restore(&snap, p, full_every, true, restored_on).contents(),
+                        &model,
+                        "restored at parallelism {} on {:?} (taken on {:?})",
+                        p,
+                        restored_on,
+                        backend
+                    );
+                }
+            }
+            // Chains never grow past fullEvery files.
+            for (_, chain) in &snap {
+                prop_assert!(
+                    chain.len() <= full_every as usize,
+                    "chain of {} files with fullEvery {}",
+                    chain.len(),
+                    full_every
+                );
+            }
+        }
+    }
+
+    /// Shrunk from the property above: a key removed and inserted again between two
+    /// checkpoints restored as deleted (the increment wrote its put before its deletion).
+    #[test]
+    fn a_key_removed_and_inserted_again_between_checkpoints_survives_a_restore() {
+        let mut s = KeyedState::<i64>::new(MAX_PARALLELISM, true, 10);
+        *s.update(key(1), || 0).unwrap() += 1;
+        let full = s.snapshot_checkpoint().unwrap();
+        s.remove(&key(1)).unwrap();
+        *s.update(key(1), || 0).unwrap() += 7;
+        let inc = s.snapshot_checkpoint().unwrap();
+        let mut r = KeyedState::<i64>::new(MAX_PARALLELISM, true, 10);
+        for f in [full.data, inc.data] {
+            r.restore_file(open(&f).unwrap().1, (0, MAX_PARALLELISM)).unwrap();
+        }
+        assert_eq!(r.get(&key(1)).unwrap(), Some(&7));
+    }
+
+    /// Shrunk from the property above: restoring a chain restarted the count towards the next
+    /// full image, so a job restarted in a loop grew its chain without bound.
+    #[test]
+    fn a_restored_chain_keeps_counting_towards_its_full_image() {
+        let mut s = KeyedState::<i64>::new(MAX_PARALLELISM, true, 3);
+        s.update(key(1), || 1).unwrap();
+        let chain = [
+            s.snapshot_checkpoint().unwrap().data,
+            s.snapshot_checkpoint().unwrap().data,
+            s.snapshot_checkpoint().unwrap().data,
+        ];
+        let mut r = KeyedState::<i64>::new(MAX_PARALLELISM, true, 3);
+        for f in &chain {
+            r.restore_file(open(f).unwrap().1, (0, MAX_PARALLELISM)).unwrap();
+        }
+        r.after_restore(true, chain.len());
+        assert_eq!(
+            r.snapshot_checkpoint().unwrap().kind,
+            FileKind::KeyedFull,
+            "a chain holds at most fullEvery (3) files: the next one is a full image"
+        );
+    }
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::Slot;
+    use crate::operators::accumulators::AccList;
+    use crate::value::{Key, Record};
+
+    /// Entry and record sizes are what the throughput figures rest on: the keyed count is
+    /// bound by cache misses on its entries, and every record of a batch is moved by value.
+    #[test]
+    fn state_entries_and_records_stay_small() {
+        assert!(std::mem::size_of::<(Key, Slot<AccList>)>() <= 72, "a running-aggregate entry grew");
+        assert!(std::mem::size_of::<Record>() <= 88, "a record grew");
+    }
+}

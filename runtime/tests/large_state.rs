@@ -1,0 +1,205 @@
+//! State larger than memory: a keyed count over 5M keys (the first million of them updated a
+//! second time at the end) runs under a cgroup memory limit of a fifth of what the same job
+//! needs on the heap backend. On the rocksdb backend it must complete with each of those keys'
+//! second counts in the output exactly once (each needs the key's first count, which by then
+//! was evicted to disk); on the heap backend the same limit must kill it, which shows that the
+//! limit is real.
+//!
+//! Needs root and the cgroup memory controller (v1 as on these machines, or v2). `.ci/run`
+//! runs it in release (`cargo test --release -p weir-runtime --test large_state -- --ignored`):
+//! 6M records through a debug build's state code take about ten times as long as in release
+//! (90 s here, with the heap runs).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const KEYS: u64 = 5_000_000;
+/// Keys `0..SECOND` are counted twice.
+const SECOND: u64 = 1_000_000;
+
+fn job(out: &Path, rocksdb: bool) -> String {
+    let backend = if rocksdb { "stateBackend: rocksdb\nstateCacheEntries: 100000\n" } else { "" };
+    format!(
+        r#"name: large-state
+parallelism: 1
+{backend}checkpointing: {{ interval: 1s, timeout: 60s }}
+sources:
+  - name: src
+    uid: src
+    generator: {{ count: {records}, fields: [ {{ name: seq, sequence: {{}} }} ] }}
+operators:
+  - {{ name: keyed, map: {{ fields: {{ key: "seq % {KEYS}" }} }} }}
+  - {{ name: by-key, keyBy: {{ fields: [key] }} }}
+  - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+  - {{ name: seconds, filter: {{ expr: "n == 2" }} }}
+sinks:
+  - {{ name: out, uid: out, file: {{ path: {out}/counts }} }}
+"#,
+        records = KEYS + SECOND,
+        out = out.display()
+    )
+}
+
+/// A memory cgroup of its own, removed when dropped.
+struct MemoryCgroup {
+    dir: PathBuf,
+    v2: bool,
+}
+
+impl MemoryCgroup {
+    fn new(name: &str, limit: Option<u64>) -> Self {
+        let (root, v2) = if Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists() {
+            (PathBuf::from("/sys/fs/cgroup/memory"), false)
+        } else {
+            (PathBuf::from("/sys/fs/cgroup"), true)
+        };
+        let dir = root.join(format!("weir-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir(&dir);
+        std::fs::create_dir(&dir).unwrap_or_else(|e| {
+            panic!("creating the memory cgroup {} (this test needs root and cgroups): {e}", dir.display())
+        });
+        if let Some(limit) = limit {
+            let write = |file: &str, value: u64| {
+                std::fs::write(dir.join(file), value.to_string())
+                    .unwrap_or_else(|e| panic!("setting {file} of {}: {e}", dir.display()))
+            };
+            if v2 {
+                write("memory.max", limit);
+                write("memory.swap.max", 0);
+            } else {
+                write("memory.limit_in_bytes", limit);
+                if dir.join("memory.memsw.limit_in_bytes").exists() {
+                    write("memory.memsw.limit_in_bytes", limit);
+                }
+            }
+        }
+        MemoryCgroup { dir, v2 }
+    }
+
+    /// `weir-runtime` with `args`, started inside the cgroup.
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(format!("echo $$ > {}/cgroup.procs && exec \"$0\" \"$@\"", self.dir.display()))
+            .arg(env!("CARGO_BIN_EXE_weir-runtime"))
+            .args(args);
+        cmd
+    }
+
+    /// The most memory charged to the cgroup (what the limit is enforced on).
+    fn peak(&self) -> u64 {
+        let file = if self.v2 { "memory.peak" } else { "memory.max_usage_in_bytes" };
+        std::fs::read_to_string(self.dir.join(file)).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// Whether the kernel's OOM killer acted in this cgroup.
+    fn oom_killed(&self) -> bool {
+        let (file, field) = if self.v2 { ("memory.events", "oom_kill") } else { ("memory.oom_control", "oom_kill") };
+        std::fs::read_to_string(self.dir.join(file))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.strip_prefix(field)?.trim().parse::<u64>().ok())
+            .any(|n| n > 0)
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Runs the job in `cgroup` to its end; its exit status and peak resident memory (bytes).
+fn run(cgroup: &MemoryCgroup, yaml: &str, dir: &Path) -> (ExitStatus, u64, Duration) {
+    let job_file = dir.join("job.yaml");
+    std::fs::write(&job_file, yaml).unwrap();
+    let chk = dir.join("state");
+    let started = Instant::now();
+    let mut child = cgroup
+        .command(&["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--quiet"])
+        .env("TMPDIR", dir)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak_kib = 0u64;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        // VmHWM only grows: the last reading before the exit is the peak, within 50 ms.
+        if let Ok(s) = std::fs::read_to_string(&status_file) {
+            if let Some(kib) = s
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            {
+                peak_kib = peak_kib.max(kib);
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(900), "the job did not end in 15 minutes");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status, peak_kib * 1024, started.elapsed())
+}
+
+#[test]
+#[ignore = "run in release by .ci/run (cargo test --release ... -- --ignored): ten times slower in a debug build"]
+fn state_five_times_the_memory_limit_completes_on_rocksdb_exactly_once() {
+    // What the job needs on the heap backend, without a limit.
+    let (_heap_dir, heap_out, _) = workdir("large-state-heap");
+    let unlimited = MemoryCgroup::new("unlimited", None);
+    let (status, heap_peak, heap_time) = run(&unlimited, &job(&heap_out, false), heap_out.parent().unwrap());
+    assert!(status.success(), "the heap run without a limit failed: {status}");
+    let limit = heap_peak / 5;
+    eprintln!(
+        "heap backend: peak RSS {} MiB in {heap_time:?}; the limit is a fifth: {} MiB",
+        heap_peak >> 20,
+        limit >> 20
+    );
+    assert!(heap_peak > 300 << 20, "the heap run's state should be hundreds of MiB, it peaked at {heap_peak} bytes");
+
+    // The rocksdb backend under that limit completes, exactly once.
+    let (_dir, out, _) = workdir("large-state-rocksdb");
+    let limited = MemoryCgroup::new("rocksdb", Some(limit));
+    let (status, peak, time) = run(&limited, &job(&out, true), out.parent().unwrap());
+    eprintln!(
+        "rocksdb backend under {} MiB: {status}, peak RSS {} MiB (with pages of the binary and libraries \
+         charged elsewhere), cgroup peak {} MiB, in {time:?}",
+        limit >> 20,
+        peak >> 20,
+        limited.peak() >> 20
+    );
+    assert!(status.success() && !limited.oom_killed(), "the rocksdb run under the limit failed: {status}");
+    let lines = committed(&out).remove("counts").expect("the sink wrote");
+    let mut seen = vec![false; SECOND as usize];
+    let mut bad = Vec::new();
+    for line in &lines {
+        let fields: Vec<&str> = line.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).collect();
+        match fields.as_slice() {
+            [key, "2"] => match key.parse::<usize>() {
+                Ok(k) if k < seen.len() && !seen[k] => seen[k] = true,
+                _ => bad.push(line.clone()),
+            },
+            _ => bad.push(line.clone()),
+        }
+    }
+    let missing = seen.iter().filter(|s| !**s).count();
+    assert!(
+        bad.is_empty() && missing == 0,
+        "every key's second count exactly once: {} unexpected or duplicate lines (first: {:?}), {missing} keys missing",
+        bad.len(),
+        bad.first()
+    );
+
+    // The heap backend under the same limit is killed: the limit holds the state's size.
+    let (_dir2, out2, _) = workdir("large-state-heap-limited");
+    let limited_heap = MemoryCgroup::new("heap", Some(limit));
+    let (status, _, _) = run(&limited_heap, &job(&out2, false), out2.parent().unwrap());
+    assert!(!status.success() && limited_heap.oom_killed(), "the heap backend fit in a fifth of its memory: {status}");
+}
