@@ -16,7 +16,7 @@ use k8s_openapi::api::networking::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
-use weir_crds::job::{CheckpointingSpec, JobSpec, RestartSpec, RestartStrategyKind};
+use weir_crds::job::{CheckpointingSpec, JobSpec, RestartSpec, RestartStrategyKind, StateBackendKind};
 use weir_crds::streamjob::{JobGraph, RestoreMode, SnapshotRef, StreamJob};
 
 /// Port of the runtime's control API and metrics.
@@ -76,13 +76,18 @@ pub fn labels(name: &str) -> BTreeMap<String, String> {
 }
 
 /// A stable hash of everything in the spec whose change needs a redeploy (the job, image,
-/// parallelism, checkpointing, resources, pod overrides and the restart nonce), as hex.
+/// parallelism, checkpointing, state backend, resources, pod overrides and the restart nonce),
+/// as hex. The state backend counts only when set: jobs that never set it keep the hash they
+/// had before the field existed, so upgrading the operator redeploys nothing.
 pub fn spec_hash(sj: &StreamJob) -> String {
     let s = &sj.spec;
-    let relevant = serde_json::json!({
+    let mut relevant = serde_json::json!({
         "image": s.image, "pull": s.image_pull_policy, "p": s.parallelism, "maxp": s.max_parallelism, "job": s.job,
         "ck": s.checkpointing, "restart": s.restart_nonce, "res": s.resources, "pod": s.pod_template,
     });
+    if s.state_backend != StateBackendKind::Heap || s.state_cache_entries.is_some() {
+        relevant["state"] = serde_json::json!([s.state_backend, s.state_cache_entries]);
+    }
     let text = serde_json::to_string(&relevant).unwrap_or_default();
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in text.as_bytes() {
@@ -499,6 +504,14 @@ podTemplate: { envFromSecrets: [ { name: kafka-creds } ] }
         assert_eq!(spec_hash(&a), spec_hash(&b));
         b.spec.restart_nonce = Some(1);
         assert_ne!(spec_hash(&a), spec_hash(&b));
+        // A change of state backend redeploys (through a savepoint, whose format both read).
+        let mut c = sj();
+        c.spec.state_backend = StateBackendKind::Rocksdb;
+        assert_ne!(spec_hash(&a), spec_hash(&c));
+        c.spec.state_backend = StateBackendKind::Heap;
+        assert_eq!(spec_hash(&a), spec_hash(&c), "the default backend hashes as an unset field did");
+        c.spec.state_cache_entries = Some(5000);
+        assert_ne!(spec_hash(&a), spec_hash(&c));
         assert_eq!(service(&a).unwrap().spec.unwrap().ports.unwrap()[0].port, CONTROL_PORT);
         assert!(config_map(&a, "x".into()).unwrap().data.unwrap().contains_key("job.yaml"));
     }
