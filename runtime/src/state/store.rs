@@ -88,6 +88,9 @@ impl StateStore {
         let safe: String = label.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
         let dir = parent_dir.join(format!("{}-{}-{n}", safe, std::process::id()));
         let prepare = |source| StoreError::PrepareDir { dir: dir.display().to_string(), source };
+        // In the background: after many kills there may be gigabytes to delete.
+        let parent = parent_dir.to_path_buf();
+        std::thread::spawn(move || remove_stores_of_dead_processes(&parent));
         if dir.exists() {
             std::fs::remove_dir_all(&dir).map_err(prepare)?;
         }
@@ -164,6 +167,28 @@ impl Drop for StateStore {
     }
 }
 
+/// Deletes the store directories that processes killed before they could delete theirs left
+/// under `parent_dir` (named `<label>-<pid>-<n>`; a process that no longer exists). A store of
+/// a live process, or of a process whose pid was reused, is left alone.
+fn remove_stores_of_dead_processes(parent_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent_dir) else { return };
+    let me = std::process::id();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let mut parts = name.rsplitn(3, '-');
+        let (Some(n), Some(pid), Some(_label)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        let (Ok(_), Ok(pid)) = (n.parse::<u64>(), pid.parse::<u32>()) else { continue };
+        if pid != me && !Path::new(&format!("/proc/{pid}")).exists() {
+            match std::fs::remove_dir_all(entry.path()) {
+                Ok(()) => tracing::info!(dir = %entry.path().display(), "deleted the state store of a dead process"),
+                Err(e) => {
+                    tracing::warn!(dir = %entry.path().display(), error = %e, "could not delete a dead process's store")
+                }
+            }
+        }
+    }
+}
+
 fn options() -> Options {
     let mut opts = Options::default();
     opts.create_if_missing(true);
@@ -184,4 +209,32 @@ fn options() -> Options {
     opts.set_memtable_whole_key_filtering(true);
     opts.set_memtable_prefix_bloom_ratio(0.1);
     opts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A SIGKILLed process cannot delete its store: the next store opened in the same directory
+    /// does, and leaves live processes' stores and anything not named like a store alone.
+    #[test]
+    fn opening_a_store_deletes_those_of_dead_processes_only() {
+        let parent = tempfile::tempdir().unwrap();
+        let dead = parent.path().join("counts-kg0-999999999-3");
+        let live = parent.path().join(format!("counts-kg0-{}-99", std::process::id()));
+        let other = parent.path().join("not-a-store");
+        for d in [&dead, &live, &other] {
+            std::fs::create_dir_all(d.join("sub")).unwrap();
+        }
+        let store = StateStore::open(parent.path(), "counts").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while dead.exists() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!dead.exists(), "the dead process's store is deleted");
+        assert!(live.exists() && other.exists());
+        let dir = store.dir.clone();
+        drop(store);
+        assert!(!dir.exists(), "a dropped store deletes its directory");
+    }
 }
