@@ -64,8 +64,6 @@ struct Spill {
     absent: FxHashSet<Key>,
     /// Full images larger than this many bytes are written to a file, not held in memory.
     full_image_in_memory: usize,
-    /// Entries written to the store by evictions and restores (for metrics and tests).
-    evicted: u64,
 }
 
 /// Keyed state of one operator subtask.
@@ -130,7 +128,6 @@ impl<V: StateValue> KeyedState<V> {
             cache_entries: cache_entries.max(1),
             absent: FxHashSet::default(),
             full_image_in_memory: FULL_IMAGE_IN_MEMORY,
-            evicted: 0,
         });
         self
     }
@@ -143,11 +140,6 @@ impl<V: StateValue> KeyedState<V> {
     /// Number of entries in memory: every key on the heap backend, the cached ones otherwise.
     pub fn cached_len(&self) -> usize {
         self.map.len()
-    }
-
-    /// Entries the rocksdb backend's cache wrote to its store so far (0 on the heap backend).
-    pub fn evicted(&self) -> u64 {
-        self.spill.as_ref().map_or(0, |s| s.evicted)
     }
 
     /// The key group of a key.
@@ -167,8 +159,7 @@ impl<V: StateValue> KeyedState<V> {
             return Ok(false);
         }
         let key_group = key.key_group(self.max_parallelism);
-        let mut raw = Vec::with_capacity(16);
-        StateStore::encode_key(key_group, key, &mut raw);
+        let raw = StateStore::key_of(key_group, key);
         let Some(stored) = spill.store.get(&raw)? else { return Ok(false) };
         let value = V::decode(&mut Decoder::new(&stored))?;
         drop(stored);
@@ -191,7 +182,6 @@ impl<V: StateValue> KeyedState<V> {
         let mut batch = rocksdb::WriteBatch::default();
         let mut raw_key = Vec::with_capacity(32);
         let mut value = Encoder::default();
-        let mut written = 0u64;
         for second_chance in [true, false] {
             if excess == 0 {
                 break;
@@ -210,13 +200,11 @@ impl<V: StateValue> KeyedState<V> {
                     value.buf.clear();
                     s.value.encode(&mut value);
                     batch.put(&raw_key, &value.buf);
-                    written += 1;
                 }
                 excess -= 1;
                 false
             });
         }
-        spill.evicted += written;
         spill.store.write(batch)
     }
 
@@ -277,14 +265,7 @@ impl<V: StateValue> KeyedState<V> {
         if missing.is_empty() {
             return Ok(present);
         }
-        let raw: Vec<Vec<u8>> = missing
-            .iter()
-            .map(|(k, kg)| {
-                let mut raw = Vec::with_capacity(16);
-                StateStore::encode_key(*kg, k, &mut raw);
-                raw
-            })
-            .collect();
+        let raw: Vec<Vec<u8>> = missing.iter().map(|(k, kg)| StateStore::key_of(*kg, k)).collect();
         let found = spill.store.multi_get(&raw)?;
         let mut loaded: Vec<(Key, u32, V)> = Vec::with_capacity(found.len());
         for ((k, kg), v) in missing.into_iter().zip(found) {
@@ -363,8 +344,7 @@ impl<V: StateValue> KeyedState<V> {
         }
         let Some(slot) = self.map.remove(key) else { return Ok(None) };
         if let Some(spill) = &self.spill {
-            let mut raw = Vec::with_capacity(16);
-            StateStore::encode_key(slot.key_group, key, &mut raw);
+            let raw = StateStore::key_of(slot.key_group, key);
             let mut batch = rocksdb::WriteBatch::default();
             batch.delete(&raw);
             spill.store.write(batch)?;
@@ -473,14 +453,8 @@ impl<V: StateValue> KeyedState<V> {
             }
         }
         let spill = self.spill.as_ref().expect("on the rocksdb backend");
-        let raw: Vec<Vec<u8>> = evicted
-            .iter()
-            .map(|k| {
-                let mut raw = Vec::with_capacity(16);
-                StateStore::encode_key(k.key_group(self.max_parallelism), k, &mut raw);
-                raw
-            })
-            .collect();
+        let raw: Vec<Vec<u8>> =
+            evicted.iter().map(|k| StateStore::key_of(k.key_group(self.max_parallelism), k)).collect();
         for (raw_key, value) in raw.iter().zip(spill.store.multi_get(&raw)?) {
             // Absent: removed after it changed, and the removal is written above.
             if let Some(value) = value {
@@ -575,13 +549,11 @@ impl<V: StateValue> KeyedState<V> {
                     continue;
                 }
                 raw.clear();
-                raw.extend_from_slice(&(entry.key_group as u16).to_be_bytes());
-                raw.extend_from_slice(entry.key);
+                StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
                 match entry.value {
                     Some(value) => batch.put(&raw, value),
                     None => batch.delete(&raw),
                 }
-                spill.evicted += 1;
                 if batch.len() >= 4096 {
                     spill.store.write(std::mem::take(&mut batch))?;
                 }

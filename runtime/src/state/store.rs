@@ -113,10 +113,23 @@ impl StateStore {
 
     /// The store key of `key` in `key_group`, appended to `out`.
     pub fn encode_key(key_group: u32, key: &Key, out: &mut Vec<u8>) {
-        out.extend_from_slice(&(key_group as u16).to_be_bytes());
         let mut e = Encoder { buf: std::mem::take(out) };
+        e.buf.extend_from_slice(&(key_group as u16).to_be_bytes());
         key.encode(&mut e);
         *out = e.buf;
+    }
+
+    /// The store key of `key` in `key_group`.
+    pub fn key_of(key_group: u32, key: &Key) -> Vec<u8> {
+        let mut raw = Vec::with_capacity(16);
+        Self::encode_key(key_group, key, &mut raw);
+        raw
+    }
+
+    /// The store key of an already encoded key (as a state file holds it), appended to `out`.
+    pub fn encoded_key(key_group: u32, encoded: &[u8], out: &mut Vec<u8>) {
+        out.extend_from_slice(&(key_group as u16).to_be_bytes());
+        out.extend_from_slice(encoded);
     }
 
     /// Splits a store key into its key group and the encoded key.
