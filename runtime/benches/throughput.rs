@@ -230,7 +230,14 @@ fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize, rocksdb:
     let (valid, _) = weir_runtime::io().block_on(weir_checkpoint::recovery::restorable_checkpoints(&storage)).unwrap();
     let newest = valid.first().expect("a checkpoint to restore");
     let t0 = Instant::now();
-    let restored = weir_runtime::io().block_on(weir_runtime::restore::RestoredState::load(&storage, newest)).unwrap();
+    // As the executor does: the rocksdb backend restores from local copies read in parts.
+    let keyed_in = if rocksdb {
+        weir_runtime::restore::KeyedFilesIn::LocalDir(dir.join("stores"))
+    } else {
+        weir_runtime::restore::KeyedFilesIn::Memory
+    };
+    let restored =
+        weir_runtime::io().block_on(weir_runtime::restore::RestoredState::load(&storage, newest, &keyed_in)).unwrap();
     let keyed = restored.keyed_for("counts", (0, 128), 1).expect("counts state");
     let ctx = weir_runtime::operators::keyed::KeyedContext {
         uid: "counts".into(),

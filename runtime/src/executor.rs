@@ -24,7 +24,7 @@ use crate::operators::keyed::{AggregateOperator, DedupeOperator, KeyedContext};
 use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
 use crate::operators::window::WindowOperator;
 use crate::plan::{self, Vertex};
-use crate::restore::{newest_valid, open_path, RestoreError, RestoredState};
+use crate::restore::{newest_valid, open_path, KeyedFilesIn, RestoreError, RestoredState};
 use crate::sinks;
 use crate::sinks::file::{CommitGroup, Committable, FileSink};
 use crate::sinks::stdout::{BlackholeSink, StdoutSink};
@@ -413,7 +413,7 @@ impl Executor<'_> {
                 (None, "fresh start".to_string())
             }
             Some(RestoreRequest::Latest) => {
-                let selection = crate::io().block_on(newest_valid(&self.storage, 0))?;
+                let selection = crate::io().block_on(newest_valid(&self.storage, 0, &self.keyed_files_in()))?;
                 self.known_corrupt.borrow_mut().extend(selection.skipped.iter().map(|s| s.id));
                 for s in &selection.skipped {
                     tracing::warn!(
@@ -427,7 +427,7 @@ impl Executor<'_> {
             }
             Some(RestoreRequest::Path(p)) => {
                 let (storage, found) = crate::io().block_on(open_path(p))?;
-                let r = crate::io().block_on(RestoredState::load(&storage, &found))?;
+                let r = crate::io().block_on(RestoredState::load(&storage, &found, &self.keyed_files_in()))?;
                 let reason = format!("restored {} (id {}) on request", r.path, r.checkpoint_id);
                 (Some(r), reason)
             }
@@ -443,12 +443,21 @@ impl Executor<'_> {
     /// the run started from (or that one itself, when it lives outside the job's root).
     fn failover_restore(&self, initial: Option<&RestoredState>) -> Result<(Option<RestoredState>, String), JobError> {
         let floor = initial.map_or(0, |r| r.checkpoint_id);
-        let selection = crate::io().block_on(newest_valid(&self.storage, floor))?;
+        let selection = crate::io().block_on(newest_valid(&self.storage, floor, &self.keyed_files_in()))?;
         self.known_corrupt.borrow_mut().extend(selection.skipped.iter().map(|s| s.id));
         let reason = selection.reason();
         match selection.restored {
             Some(r) => Ok((Some(r), reason)),
             None => Ok((initial.cloned(), "restarted from the restore point of the run".to_string())),
+        }
+    }
+
+    /// Where a restore keeps keyed state files: on local disk for the rocksdb backend, whose
+    /// state (and so its checkpoint) may be larger than memory.
+    fn keyed_files_in(&self) -> KeyedFilesIn {
+        match self.job.spec.state_backend {
+            StateBackendKind::Rocksdb => KeyedFilesIn::LocalDir(local_state_dir()),
+            StateBackendKind::Heap => KeyedFilesIn::Memory,
         }
     }
 

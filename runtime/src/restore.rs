@@ -3,6 +3,9 @@
 //! recovery can fall back to an older one.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use weir_checkpoint::recovery::{self, Restorable, Verdict};
@@ -41,6 +44,14 @@ pub enum RestoreError {
         /// Each restore point and its defect.
         defects: Vec<String>,
     },
+    /// A state file could not be copied to local disk.
+    #[error("copying a state file into {dir}: {source}")]
+    LocalCopy {
+        /// The local directory.
+        dir: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// The snapshot does not fit the job.
     #[error("snapshot {path} does not fit this job: {reason}")]
     Incompatible {
@@ -51,11 +62,61 @@ pub enum RestoreError {
     },
 }
 
+/// Where a restore keeps the keyed state files it reads.
+#[derive(Clone, Debug, Default)]
+pub enum KeyedFilesIn {
+    /// In memory (the heap backend, whose state is in memory anyway).
+    #[default]
+    Memory,
+    /// In local files under this directory, read back in parts (the rocksdb backend, whose
+    /// state may be larger than memory).
+    LocalDir(PathBuf),
+}
+
+/// A verified keyed state file of a restore.
+#[derive(Clone, Debug)]
+pub enum KeyedFile {
+    /// Held in memory.
+    Memory(Bytes),
+    /// Copied to a local file (shared by the clones of a [`RestoredState`]).
+    Local(Arc<LocalCopy>),
+}
+
+/// A local copy of a state file, deleted when the last reference goes. A killed process's
+/// copies are deleted by the next process that opens a state store in the same directory.
+#[derive(Debug)]
+pub struct LocalCopy {
+    /// The file.
+    pub path: PathBuf,
+    /// Its length.
+    pub len: u64,
+}
+
+impl Drop for LocalCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+static NEXT_LOCAL_COPY: AtomicU64 = AtomicU64::new(0);
+
+#[cfg(test)]
+impl KeyedFile {
+    /// `data` written to a local copy under `dir`, as a restore on the rocksdb backend has it.
+    pub(crate) fn local_for_test(dir: &std::path::Path, data: &[u8]) -> KeyedFile {
+        std::fs::create_dir_all(dir).unwrap();
+        let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("restore-{}-{n}", std::process::id()));
+        std::fs::write(&path, data).unwrap();
+        KeyedFile::Local(Arc::new(LocalCopy { path, len: data.len() as u64 }))
+    }
+}
+
 /// Keyed state handed to one operator subtask.
 #[derive(Clone, Debug, Default)]
 pub struct KeyedRestore {
     /// Verified state files to apply in order (each filtered to the subtask's key groups).
-    pub files: Vec<Bytes>,
+    pub files: Vec<KeyedFile>,
     /// The restored incremental chain continues (same key groups, from a checkpoint).
     pub continue_chain: bool,
     /// The chain's file references, when it continues.
@@ -74,7 +135,7 @@ pub struct RestoredSubtask {
     /// Its operator-state document.
     pub operator_doc: Option<Vec<u8>>,
     /// Its keyed-state chain, verified.
-    pub keyed_files: Vec<Bytes>,
+    pub keyed_files: Vec<KeyedFile>,
     /// References of that chain.
     pub keyed_refs: Vec<FileRef>,
 }
@@ -108,8 +169,13 @@ pub struct RestoredState {
 }
 
 impl RestoredState {
-    /// Reads and verifies every file of a snapshot found in `storage`.
-    pub async fn load(storage: &Storage, found: &Restorable) -> Result<RestoredState, RestoreError> {
+    /// Reads and verifies every file of a snapshot found in `storage`, keeping the keyed state
+    /// files where `keyed_in` says.
+    pub async fn load(
+        storage: &Storage,
+        found: &Restorable,
+        keyed_in: &KeyedFilesIn,
+    ) -> Result<RestoredState, RestoreError> {
         let m = &found.metadata;
         let mut operators = BTreeMap::new();
         let mut bytes = 0;
@@ -130,10 +196,16 @@ impl RestoredState {
                     sub.operator_doc = Some(doc.to_vec());
                 }
                 for f in &s.keyed_state {
-                    let data = read_verified(storage, found, f).await?;
-                    bytes += data.len() as u64;
-                    weir_checkpoint::format::open(&data).map_err(|e| corrupt(storage, found, f, e))?;
-                    sub.keyed_files.push(data);
+                    let file = match keyed_in {
+                        KeyedFilesIn::Memory => {
+                            let data = read_verified(storage, found, f).await?;
+                            weir_checkpoint::format::open(&data).map_err(|e| corrupt(storage, found, f, e))?;
+                            KeyedFile::Memory(data)
+                        }
+                        KeyedFilesIn::LocalDir(dir) => KeyedFile::Local(copy_verified(storage, found, f, dir).await?),
+                    };
+                    bytes += f.len;
+                    sub.keyed_files.push(file);
                 }
                 subtasks.push(sub);
             }
@@ -205,6 +277,43 @@ async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Re
         });
     }
     Ok(data)
+}
+
+/// Copies a state file to a new local file under `dir`, verified like [`read_verified`].
+async fn copy_verified(
+    storage: &Storage,
+    found: &Restorable,
+    f: &FileRef,
+    dir: &std::path::Path,
+) -> Result<Arc<LocalCopy>, RestoreError> {
+    let path = found.resolve(&f.path);
+    let local_failed = |e: std::io::Error| RestoreError::LocalCopy { dir: dir.display().to_string(), source: e };
+    std::fs::create_dir_all(dir).map_err(local_failed)?;
+    // Named like the state stores (`<label>-<pid>-<n>`), so that the copies of a killed process
+    // are deleted with its stores.
+    let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
+    // Deleted by its drop if anything below fails.
+    let copy = LocalCopy { path: dir.join(format!("restore-{}-{n}", std::process::id())), len: f.len };
+    let (len, crc) = match storage.get_to_file(&path, &copy.path).await {
+        Ok(got) => got,
+        Err(StorageError::NotFound(_)) => {
+            return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() })
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if len != f.len {
+        return Err(RestoreError::CorruptFile {
+            path: storage.url_of(&path),
+            reason: format!("{len} bytes, metadata says {}", f.len),
+        });
+    }
+    if crc != f.crc32c {
+        return Err(RestoreError::CorruptFile {
+            path: storage.url_of(&path),
+            reason: format!("crc32c {crc:08x}, metadata says {:08x}", f.crc32c),
+        });
+    }
+    Ok(Arc::new(copy))
 }
 
 /// Opens a snapshot named by path or URL: a `.../checkpoints/chk-<N>` directory (whose shared
@@ -303,7 +412,7 @@ where
 /// are retried and then returned: they never make a restore point count as corrupt. When
 /// restore points exist and none is valid, that is an error naming each one and its defect:
 /// a job must never silently start without its state.
-pub async fn newest_valid(storage: &Storage, floor: u64) -> Result<Selection, RestoreError> {
+pub async fn newest_valid(storage: &Storage, floor: u64, keyed_in: &KeyedFilesIn) -> Result<Selection, RestoreError> {
     let points = retrying("listing restore points", || async { Ok(recovery::restore_points(storage).await?) }).await?;
     let mut selection = Selection::default();
     for point in points.into_iter().filter(|p| p.id >= floor) {
@@ -318,7 +427,7 @@ pub async fn newest_valid(storage: &Storage, floor: u64) -> Result<Selection, Re
                 }
                 Err(_) => continue,
             };
-        match retrying(&point.dir, || RestoredState::load(storage, &found)).await {
+        match retrying(&point.dir, || RestoredState::load(storage, &found, keyed_in)).await {
             Ok(r) => {
                 selection.restored = Some(r);
                 return Ok(selection);
@@ -419,6 +528,11 @@ mod tests {
             operator_state: Some(FileRef { path: rel, len, crc32c }),
             keyed_state: vec![],
         };
+        complete(s, id, "src", subtask).await;
+    }
+
+    /// Completes checkpoint `id` of one operator `uid` with one subtask.
+    async fn complete(s: &Storage, id: u64, uid: &str, subtask: SubtaskSnapshot) {
         let m = CheckpointMetadata {
             format_version: FORMAT_VERSION,
             checkpoint_id: id,
@@ -427,8 +541,9 @@ mod tests {
             epoch: 1,
             created_at_ms: id,
             max_parallelism: 8,
-            operators: [("src".to_string(), OperatorSnapshot { parallelism: 1, subtasks: vec![subtask] })].into(),
+            operators: [(uid.to_string(), OperatorSnapshot { parallelism: 1, subtasks: vec![subtask] })].into(),
         };
+        let dir = layout::checkpoint_dir(id);
         s.put(&layout::resolve(&dir, layout::METADATA), bytes::Bytes::from(m.encode())).await.unwrap();
     }
 
@@ -446,6 +561,61 @@ mod tests {
         (store, storage)
     }
 
+    /// A checkpoint `id` of a keyed operator whose chain is one file of `entries` entries.
+    async fn keyed_checkpoint(s: &Storage, id: u64, entries: u32) -> FileRef {
+        let mut w = StateFileWriter::new(FileKind::KeyedFull, 16);
+        for i in 0..entries {
+            w.put(i % 8, format!("key-{i}").as_bytes(), &i.to_le_bytes());
+        }
+        let (data, crc32c) = w.finish();
+        let rel = format!("counts-{id}.wst");
+        let file = FileRef { path: rel.clone(), len: data.len() as u64, crc32c };
+        s.put(&layout::resolve(&layout::checkpoint_dir(id), &rel), data).await.unwrap();
+        let subtask =
+            SubtaskSnapshot { subtask: 0, key_groups: (0, 8), operator_state: None, keyed_state: vec![file.clone()] };
+        complete(s, id, "counts", subtask).await;
+        file
+    }
+
+    #[tokio::test]
+    async fn keyed_files_copied_to_local_disk_are_verified_read_in_parts_and_deleted() {
+        let (_, s) = store();
+        let local = tempfile::tempdir().unwrap();
+        let keyed_in = KeyedFilesIn::LocalDir(local.path().to_path_buf());
+        let file = keyed_checkpoint(&s, 1, 10_000).await;
+        let restored = newest_valid(&s, 0, &keyed_in).await.unwrap().restored.unwrap();
+        assert_eq!(restored.bytes, file.len);
+        let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
+        let [KeyedFile::Local(copy)] = keyed.files.as_slice() else { panic!("one local copy: {:?}", keyed.files) };
+        assert_eq!(std::fs::metadata(&copy.path).unwrap().len(), file.len);
+        let mut keys = 0;
+        let kind = weir_checkpoint::format::read_keyed_parts(
+            std::fs::File::open(&copy.path).unwrap(),
+            copy.len,
+            4096,
+            |body| {
+                keys += weir_checkpoint::format::keyed_entries(body).count();
+                Ok::<_, ()>(())
+            },
+        )
+        .unwrap();
+        assert_eq!((kind, keys), (FileKind::KeyedFull, 10_000));
+        let copied = copy.path.clone();
+        drop(keyed);
+        assert!(copied.exists(), "still referenced by the restored state");
+        drop(restored);
+        assert!(!copied.exists(), "the local copy is deleted with its last reference");
+
+        // A copy that does not match its metadata is refused, and nothing is left behind.
+        let path = layout::resolve(&layout::checkpoint_dir(1), &file.path);
+        let mut data = s.get(&path).await.unwrap().to_vec();
+        data[20] ^= 0x01;
+        s.put(&path, bytes::Bytes::from(data)).await.unwrap();
+        let err = newest_valid(&s, 0, &keyed_in).await.unwrap_err().to_string();
+        assert!(err.contains("crc32c") && err.contains("counts-1.wst"), "{err}");
+        assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "no partial copy left");
+    }
+
     #[tokio::test]
     async fn a_storage_error_is_not_corruption_and_is_never_skipped() {
         let (store, s) = store();
@@ -453,32 +623,35 @@ mod tests {
         checkpoint(&s, 2).await;
         *store.failing.lock().unwrap() = Some("chk-2/src".into());
         // It used to fall back to checkpoint 1 (and a restart from 1 rewound output).
-        match newest_valid(&s, 0).await {
+        match newest_valid(&s, 0, &KeyedFilesIn::Memory).await {
             Err(RestoreError::Storage(e)) => assert!(e.to_string().contains("connection reset"), "{e}"),
             other => panic!("expected the storage error, got {other:?}"),
         }
         *store.failing.lock().unwrap() = None;
-        assert_eq!(newest_valid(&s, 0).await.unwrap().restored.unwrap().checkpoint_id, 2);
+        assert_eq!(newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap().restored.unwrap().checkpoint_id, 2);
     }
 
     #[tokio::test]
     async fn corruption_falls_back_and_nothing_valid_is_refused_naming_each_defect() {
         let (_, s) = store();
-        assert!(newest_valid(&s, 0).await.unwrap().restored.is_none(), "an empty root is a fresh start");
+        assert!(
+            newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap().restored.is_none(),
+            "an empty root is a fresh start"
+        );
         s.put("checkpoints/chk-9/src/0-1.state", bytes::Bytes::from_static(b"x")).await.unwrap();
         assert!(
-            newest_valid(&s, 0).await.unwrap().restored.is_none(),
+            newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap().restored.is_none(),
             "a checkpoint that never completed is not a defect"
         );
         checkpoint(&s, 1).await;
         checkpoint(&s, 2).await;
         corrupt(&s, 2).await;
-        let selection = newest_valid(&s, 0).await.unwrap();
+        let selection = newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap();
         assert_eq!(selection.restored.as_ref().unwrap().checkpoint_id, 1);
         assert_eq!(selection.skipped.iter().map(|k| k.id).collect::<Vec<_>>(), vec![2]);
         assert!(selection.reason().contains("newer restore points are corrupt"), "{}", selection.reason());
         corrupt(&s, 1).await;
-        let err = newest_valid(&s, 0).await.unwrap_err().to_string();
+        let err = newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap_err().to_string();
         assert!(
             err.contains("refusing to start without the job's state")
                 && err.contains("chk-2")

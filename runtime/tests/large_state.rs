@@ -45,6 +45,31 @@ sinks:
     )
 }
 
+/// Checks the committed output of a job that counted keys `0..second` twice: each of those
+/// keys' second count exactly once, and nothing else.
+fn assert_second_counts_exactly_once(out: &Path, second: u64) {
+    let lines = committed(out).remove("counts").expect("the sink wrote");
+    let mut seen = vec![false; second as usize];
+    let mut bad = Vec::new();
+    for line in &lines {
+        let fields: Vec<&str> = line.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).collect();
+        match fields.as_slice() {
+            [key, "2"] => match key.parse::<usize>() {
+                Ok(k) if k < seen.len() && !seen[k] => seen[k] = true,
+                _ => bad.push(line.clone()),
+            },
+            _ => bad.push(line.clone()),
+        }
+    }
+    let missing = seen.iter().filter(|s| !**s).count();
+    assert!(
+        bad.is_empty() && missing == 0,
+        "every key's second count exactly once: {} unexpected or duplicate lines (first: {:?}), {missing} keys missing",
+        bad.len(),
+        bad.first()
+    );
+}
+
 /// A memory cgroup of its own, removed when dropped.
 struct MemoryCgroup {
     dir: PathBuf,
@@ -116,12 +141,27 @@ impl Drop for MemoryCgroup {
 
 /// Runs the job in `cgroup` to its end; its exit status and peak resident memory (bytes).
 fn run(cgroup: &MemoryCgroup, yaml: &str, dir: &Path) -> (ExitStatus, u64, Duration) {
+    run_until(cgroup, yaml, dir, &[], |_| false)
+}
+
+/// Like [`run`], with `extra` arguments, and SIGKILLed as soon as `kill_when` (polled with the
+/// job's checkpoint directory) holds.
+fn run_until(
+    cgroup: &MemoryCgroup,
+    yaml: &str,
+    dir: &Path,
+    extra: &[&str],
+    kill_when: impl Fn(&Path) -> bool,
+) -> (ExitStatus, u64, Duration) {
     let job_file = dir.join("job.yaml");
     std::fs::write(&job_file, yaml).unwrap();
     let chk = dir.join("state");
     let started = Instant::now();
     let mut child = cgroup
-        .command(&["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--quiet"])
+        .command(
+            &[&["run", job_file.to_str().unwrap(), "--checkpoint-dir", chk.to_str().unwrap(), "--quiet"], extra]
+                .concat(),
+        )
         .env("TMPDIR", dir)
         .stdout(Stdio::null())
         .spawn()
@@ -131,6 +171,10 @@ fn run(cgroup: &MemoryCgroup, yaml: &str, dir: &Path) -> (ExitStatus, u64, Durat
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
+        }
+        if kill_when(&chk) {
+            child.kill().unwrap(); // SIGKILL
+            break child.wait().unwrap();
         }
         // VmHWM only grows: the last reading before the exit is the peak, within 50 ms.
         if let Ok(s) = std::fs::read_to_string(&status_file) {
@@ -176,30 +220,111 @@ fn state_five_times_the_memory_limit_completes_on_rocksdb_exactly_once() {
         limited.peak() >> 20
     );
     assert!(status.success() && !limited.oom_killed(), "the rocksdb run under the limit failed: {status}");
-    let lines = committed(&out).remove("counts").expect("the sink wrote");
-    let mut seen = vec![false; SECOND as usize];
-    let mut bad = Vec::new();
-    for line in &lines {
-        let fields: Vec<&str> = line.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).collect();
-        match fields.as_slice() {
-            [key, "2"] => match key.parse::<usize>() {
-                Ok(k) if k < seen.len() && !seen[k] => seen[k] = true,
-                _ => bad.push(line.clone()),
-            },
-            _ => bad.push(line.clone()),
-        }
-    }
-    let missing = seen.iter().filter(|s| !**s).count();
-    assert!(
-        bad.is_empty() && missing == 0,
-        "every key's second count exactly once: {} unexpected or duplicate lines (first: {:?}), {missing} keys missing",
-        bad.len(),
-        bad.first()
-    );
+    assert_second_counts_exactly_once(&out, SECOND);
 
     // The heap backend under the same limit is killed: the limit holds the state's size.
     let (_dir2, out2, _) = workdir("large-state-heap-limited");
     let limited_heap = MemoryCgroup::new("heap", Some(limit));
     let (status, _, _) = run(&limited_heap, &job(&out2, false), out2.parent().unwrap());
     assert!(!status.success() && limited_heap.oom_killed(), "the heap backend fit in a fifth of its memory: {status}");
+}
+
+/// Keys of the restore test, each 200 bytes: the state is about 540 MB.
+const BIG_KEYS: u64 = 2_500_000;
+/// Keys `0..BIG_SECOND` are counted twice.
+const BIG_SECOND: u64 = 300_000;
+/// The memory limit of both runs of the restore test. The job needs about 260 MiB of
+/// anonymous memory with these keys (135 MiB with 20-byte keys): the changed keys of the
+/// checkpoints in flight.
+const RESTORE_LIMIT: u64 = 320 << 20;
+
+fn big_keys_job(out: &Path) -> String {
+    let padding = "x".repeat(190);
+    format!(
+        r#"name: large-checkpoint
+parallelism: 1
+stateBackend: rocksdb
+stateCacheEntries: 100000
+checkpointing: {{ interval: 1s, timeout: 120s }}
+sources:
+  - name: src
+    uid: src
+    generator: {{ count: {records}, fields: [ {{ name: seq, sequence: {{}} }} ] }}
+operators:
+  - {{ name: keyed, map: {{ fields: {{ key: "string(seq % {BIG_KEYS}) + '-{padding}'" }} }} }}
+  - {{ name: by-key, keyBy: {{ fields: [key] }} }}
+  - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+  - {{ name: seconds, filter: {{ expr: "n == 2" }} }}
+  - {{ name: short, map: {{ fields: {{ key: "key.split('-')[0]", n: "n" }} }} }}
+sinks:
+  - {{ name: out, uid: out, file: {{ path: {out}/counts }} }}
+"#,
+        records = BIG_KEYS + BIG_SECOND,
+        out = out.display()
+    )
+}
+
+/// Bytes of the newest complete checkpoint's keyed state of `counts` (its whole chain).
+fn newest_chain_bytes(chk: &Path) -> u64 {
+    let Ok(dirs) = std::fs::read_dir(chk.join("checkpoints")) else { return 0 };
+    let newest = dirs
+        .flatten()
+        .filter_map(|d| weir_checkpoint::layout::parse_checkpoint_dir(&d.file_name().to_string_lossy()))
+        .filter(|id| {
+            let dir = weir_checkpoint::layout::checkpoint_dir(*id);
+            chk.join(dir).join(weir_checkpoint::layout::METADATA).exists()
+        })
+        .max();
+    let Some(id) = newest else { return 0 };
+    let path = chk.join(weir_checkpoint::layout::checkpoint_dir(id)).join(weir_checkpoint::layout::METADATA);
+    let Ok(m) = std::fs::read(path)
+        .map_err(|_| ())
+        .and_then(|b| weir_checkpoint::CheckpointMetadata::decode(&b).map_err(|_| ()))
+    else {
+        return 0;
+    };
+    m.operators.get("counts").map_or(0, |op| op.subtasks.iter().flat_map(|s| &s.keyed_state).map(|f| f.len).sum())
+}
+
+#[test]
+#[ignore = "run in release by .ci/run (cargo test --release ... -- --ignored): ten times slower in a debug build"]
+fn a_checkpoint_larger_than_the_memory_limit_restores_on_rocksdb_exactly_once() {
+    // The job is killed once its newest checkpoint holds more keyed state than the memory
+    // limit, then restored from it under the same limit: the restore must not hold the
+    // checkpoint in memory (it used to read every file of the chain into memory first).
+    let (_dir, out, _) = workdir("large-checkpoint");
+    let dir = out.parent().unwrap().to_path_buf();
+    let yaml = big_keys_job(&out);
+    let first = MemoryCgroup::new("checkpoint-1", Some(RESTORE_LIMIT));
+    let chain_when_killed = std::cell::Cell::new(0);
+    let (status, _, time) = run_until(&first, &yaml, &dir, &[], |chk| {
+        let bytes = newest_chain_bytes(chk);
+        chain_when_killed.set(bytes);
+        bytes > RESTORE_LIMIT * 5 / 4
+    });
+    let chain = chain_when_killed.get();
+    eprintln!(
+        "first run under {} MiB: {status} after {time:?}, newest checkpoint's keyed state {} MiB, cgroup peak {} MiB",
+        RESTORE_LIMIT >> 20,
+        chain >> 20,
+        first.peak() >> 20
+    );
+    assert!(!first.oom_killed(), "the first run ran out of memory");
+    assert!(
+        !status.success() && chain > RESTORE_LIMIT,
+        "the job must be killed with a checkpoint larger than the limit (it ended with {status}, {chain} bytes)"
+    );
+
+    let second = MemoryCgroup::new("checkpoint-2", Some(RESTORE_LIMIT));
+    let (status, _, time) = run_until(&second, &yaml, &dir, &["--restore", "latest"], |_| false);
+    eprintln!(
+        "restored run under {} MiB: {status} in {time:?}, cgroup peak {} MiB",
+        RESTORE_LIMIT >> 20,
+        second.peak() >> 20
+    );
+    assert!(status.success() && !second.oom_killed(), "the restored run under the limit failed: {status}");
+
+    // Every key's second count exactly once, over both runs' committed output: a count lost
+    // with the restored state would show as a missing key.
+    assert_second_counts_exactly_once(&out, BIG_SECOND);
 }

@@ -380,6 +380,93 @@ pub fn keyed_entries(body: &[u8]) -> impl Iterator<Item = Result<KeyedEntry<'_>,
     })
 }
 
+/// Why a keyed state file could not be read in parts.
+#[derive(Debug, thiserror::Error)]
+pub enum PartsError<E> {
+    /// Reading the file failed.
+    #[error("reading the state file: {0}")]
+    Read(#[from] std::io::Error),
+    /// The file is not a keyed state file.
+    #[error(transparent)]
+    Format(FormatError),
+    /// The consumer of a part failed.
+    #[error(transparent)]
+    Consume(E),
+}
+
+/// The length of the longest prefix of `body` made of whole keyed entries.
+fn whole_entries_len(body: &[u8]) -> usize {
+    let mut dec = Decoder::new(body);
+    let mut whole = 0;
+    while !dec.is_empty() {
+        let entry = (|| -> Result<(), FormatError> {
+            dec.varint()?;
+            dec.bytes()?;
+            if dec.u8()? == 1 {
+                dec.bytes()?;
+            }
+            Ok(())
+        })();
+        if entry.is_err() {
+            break;
+        }
+        whole = dec.position();
+    }
+    whole
+}
+
+/// Reads a keyed state file of `len` bytes from `file` in parts of about `part` bytes, each
+/// made of whole entries, and hands each part to `consume` as a body that [`keyed_entries`]
+/// reads (in file order): for files larger than memory. The trailing checksum is not read, so
+/// the file must have been verified already (as a restore does while downloading it). Returns
+/// the file's kind.
+///
+/// A part grows beyond `part` only to hold an entry larger than it. A malformed entry stops
+/// the parts early: the rest of the file becomes one part, whose reading reports the defect.
+pub fn read_keyed_parts<E>(
+    mut file: impl std::io::Read,
+    len: u64,
+    part: usize,
+    mut consume: impl FnMut(&[u8]) -> Result<(), E>,
+) -> Result<FileKind, PartsError<E>> {
+    if len < (MAGIC.len() + 1 + 4) as u64 {
+        return Err(PartsError::Format(FormatError::Truncated(len as usize)));
+    }
+    let mut header = [0u8; 5];
+    file.read_exact(&mut header)?;
+    if &header[..4] != MAGIC {
+        return Err(PartsError::Format(FormatError::BadMagic));
+    }
+    let kind = match header[4] {
+        0 => FileKind::KeyedFull,
+        1 => FileKind::KeyedIncrement,
+        k => return Err(PartsError::Format(FormatError::UnknownKind(k))),
+    };
+    let part = part.max(1);
+    let mut remaining = len - (MAGIC.len() + 1 + 4) as u64;
+    let mut buf: Vec<u8> = Vec::with_capacity(part.min(remaining as usize));
+    let mut want = part;
+    loop {
+        let take = (want.saturating_sub(buf.len()) as u64).min(remaining) as usize;
+        let start = buf.len();
+        buf.resize(start + take, 0);
+        file.read_exact(&mut buf[start..])?;
+        remaining -= take as u64;
+        let whole = if remaining == 0 { buf.len() } else { whole_entries_len(&buf) };
+        if whole == 0 && remaining > 0 {
+            // One entry longer than the part read so far.
+            want = buf.len() * 2;
+            continue;
+        }
+        consume(&buf[..whole]).map_err(PartsError::Consume)?;
+        buf.drain(..whole);
+        want = part;
+        if remaining == 0 {
+            return Ok(kind);
+        }
+    }
+}
+
 /// Reads the document of a verified operator-state body.
 pub fn operator_document(body: &[u8]) -> Result<&[u8], FormatError> {
     Decoder::new(body).bytes()
@@ -418,6 +505,57 @@ mod tests {
             assert!(open(&bad).is_err(), "flip at {i} undetected");
         }
         assert_eq!(open(&bytes[..3]), Err(FormatError::Truncated(3)));
+    }
+
+    #[test]
+    fn keyed_parts_hold_whole_entries_in_file_order() {
+        let mut w = StateFileWriter::new(FileKind::KeyedFull, 64);
+        let mut expected = Vec::new();
+        for i in 0..500u32 {
+            let key = format!("key-{i}").into_bytes();
+            // Some values longer than a part: the part grows to hold them.
+            let value = vec![i as u8; if i % 97 == 0 { 700 } else { (i % 13) as usize }];
+            if i % 7 == 0 {
+                w.delete(i % 128, &key);
+                expected.push((i % 128, key, None));
+            } else {
+                w.put(i % 128, &key, &value);
+                expected.push((i % 128, key, Some(value)));
+            }
+        }
+        let (bytes, _) = w.finish();
+        for part in [1, 16, 100, 4096, 1 << 20] {
+            let mut read = Vec::new();
+            let mut parts = 0;
+            let kind = read_keyed_parts(&bytes[..], bytes.len() as u64, part, |body| {
+                parts += 1;
+                for e in keyed_entries(body) {
+                    let e = e?;
+                    read.push((e.key_group, e.key.to_vec(), e.value.map(<[u8]>::to_vec)));
+                }
+                Ok::<_, FormatError>(())
+            })
+            .unwrap();
+            assert_eq!(kind, FileKind::KeyedFull);
+            assert_eq!(read, expected, "parts of {part} bytes");
+            assert!(part >= bytes.len() || parts > 1, "{part}-byte parts of a {}-byte file", bytes.len());
+        }
+    }
+
+    #[test]
+    fn keyed_parts_refuse_what_is_not_a_keyed_file() {
+        let mut w = StateFileWriter::new(FileKind::OperatorState, 8);
+        w.document(b"{}");
+        let (doc, _) = w.finish();
+        let none = |_: &[u8]| Ok::<_, FormatError>(());
+        assert!(matches!(
+            read_keyed_parts(&doc[..], doc.len() as u64, 64, none),
+            Err(PartsError::Format(FormatError::UnknownKind(2)))
+        ));
+        assert!(matches!(read_keyed_parts(&doc[..3], 3, 64, none), Err(PartsError::Format(FormatError::Truncated(3)))));
+        // Shorter than its stated length: a read error, not a silent end.
+        let (keyed, _) = StateFileWriter::new(FileKind::KeyedFull, 8).finish();
+        assert!(matches!(read_keyed_parts(&keyed[..], keyed.len() as u64 + 10, 64, none), Err(PartsError::Read(_))));
     }
 
     #[test]

@@ -315,6 +315,26 @@ impl Storage {
         res.bytes().await.map_err(io("read", rel))
     }
 
+    /// Copies an object into the local file `local` (created or truncated), streamed: the
+    /// object may be larger than memory. Returns its length and CRC-32C, computed on the way.
+    pub async fn get_to_file(&self, rel: &str, local: &std::path::Path) -> Result<(u64, u32), StorageError> {
+        use futures::StreamExt;
+        use std::io::Write;
+        let res = self.store.get(&self.full(rel)).await.map_err(io("get", rel))?;
+        let file = std::fs::File::create(local).map_err(local_io("create", rel))?;
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+        let (mut len, mut crc) = (0u64, 0u32);
+        let mut chunks = res.into_stream();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(io("read", rel))?;
+            crc = crc32c::crc32c_append(crc, &chunk);
+            len += chunk.len() as u64;
+            out.write_all(&chunk).map_err(local_io("write", rel))?;
+        }
+        out.flush().map_err(local_io("write", rel))?;
+        Ok((len, crc))
+    }
+
     /// Size of an object, or `None` when it does not exist.
     pub async fn size(&self, rel: &str) -> Result<Option<u64>, StorageError> {
         match self.store.head(&self.full(rel)).await {

@@ -5,7 +5,10 @@ use weir_crds::job::AggregateFn;
 use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
 use crate::operators::accumulators::{AccList, Aggregates};
-use crate::restore::KeyedRestore;
+use crate::restore::{KeyedFile, KeyedRestore};
+
+/// How much of a state file's local copy a restore reads at once.
+const RESTORE_PART_BYTES: usize = 8 << 20;
 use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings};
 use crate::value::{Fields, Key, Record};
 
@@ -39,22 +42,46 @@ impl KeyedContext {
         }
         if let Some(r) = restore {
             for file in &r.files {
-                let failed = |e: weir_checkpoint::format::FormatError| TaskError::Restore {
-                    uid: self.uid.clone(),
-                    reason: e.to_string(),
-                };
-                let (kind, body) = weir_checkpoint::format::open(file).map_err(failed)?;
-                if kind == weir_checkpoint::format::FileKind::KeyedFull {
-                    state.reserve_for_full_image(body, self.key_groups).map_err(failed)?;
-                }
-                state.restore_file(body, self.key_groups).map_err(|e| match e {
-                    StoreError::Decode(e) => failed(e),
-                    e => self.state_failed(e),
-                })?;
+                self.restore_file(&mut state, file)?;
             }
             state.after_restore(r.continue_chain, r.files.len());
         }
         Ok(state)
+    }
+
+    /// Applies one file of a restored chain: from memory, or read back in parts from its local
+    /// copy (so that a state larger than memory restores within it).
+    fn restore_file<V: StateValue>(&self, state: &mut KeyedState<V>, file: &KeyedFile) -> Result<(), TaskError> {
+        use weir_checkpoint::format::{FileKind, FormatError, PartsError};
+        let failed = |reason: String| TaskError::Restore { uid: self.uid.clone(), reason };
+        let store_failed = |e: StoreError| match e {
+            StoreError::Decode(e) => failed(e.to_string()),
+            e => self.state_failed(e),
+        };
+        match file {
+            KeyedFile::Memory(data) => {
+                let (kind, body) = weir_checkpoint::format::open(data).map_err(|e| failed(e.to_string()))?;
+                if kind == FileKind::KeyedFull {
+                    state.reserve_for_full_image(body, self.key_groups).map_err(|e| failed(e.to_string()))?;
+                }
+                state.restore_file(body, self.key_groups).map_err(store_failed)
+            }
+            KeyedFile::Local(copy) => {
+                let read = std::fs::File::open(&copy.path)
+                    .map_err(|e| failed(format!("opening the local copy {}: {e}", copy.path.display())))?;
+                let parts = weir_checkpoint::format::read_keyed_parts(read, copy.len, RESTORE_PART_BYTES, |body| {
+                    state.restore_file(body, self.key_groups)
+                });
+                match parts {
+                    Ok(_) => Ok(()),
+                    Err(PartsError::Read(e)) => {
+                        Err(failed(format!("reading the local copy {}: {e}", copy.path.display())))
+                    }
+                    Err(PartsError::Format(e)) => Err(failed(FormatError::to_string(&e))),
+                    Err(PartsError::Consume(e)) => Err(store_failed(e)),
+                }
+            }
+        }
     }
 
     /// The task error for a failure of the state's store.

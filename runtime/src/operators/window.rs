@@ -359,7 +359,7 @@ mod tests {
     fn checkpoint_and_restore(w: &mut WindowOperator, spec: &WindowSpec) -> WindowOperator {
         let snap = w.snapshot(&Barrier { id: 1, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
         let restore = KeyedRestore {
-            files: vec![snap.keyed.unwrap().data],
+            files: vec![crate::restore::KeyedFile::Memory(snap.keyed.unwrap().data)],
             continue_chain: true,
             chain: vec![],
             operator_docs: vec![(w.ctx.key_groups, snap.operator_doc.unwrap())],
@@ -507,6 +507,7 @@ mod tests {
         use proptest::prelude::*;
 
         use super::*;
+        use crate::restore::KeyedFile;
         use crate::state::StoreSettings;
         use crate::value::key_group_range;
         use weir_checkpoint::format::FileKind;
@@ -559,8 +560,16 @@ mod tests {
                         snapshot.iter().filter(|(r, _, _)| r.0 < range.1 && range.0 < r.1).collect();
                     let same = overlapping.len() == 1 && overlapping[0].0 == range;
                     let files: Vec<bytes::Bytes> = overlapping.iter().flat_map(|(_, c, _)| c.iter().cloned()).collect();
+                    // The rocksdb backend restores from local copies, read back in parts.
+                    let restored_files = files
+                        .iter()
+                        .map(|f| match store {
+                            Some(settings) => KeyedFile::local_for_test(&settings.parent_dir, f),
+                            None => KeyedFile::Memory(f.clone()),
+                        })
+                        .collect();
                     let restore = KeyedRestore {
-                        files: files.clone(),
+                        files: restored_files,
                         continue_chain: same,
                         chain: vec![],
                         operator_docs: overlapping.iter().map(|(r, _, doc)| (*r, doc.clone())).collect(),

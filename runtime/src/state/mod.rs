@@ -669,7 +669,7 @@ impl std::io::Write for SpillingBuffer {
             static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
             let n = NEXT.fetch_add(1, Ordering::Relaxed);
             std::fs::create_dir_all(&self.dir)?;
-            let path = self.dir.join(format!("full-image-{}-{n}.wst", std::process::id()));
+            let path = self.dir.join(format!("full-image-{}-{n}", std::process::id()));
             let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&path)?);
             f.write_all(&std::mem::take(&mut self.memory))?;
             self.file = Some((f, path));

@@ -180,9 +180,10 @@ impl Drop for StateStore {
     }
 }
 
-/// Deletes the store directories that processes killed before they could delete theirs left
-/// under `parent_dir` (named `<label>-<pid>-<n>`; a process that no longer exists). A store of
-/// a live process, or of a process whose pid was reused, is left alone.
+/// Deletes the store directories, full-image files and restored local copies that processes
+/// killed before they could delete theirs left under `parent_dir` (named `<label>-<pid>-<n>`; a
+/// process that no longer exists). What a live process (or one whose pid was reused) owns is
+/// left alone.
 fn remove_stores_of_dead_processes(parent_dir: &Path) {
     let Ok(entries) = std::fs::read_dir(parent_dir) else { return };
     let me = std::process::id();
@@ -192,7 +193,12 @@ fn remove_stores_of_dead_processes(parent_dir: &Path) {
         let (Some(n), Some(pid), Some(_label)) = (parts.next(), parts.next(), parts.next()) else { continue };
         let (Ok(_), Ok(pid)) = (n.parse::<u64>(), pid.parse::<u32>()) else { continue };
         if pid != me && !Path::new(&format!("/proc/{pid}")).exists() {
-            match std::fs::remove_dir_all(entry.path()) {
+            // Stores are directories; full images and restored files are files.
+            let removed = match entry.file_type() {
+                Ok(t) if t.is_dir() => std::fs::remove_dir_all(entry.path()),
+                _ => std::fs::remove_file(entry.path()),
+            };
+            match removed {
                 Ok(()) => tracing::info!(dir = %entry.path().display(), "deleted the state store of a dead process"),
                 Err(e) => {
                     tracing::warn!(dir = %entry.path().display(), error = %e, "could not delete a dead process's store")
@@ -239,13 +245,19 @@ mod tests {
         for d in [&dead, &live, &other] {
             std::fs::create_dir_all(d.join("sub")).unwrap();
         }
+        let dead_copy = parent.path().join("restore-999999999-7");
+        let live_image = parent.path().join(format!("full-image-{}-1", std::process::id()));
+        for f in [&dead_copy, &live_image] {
+            std::fs::write(f, b"state").unwrap();
+        }
         let store = StateStore::open(parent.path(), "counts").unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while dead.exists() && std::time::Instant::now() < deadline {
+        while (dead.exists() || dead_copy.exists()) && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         assert!(!dead.exists(), "the dead process's store is deleted");
-        assert!(live.exists() && other.exists());
+        assert!(!dead_copy.exists(), "the dead process's restored copy is deleted");
+        assert!(live.exists() && other.exists() && live_image.exists());
         let dir = store.dir.clone();
         drop(store);
         assert!(!dir.exists(), "a dropped store deletes its directory");
