@@ -259,6 +259,14 @@ impl StateFileWriter {
         self.entries
     }
 
+    /// The keyed entries written, without the file's header, and their number: for appending
+    /// to a [`StateFileStream`] with [`StateFileStream::put_entries`].
+    pub fn into_entries(self) -> (Vec<u8>, u64) {
+        let mut buf = self.enc.buf;
+        buf.drain(..MAGIC.len() + 1);
+        (buf, self.entries)
+    }
+
     /// Seals the file with its checksum; returns the bytes and their CRC-32C.
     pub fn finish(mut self) -> (Bytes, u32) {
         let crc = crc32c::crc32c(&self.enc.buf);
@@ -301,6 +309,16 @@ impl<W: std::io::Write> StateFileStream<W> {
         if self.buf.buf.len() >= Self::FLUSH_AT {
             self.flush_buf()?;
         }
+        Ok(())
+    }
+
+    /// Appends `count` entries encoded by [`StateFileWriter::into_entries`].
+    pub fn put_entries(&mut self, encoded: &[u8], count: u64) -> std::io::Result<()> {
+        self.flush_buf()?;
+        self.crc = crc32c::crc32c_append(self.crc, encoded);
+        self.out.write_all(encoded)?;
+        self.len += encoded.len() as u64;
+        self.entries += count;
         Ok(())
     }
 
@@ -540,6 +558,27 @@ mod tests {
             assert_eq!(read, expected, "parts of {part} bytes");
             assert!(part >= bytes.len() || parts > 1, "{part}-byte parts of a {}-byte file", bytes.len());
         }
+    }
+
+    #[test]
+    fn a_stream_with_appended_entries_equals_the_writer() {
+        let mut whole = StateFileWriter::new(FileKind::KeyedFull, 64);
+        let mut stream = StateFileStream::new(FileKind::KeyedFull, Vec::new());
+        let mut tail = StateFileWriter::new(FileKind::KeyedFull, 64);
+        for i in 0..100u32 {
+            whole.put(i % 8, &i.to_le_bytes(), b"first");
+            stream.put(i % 8, &i.to_le_bytes(), b"first").unwrap();
+        }
+        for i in 0..10u32 {
+            whole.put(i, &i.to_le_bytes(), b"second");
+            tail.put(i, &i.to_le_bytes(), b"second");
+        }
+        let (encoded, count) = tail.into_entries();
+        stream.put_entries(&encoded, count).unwrap();
+        assert_eq!(stream.entries(), 110);
+        let (out, len, crc) = stream.finish().unwrap();
+        let (bytes, whole_crc) = whole.finish();
+        assert_eq!((&out[..], len, crc), (&bytes[..], bytes.len() as u64, whole_crc));
     }
 
     #[test]

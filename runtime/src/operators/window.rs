@@ -613,11 +613,11 @@ mod tests {
                 for (op, range, chain) in &mut self.parts {
                     let parts =
                         op.snapshot(&Barrier { id, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
-                    let keyed = parts.keyed.unwrap();
+                    let keyed = parts.keyed.unwrap().complete().unwrap();
                     if keyed.kind == FileKind::KeyedFull {
                         chain.clear();
                     }
-                    chain.push(keyed.data);
+                    chain.push(keyed.bytes());
                     snapshot.push((*range, chain.clone(), parts.operator_doc.unwrap()));
                 }
                 snapshot

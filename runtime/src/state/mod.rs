@@ -22,12 +22,15 @@ use weir_checkpoint::format::{
     keyed_entries, Decoder, Encoder, FileKind, FormatError, StateFileStream, StateFileWriter,
 };
 
-pub use store::{StateStore, StoreError, StoreSettings};
+pub use store::{StateStore, StoreCopy, StoreError, StoreSettings};
 
 use crate::value::Key;
 
 /// The largest full image the rocksdb backend keeps in memory; larger ones go to local disk.
 pub const FULL_IMAGE_IN_MEMORY: usize = 8 << 20;
+
+/// See `Spill::read_back_in_task`.
+const READ_BACK_IN_TASK: usize = 1024;
 
 /// A state value that can be written to and read from state files.
 pub trait StateValue: Clone + Send + 'static {
@@ -64,6 +67,10 @@ struct Spill {
     absent: FxHashSet<Key>,
     /// Full images larger than this many bytes are written to a file, not held in memory.
     full_image_in_memory: usize,
+    /// An increment reads back at most this many evicted changed entries on the task thread;
+    /// beyond that, the uploader reads them from a copy of the store (whose flush costs more
+    /// than a few reads).
+    read_back_in_task: usize,
 }
 
 /// Keyed state of one operator subtask.
@@ -86,7 +93,9 @@ pub struct KeyedState<V> {
 }
 
 /// A snapshot of keyed state, already encoded as a state file by the task thread (encoding the
-/// changed entries costs what copying them would, and the bytes are what the uploader needs).
+/// changed entries costs what copying them would, and the bytes are what the uploader needs),
+/// except for the stored part of a rocksdb full image, which the uploader encodes
+/// ([`KeyedSnapshot::complete`]).
 pub struct KeyedSnapshot {
     /// Full image or increment.
     pub kind: FileKind,
@@ -99,6 +108,34 @@ pub struct KeyedSnapshot {
     pub crc32c: u32,
     /// Entries written.
     pub entries: u64,
+    /// A rocksdb snapshot still to be written, in part from a copy of the store (`data`,
+    /// `file`, `crc32c` and `entries` are filled in by [`KeyedSnapshot::complete`]).
+    pub pending: Option<PendingFile>,
+}
+
+/// A rocksdb snapshot file the uploader writes: entries encoded at the snapshot, and entries
+/// read from a point-in-time copy of the store taken at the snapshot.
+pub struct PendingFile {
+    kind: FileKind,
+    store: StoreCopy,
+    /// Entries encoded at the snapshot: a full image's cached entries (written after the
+    /// stored ones, so that their values win on restore), an increment's deletions and cached
+    /// changes (written before the stored ones, which are other keys).
+    encoded: Vec<u8>,
+    encoded_entries: u64,
+    stored: StoredPart,
+    /// Where the file goes once larger than `in_memory` bytes.
+    dir: std::path::PathBuf,
+    in_memory: usize,
+}
+
+/// Which of the store copy's entries a pending file holds.
+enum StoredPart {
+    /// Every one (a full image).
+    All,
+    /// Those of these store keys (an increment's changed entries that were evicted; a key
+    /// absent from the copy was removed, and its deletion is among the encoded entries).
+    Keys(Vec<Vec<u8>>),
 }
 
 impl<V: StateValue> KeyedState<V> {
@@ -128,6 +165,7 @@ impl<V: StateValue> KeyedState<V> {
             cache_entries: cache_entries.max(1),
             absent: FxHashSet::default(),
             full_image_in_memory: FULL_IMAGE_IN_MEMORY,
+            read_back_in_task: READ_BACK_IN_TASK,
         });
         self
     }
@@ -455,6 +493,19 @@ impl<V: StateValue> KeyedState<V> {
         let spill = self.spill.as_ref().expect("on the rocksdb backend");
         let raw: Vec<Vec<u8>> =
             evicted.iter().map(|k| StateStore::key_of(k.key_group(self.max_parallelism), k)).collect();
+        if raw.len() > spill.read_back_in_task {
+            // The uploader reads them from a copy of the store as it is now.
+            let (encoded, encoded_entries) = w.into_entries();
+            return Ok(KeyedSnapshot::pending(PendingFile {
+                kind: FileKind::KeyedIncrement,
+                store: spill.store.copy_now()?,
+                encoded,
+                encoded_entries,
+                stored: StoredPart::Keys(raw),
+                dir: spill.store.parent_dir().to_path_buf(),
+                in_memory: spill.full_image_in_memory,
+            }));
+        }
         for (raw_key, value) in raw.iter().zip(spill.store.multi_get(&raw)?) {
             // Absent: removed after it changed, and the removal is written above.
             if let Some(value) = value {
@@ -465,9 +516,14 @@ impl<V: StateValue> KeyedState<V> {
         Ok(finish(FileKind::KeyedIncrement, w))
     }
 
-    /// Every entry, cached or stored, as a full image. On the rocksdb backend the image is
-    /// streamed: it stays in memory up to [`FULL_IMAGE_IN_MEMORY`] bytes and goes to a file
-    /// next to the store beyond that, so that its size is not bounded by memory.
+    /// Every entry, cached or stored, as a full image.
+    ///
+    /// On the rocksdb backend only the cache's entries that the store lacks (or holds an
+    /// older value of) are encoded here, on the task thread: O(cache). The store's entries are
+    /// read by the uploader from a point-in-time copy of the store taken now (a memtable flush
+    /// and a link per file, not a read of the entries), see [`KeyedSnapshot::complete`]. The
+    /// image lists the store's entries first and the cached ones after them, so a key in both
+    /// appears twice and a restore, which applies entries in file order, keeps the cached value.
     fn full_image(&self) -> Result<KeyedSnapshot, StoreError> {
         let Some(spill) = &self.spill else {
             let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
@@ -476,40 +532,20 @@ impl<V: StateValue> KeyedState<V> {
             }
             return Ok(finish(FileKind::KeyedFull, w));
         };
-        let out = SpillingBuffer {
-            memory: Vec::new(),
-            bound: spill.full_image_in_memory,
-            dir: spill.store.parent_dir().to_path_buf(),
-            file: None,
-        };
-        let spill_failed = |e: std::io::Error| StoreError::SpillImage(e);
-        let mut w = StateFileStream::new(FileKind::KeyedFull, out);
-        let (mut key, mut value) = (Encoder::default(), Encoder::default());
-        for (k, s) in self.map.iter() {
-            key.buf.clear();
-            value.buf.clear();
-            k.encode(&mut key);
-            s.value.encode(&mut value);
-            w.put(s.key_group, &key.buf, &value.buf).map_err(spill_failed)?;
+        let mut cached = StateFileWriter::new(FileKind::KeyedFull, 0);
+        for (k, s) in self.map.iter().filter(|(_, s)| !s.stored) {
+            cached.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
         }
-        spill.store.scan(|raw_key, raw_value| {
-            let (key_group, encoded_key) = StateStore::split_key(raw_key)?;
-            if !self.map.contains_key(&Key::decode(&mut Decoder::new(encoded_key))?) {
-                w.put(key_group, encoded_key, raw_value).map_err(spill_failed)?;
-            }
-            Ok::<_, StoreError>(())
-        })?;
-        let entries = w.entries();
-        let (out, len, crc32c) = w.finish().map_err(spill_failed)?;
-        let (data, file) = match out.file {
-            Some((f, path)) => {
-                let file = LocalStateFile { path, len };
-                f.into_inner().map_err(|e| spill_failed(e.into_error()))?.sync_all().map_err(spill_failed)?;
-                (bytes::Bytes::new(), Some(file))
-            }
-            None => (bytes::Bytes::from(out.memory), None),
-        };
-        Ok(KeyedSnapshot { kind: FileKind::KeyedFull, data, file, crc32c, entries })
+        let (encoded, encoded_entries) = cached.into_entries();
+        Ok(KeyedSnapshot::pending(PendingFile {
+            kind: FileKind::KeyedFull,
+            store: spill.store.copy_now()?,
+            encoded,
+            encoded_entries,
+            stored: StoredPart::All,
+            dir: spill.store.parent_dir().to_path_buf(),
+            in_memory: spill.full_image_in_memory,
+        }))
     }
 
     /// A full image for a savepoint; change tracking is left as it is.
@@ -615,7 +651,7 @@ fn owns(key_groups: (u32, u32), key_group: u32) -> bool {
 fn finish(kind: FileKind, w: StateFileWriter) -> KeyedSnapshot {
     let entries = w.entries();
     let (data, crc32c) = w.finish();
-    KeyedSnapshot { kind, data, file: None, crc32c, entries }
+    KeyedSnapshot { kind, data, file: None, crc32c, entries, pending: None }
 }
 
 /// A state file written to local disk, deleted when dropped (once uploaded, or when its
@@ -635,6 +671,54 @@ impl Drop for LocalStateFile {
 }
 
 impl KeyedSnapshot {
+    /// Writes the state file of a pending full image (the uploader calls this, off the task
+    /// thread). The image stays in memory up to a bound and goes to a file beside the store
+    /// beyond it, so that its size is not bounded by memory. Other snapshots are returned as
+    /// they are.
+    pub fn complete(self) -> Result<KeyedSnapshot, StoreError> {
+        let Some(pending) = self.pending else { return Ok(self) };
+        let out = SpillingBuffer { memory: Vec::new(), bound: pending.in_memory, dir: pending.dir.clone(), file: None };
+        let spill_failed = |e: std::io::Error| StoreError::SpillImage(e);
+        let mut w = StateFileStream::new(pending.kind, out);
+        let put_stored = |w: &mut StateFileStream<SpillingBuffer>, raw_key: &[u8], raw_value: &[u8]| {
+            let (key_group, encoded_key) = StateStore::split_key(raw_key)?;
+            w.put(key_group, encoded_key, raw_value).map_err(spill_failed)
+        };
+        match &pending.stored {
+            StoredPart::All => {
+                pending.store.scan(|k, v| put_stored(&mut w, k, v))?;
+                w.put_entries(&pending.encoded, pending.encoded_entries).map_err(spill_failed)?;
+            }
+            StoredPart::Keys(keys) => {
+                w.put_entries(&pending.encoded, pending.encoded_entries).map_err(spill_failed)?;
+                pending.store.read(keys, |k, v| put_stored(&mut w, k, v))?;
+            }
+        }
+        drop(pending.store);
+        let entries = w.entries();
+        let (out, len, crc32c) = w.finish().map_err(spill_failed)?;
+        let (data, file) = match out.file {
+            Some((f, path)) => {
+                let file = LocalStateFile { path, len };
+                f.into_inner().map_err(|e| spill_failed(e.into_error()))?.sync_all().map_err(spill_failed)?;
+                (bytes::Bytes::new(), Some(file))
+            }
+            None => (bytes::Bytes::from(out.memory), None),
+        };
+        Ok(KeyedSnapshot { kind: self.kind, data, file, crc32c, entries, pending: None })
+    }
+
+    fn pending(file: PendingFile) -> KeyedSnapshot {
+        KeyedSnapshot {
+            kind: file.kind,
+            data: bytes::Bytes::new(),
+            file: None,
+            crc32c: 0,
+            entries: 0,
+            pending: Some(file),
+        }
+    }
+
     /// The state file's length.
     pub fn len(&self) -> u64 {
         self.file.as_ref().map_or(self.data.len() as u64, |f| f.len)
@@ -647,6 +731,7 @@ impl KeyedSnapshot {
 
     /// The state file's bytes, read from disk when it is there (tests).
     pub fn bytes(&self) -> bytes::Bytes {
+        assert!(self.pending.is_none(), "complete() a pending full image first");
         match &self.file {
             Some(f) => std::fs::read(&f.path).expect("the local state file is readable").into(),
             None => self.data.clone(),
@@ -703,7 +788,10 @@ impl<V: StateValue> KeyedState<V> {
     pub(crate) fn on_test_store(self, cache_entries: usize) -> Self {
         let store = StateStore::open(&std::env::temp_dir().join("weir-state-tests"), "test").expect("a store opens");
         let mut state = self.on_store(store, cache_entries);
-        state.spill.as_mut().expect("on a store").full_image_in_memory = 64;
+        let spill = state.spill.as_mut().expect("on a store");
+        spill.full_image_in_memory = 64;
+        // Both ways of reading back evicted changed entries, by the cache's size (1 to 5).
+        spill.read_back_in_task = cache_entries / 2;
         state
     }
 }
@@ -884,7 +972,36 @@ mod model_tests {
     /// A subtask's key-group range.
     type KeyGroups = (u32, u32);
     /// The snapshot files a restore reads, full snapshot first.
-    type Chain = Vec<Bytes>;
+    type Chain = Vec<File>;
+
+    /// A snapshot file as the uploader has it. A rocksdb full image is written from its copy
+    /// of the store only when first read (by a restore), however much the state changed since
+    /// the snapshot: the copy must not see those changes.
+    #[derive(Clone)]
+    struct File(std::rc::Rc<std::cell::RefCell<FileState>>);
+
+    enum FileState {
+        Pending(Option<KeyedSnapshot>),
+        Done(Bytes),
+    }
+
+    impl File {
+        fn new(snapshot: KeyedSnapshot) -> Self {
+            File(std::rc::Rc::new(std::cell::RefCell::new(FileState::Pending(Some(snapshot)))))
+        }
+
+        fn bytes(&self) -> Bytes {
+            let mut state = self.0.borrow_mut();
+            if let FileState::Pending(snapshot) = &mut *state {
+                let snapshot = snapshot.take().expect("completed once").complete().expect("the image is written");
+                *state = FileState::Done(snapshot.bytes());
+            }
+            match &*state {
+                FileState::Done(bytes) => bytes.clone(),
+                FileState::Pending(_) => unreachable!("completed above"),
+            }
+        }
+    }
     /// Each subtask's key groups and chain, as one snapshot of the operator.
     type Snapshot = Vec<(KeyGroups, Chain)>;
 
@@ -926,19 +1043,19 @@ mod model_tests {
                 if snap.kind == FileKind::KeyedFull {
                     chain.clear();
                 }
-                chain.push(snap.bytes());
+                chain.push(File::new(snap));
             }
             self.parts.iter().map(|(_, r, c)| (*r, c.clone())).collect()
         }
 
         fn savepoint(&self) -> Snapshot {
-            self.parts.iter().map(|(s, r, _)| (*r, vec![s.snapshot_full_copy().unwrap().bytes()])).collect()
+            self.parts.iter().map(|(s, r, _)| (*r, vec![File::new(s.snapshot_full_copy().unwrap())])).collect()
         }
 
         /// Restores `snapshot` at `parallelism`, as the engine does: a subtask whose key groups
         /// are unchanged continues the chain of a checkpoint, any other starts a new one.
         fn restore(
-            snapshot: &[((u32, u32), Vec<Bytes>)],
+            snapshot: &[((u32, u32), Chain)],
             parallelism: u32,
             full_every: u32,
             from_checkpoint: bool,
@@ -952,10 +1069,19 @@ mod model_tests {
                 let mut state = empty(full_every, backend);
                 let mut files = Vec::new();
                 for (_, chain) in &overlapping {
-                    for f in chain {
-                        let (_, body) = open(f).expect("a file written by a snapshot verifies");
-                        state.restore_file(body, range).unwrap();
-                        files.push(f.clone());
+                    for file in chain {
+                        let f = file.bytes();
+                        if backend.is_none() {
+                            let (_, body) = open(&f).expect("a file written by a snapshot verifies");
+                            state.restore_file(body, range).unwrap();
+                        } else {
+                            // As from a local copy: in parts of a few entries, in file order.
+                            weir_checkpoint::format::read_keyed_parts(&f[..], f.len() as u64, 24, |body| {
+                                state.restore_file(body, range)
+                            })
+                            .unwrap();
+                        }
+                        files.push(file.clone());
                     }
                 }
                 let continue_chain = same && from_checkpoint;
