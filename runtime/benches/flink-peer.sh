@@ -3,21 +3,24 @@
 # and prints records per CPU-second of each and Weir ÷ Flink: the ratio is measured here, not
 # quoted. The job: 1M keys drawn as Weir's generator draws them, keyBy, a running count per
 # key emitted on every record and discarded, exactly-once checkpoints every second to local
-# disk (Flink: heap `hashmap` state, or `rocksdb` with --backend), then the same with
-# checkpoints off. CPU time is the whole process's user+system time (Flink: one JVM running a
+# disk (Flink: heap `hashmap` state, or `rocksdb` with --backend; Weir: `heap`, or `rocksdb`
+# with a cache of --weir-cache entries, a tenth of the keys by default, so that most
+# accesses miss the cache as Flink's do), then the same with checkpoints off. CPU time is the whole process's user+system time (Flink: one JVM running a
 # MiniCluster, ParallelGC; Weir: the `weir-runtime` binary).
 #
 # Flink's jars come from the `apache-flink-libraries` wheel on PyPI, cached under
 # $WEIR_CACHE/flink; the Java job is runtime/benches/flink/KeyedCount.java.
 #
 # usage: runtime/benches/flink-peer.sh [--records N] [--keys K] [--parallelism P]
-#                                      [--backend hashmap|rocksdb] [--flink-version V]
+#                                      [--backend hashmap|rocksdb] [--weir-cache N]
+#                                      [--flink-version V]
 set -euo pipefail
 
 records=20000000
 keys=1000000
 parallelism=2
 backend=hashmap
+weir_cache=
 flink_version=2.3.0
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -25,10 +28,18 @@ while [ $# -gt 0 ]; do
         --keys) keys="$2"; shift 2 ;;
         --parallelism) parallelism="$2"; shift 2 ;;
         --backend) backend="$2"; shift 2 ;;
+        --weir-cache) weir_cache="$2"; shift 2 ;;
         --flink-version) flink_version="$2"; shift 2 ;;
         *) echo "flink-peer: unknown argument $1" >&2; exit 2 ;;
     esac
 done
+
+case "$backend" in
+    hashmap) weir_backend="stateBackend: heap" ;;
+    rocksdb) weir_backend="stateBackend: rocksdb
+stateCacheEntries: ${weir_cache:-$((keys / 10))}" ;;
+    *) echo "flink-peer: --backend is hashmap or rocksdb, not $backend" >&2; exit 2 ;;
+esac
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cache=${WEIR_CACHE:-$HOME/.cache/weir}
@@ -77,6 +88,7 @@ weir_job() {
     cat <<YAML
 name: peer-count
 parallelism: $parallelism
+$weir_backend
 checkpointing: { enabled: $1, interval: 1s, mode: exactly-once, incremental: true, fullEvery: 10 }
 sources:
   - name: src
@@ -108,7 +120,7 @@ ratio() { python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2
 # overhead OFF_CPU ON_CPU: the share of records per CPU-second that checkpoints cost.
 overhead() { python3 -c "import sys; print(f'{(1 - float(sys.argv[1]) / float(sys.argv[2])) * 100:.1f}%')" "$1" "$2"; }
 
-echo "keyed count: $records records, $keys keys, parallelism $parallelism, Flink $flink_version ($backend state)"
+echo "keyed count: $records records, $keys keys, parallelism $parallelism, Flink $flink_version ($backend state), weir: ${weir_backend//$'\n'/, }"
 printf '%-8s %-12s %10s %10s %16s\n' engine checkpoints cpu-s wall-s "M records/CPU-s"
 declare -A cpu
 for on in true false; do

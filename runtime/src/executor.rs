@@ -639,6 +639,17 @@ impl Executor<'_> {
         let mut receivers: Vec<Option<Receiver<crate::message::Message>>> = receivers.into_iter().map(Some).collect();
         let mut running =
             Running { tasks: Vec::new(), uploaders: Vec::new(), controls: Vec::new(), source_tasks: Vec::new() };
+        let factory = OperatorFactory {
+            job,
+            metrics: &self.metrics,
+            #[cfg(feature = "kafka")]
+            faults: &self.faults,
+            #[cfg(feature = "kafka")]
+            storage: &self.storage,
+            file_sinks: &self.file_sinks,
+            epoch: self.epoch,
+        };
+        let mut chains_built = factory.build_chains(&vertices, restored).into_iter();
         let mut built = Vec::new();
         for (vi, v) in vertices.iter().enumerate() {
             for subtask in 0..v.parallelism {
@@ -646,7 +657,7 @@ impl Executor<'_> {
                 let key_groups = crate::value::key_group_range(subtask, spec.max_parallelism, v.parallelism);
                 let (control_tx, control_rx) = unbounded();
                 let (upload_tx, upload_rx) = unbounded();
-                let mut chains = HashMap::new();
+                let (chain, chains) = chains_built.next().expect("a chain per subtask")?;
                 let head_node = &job.nodes[v.nodes[0]];
                 let head = if head_node.kind.is_source() {
                     let uid = head_node.uid.clone().unwrap_or_default();
@@ -674,11 +685,6 @@ impl Executor<'_> {
                         channels.iter().map(|&c| receivers[c].take().expect("each channel is read once")).collect(),
                     )
                 };
-                let chain_nodes = if head_node.kind.is_source() { &v.nodes[1..] } else { &v.nodes[..] };
-                let mut chain = Vec::new();
-                for &ni in chain_nodes {
-                    chain.push(self.build_operator(ni, v, subtask, key_groups, restored, &mut chains)?);
-                }
                 let name = format!(
                     "{}[{}/{}]",
                     v.nodes.iter().map(|&n| job.nodes[n].name.as_str()).collect::<Vec<_>>().join("→"),
@@ -750,85 +756,6 @@ impl Executor<'_> {
             );
         }
         Ok(running)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn build_operator(
-        &self,
-        ni: usize,
-        v: &Vertex,
-        subtask: u32,
-        key_groups: (u32, u32),
-        restored: Option<&RestoredState>,
-        chains: &mut HashMap<String, Vec<weir_checkpoint::FileRef>>,
-    ) -> Result<ChainedOperator, TaskError> {
-        let job = self.job;
-        let node = &job.nodes[ni];
-        let input_schema: &[String] = node.inputs.first().map(|&i| job.nodes[i].schema.as_slice()).unwrap_or(&[]);
-        let uid = node.uid.clone().unwrap_or_default();
-        let keyed = || KeyedContext {
-            uid: uid.clone(),
-            key: node.key.clone(),
-            max_parallelism: job.spec.max_parallelism,
-            key_groups,
-            incremental: job.spec.checkpointing.incremental,
-            full_every: job.spec.checkpointing.full_every,
-            store: (job.spec.state_backend == StateBackendKind::Rocksdb).then(|| StoreSettings {
-                parent_dir: local_state_dir(),
-                cache_entries: job.spec.state_cache_entries.try_into().unwrap_or(usize::MAX),
-            }),
-        };
-        let keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
-        if let Some(k) = &keyed_restore {
-            if k.continue_chain {
-                chains.insert(uid.clone(), k.chain.clone());
-            }
-        }
-        let op: Box<dyn Operator> = match &node.kind {
-            NodeKind::Map(m) => Box::new(MapOperator::new(m, input_schema, &node.schema)?),
-            NodeKind::Filter(f) => Box::new(FilterOperator::new(&f.expr, input_schema)?),
-            NodeKind::FlatMap(f) => Box::new(FlatMapOperator::new(f, input_schema)?),
-            NodeKind::Window(w) => Box::new(
-                WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?
-                    .counting_late_records_in(self.metrics.late_records.clone()),
-            ),
-            NodeKind::Aggregate(a) => {
-                Box::new(AggregateOperator::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?)
-            }
-            NodeKind::Dedupe => Box::new(DedupeOperator::new(keyed(), keyed_restore.as_ref())?),
-            NodeKind::FileSink(_) => {
-                let storage = self
-                    .file_sinks
-                    .iter()
-                    .find(|s| s.node == ni)
-                    .map(|s| s.storage.clone())
-                    .expect("every file sink node was opened at start");
-                Box::new(FileSink::new(&uid, subtask, self.epoch, node.schema.clone(), storage, self.metrics.clone()))
-            }
-            #[cfg(feature = "kafka")]
-            NodeKind::KafkaSink(k) => {
-                let ctx = sinks::kafka::KafkaSinkContext {
-                    uid: uid.clone(),
-                    job: job.spec.name.clone(),
-                    subtask,
-                    parallelism: v.parallelism,
-                    epoch: self.epoch,
-                    schema: node.schema.clone(),
-                    storage: self.storage.clone(),
-                    metrics: self.metrics.clone(),
-                    faults: self.faults.clone(),
-                };
-                Box::new(sinks::kafka::KafkaSink::new(ctx, k)?)
-            }
-            #[cfg(not(feature = "kafka"))]
-            NodeKind::KafkaSink(_) => unreachable!("refused by run_job without the kafka feature"),
-            NodeKind::Stdout => Box::new(StdoutSink::new(node.schema.clone(), self.metrics.clone())),
-            NodeKind::Blackhole => Box::new(BlackholeSink::new(self.metrics.clone())),
-            NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) | NodeKind::KafkaSource(_) => {
-                unreachable!("not a chain element")
-            }
-        };
-        Ok(ChainedOperator { uid: node.uid.clone().filter(|_| node.kind.is_stateful()), op })
     }
 
     fn coordinate(&mut self, running: &Running, events: &Receiver<Event>) -> AttemptEnd {
@@ -1112,6 +1039,152 @@ impl Executor<'_> {
             max_parallelism: self.job.spec.max_parallelism,
             operators,
         }
+    }
+}
+
+/// What building the operators of a task needs from the executor: shared by the threads that
+/// build (and restore) the tasks' chains in parallel.
+struct OperatorFactory<'a> {
+    job: &'a ValidatedJob,
+    metrics: &'a Arc<JobMetrics>,
+    /// For the Kafka sink.
+    #[cfg(feature = "kafka")]
+    faults: &'a Faults,
+    /// For the Kafka sink.
+    #[cfg(feature = "kafka")]
+    storage: &'a Storage,
+    file_sinks: &'a [FileSinkDir],
+    epoch: u64,
+}
+
+/// A task's chained operators, and the keyed-state chains its uploader continues (by uid).
+type BuiltChain = (Vec<ChainedOperator>, HashMap<String, Vec<weir_checkpoint::FileRef>>);
+
+impl OperatorFactory<'_> {
+    /// Every task's chain (all but a source head), in task order. They are built on up to one
+    /// thread per core: building restores keyed state, so a restore takes about the time of its
+    /// largest subtask rather than the sum of all.
+    fn build_chains(
+        &self,
+        vertices: &[Vertex],
+        restored: Option<&RestoredState>,
+    ) -> Vec<Result<BuiltChain, TaskError>> {
+        let tasks: Vec<(&Vertex, u32)> =
+            vertices.iter().flat_map(|v| (0..v.parallelism).map(move |subtask| (v, subtask))).collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(tasks.len()).max(1);
+        let mut results: Vec<(usize, Result<BuiltChain, TaskError>)> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut done = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(&(v, subtask)) = tasks.get(i) else { return done };
+                            done.push((i, self.build_chain(v, subtask, restored)));
+                        }
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+                .collect()
+        });
+        results.sort_by_key(|(i, _)| *i);
+        results.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// The chain of subtask `subtask` of `v`.
+    fn build_chain(&self, v: &Vertex, subtask: u32, restored: Option<&RestoredState>) -> Result<BuiltChain, TaskError> {
+        let key_groups = crate::value::key_group_range(subtask, self.job.spec.max_parallelism, v.parallelism);
+        let head_node = &self.job.nodes[v.nodes[0]];
+        let chain_nodes = if head_node.kind.is_source() { &v.nodes[1..] } else { &v.nodes[..] };
+        let mut chains = HashMap::new();
+        let mut chain = Vec::new();
+        for &ni in chain_nodes {
+            chain.push(self.build_operator(ni, v, subtask, key_groups, restored, &mut chains)?);
+        }
+        Ok((chain, chains))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build_operator(
+        &self,
+        ni: usize,
+        v: &Vertex,
+        subtask: u32,
+        key_groups: (u32, u32),
+        restored: Option<&RestoredState>,
+        chains: &mut HashMap<String, Vec<weir_checkpoint::FileRef>>,
+    ) -> Result<ChainedOperator, TaskError> {
+        let job = self.job;
+        let node = &job.nodes[ni];
+        let input_schema: &[String] = node.inputs.first().map(|&i| job.nodes[i].schema.as_slice()).unwrap_or(&[]);
+        let uid = node.uid.clone().unwrap_or_default();
+        let keyed = || KeyedContext {
+            uid: uid.clone(),
+            key: node.key.clone(),
+            max_parallelism: job.spec.max_parallelism,
+            key_groups,
+            incremental: job.spec.checkpointing.incremental,
+            full_every: job.spec.checkpointing.full_every,
+            store: (job.spec.state_backend == StateBackendKind::Rocksdb).then(|| StoreSettings {
+                parent_dir: local_state_dir(),
+                cache_entries: job.spec.state_cache_entries.try_into().unwrap_or(usize::MAX),
+            }),
+        };
+        let keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
+        if let Some(k) = &keyed_restore {
+            if k.continue_chain {
+                chains.insert(uid.clone(), k.chain.clone());
+            }
+        }
+        let op: Box<dyn Operator> = match &node.kind {
+            NodeKind::Map(m) => Box::new(MapOperator::new(m, input_schema, &node.schema)?),
+            NodeKind::Filter(f) => Box::new(FilterOperator::new(&f.expr, input_schema)?),
+            NodeKind::FlatMap(f) => Box::new(FlatMapOperator::new(f, input_schema)?),
+            NodeKind::Window(w) => Box::new(
+                WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?
+                    .counting_late_records_in(self.metrics.late_records.clone()),
+            ),
+            NodeKind::Aggregate(a) => {
+                Box::new(AggregateOperator::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?)
+            }
+            NodeKind::Dedupe => Box::new(DedupeOperator::new(keyed(), keyed_restore.as_ref())?),
+            NodeKind::FileSink(_) => {
+                let storage = self
+                    .file_sinks
+                    .iter()
+                    .find(|s| s.node == ni)
+                    .map(|s| s.storage.clone())
+                    .expect("every file sink node was opened at start");
+                Box::new(FileSink::new(&uid, subtask, self.epoch, node.schema.clone(), storage, self.metrics.clone()))
+            }
+            #[cfg(feature = "kafka")]
+            NodeKind::KafkaSink(k) => {
+                let ctx = sinks::kafka::KafkaSinkContext {
+                    uid: uid.clone(),
+                    job: job.spec.name.clone(),
+                    subtask,
+                    parallelism: v.parallelism,
+                    epoch: self.epoch,
+                    schema: node.schema.clone(),
+                    storage: self.storage.clone(),
+                    metrics: self.metrics.clone(),
+                    faults: self.faults.clone(),
+                };
+                Box::new(sinks::kafka::KafkaSink::new(ctx, k)?)
+            }
+            #[cfg(not(feature = "kafka"))]
+            NodeKind::KafkaSink(_) => unreachable!("refused by run_job without the kafka feature"),
+            NodeKind::Stdout => Box::new(StdoutSink::new(node.schema.clone(), self.metrics.clone())),
+            NodeKind::Blackhole => Box::new(BlackholeSink::new(self.metrics.clone())),
+            NodeKind::KeyBy(_) | NodeKind::Generator(_) | NodeKind::FileSource(_) | NodeKind::KafkaSource(_) => {
+                unreachable!("not a chain element")
+            }
+        };
+        Ok(ChainedOperator { uid: node.uid.clone().filter(|_| node.kind.is_stateful()), op })
     }
 }
 
