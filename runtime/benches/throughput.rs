@@ -262,14 +262,16 @@ fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize, rocksdb:
     (secs / (restored.bytes as f64 / (1u64 << 30) as f64), restored.bytes)
 }
 
-/// Wall seconds of the keyed count (`records` records, as it ran into `dir`) restored from its
-/// newest checkpoint at `parallelism` through the engine: its generator, restored at its end,
-/// reads nothing more, so the run is the load, the restore of each subtask, the start and the
-/// end of the job.
-fn restore_run_seconds(dir: &std::path::Path, records: u64, parallelism: u32, work: &std::path::Path) -> f64 {
+/// Wall seconds per GiB of checkpoint files of the keyed count (`records` records, as it ran
+/// into `dir`) restored from its newest checkpoint at `parallelism` through the engine: its
+/// generator, restored at its end, reads nothing more, so the run is the load, the restore of
+/// each subtask, the start and the end of the job.
+fn restore_run_seconds_per_gib(dir: &std::path::Path, records: u64, parallelism: u32, work: &std::path::Path) -> f64 {
     let storage = weir_checkpoint::Storage::open(&dir.display().to_string()).unwrap();
     let (valid, _) = weir_runtime::io().block_on(weir_checkpoint::recovery::restorable_checkpoints(&storage)).unwrap();
-    let newest = storage.url_of(&valid.first().expect("a checkpoint to restore").dir);
+    let found = valid.first().expect("a checkpoint to restore");
+    let bytes: u64 = found.metadata.files().map(|f| f.len).sum();
+    let newest = storage.url_of(&found.dir);
     let yaml = keyed_count_job(records, true).replace("parallelism: 1", &format!("parallelism: {parallelism}"));
     let job = weir_runtime::load_job(&yaml).expect("bench job is valid");
     let metrics = Arc::new(JobMetrics::new(&job.spec.name, "bench"));
@@ -283,7 +285,30 @@ fn restore_run_seconds(dir: &std::path::Path, records: u64, parallelism: u32, wo
     run_job(&job, &opts, metrics.clone(), rx).expect("the restored bench job runs");
     let secs = t0.elapsed().as_secs_f64();
     assert_eq!(metrics.records_in.get(), 0, "restored at its end, the generator reads nothing");
-    secs
+    secs / (bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// What a rocksdb full image costs the task thread and the uploader, with `keys` keys in the
+/// store and 1,000 in the cache: milliseconds of the snapshot (records stopped), then of
+/// writing the image from the store's copy (the uploader).
+fn rocksdb_full_image_ms(keys: u64, dir: &std::path::Path) -> (f64, f64) {
+    use weir_runtime::state::{KeyedState, StateStore};
+    use weir_runtime::value::{Key, Value};
+    let store = StateStore::open(dir, "bench-image").unwrap();
+    let mut state: KeyedState<()> = KeyedState::new(128, true, 10).on_store(store, 1_000);
+    for k in 0..keys as i64 {
+        state.insert_new(Key::One(Value::Int(k)), ()).unwrap();
+    }
+    state.snapshot_checkpoint().unwrap(); // the first checkpoint of a run is a full image
+    state.force_full_flag().store(true, std::sync::atomic::Ordering::Release);
+    let t0 = Instant::now();
+    let snapshot = state.snapshot_checkpoint().unwrap();
+    let sync = t0.elapsed().as_secs_f64() * 1e3;
+    let t0 = Instant::now();
+    let image = snapshot.complete().unwrap();
+    let uploader = t0.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(image.entries, keys, "every key in the image");
+    (sync, uploader)
 }
 
 fn main() {
@@ -422,19 +447,22 @@ fn main() {
         restore_bytes >> 20,
         restore_rocksdb_s_per_gib
     );
-    // The same checkpoint restored through the engine: subtasks restore in parallel.
-    let whole_run: Vec<f64> = [1u32, 2]
-        .iter()
-        .map(|&p| {
-            restore_run_seconds(&tmp.path().join("count-on-0"), count_records, p, &tmp.path().join(format!("r{p}")))
-        })
-        .collect();
+    let image_keys = (2_000_000.0 * scale).max(10_000.0) as u64;
+    let (image_sync, image_uploader) = rocksdb_full_image_ms(image_keys, &tmp.path().join("image"));
     println!(
-        "restore through the engine (load, restore, start and end of the job): parallelism 1 {:.2} s, \
-         parallelism 2 {:.2} s ({:.2}×)",
-        whole_run[0],
-        whole_run[1],
-        whole_run[0] / whole_run[1]
+        "rocksdb full image of {image_keys} keys (1,000 cached): {image_sync:.1} ms on the task thread, \
+         {image_uploader:.1} ms in the uploader"
+    );
+    // Restores through the engine: the keyed count's checkpoint at parallelism 1, and the same
+    // state checkpointed at parallelism 2 restored at 2, whose subtasks restore in parallel.
+    let on_p2 = tmp.path().join("count-on-p2");
+    run(&keyed_count_job(count_records, true).replace("parallelism: 1", "parallelism: 2"), &on_p2);
+    let p1 = restore_run_seconds_per_gib(&tmp.path().join("count-on-0"), count_records, 1, &tmp.path().join("r1"));
+    let p2 = restore_run_seconds_per_gib(&on_p2, count_records, 2, &tmp.path().join("r2"));
+    println!(
+        "restore through the engine (load, restore, start and end of the job), same state: \
+         parallelism 1 {p1:.2} s per GiB, parallelism 2 {p2:.2} s per GiB ({:.2}×)",
+        p1 / p2
     );
     // Restore at scale, on request: WEIR_BENCH_RESTORE_KEYS distinct keys (about 12 bytes each
     // in a state file and 72 in memory: 90M keys make a 1 GiB checkpoint and 6.5 GB of heap).
@@ -444,11 +472,17 @@ fn main() {
         let (s_per_gib, bytes) = restore_seconds_per_gib(&dir, keys as usize, false);
         println!(
             "restore at scale: {keys} keys, {} MiB of checkpoint files, {:.2} s per GiB \
-             (the job that built it: {:.2}M records/CPU-s, {:.1} s)",
+             (the job that built it: {:.2}M records/CPU-s, {:.1} s, {} checkpoints, p50 {} ms, p99 {} ms, \
+             max {} ms, {:.1} ms synchronous each)",
             bytes >> 20,
             s_per_gib,
             job.per_cpu() / 1e6,
-            job.wall
+            job.wall,
+            job.checkpoints,
+            percentile(&job.durations, 0.5),
+            percentile(&job.durations, 0.99),
+            job.durations.iter().max().copied().unwrap_or(0),
+            job.sync_seconds * 1e3 / job.checkpoints.max(1) as f64
         );
     }
 }

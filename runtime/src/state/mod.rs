@@ -29,9 +29,6 @@ use crate::value::Key;
 /// The largest full image the rocksdb backend keeps in memory; larger ones go to local disk.
 pub const FULL_IMAGE_IN_MEMORY: usize = 8 << 20;
 
-/// See `Spill::read_back_in_task`.
-const READ_BACK_IN_TASK: usize = 1024;
-
 /// A state value that can be written to and read from state files.
 pub trait StateValue: Clone + Send + 'static {
     /// Binary encoding.
@@ -67,10 +64,6 @@ struct Spill {
     absent: FxHashSet<Key>,
     /// Full images larger than this many bytes are written to a file, not held in memory.
     full_image_in_memory: usize,
-    /// An increment reads back at most this many evicted changed entries on the task thread;
-    /// beyond that, the uploader reads them from a copy of the store (whose flush costs more
-    /// than a few reads).
-    read_back_in_task: usize,
 }
 
 /// Keyed state of one operator subtask.
@@ -108,34 +101,25 @@ pub struct KeyedSnapshot {
     pub crc32c: u32,
     /// Entries written.
     pub entries: u64,
-    /// A rocksdb snapshot still to be written, in part from a copy of the store (`data`,
-    /// `file`, `crc32c` and `entries` are filled in by [`KeyedSnapshot::complete`]).
-    pub pending: Option<PendingFile>,
+    /// A rocksdb full image still to be written from a copy of the store (`data`, `file`,
+    /// `crc32c` and `entries` are filled in by [`KeyedSnapshot::complete`]).
+    pub pending: Option<PendingImage>,
 }
 
-/// A rocksdb snapshot file the uploader writes: entries encoded at the snapshot, and entries
-/// read from a point-in-time copy of the store taken at the snapshot.
-pub struct PendingFile {
-    kind: FileKind,
+/// The part of a rocksdb full image the uploader writes: every entry of a point-in-time copy
+/// of the store, then the cached entries the store lacked, encoded at the snapshot (after the
+/// stored ones, so that their values win on restore).
+///
+/// Only full images read the store off the task thread: an increment reads back its evicted
+/// changed entries on the task thread, O(changed keys), because a copy costs a memtable flush
+/// and its reader must open every file of the store.
+pub struct PendingImage {
     store: StoreCopy,
-    /// Entries encoded at the snapshot: a full image's cached entries (written after the
-    /// stored ones, so that their values win on restore), an increment's deletions and cached
-    /// changes (written before the stored ones, which are other keys).
-    encoded: Vec<u8>,
-    encoded_entries: u64,
-    stored: StoredPart,
-    /// Where the file goes once larger than `in_memory` bytes.
+    cached: Vec<u8>,
+    cached_entries: u64,
+    /// Where the image goes once larger than `in_memory` bytes.
     dir: std::path::PathBuf,
     in_memory: usize,
-}
-
-/// Which of the store copy's entries a pending file holds.
-enum StoredPart {
-    /// Every one (a full image).
-    All,
-    /// Those of these store keys (an increment's changed entries that were evicted; a key
-    /// absent from the copy was removed, and its deletion is among the encoded entries).
-    Keys(Vec<Vec<u8>>),
 }
 
 impl<V: StateValue> KeyedState<V> {
@@ -165,7 +149,6 @@ impl<V: StateValue> KeyedState<V> {
             cache_entries: cache_entries.max(1),
             absent: FxHashSet::default(),
             full_image_in_memory: FULL_IMAGE_IN_MEMORY,
-            read_back_in_task: READ_BACK_IN_TASK,
         });
         self
     }
@@ -493,19 +476,6 @@ impl<V: StateValue> KeyedState<V> {
         let spill = self.spill.as_ref().expect("on the rocksdb backend");
         let raw: Vec<Vec<u8>> =
             evicted.iter().map(|k| StateStore::key_of(k.key_group(self.max_parallelism), k)).collect();
-        if raw.len() > spill.read_back_in_task {
-            // The uploader reads them from a copy of the store as it is now.
-            let (encoded, encoded_entries) = w.into_entries();
-            return Ok(KeyedSnapshot::pending(PendingFile {
-                kind: FileKind::KeyedIncrement,
-                store: spill.store.copy_now()?,
-                encoded,
-                encoded_entries,
-                stored: StoredPart::Keys(raw),
-                dir: spill.store.parent_dir().to_path_buf(),
-                in_memory: spill.full_image_in_memory,
-            }));
-        }
         for (raw_key, value) in raw.iter().zip(spill.store.multi_get(&raw)?) {
             // Absent: removed after it changed, and the removal is written above.
             if let Some(value) = value {
@@ -536,16 +506,22 @@ impl<V: StateValue> KeyedState<V> {
         for (k, s) in self.map.iter().filter(|(_, s)| !s.stored) {
             cached.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
         }
-        let (encoded, encoded_entries) = cached.into_entries();
-        Ok(KeyedSnapshot::pending(PendingFile {
-            kind: FileKind::KeyedFull,
+        let (cached, cached_entries) = cached.into_entries();
+        let image = PendingImage {
             store: spill.store.copy_now()?,
-            encoded,
-            encoded_entries,
-            stored: StoredPart::All,
+            cached,
+            cached_entries,
             dir: spill.store.parent_dir().to_path_buf(),
             in_memory: spill.full_image_in_memory,
-        }))
+        };
+        Ok(KeyedSnapshot {
+            kind: FileKind::KeyedFull,
+            data: bytes::Bytes::new(),
+            file: None,
+            crc32c: 0,
+            entries: 0,
+            pending: Some(image),
+        })
     }
 
     /// A full image for a savepoint; change tracking is left as it is.
@@ -679,22 +655,13 @@ impl KeyedSnapshot {
         let Some(pending) = self.pending else { return Ok(self) };
         let out = SpillingBuffer { memory: Vec::new(), bound: pending.in_memory, dir: pending.dir.clone(), file: None };
         let spill_failed = |e: std::io::Error| StoreError::SpillImage(e);
-        let mut w = StateFileStream::new(pending.kind, out);
-        let put_stored = |w: &mut StateFileStream<SpillingBuffer>, raw_key: &[u8], raw_value: &[u8]| {
+        let mut w = StateFileStream::new(FileKind::KeyedFull, out);
+        pending.store.scan(|raw_key, raw_value| {
             let (key_group, encoded_key) = StateStore::split_key(raw_key)?;
             w.put(key_group, encoded_key, raw_value).map_err(spill_failed)
-        };
-        match &pending.stored {
-            StoredPart::All => {
-                pending.store.scan(|k, v| put_stored(&mut w, k, v))?;
-                w.put_entries(&pending.encoded, pending.encoded_entries).map_err(spill_failed)?;
-            }
-            StoredPart::Keys(keys) => {
-                w.put_entries(&pending.encoded, pending.encoded_entries).map_err(spill_failed)?;
-                pending.store.read(keys, |k, v| put_stored(&mut w, k, v))?;
-            }
-        }
+        })?;
         drop(pending.store);
+        w.put_entries(&pending.cached, pending.cached_entries).map_err(spill_failed)?;
         let entries = w.entries();
         let (out, len, crc32c) = w.finish().map_err(spill_failed)?;
         let (data, file) = match out.file {
@@ -706,17 +673,6 @@ impl KeyedSnapshot {
             None => (bytes::Bytes::from(out.memory), None),
         };
         Ok(KeyedSnapshot { kind: self.kind, data, file, crc32c, entries, pending: None })
-    }
-
-    fn pending(file: PendingFile) -> KeyedSnapshot {
-        KeyedSnapshot {
-            kind: file.kind,
-            data: bytes::Bytes::new(),
-            file: None,
-            crc32c: 0,
-            entries: 0,
-            pending: Some(file),
-        }
     }
 
     /// The state file's length.
@@ -788,10 +744,7 @@ impl<V: StateValue> KeyedState<V> {
     pub(crate) fn on_test_store(self, cache_entries: usize) -> Self {
         let store = StateStore::open(&std::env::temp_dir().join("weir-state-tests"), "test").expect("a store opens");
         let mut state = self.on_store(store, cache_entries);
-        let spill = state.spill.as_mut().expect("on a store");
-        spill.full_image_in_memory = 64;
-        // Both ways of reading back evicted changed entries, by the cache's size (1 to 5).
-        spill.read_back_in_task = cache_entries / 2;
+        state.spill.as_mut().expect("on a store").full_image_in_memory = 64;
         state
     }
 }

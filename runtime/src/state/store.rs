@@ -204,24 +204,6 @@ impl StoreCopy {
             .map_err(|source| StoreError::Copy { dir: self.dir.display().to_string(), source })
     }
 
-    /// Calls `f` with the store key and value of each of `store_keys` that the copy holds, in
-    /// their order (read in batches).
-    pub fn read<E: From<StoreError>>(
-        &self,
-        store_keys: &[Vec<u8>],
-        mut f: impl FnMut(&[u8], &[u8]) -> Result<(), E>,
-    ) -> Result<(), E> {
-        let db = self.open()?;
-        for batch in store_keys.chunks(4096) {
-            for (key, value) in batch.iter().zip(db.multi_get(batch)) {
-                if let Some(value) = value.map_err(|e| E::from(StoreError::Read(e)))? {
-                    f(key, &value)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Calls `f` with every entry's store key and value, in key order.
     pub fn scan<E: From<StoreError>>(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<(), E>) -> Result<(), E> {
         let db = self.open()?;
