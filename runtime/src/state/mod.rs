@@ -653,7 +653,13 @@ impl KeyedSnapshot {
     /// they are.
     pub fn complete(self) -> Result<KeyedSnapshot, StoreError> {
         let Some(pending) = self.pending else { return Ok(self) };
-        let out = SpillingBuffer { memory: Vec::new(), bound: pending.in_memory, dir: pending.dir.clone(), file: None };
+        let out = SpillingBuffer {
+            memory: Vec::new(),
+            bound: pending.in_memory,
+            dir: pending.dir.clone(),
+            file: None,
+            unsynced: 0,
+        };
         let spill_failed = |e: std::io::Error| StoreError::SpillImage(e);
         let mut w = StateFileStream::new(FileKind::KeyedFull, out);
         pending.store.scan(|raw_key, raw_value| {
@@ -702,7 +708,14 @@ struct SpillingBuffer {
     bound: usize,
     dir: std::path::PathBuf,
     file: Option<(std::io::BufWriter<std::fs::File>, std::path::PathBuf)>,
+    /// Bytes written to the file since it was last synced.
+    unsynced: usize,
 }
+
+/// A spilled image is synced to disk every this many bytes: under a cgroup memory limit, dirty
+/// pages count against the limit until written back, and cgroup v1 does not throttle a writer
+/// before the OOM killer acts.
+const SYNC_EVERY_BYTES: usize = 8 << 20;
 
 impl std::io::Write for SpillingBuffer {
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
@@ -716,7 +729,15 @@ impl std::io::Write for SpillingBuffer {
             self.file = Some((f, path));
         }
         match &mut self.file {
-            Some((f, _)) => f.write_all(bytes)?,
+            Some((f, _)) => {
+                f.write_all(bytes)?;
+                self.unsynced += bytes.len();
+                if self.unsynced >= SYNC_EVERY_BYTES {
+                    f.flush()?;
+                    f.get_ref().sync_data()?;
+                    self.unsynced = 0;
+                }
+            }
             None => self.memory.extend_from_slice(bytes),
         }
         Ok(bytes.len())

@@ -199,8 +199,20 @@ impl StateStore {
 }
 
 impl StoreCopy {
+    /// Opens the copy for one pass over it, in little memory: it runs beside the live store,
+    /// under the same memory limit. No bloom filter (a scan does not use one, and so none is
+    /// loaded), index blocks in a 1 MiB cache instead of held per file, few files open.
     fn open(&self) -> Result<DB, StoreError> {
-        DB::open_for_read_only(&Options::default(), &self.dir, false)
+        let mut opts = Options::default();
+        opts.set_max_open_files(64);
+        let mut table = BlockBasedOptions::default();
+        table.set_cache_index_and_filter_blocks(true);
+        match Cache::new_lru_cache(1 << 20) {
+            Ok(cache) => table.set_block_cache(&cache),
+            Err(e) => tracing::warn!(error = %e, "no block cache for reading a copy of a state store"),
+        }
+        opts.set_block_based_table_factory(&table);
+        DB::open_for_read_only(&opts, &self.dir, false)
             .map_err(|source| StoreError::Copy { dir: self.dir.display().to_string(), source })
     }
 
