@@ -110,9 +110,9 @@ pub struct KeyedSnapshot {
 /// of the store, then the cached entries the store lacked, encoded at the snapshot (after the
 /// stored ones, so that their values win on restore).
 ///
-/// Only full images read the store off the task thread: an increment reads back its evicted
-/// changed entries on the task thread, O(changed keys), because a copy costs a memtable flush
-/// and its reader must open every file of the store.
+/// Only full images use a copy: an increment reads back its evicted changed entries with the
+/// live store, O(changed keys), because a copy costs a memtable flush and its reader must open
+/// every file of the store.
 pub struct PendingImage {
     store: StoreCopy,
     cached: Vec<u8>,
@@ -488,12 +488,11 @@ impl<V: StateValue> KeyedState<V> {
 
     /// Every entry, cached or stored, as a full image.
     ///
-    /// On the rocksdb backend only the cache's entries that the store lacks (or holds an
-    /// older value of) are encoded here, on the task thread: O(cache). The store's entries are
-    /// read by the uploader from a point-in-time copy of the store taken now (a memtable flush
-    /// and a link per file, not a read of the entries), see [`KeyedSnapshot::complete`]. The
-    /// image lists the store's entries first and the cached ones after them, so a key in both
-    /// appears twice and a restore, which applies entries in file order, keeps the cached value.
+    /// On the rocksdb backend the image is the entries of a point-in-time copy of the store
+    /// (a memtable flush and a link per file), then the cache's entries that the store lacks
+    /// (or holds an older value of): a key in both appears twice and a restore, which applies
+    /// entries in file order, keeps the cached value. The image is written on the task thread
+    /// for now (see below); [`KeyedSnapshot::complete`] lets the uploader write it instead.
     fn full_image(&self) -> Result<KeyedSnapshot, StoreError> {
         let Some(spill) = &self.spill else {
             let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
@@ -514,14 +513,18 @@ impl<V: StateValue> KeyedState<V> {
             dir: spill.store.parent_dir().to_path_buf(),
             in_memory: spill.full_image_in_memory,
         };
-        Ok(KeyedSnapshot {
+        let snapshot = KeyedSnapshot {
             kind: FileKind::KeyedFull,
             data: bytes::Bytes::new(),
             file: None,
             crc32c: 0,
             entries: 0,
             pending: Some(image),
-        })
+        };
+        // Written here, on the task thread, for now: written by the uploader while the task
+        // went on, a 5M-key job under a cgroup limit of a fifth of its heap size was
+        // OOM-killed in two CI runs out of two (peak RSS 215-217 MiB against 189-190 MiB).
+        snapshot.complete()
     }
 
     /// A full image for a savepoint; change tracking is left as it is.
