@@ -132,8 +132,6 @@ async fn upload(
                 snap.operator_state = Some(FileRef { path: rel, len, crc32c: crc });
             }
             if let Some(keyed) = parts.keyed {
-                // A pending rocksdb full image is written here, off the task thread.
-                let keyed = keyed.complete().map_err(|e| format!("writing the full image of `{uid}`: {e}"))?;
                 let kind = keyed.kind;
                 let chain = chains.entry(uid.clone()).or_default();
                 if savepoint_dir.is_none() && kind == FileKind::KeyedIncrement && chain.broken {

@@ -613,7 +613,7 @@ mod tests {
                 for (op, range, chain) in &mut self.parts {
                     let parts =
                         op.snapshot(&Barrier { id, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
-                    let keyed = parts.keyed.unwrap().complete().unwrap();
+                    let keyed = parts.keyed.unwrap();
                     if keyed.kind == FileKind::KeyedFull {
                         chain.clear();
                     }

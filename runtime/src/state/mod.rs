@@ -22,7 +22,7 @@ use weir_checkpoint::format::{
     keyed_entries, Decoder, Encoder, FileKind, FormatError, StateFileStream, StateFileWriter,
 };
 
-pub use store::{StateStore, StoreCopy, StoreError, StoreSettings};
+pub use store::{StateStore, StoreError, StoreSettings};
 
 use crate::value::Key;
 
@@ -86,9 +86,7 @@ pub struct KeyedState<V> {
 }
 
 /// A snapshot of keyed state, already encoded as a state file by the task thread (encoding the
-/// changed entries costs what copying them would, and the bytes are what the uploader needs),
-/// except for the stored part of a rocksdb full image, which the uploader encodes
-/// ([`KeyedSnapshot::complete`]).
+/// changed entries costs what copying them would, and the bytes are what the uploader needs).
 pub struct KeyedSnapshot {
     /// Full image or increment.
     pub kind: FileKind,
@@ -101,25 +99,6 @@ pub struct KeyedSnapshot {
     pub crc32c: u32,
     /// Entries written.
     pub entries: u64,
-    /// A rocksdb full image still to be written from a copy of the store (`data`, `file`,
-    /// `crc32c` and `entries` are filled in by [`KeyedSnapshot::complete`]).
-    pub pending: Option<PendingImage>,
-}
-
-/// The part of a rocksdb full image the uploader writes: every entry of a point-in-time copy
-/// of the store, then the cached entries the store lacked, encoded at the snapshot (after the
-/// stored ones, so that their values win on restore).
-///
-/// Only full images use a copy: an increment reads back its evicted changed entries with the
-/// live store, O(changed keys), because a copy costs a memtable flush and its reader must open
-/// every file of the store.
-pub struct PendingImage {
-    store: StoreCopy,
-    cached: Vec<u8>,
-    cached_entries: u64,
-    /// Where the image goes once larger than `in_memory` bytes.
-    dir: std::path::PathBuf,
-    in_memory: usize,
 }
 
 impl<V: StateValue> KeyedState<V> {
@@ -488,11 +467,11 @@ impl<V: StateValue> KeyedState<V> {
 
     /// Every entry, cached or stored, as a full image.
     ///
-    /// On the rocksdb backend the image is the entries of a point-in-time copy of the store
-    /// (a memtable flush and a link per file), then the cache's entries that the store lacks
-    /// (or holds an older value of): a key in both appears twice and a restore, which applies
-    /// entries in file order, keeps the cached value. The image is written on the task thread
-    /// for now (see below); [`KeyedSnapshot::complete`] lets the uploader write it instead.
+    /// On the rocksdb backend the image is streamed (it stays in memory up to
+    /// [`FULL_IMAGE_IN_MEMORY`] bytes and goes to a file next to the store beyond that): every
+    /// stored entry, then the cache's entries that the store lacks (or holds an older value
+    /// of). A key in both appears twice, and a restore, which applies entries in file order,
+    /// keeps the cached value; no stored key has to be looked up in the cache.
     fn full_image(&self) -> Result<KeyedSnapshot, StoreError> {
         let Some(spill) = &self.spill else {
             let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
@@ -501,30 +480,36 @@ impl<V: StateValue> KeyedState<V> {
             }
             return Ok(finish(FileKind::KeyedFull, w));
         };
+        let out = SpillingBuffer {
+            memory: Vec::new(),
+            bound: spill.full_image_in_memory,
+            dir: spill.store.parent_dir().to_path_buf(),
+            file: None,
+            unsynced: 0,
+        };
+        let spill_failed = |e: std::io::Error| StoreError::SpillImage(e);
+        let mut w = StateFileStream::new(FileKind::KeyedFull, out);
+        spill.store.scan(|raw_key, raw_value| {
+            let (key_group, encoded_key) = StateStore::split_key(raw_key)?;
+            w.put(key_group, encoded_key, raw_value).map_err(spill_failed)
+        })?;
         let mut cached = StateFileWriter::new(FileKind::KeyedFull, 0);
         for (k, s) in self.map.iter().filter(|(_, s)| !s.stored) {
             cached.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
         }
         let (cached, cached_entries) = cached.into_entries();
-        let image = PendingImage {
-            store: spill.store.copy_now()?,
-            cached,
-            cached_entries,
-            dir: spill.store.parent_dir().to_path_buf(),
-            in_memory: spill.full_image_in_memory,
+        w.put_entries(&cached, cached_entries).map_err(spill_failed)?;
+        let entries = w.entries();
+        let (out, len, crc32c) = w.finish().map_err(spill_failed)?;
+        let (data, file) = match out.file {
+            Some((f, path)) => {
+                let file = LocalStateFile { path, len };
+                f.into_inner().map_err(|e| spill_failed(e.into_error()))?.sync_all().map_err(spill_failed)?;
+                (bytes::Bytes::new(), Some(file))
+            }
+            None => (bytes::Bytes::from(out.memory), None),
         };
-        let snapshot = KeyedSnapshot {
-            kind: FileKind::KeyedFull,
-            data: bytes::Bytes::new(),
-            file: None,
-            crc32c: 0,
-            entries: 0,
-            pending: Some(image),
-        };
-        // Written here, on the task thread, for now: written by the uploader while the task
-        // went on, a 5M-key job under a cgroup limit of a fifth of its heap size was
-        // OOM-killed in two CI runs out of two (peak RSS 215-217 MiB against 189-190 MiB).
-        snapshot.complete()
+        Ok(KeyedSnapshot { kind: FileKind::KeyedFull, data, file, crc32c, entries })
     }
 
     /// A full image for a savepoint; change tracking is left as it is.
@@ -630,7 +615,7 @@ fn owns(key_groups: (u32, u32), key_group: u32) -> bool {
 fn finish(kind: FileKind, w: StateFileWriter) -> KeyedSnapshot {
     let entries = w.entries();
     let (data, crc32c) = w.finish();
-    KeyedSnapshot { kind, data, file: None, crc32c, entries, pending: None }
+    KeyedSnapshot { kind, data, file: None, crc32c, entries }
 }
 
 /// A state file written to local disk, deleted when dropped (once uploaded, or when its
@@ -650,40 +635,6 @@ impl Drop for LocalStateFile {
 }
 
 impl KeyedSnapshot {
-    /// Writes the state file of a pending full image (the uploader calls this, off the task
-    /// thread). The image stays in memory up to a bound and goes to a file beside the store
-    /// beyond it, so that its size is not bounded by memory. Other snapshots are returned as
-    /// they are.
-    pub fn complete(self) -> Result<KeyedSnapshot, StoreError> {
-        let Some(pending) = self.pending else { return Ok(self) };
-        let out = SpillingBuffer {
-            memory: Vec::new(),
-            bound: pending.in_memory,
-            dir: pending.dir.clone(),
-            file: None,
-            unsynced: 0,
-        };
-        let spill_failed = |e: std::io::Error| StoreError::SpillImage(e);
-        let mut w = StateFileStream::new(FileKind::KeyedFull, out);
-        pending.store.scan(|raw_key, raw_value| {
-            let (key_group, encoded_key) = StateStore::split_key(raw_key)?;
-            w.put(key_group, encoded_key, raw_value).map_err(spill_failed)
-        })?;
-        drop(pending.store);
-        w.put_entries(&pending.cached, pending.cached_entries).map_err(spill_failed)?;
-        let entries = w.entries();
-        let (out, len, crc32c) = w.finish().map_err(spill_failed)?;
-        let (data, file) = match out.file {
-            Some((f, path)) => {
-                let file = LocalStateFile { path, len };
-                f.into_inner().map_err(|e| spill_failed(e.into_error()))?.sync_all().map_err(spill_failed)?;
-                (bytes::Bytes::new(), Some(file))
-            }
-            None => (bytes::Bytes::from(out.memory), None),
-        };
-        Ok(KeyedSnapshot { kind: self.kind, data, file, crc32c, entries, pending: None })
-    }
-
     /// The state file's length.
     pub fn len(&self) -> u64 {
         self.file.as_ref().map_or(self.data.len() as u64, |f| f.len)
@@ -696,7 +647,6 @@ impl KeyedSnapshot {
 
     /// The state file's bytes, read from disk when it is there (tests).
     pub fn bytes(&self) -> bytes::Bytes {
-        assert!(self.pending.is_none(), "complete() a pending full image first");
         match &self.file {
             Some(f) => std::fs::read(&f.path).expect("the local state file is readable").into(),
             None => self.data.clone(),
@@ -949,36 +899,7 @@ mod model_tests {
     /// A subtask's key-group range.
     type KeyGroups = (u32, u32);
     /// The snapshot files a restore reads, full snapshot first.
-    type Chain = Vec<File>;
-
-    /// A snapshot file as the uploader has it. A rocksdb full image is written from its copy
-    /// of the store only when first read (by a restore), however much the state changed since
-    /// the snapshot: the copy must not see those changes.
-    #[derive(Clone)]
-    struct File(std::rc::Rc<std::cell::RefCell<FileState>>);
-
-    enum FileState {
-        Pending(Option<KeyedSnapshot>),
-        Done(Bytes),
-    }
-
-    impl File {
-        fn new(snapshot: KeyedSnapshot) -> Self {
-            File(std::rc::Rc::new(std::cell::RefCell::new(FileState::Pending(Some(snapshot)))))
-        }
-
-        fn bytes(&self) -> Bytes {
-            let mut state = self.0.borrow_mut();
-            if let FileState::Pending(snapshot) = &mut *state {
-                let snapshot = snapshot.take().expect("completed once").complete().expect("the image is written");
-                *state = FileState::Done(snapshot.bytes());
-            }
-            match &*state {
-                FileState::Done(bytes) => bytes.clone(),
-                FileState::Pending(_) => unreachable!("completed above"),
-            }
-        }
-    }
+    type Chain = Vec<Bytes>;
     /// Each subtask's key groups and chain, as one snapshot of the operator.
     type Snapshot = Vec<(KeyGroups, Chain)>;
 
@@ -1020,13 +941,13 @@ mod model_tests {
                 if snap.kind == FileKind::KeyedFull {
                     chain.clear();
                 }
-                chain.push(File::new(snap));
+                chain.push(snap.bytes());
             }
             self.parts.iter().map(|(_, r, c)| (*r, c.clone())).collect()
         }
 
         fn savepoint(&self) -> Snapshot {
-            self.parts.iter().map(|(s, r, _)| (*r, vec![File::new(s.snapshot_full_copy().unwrap())])).collect()
+            self.parts.iter().map(|(s, r, _)| (*r, vec![s.snapshot_full_copy().unwrap().bytes()])).collect()
         }
 
         /// Restores `snapshot` at `parallelism`, as the engine does: a subtask whose key groups
@@ -1046,10 +967,9 @@ mod model_tests {
                 let mut state = empty(full_every, backend);
                 let mut files = Vec::new();
                 for (_, chain) in &overlapping {
-                    for file in chain {
-                        let f = file.bytes();
+                    for f in chain {
                         if backend.is_none() {
-                            let (_, body) = open(&f).expect("a file written by a snapshot verifies");
+                            let (_, body) = open(f).expect("a file written by a snapshot verifies");
                             state.restore_file(body, range).unwrap();
                         } else {
                             // As from a local copy: in parts of a few entries, in file order.
@@ -1058,7 +978,7 @@ mod model_tests {
                             })
                             .unwrap();
                         }
-                        files.push(file.clone());
+                        files.push(f.clone());
                     }
                 }
                 let continue_chain = same && from_checkpoint;

@@ -46,14 +46,6 @@ pub enum StoreError {
     /// A scan of every entry failed.
     #[error("scanning the state store: {0}")]
     Scan(rocksdb::Error),
-    /// A point-in-time copy of the store could not be made or read.
-    #[error("copying the state store for a full image at {dir}: {source}")]
-    Copy {
-        /// The copy's directory.
-        dir: String,
-        /// RocksDB's error.
-        source: rocksdb::Error,
-    },
     /// A full image could not be written to local disk.
     #[error("writing a full image to local disk: {0}")]
     SpillImage(std::io::Error),
@@ -175,68 +167,6 @@ impl StateStore {
             it.next();
         }
         it.status().map_err(|e| E::from(StoreError::Scan(e)))
-    }
-}
-
-/// A point-in-time copy of a store, for the uploader to read a full image from while the task
-/// goes on writing the store: RocksDB's checkpoint (the memtables flushed, the files
-/// hard-linked), in a directory beside the store. Deleted when dropped; a killed process's
-/// copies are deleted like its stores.
-pub struct StoreCopy {
-    dir: PathBuf,
-}
-
-impl StateStore {
-    /// Copies the store as it is now. Costs a memtable flush and a link per file, not a read
-    /// of the entries.
-    pub fn copy_now(&self) -> Result<StoreCopy, StoreError> {
-        let n = NEXT_STORE.fetch_add(1, Ordering::Relaxed);
-        let copy = StoreCopy { dir: self.parent_dir.join(format!("image-{}-{n}", std::process::id())) };
-        let failed = |source| StoreError::Copy { dir: copy.dir.display().to_string(), source };
-        rocksdb::checkpoint::Checkpoint::new(self.db()).and_then(|c| c.create_checkpoint(&copy.dir)).map_err(failed)?;
-        Ok(copy)
-    }
-}
-
-impl StoreCopy {
-    /// Opens the copy for one pass over it, in little memory: it runs beside the live store,
-    /// under the same memory limit. No bloom filter (a scan does not use one, and so none is
-    /// loaded), index blocks in a 1 MiB cache instead of held per file, few files open.
-    fn open(&self) -> Result<DB, StoreError> {
-        let mut opts = Options::default();
-        opts.set_max_open_files(64);
-        let mut table = BlockBasedOptions::default();
-        table.set_cache_index_and_filter_blocks(true);
-        match Cache::new_lru_cache(1 << 20) {
-            Ok(cache) => table.set_block_cache(&cache),
-            Err(e) => tracing::warn!(error = %e, "no block cache for reading a copy of a state store"),
-        }
-        opts.set_block_based_table_factory(&table);
-        DB::open_for_read_only(&opts, &self.dir, false)
-            .map_err(|source| StoreError::Copy { dir: self.dir.display().to_string(), source })
-    }
-
-    /// Calls `f` with every entry's store key and value, in key order.
-    pub fn scan<E: From<StoreError>>(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<(), E>) -> Result<(), E> {
-        let db = self.open()?;
-        let mut read = rocksdb::ReadOptions::default();
-        // One pass over everything: its blocks would only evict useful ones from the cache.
-        read.fill_cache(false);
-        let mut it = db.raw_iterator_opt(read);
-        it.seek_to_first();
-        while let (Some(k), Some(v)) = (it.key(), it.value()) {
-            f(k, v)?;
-            it.next();
-        }
-        it.status().map_err(|e| E::from(StoreError::Scan(e)))
-    }
-}
-
-impl Drop for StoreCopy {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
-            tracing::warn!(dir = %self.dir.display(), error = %e, "could not delete a copy of a state store");
-        }
     }
 }
 
