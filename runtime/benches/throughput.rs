@@ -463,6 +463,8 @@ fn main() {
         let dir = tmp.path().join("restore-at-scale");
         let job = run(&distinct_keys_job(keys), &dir);
         let (s_per_gib, bytes) = restore_seconds_per_gib(&dir, keys as usize, false);
+        let (rocksdb_s_per_gib, _) = restore_seconds_per_gib(&dir, keys as usize, true);
+        println!("restore at scale onto the rocksdb backend: {rocksdb_s_per_gib:.2} s per GiB");
         println!(
             "restore at scale: {keys} keys, {} MiB of checkpoint files, {:.2} s per GiB \
              (the job that built it: {:.2}M records/CPU-s, {:.1} s, {} checkpoints, p50 {} ms, p99 {} ms, \

@@ -44,7 +44,7 @@ impl KeyedContext {
             for file in &r.files {
                 self.restore_file(&mut state, file)?;
             }
-            state.after_restore(r.continue_chain, r.files.len());
+            state.after_restore(r.continue_chain, r.files.len()).map_err(|e| self.state_failed(e))?;
         }
         Ok(state)
     }

@@ -12,6 +12,7 @@
 //! thread. Savepoints take full copies without disturbing change tracking, so the next
 //! incremental checkpoint still holds every change since the previous checkpoint.
 
+pub mod bulk;
 pub mod store;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -64,6 +65,8 @@ struct Spill {
     absent: FxHashSet<Key>,
     /// Full images larger than this many bytes are written to a file, not held in memory.
     full_image_in_memory: usize,
+    /// A restore's entries, loaded into the store by [`KeyedState::after_restore`].
+    restoring: Option<bulk::BulkLoad>,
 }
 
 /// Keyed state of one operator subtask.
@@ -128,6 +131,7 @@ impl<V: StateValue> KeyedState<V> {
             cache_entries: cache_entries.max(1),
             absent: FxHashSet::default(),
             full_image_in_memory: FULL_IMAGE_IN_MEMORY,
+            restoring: None,
         });
         self
     }
@@ -538,10 +542,12 @@ impl<V: StateValue> KeyedState<V> {
     /// Applies one restored state file body, keeping only key groups in `[start, end)`.
     /// Entries are decoded in batches whose lookups run back to back before the batch is
     /// applied (see [`Self::prefetch`]); within a file, entries apply in file order. On the
-    /// rocksdb backend the entries go to the store as they are, without decoding the values.
+    /// rocksdb backend the entries are collected, without decoding them, for a bulk load of the
+    /// (empty) store when the chain is complete ([`Self::after_restore`]).
     pub fn restore_file(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), StoreError> {
         if let Some(spill) = &mut self.spill {
-            let mut batch = rocksdb::WriteBatch::default();
+            let restoring =
+                spill.restoring.get_or_insert_with(|| bulk::BulkLoad::new(&spill.store.dir().join("restore")));
             let mut raw = Vec::with_capacity(32);
             for entry in keyed_entries(body) {
                 let entry = entry?;
@@ -550,15 +556,9 @@ impl<V: StateValue> KeyedState<V> {
                 }
                 raw.clear();
                 StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
-                match entry.value {
-                    Some(value) => batch.put(&raw, value),
-                    None => batch.delete(&raw),
-                }
-                if batch.len() >= 4096 {
-                    spill.store.write(std::mem::take(&mut batch))?;
-                }
+                restoring.add(&raw, entry.value)?;
             }
-            return spill.store.write(batch);
+            return Ok(());
         }
         const BATCH: usize = 256;
         let mut batch: Vec<(u32, Key, Option<V>)> = Vec::with_capacity(BATCH);
@@ -597,13 +597,23 @@ impl<V: StateValue> KeyedState<V> {
 
     /// After a restore: continue the restored incremental chain of `chain_len` files (same key
     /// groups) or start a new one with a full image. A continued chain keeps counting towards
-    /// its next full image, so restarting in a loop cannot grow a chain without bound.
-    pub fn after_restore(&mut self, continue_chain: bool, chain_len: usize) {
+    /// its next full image, so restarting in a loop cannot grow a chain without bound. On the
+    /// rocksdb backend this loads the restored entries into the store.
+    pub fn after_restore(&mut self, continue_chain: bool, chain_len: usize) -> Result<(), StoreError> {
         self.changed.clear();
         self.scan = false;
         self.deleted.clear();
         self.increments_since_full = if continue_chain { chain_len.saturating_sub(1) as u32 } else { 0 };
         self.force_full.store(!continue_chain, Ordering::Release);
+        if let Some(spill) = &mut self.spill {
+            if let Some(restoring) = spill.restoring.take() {
+                let dir = spill.store.dir().join("restore");
+                let tables = restoring.finish()?;
+                spill.store.ingest(tables)?;
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -982,7 +992,7 @@ mod model_tests {
                     }
                 }
                 let continue_chain = same && from_checkpoint;
-                state.after_restore(continue_chain, files.len());
+                state.after_restore(continue_chain, files.len()).unwrap();
                 parts.push((state, range, if continue_chain { files } else { Vec::new() }));
             }
             Subtasks { parts }
@@ -1092,7 +1102,7 @@ mod model_tests {
         for f in &chain {
             r.restore_file(open(f).unwrap().1, (0, MAX_PARALLELISM)).unwrap();
         }
-        r.after_restore(true, chain.len());
+        r.after_restore(true, chain.len()).unwrap();
         assert_eq!(
             r.snapshot_checkpoint().unwrap().kind,
             FileKind::KeyedFull,

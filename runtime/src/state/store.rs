@@ -49,6 +49,15 @@ pub enum StoreError {
     /// A full image could not be written to local disk.
     #[error("writing a full image to local disk: {0}")]
     SpillImage(std::io::Error),
+    /// A restore's sorted runs could not be written to or read from local disk.
+    #[error("bulk-loading restored state through local disk: {0}")]
+    BulkLoad(std::io::Error),
+    /// A restore's table file could not be written.
+    #[error("writing a table file of restored state: {0}")]
+    WriteTable(rocksdb::Error),
+    /// The store refused a restore's table files.
+    #[error("loading restored table files into the state store: {0}")]
+    Ingest(rocksdb::Error),
     /// An entry could not be decoded (the store holds only what this process wrote, so this is
     /// a corrupted local disk).
     #[error("decoding an entry of the state store: {0}")]
@@ -81,6 +90,9 @@ static NEXT_STORE: AtomicU64 = AtomicU64::new(0);
 const WRITE_BUFFER_BYTES: usize = 8 << 20;
 const BLOCK_CACHE_BYTES: usize = 16 << 20;
 
+/// Files the store writes are synced every this many bytes.
+const SYNC_EVERY_BYTES: u64 = 8 << 20;
+
 impl StateStore {
     /// Opens an empty store in a new directory under `parent_dir`, named after `label`.
     pub fn open(parent_dir: &Path, label: &str) -> Result<Self, StoreError> {
@@ -105,6 +117,11 @@ impl StateStore {
     /// The directory the store's own directory is in.
     pub fn parent_dir(&self) -> &Path {
         &self.parent_dir
+    }
+
+    /// The store's own directory (deleted with the store).
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     fn db(&self) -> &DB {
@@ -158,6 +175,17 @@ impl StateStore {
         self.db().write_opt(batch, &self.no_wal).map_err(StoreError::Write)
     }
 
+    /// Moves table files written by [`super::bulk::BulkLoad`] into the store: into its last
+    /// level when the store is empty and the files do not overlap, as a restore's are.
+    pub fn ingest(&self, tables: Vec<PathBuf>) -> Result<(), StoreError> {
+        if tables.is_empty() {
+            return Ok(());
+        }
+        let mut opts = rocksdb::IngestExternalFileOptions::default();
+        opts.set_move_files(true);
+        self.db().ingest_external_file_opts(&opts, tables).map_err(StoreError::Ingest)
+    }
+
     /// Calls `f` with every entry's store key and value, in key order.
     pub fn scan<E: From<StoreError>>(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<(), E>) -> Result<(), E> {
         let mut it = self.db().raw_iterator();
@@ -208,8 +236,12 @@ fn remove_stores_of_dead_processes(parent_dir: &Path) {
     }
 }
 
-fn options() -> Options {
+/// The store's options, also those of the table files a restore writes.
+pub(super) fn options() -> Options {
     let mut opts = Options::default();
+    // Flushes, compactions and a restore's table files are synced as they are written: under a
+    // cgroup v1 memory limit, dirty pages count against the limit until written back.
+    opts.set_bytes_per_sync(SYNC_EVERY_BYTES);
     opts.create_if_missing(true);
     opts.set_compression_type(DBCompressionType::Lz4);
     opts.set_write_buffer_size(WRITE_BUFFER_BYTES);
