@@ -194,9 +194,11 @@ impl BulkLoad {
             self.spill_run()?;
         }
         // Merge the oldest runs first, so that the merged run keeps its place before the newer
-        // ones (and, holding the oldest entries, may drop deletions).
+        // ones (and, holding the oldest entries, may drop deletions). Each pass merges just
+        // enough runs for the rest to fit the last merge, so that few entries are written twice.
         while self.runs.len() > self.fan_in {
-            let oldest: Vec<RunFile> = self.runs.drain(..self.fan_in).collect();
+            let merged_now = self.fan_in.min(self.runs.len() - self.fan_in + 1);
+            let oldest: Vec<RunFile> = self.runs.drain(..merged_now).collect();
             let path = self.new_path("run")?;
             let merged = RunFile { path };
             let mut out = RunWriter::create(&merged.path)?;

@@ -1125,3 +1125,4 @@ mod size_tests {
         assert!(std::mem::size_of::<Record>() <= 88, "a record grew");
     }
 }
+
