@@ -317,9 +317,30 @@ impl Storage {
 
     /// Copies an object into the local file `local` (created or truncated), streamed: the
     /// object may be larger than memory. Returns its length and CRC-32C, computed on the way.
+    ///
+    /// On a local filesystem the object is hard-linked instead when it can be (same filesystem),
+    /// and only read to compute its checksum: a copy would write every byte again. Deleting
+    /// `local` later deletes the link, never the object.
     pub async fn get_to_file(&self, rel: &str, local: &std::path::Path) -> Result<(u64, u32), StorageError> {
         use futures::StreamExt;
-        use std::io::Write;
+        use std::io::{Read, Write};
+        if let Some(root) = &self.local {
+            let object = root.join(self.full(rel).as_ref());
+            let _ = std::fs::remove_file(local);
+            if std::fs::hard_link(&object, local).is_ok() {
+                let mut linked = std::fs::File::open(local).map_err(local_io("open", rel))?;
+                let mut buf = vec![0u8; 1 << 20];
+                let (mut len, mut crc) = (0u64, 0u32);
+                loop {
+                    let n = linked.read(&mut buf).map_err(local_io("read", rel))?;
+                    if n == 0 {
+                        return Ok((len, crc));
+                    }
+                    crc = crc32c::crc32c_append(crc, &buf[..n]);
+                    len += n as u64;
+                }
+            }
+        }
         let res = self.store.get(&self.full(rel)).await.map_err(io("get", rel))?;
         let file = std::fs::File::create(local).map_err(local_io("create", rel))?;
         let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
@@ -418,6 +439,30 @@ impl Storage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A local object is linked, not copied, and the link's checksum is the object's; deleting
+    /// the local file leaves the object. An in-memory store (as S3 would) is copied.
+    #[tokio::test]
+    async fn objects_fetched_to_local_files_match_and_deleting_the_file_keeps_the_object() {
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let work = tempfile::tempdir().unwrap();
+        for s in [Storage::open(dir.path().to_str().unwrap()).unwrap(), Storage::open("memory://m").unwrap()] {
+            s.put("chk-1/state", Bytes::from(data.clone())).await.unwrap();
+            let local = work.path().join("copy");
+            std::fs::write(&local, b"stale").unwrap();
+            let (len, crc) = s.get_to_file("chk-1/state", &local).await.unwrap();
+            assert_eq!((len, crc), (data.len() as u64, crc32c::crc32c(&data)));
+            assert_eq!(std::fs::read(&local).unwrap(), data);
+            std::fs::remove_file(&local).unwrap();
+            assert_eq!(s.get("chk-1/state").await.unwrap(), data);
+        }
+        let linked = dir.path().join("chk-1/state");
+        let local = work.path().join("linked");
+        Storage::open(dir.path().to_str().unwrap()).unwrap().get_to_file("chk-1/state", &local).await.unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(std::fs::metadata(&local).unwrap().ino(), std::fs::metadata(&linked).unwrap().ino(), "linked");
+    }
 
     #[tokio::test]
     async fn local_put_get_list_rename_delete() {

@@ -10,12 +10,10 @@
 //! once, in order, into files that sit in the store's last level without being compacted.
 //!
 //! Memory: one run (at most [`RUN_BYTES`] of entries and their index) while loading, and a
-//! buffered reader per run while merging; runs beyond [`MERGE_FAN_IN`] are merged in passes.
+//! 256 KiB buffer per run while merging; runs beyond [`MERGE_FAN_IN`] are merged in passes.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 use std::fs::File;
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use rocksdb::SstFileWriter;
@@ -221,10 +219,6 @@ fn prefix_of(key: &[u8]) -> u64 {
     u64::from_be_bytes(b)
 }
 
-/// A run's next key in a merge: its prefix (see [`prefix_of`]), the key, and the run's position
-/// reversed (of equal keys, the newest run's comes first).
-type MergeHead = (u64, Vec<u8>, Reverse<usize>);
-
 /// Merges sorted runs (oldest first): `emit` gets each key once, in order, with its newest
 /// value; keys whose newest entry is a deletion are left out (no run is older than these).
 fn merge(runs: &[RunFile], mut emit: impl FnMut(&[u8], &[u8]) -> Result<(), StoreError>) -> Result<(), StoreError> {
@@ -232,30 +226,56 @@ fn merge(runs: &[RunFile], mut emit: impl FnMut(&[u8], &[u8]) -> Result<(), Stor
     for run in runs {
         readers.push(RunReader::open(&run.path)?);
     }
-    // The smallest key first (its prefix decides most comparisons); of equal keys, the newest
-    // run's first.
-    let mut heap: BinaryHeap<Reverse<MergeHead>> = BinaryHeap::with_capacity(readers.len());
+    // A binary min-heap of the readers that have an entry: the smallest key first and, of
+    // equal keys, the newest run's (the highest index) first.
+    let first = |readers: &[RunReader], a: usize, b: usize| {
+        let (ra, rb) = (&readers[a], &readers[b]);
+        match ra.prefix.cmp(&rb.prefix).then_with(|| ra.key().cmp(rb.key())) {
+            std::cmp::Ordering::Less => true,
+            std::cmp::Ordering::Greater => false,
+            std::cmp::Ordering::Equal => a > b,
+        }
+    };
+    let sift_down = |heap: &mut [usize], readers: &[RunReader], mut at: usize| loop {
+        let (l, r) = (2 * at + 1, 2 * at + 2);
+        let mut top = at;
+        if l < heap.len() && first(readers, heap[l], heap[top]) {
+            top = l;
+        }
+        if r < heap.len() && first(readers, heap[r], heap[top]) {
+            top = r;
+        }
+        if top == at {
+            return;
+        }
+        heap.swap(at, top);
+        at = top;
+    };
+    let mut heap = Vec::with_capacity(readers.len());
     for (i, r) in readers.iter_mut().enumerate() {
-        let mut key = Vec::new();
-        if r.next(&mut key)? {
-            heap.push(Reverse((prefix_of(&key), key, Reverse(i))));
+        if r.advance()? {
+            heap.push(i);
         }
     }
+    for at in (0..heap.len() / 2).rev() {
+        sift_down(&mut heap, &readers, at);
+    }
     let mut last: Option<(u64, Vec<u8>)> = None;
-    while let Some(Reverse((prefix, mut key, Reverse(i)))) = heap.pop() {
-        let newest = last.as_ref().is_none_or(|(p, l)| *p != prefix || *l != key);
-        if newest {
-            if let Some(value) = &readers[i].value {
-                emit(&key, value)?;
+    while let Some(&i) = heap.first() {
+        let reader = &readers[i];
+        if last.as_ref().is_none_or(|(prefix, key)| *prefix != reader.prefix || key != reader.key()) {
+            if let Some(value) = reader.value() {
+                emit(reader.key(), value)?;
             }
             let last = last.get_or_insert_with(|| (0, Vec::new()));
-            last.0 = prefix;
+            last.0 = reader.prefix;
             last.1.clear();
-            last.1.extend_from_slice(&key);
+            last.1.extend_from_slice(reader.key());
         }
-        if readers[i].next(&mut key)? {
-            heap.push(Reverse((prefix_of(&key), key, Reverse(i))));
+        if !readers[i].advance()? {
+            heap.swap_remove(0);
         }
+        sift_down(&mut heap, &readers, 0);
     }
     Ok(())
 }
@@ -298,39 +318,84 @@ impl RunWriter {
     }
 }
 
-/// Reads a sorted run back, an entry at a time.
+/// Reads a sorted run back, an entry at a time, parsed in place from a buffer of the file.
 struct RunReader {
-    input: BufReader<File>,
-    /// The current entry's value (`None`: a deletion).
-    value: Option<Vec<u8>>,
+    file: File,
+    buf: Vec<u8>,
+    /// Where the unread bytes start, and end.
+    pos: usize,
+    end: usize,
+    eof: bool,
+    /// The current entry's key and value (`None`: a deletion), as ranges of `buf`.
+    key: (usize, usize),
+    /// The current key's [`prefix_of`].
+    prefix: u64,
+    value: Option<(usize, usize)>,
 }
 
 impl RunReader {
     fn open(path: &Path) -> Result<Self, StoreError> {
-        Ok(RunReader { input: BufReader::with_capacity(256 << 10, File::open(path).map_err(io_failed)?), value: None })
+        Ok(RunReader {
+            file: File::open(path).map_err(io_failed)?,
+            buf: vec![0; 256 << 10],
+            pos: 0,
+            end: 0,
+            eof: false,
+            key: (0, 0),
+            prefix: 0,
+            value: None,
+        })
     }
 
-    /// Reads the next entry's key into `key` (its value into `self.value`); false at the end.
-    fn next(&mut self, key: &mut Vec<u8>) -> Result<bool, StoreError> {
-        let mut len = [0u8; 4];
-        match self.input.read_exact(&mut len) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
-            Err(e) => return Err(io_failed(e)),
-        }
-        key.resize(u32::from_le_bytes(len) as usize, 0);
-        self.input.read_exact(key).map_err(io_failed)?;
-        self.input.read_exact(&mut len).map_err(io_failed)?;
-        self.value = match u32::from_le_bytes(len) {
-            DELETED => None,
-            n => {
-                let mut value = self.value.take().unwrap_or_default();
-                value.resize(n as usize, 0);
-                self.input.read_exact(&mut value).map_err(io_failed)?;
-                Some(value)
+    fn key(&self) -> &[u8] {
+        &self.buf[self.key.0..self.key.1]
+    }
+
+    fn value(&self) -> Option<&[u8]> {
+        self.value.map(|(a, b)| &self.buf[a..b])
+    }
+
+    /// Moves to the next entry; false at the end of the run.
+    fn advance(&mut self) -> Result<bool, StoreError> {
+        loop {
+            if let Some(next) = self.parse() {
+                self.pos = next;
+                return Ok(true);
             }
-        };
-        Ok(true)
+            if self.eof {
+                if self.pos == self.end {
+                    return Ok(false);
+                }
+                return Err(io_failed(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "a truncated run")));
+            }
+            // Keep the partial entry, make room (an entry may be larger than the buffer), read.
+            self.buf.copy_within(self.pos..self.end, 0);
+            self.end -= self.pos;
+            self.pos = 0;
+            if self.end == self.buf.len() {
+                self.buf.resize(self.buf.len() * 2, 0);
+            }
+            let n = self.file.read(&mut self.buf[self.end..]).map_err(io_failed)?;
+            self.eof = n == 0;
+            self.end += n;
+        }
+    }
+
+    /// Parses the entry at `pos` if it is whole in the buffer; where the next one starts.
+    fn parse(&mut self) -> Option<usize> {
+        let bytes = &self.buf[self.pos..self.end];
+        let len_at = |at: usize| -> Option<u32> { Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?)) };
+        let key_len = len_at(0)? as usize;
+        let value_len = len_at(4 + key_len)?;
+        let value_at = 8 + key_len;
+        let next = if value_len == DELETED { value_at } else { value_at + value_len as usize };
+        if next > bytes.len() {
+            return None;
+        }
+        self.prefix = prefix_of(&bytes[4..4 + key_len]);
+        self.key = (self.pos + 4, self.pos + 4 + key_len);
+        self.value = (value_len != DELETED).then(|| (self.pos + value_at, self.pos + next));
+        Some(self.pos + next)
     }
 }
 

@@ -1125,4 +1125,3 @@ mod size_tests {
         assert!(std::mem::size_of::<Record>() <= 88, "a record grew");
     }
 }
-
