@@ -191,21 +191,38 @@ impl BulkLoad {
         if !self.index.is_empty() {
             self.spill_run()?;
         }
-        // Merge the oldest runs first, so that the merged run keeps its place before the newer
-        // ones (and, holding the oldest entries, may drop deletions). Each pass merges just
-        // enough runs for the rest to fit the last merge, so that few entries are written twice.
+        // Merge passes until the runs fit one merge. Runs are merged in groups of consecutive
+        // runs, so that a merged run keeps its place among the others; only the group holding
+        // the oldest run may drop deletions. With fewer than twice the fan-in, one pass merges
+        // just enough of the oldest runs, so that few entries are written twice.
         while self.runs.len() > self.fan_in {
-            let merged_now = self.fan_in.min(self.runs.len() - self.fan_in + 1);
-            let oldest: Vec<RunFile> = self.runs.drain(..merged_now).collect();
-            let path = self.new_path("run")?;
-            let merged = RunFile { path };
-            let mut out = RunWriter::create(&merged.path)?;
-            merge(&oldest, |key, value| out.write(key, Some(value)))?;
-            out.finish()?;
-            drop(oldest);
-            self.runs.insert(0, merged);
+            let runs = std::mem::take(&mut self.runs);
+            let partial = runs.len() < 2 * self.fan_in;
+            let group_len = if partial { runs.len() - self.fan_in + 1 } else { self.fan_in };
+            let mut runs = runs.into_iter().peekable();
+            let mut oldest = true;
+            while runs.peek().is_some() {
+                let group: Vec<RunFile> = runs.by_ref().take(group_len).collect();
+                if group.len() == 1 {
+                    self.runs.extend(group);
+                } else {
+                    let merged = RunFile { path: self.new_path("run")? };
+                    let mut out = RunWriter::create(&merged.path)?;
+                    merge(&group, !oldest, |key, value| out.write(key, value))?;
+                    out.finish()?;
+                    self.runs.push(merged);
+                }
+                oldest = false;
+                if partial {
+                    // The partial pass: the rest stays as it is.
+                    self.runs.extend(runs.by_ref());
+                }
+            }
         }
-        merge(&self.runs, |key, value| tables.put(key, value))?;
+        merge(&self.runs, false, |key, value| match value {
+            Some(value) => tables.put(key, value),
+            None => Ok(()),
+        })?;
         tables.finish()
     }
 }
@@ -220,8 +237,13 @@ fn prefix_of(key: &[u8]) -> u64 {
 }
 
 /// Merges sorted runs (oldest first): `emit` gets each key once, in order, with its newest
-/// value; keys whose newest entry is a deletion are left out (no run is older than these).
-fn merge(runs: &[RunFile], mut emit: impl FnMut(&[u8], &[u8]) -> Result<(), StoreError>) -> Result<(), StoreError> {
+/// value (`None`: a deletion). Deletions are left out unless `keep_deletions` (they must shadow
+/// older runs that are not in this merge).
+fn merge(
+    runs: &[RunFile],
+    keep_deletions: bool,
+    mut emit: impl FnMut(&[u8], Option<&[u8]>) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
     let mut readers = Vec::with_capacity(runs.len());
     for run in runs {
         readers.push(RunReader::open(&run.path)?);
@@ -264,8 +286,8 @@ fn merge(runs: &[RunFile], mut emit: impl FnMut(&[u8], &[u8]) -> Result<(), Stor
     while let Some(&i) = heap.first() {
         let reader = &readers[i];
         if last.as_ref().is_none_or(|(prefix, key)| *prefix != reader.prefix || key != reader.key()) {
-            if let Some(value) = reader.value() {
-                emit(reader.key(), value)?;
+            if keep_deletions || reader.value().is_some() {
+                emit(reader.key(), reader.value())?;
             }
             let last = last.get_or_insert_with(|| (0, Vec::new()));
             last.0 = reader.prefix;
@@ -375,7 +397,11 @@ impl RunReader {
             if self.end == self.buf.len() {
                 self.buf.resize(self.buf.len() * 2, 0);
             }
-            let n = self.file.read(&mut self.buf[self.end..]).map_err(io_failed)?;
+            let n = match self.file.read(&mut self.buf[self.end..]) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_failed(e)),
+            };
             self.eof = n == 0;
             self.end += n;
         }
