@@ -7,6 +7,7 @@
 pub mod epoch;
 pub mod format;
 pub mod layout;
+pub mod local;
 pub mod metadata;
 pub mod protocol;
 pub mod recovery;

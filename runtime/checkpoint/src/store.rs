@@ -342,23 +342,15 @@ impl Storage {
             }
         }
         let res = self.store.get(&self.full(rel)).await.map_err(io("get", rel))?;
-        let file = std::fs::File::create(local).map_err(local_io("create", rel))?;
-        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
-        let (mut len, mut crc, mut unsynced) = (0u64, 0u32, 0usize);
+        // Synced as it goes: a copy may be larger than the process's memory limit.
+        let mut out = crate::local::SyncedWriter::create(local).map_err(local_io("create", rel))?;
+        let (mut len, mut crc) = (0u64, 0u32);
         let mut chunks = res.into_stream();
         while let Some(chunk) = chunks.next().await {
             let chunk = chunk.map_err(io("read", rel))?;
             crc = crc32c::crc32c_append(crc, &chunk);
             len += chunk.len() as u64;
             out.write_all(&chunk).map_err(local_io("write", rel))?;
-            // Synced as it goes: under a cgroup memory limit, dirty pages count against it
-            // until written back (a copy may be larger than the limit).
-            unsynced += chunk.len();
-            if unsynced >= 8 << 20 {
-                out.flush().map_err(local_io("write", rel))?;
-                out.get_ref().sync_data().map_err(local_io("fsync", rel))?;
-                unsynced = 0;
-            }
         }
         out.flush().map_err(local_io("write", rel))?;
         Ok((len, crc))

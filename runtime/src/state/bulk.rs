@@ -13,24 +13,22 @@
 //! 256 KiB buffer per run while merging; runs beyond [`MERGE_FAN_IN`] are merged in passes.
 
 use std::fs::File;
-use std::io::{BufWriter, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use rocksdb::SstFileWriter;
+use weir_checkpoint::local::SyncedWriter;
 
-use super::store::StoreError;
+use super::store::{StateStore, StoreError};
 
 /// The bytes of entries (and of their index) sorted in memory before a run goes to disk.
-pub const RUN_BYTES: usize = 16 << 20;
+const RUN_BYTES: usize = 16 << 20;
 
 /// At most this many runs are merged at once (one open file and buffer each).
-pub const MERGE_FAN_IN: usize = 64;
+const MERGE_FAN_IN: usize = 64;
 
 /// A table file is closed and a new one started beyond this size.
 const TABLE_BYTES: u64 = 32 << 20;
-
-/// Run files are synced every this many bytes (dirty pages count against a cgroup's memory).
-const SYNC_EVERY_BYTES: usize = 8 << 20;
 
 /// The length that marks a deletion in a run file.
 const DELETED: u32 = u32::MAX;
@@ -67,8 +65,6 @@ pub struct BulkLoad {
     run_bytes: usize,
     fan_in: usize,
     next_file: u64,
-    /// Entries added (puts and deletions).
-    pub added: u64,
 }
 
 fn io_failed(e: std::io::Error) -> StoreError {
@@ -83,7 +79,7 @@ impl BulkLoad {
     }
 
     /// [`Self::new`] with other limits (tests force many runs and merge passes).
-    pub fn with_limits(dir: &Path, run_bytes: usize, fan_in: usize) -> Self {
+    fn with_limits(dir: &Path, run_bytes: usize, fan_in: usize) -> Self {
         BulkLoad {
             dir: dir.to_path_buf(),
             arena: Vec::new(),
@@ -92,7 +88,6 @@ impl BulkLoad {
             run_bytes: run_bytes.max(1),
             fan_in: fan_in.max(2),
             next_file: 0,
-            added: 0,
         }
     }
 
@@ -114,7 +109,6 @@ impl BulkLoad {
             key: (key_at, store_key.len() as u32),
             value,
         });
-        self.added += 1;
         if self.arena.len() + self.index.len() * std::mem::size_of::<Indexed>() >= self.run_bytes {
             self.spill_run()?;
         }
@@ -172,9 +166,19 @@ impl BulkLoad {
         Ok(())
     }
 
+    /// Loads what was added into `store`, which must be empty: the table files are moved into
+    /// it, and this load's directory is deleted.
+    pub fn into_store(self, store: &StateStore) -> Result<(), StoreError> {
+        let dir = self.dir.clone();
+        let tables = self.finish()?;
+        store.ingest(tables)?;
+        let _ = std::fs::remove_dir_all(dir);
+        Ok(())
+    }
+
     /// Sorts and merges what was added into table files, in key order and without overlap,
     /// deletions applied; their paths (empty when nothing is left).
-    pub fn finish(mut self) -> Result<Vec<PathBuf>, StoreError> {
+    fn finish(mut self) -> Result<Vec<PathBuf>, StoreError> {
         let opts = super::store::options();
         let mut tables = TableWriter { dir: self.dir.clone(), opts: &opts, files: Vec::new(), writer: None };
         if self.runs.is_empty() {
@@ -304,13 +308,12 @@ fn merge(
 
 /// Writes a sorted run: `key len u32-le | key | value len u32-le (DELETED for a deletion) | value`.
 struct RunWriter {
-    out: BufWriter<File>,
-    unsynced: usize,
+    out: SyncedWriter,
 }
 
 impl RunWriter {
     fn create(path: &Path) -> Result<Self, StoreError> {
-        Ok(RunWriter { out: BufWriter::with_capacity(1 << 20, File::create(path).map_err(io_failed)?), unsynced: 0 })
+        Ok(RunWriter { out: SyncedWriter::create(path).map_err(io_failed)? })
     }
 
     fn write(&mut self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
@@ -323,12 +326,6 @@ impl RunWriter {
                     self.out.write_all(v)?;
                 }
                 None => self.out.write_all(&DELETED.to_le_bytes())?,
-            }
-            self.unsynced += 8 + key.len() + value.map_or(0, <[u8]>::len);
-            if self.unsynced >= SYNC_EVERY_BYTES {
-                self.out.flush()?;
-                self.out.get_ref().sync_data()?;
-                self.unsynced = 0;
             }
             Ok(())
         };
@@ -463,7 +460,6 @@ impl TableWriter<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::StateStore;
     use std::collections::BTreeMap;
 
     /// Random puts and deletions over a small key space, loaded with runs so small that there
@@ -496,8 +492,7 @@ mod tests {
                     model.insert(key, value);
                 }
             }
-            let tables = load.finish().unwrap();
-            store.ingest(tables).unwrap();
+            load.into_store(&store).unwrap();
             let mut stored = BTreeMap::new();
             store
                 .scan(|k, v| {

@@ -22,6 +22,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use weir_checkpoint::format::{
     keyed_entries, Decoder, Encoder, FileKind, FormatError, StateFileStream, StateFileWriter,
 };
+use weir_checkpoint::local::SyncedWriter;
 
 pub use store::{StateStore, StoreError, StoreSettings};
 
@@ -489,7 +490,6 @@ impl<V: StateValue> KeyedState<V> {
             bound: spill.full_image_in_memory,
             dir: spill.store.parent_dir().to_path_buf(),
             file: None,
-            unsynced: 0,
         };
         let spill_failed = |e: std::io::Error| StoreError::SpillImage(e);
         let mut w = StateFileStream::new(FileKind::KeyedFull, out);
@@ -508,7 +508,7 @@ impl<V: StateValue> KeyedState<V> {
         let (data, file) = match out.file {
             Some((f, path)) => {
                 let file = LocalStateFile { path, len };
-                f.into_inner().map_err(|e| spill_failed(e.into_error()))?.sync_all().map_err(spill_failed)?;
+                f.sync_all().map_err(spill_failed)?;
                 (bytes::Bytes::new(), Some(file))
             }
             None => (bytes::Bytes::from(out.memory), None),
@@ -607,10 +607,7 @@ impl<V: StateValue> KeyedState<V> {
         self.force_full.store(!continue_chain, Ordering::Release);
         if let Some(spill) = &mut self.spill {
             if let Some(restoring) = spill.restoring.take() {
-                let dir = spill.store.dir().join("restore");
-                let tables = restoring.finish()?;
-                spill.store.ingest(tables)?;
-                let _ = std::fs::remove_dir_all(dir);
+                restoring.into_store(&spill.store)?;
             }
         }
         Ok(())
@@ -665,20 +662,13 @@ impl KeyedSnapshot {
 }
 
 /// An [`std::io::Write`] that keeps the bytes in memory up to a bound, then moves them to a file
-/// and streams the rest there.
+/// (synced as it is written) and streams the rest there.
 struct SpillingBuffer {
     memory: Vec<u8>,
     bound: usize,
     dir: std::path::PathBuf,
-    file: Option<(std::io::BufWriter<std::fs::File>, std::path::PathBuf)>,
-    /// Bytes written to the file since it was last synced.
-    unsynced: usize,
+    file: Option<(SyncedWriter, std::path::PathBuf)>,
 }
-
-/// A spilled image is synced to disk every this many bytes: under a cgroup memory limit, dirty
-/// pages count against the limit until written back, and cgroup v1 does not throttle a writer
-/// before the OOM killer acts.
-const SYNC_EVERY_BYTES: usize = 8 << 20;
 
 impl std::io::Write for SpillingBuffer {
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
@@ -687,20 +677,12 @@ impl std::io::Write for SpillingBuffer {
             let n = NEXT.fetch_add(1, Ordering::Relaxed);
             std::fs::create_dir_all(&self.dir)?;
             let path = self.dir.join(format!("full-image-{}-{n}", std::process::id()));
-            let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&path)?);
+            let mut f = SyncedWriter::create(&path)?;
             f.write_all(&std::mem::take(&mut self.memory))?;
             self.file = Some((f, path));
         }
         match &mut self.file {
-            Some((f, _)) => {
-                f.write_all(bytes)?;
-                self.unsynced += bytes.len();
-                if self.unsynced >= SYNC_EVERY_BYTES {
-                    f.flush()?;
-                    f.get_ref().sync_data()?;
-                    self.unsynced = 0;
-                }
-            }
+            Some((f, _)) => f.write_all(bytes)?,
             None => self.memory.extend_from_slice(bytes),
         }
         Ok(bytes.len())

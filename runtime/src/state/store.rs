@@ -90,9 +90,6 @@ static NEXT_STORE: AtomicU64 = AtomicU64::new(0);
 const WRITE_BUFFER_BYTES: usize = 8 << 20;
 const BLOCK_CACHE_BYTES: usize = 16 << 20;
 
-/// Files the store writes are synced every this many bytes.
-const SYNC_EVERY_BYTES: u64 = 8 << 20;
-
 impl StateStore {
     /// Opens an empty store in a new directory under `parent_dir`, named after `label`.
     pub fn open(parent_dir: &Path, label: &str) -> Result<Self, StoreError> {
@@ -259,7 +256,7 @@ pub(super) fn options() -> Options {
     let mut opts = Options::default();
     // Flushes, compactions and a restore's table files are synced as they are written: under a
     // cgroup v1 memory limit, dirty pages count against the limit until written back.
-    opts.set_bytes_per_sync(SYNC_EVERY_BYTES);
+    opts.set_bytes_per_sync(weir_checkpoint::local::SYNC_EVERY_BYTES as u64);
     opts.create_if_missing(true);
     opts.set_compression_type(DBCompressionType::Lz4);
     opts.set_write_buffer_size(WRITE_BUFFER_BYTES);
