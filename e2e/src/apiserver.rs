@@ -71,15 +71,31 @@ pub struct TestApiServer {
 }
 
 impl TestApiServer {
-    /// Starts etcd and kube-apiserver and waits until the API server is ready.
+    /// Starts etcd and kube-apiserver and waits until the API server is ready. A port taken
+    /// between choosing and binding it (by another test's server) makes the start script fail;
+    /// it is then tried again on new ports, up to three times in all.
     pub fn start() -> Result<TestApiServer, ApiServerError> {
+        const ATTEMPTS: usize = 3;
+        let mut attempt = 1;
+        loop {
+            match free_ports().and_then(TestApiServer::start_on) {
+                Err(ApiServerError::Start(why)) if why.contains("address already in use") && attempt < ATTEMPTS => {
+                    eprintln!("API server start {attempt}/{ATTEMPTS}: a chosen port was taken, trying new ports");
+                    attempt += 1;
+                }
+                started => return started,
+            }
+        }
+    }
+
+    /// Starts on the given API server, etcd client and etcd peer ports.
+    fn start_on([apiserver_port, etcd_port, etcd_peer_port]: [u16; 3]) -> Result<TestApiServer, ApiServerError> {
         let assets = assets()?;
         let dir = tempfile::Builder::new()
             .prefix("weir-apiserver-")
             .tempdir()
             .map_err(|e| ApiServerError::Start(e.to_string()))?;
         let script = repo_root().join("e2e/tools/start-apiserver.sh");
-        let [apiserver_port, etcd_port, etcd_peer_port] = free_ports()?;
         let out = Command::new("bash")
             .arg(&script)
             .arg("start")
@@ -199,6 +215,22 @@ mod tests {
         for _ in 0..50 {
             let ports: [u16; 3] = super::free_ports().unwrap();
             assert!(ports[0] != ports[1] && ports[1] != ports[2] && ports[0] != ports[2], "{ports:?}");
+        }
+    }
+
+    /// A port taken between choosing and binding it once let a second test's API server use
+    /// the first test's etcd (its objects appeared in the other test). A start whose etcd port
+    /// is held by another server's etcd must fail, naming the taken port, and not come up on the
+    /// foreign etcd.
+    #[test]
+    fn a_start_on_another_servers_etcd_port_fails_instead_of_sharing_it() {
+        let first_ports: [u16; 3] = super::free_ports().unwrap();
+        let _first = super::TestApiServer::start_on(first_ports).expect("the first server starts");
+        let [apiserver, _, peer]: [u16; 3] = super::free_ports().unwrap();
+        match super::TestApiServer::start_on([apiserver, first_ports[1], peer]) {
+            Err(super::ApiServerError::Start(why)) => assert!(why.contains("address already in use"), "{why}"),
+            Err(other) => panic!("failed for another reason: {other}"),
+            Ok(_) => panic!("a second server came up on the first server's etcd"),
         }
     }
 }

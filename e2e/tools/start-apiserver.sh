@@ -73,8 +73,13 @@ start() {
     --unsafe-no-fsync \
     >"$dir/etcd.log" 2>&1 &
   echo $! > "$dir/etcd.pid"
+  # Healthy only once *this* etcd serves: tests start several servers on free ports, and a port
+  # can be taken between choosing it and binding it. /health alone would then be answered by
+  # another test's etcd (and this API server would share its data); this etcd logs that it
+  # serves client traffic only after binding the port, and exits when the bind fails.
   for i in $(seq 100); do
-    curl -sf "http://127.0.0.1:$etcd_port/health" >/dev/null 2>&1 && break
+    grep -q '"serving client traffic' "$dir/etcd.log" 2>/dev/null \
+      && curl -sf "http://127.0.0.1:$etcd_port/health" >/dev/null 2>&1 && break
     kill -0 "$(cat "$dir/etcd.pid")" 2>/dev/null || { tail -20 "$dir/etcd.log" >&2; die "etcd exited"; }
     (( i < 100 )) || die "etcd not healthy after 20s"
     sleep 0.2
@@ -96,6 +101,8 @@ start() {
     --allow-privileged=true \
     >"$dir/apiserver.log" 2>&1 &
   echo $! > "$dir/kube-apiserver.pid"
+  # /readyz is checked against this server's own generated cert and token, so another test's
+  # API server on a reused port cannot answer for it.
   for i in $(seq 300); do
     [[ -f "$dir/certs/apiserver.crt" ]] && kcurl -o /dev/null "https://127.0.0.1:$api_port/readyz" 2>/dev/null && break
     kill -0 "$(cat "$dir/kube-apiserver.pid")" 2>/dev/null || { tail -20 "$dir/apiserver.log" >&2; die "kube-apiserver exited"; }

@@ -75,8 +75,10 @@ impl Broker {
     pub fn start_on(host: &str) -> Broker {
         let started = Instant::now();
         let dir = tempfile::tempdir().unwrap();
-        let free_port = || std::net::TcpListener::bind((host, 0)).unwrap().local_addr().unwrap().port();
-        let (port, controller, sasl) = (free_port(), free_port(), free_port());
+        // The three listeners are held until all are chosen, so that no two get the same port.
+        let listeners: Vec<_> = (0..3).map(|_| std::net::TcpListener::bind((host, 0)).unwrap()).collect();
+        let [port, controller, sasl] = [0, 1, 2].map(|i| listeners[i].local_addr().unwrap().port());
+        drop(listeners);
         let props = dir.path().join("server.properties");
         std::fs::write(
             &props,
