@@ -141,6 +141,13 @@ pub struct CheckpointingSpec {
     /// others write only the keys changed since the previous one).
     #[serde(default = "default_full_every")]
     pub full_every: u32,
+    /// Keyed-state entries of one subtask above which the task no longer writes the periodic
+    /// full image itself (which stops its records while it encodes every entry): the
+    /// checkpoints' uploader merges the last full image and the increments after it, already
+    /// uploaded, into a new full image in the background, and later checkpoints build on that.
+    /// `0`: always in the background.
+    #[serde(default = "default_background_full_image_above")]
+    pub background_full_image_above: u64,
 }
 
 fn yes() -> bool {
@@ -161,6 +168,10 @@ pub(crate) fn default_retained() -> u32 {
 fn default_full_every() -> u32 {
     10
 }
+/// About 0.1 s of the task's time to encode (45 ns per entry measured on the keyed count).
+fn default_background_full_image_above() -> u64 {
+    2_000_000
+}
 
 impl Default for CheckpointingSpec {
     fn default() -> Self {
@@ -177,6 +188,7 @@ impl Default for CheckpointingSpec {
             storage: None,
             incremental: true,
             full_every: default_full_every(),
+            background_full_image_above: default_background_full_image_above(),
         }
     }
 }

@@ -35,6 +35,8 @@ struct Run {
     checkpoints: u64,
     /// Seconds tasks spent in snapshots' synchronous part (records stopped).
     sync_seconds: f64,
+    /// Full images merged in the background and adopted.
+    merges: u64,
 }
 
 impl Run {
@@ -82,6 +84,7 @@ fn run(yaml: &str, dir: &std::path::Path) -> Run {
         bytes: done.iter().map(|c| c.bytes).collect(),
         checkpoints: metrics.checkpoints_completed.get(),
         sync_seconds: metrics.snapshot_sync_seconds.get(),
+        merges: metrics.state_merges.get(),
     }
 }
 
@@ -139,8 +142,16 @@ sinks:
 
 /// A keyed count in which every record has a key of its own (`keys` of them), checkpoints
 /// every second: its state for the restore-at-scale figure.
+///
+/// `WEIR_BENCH_BACKGROUND_FULL_IMAGE_ABOVE` sets `backgroundFullImageAbove` (entries above which
+/// the uploader merges full images in the background instead of the task writing them): set
+/// it above the key count to measure the task writing every tenth checkpoint in full.
 fn distinct_keys_job(keys: u64) -> String {
-    keyed_count_job(keys, true).replace("modulo: 1000000", "sequence: {}")
+    let job = keyed_count_job(keys, true).replace("modulo: 1000000", "sequence: {}");
+    match std::env::var("WEIR_BENCH_BACKGROUND_FULL_IMAGE_ABOVE").ok().and_then(|s| s.parse::<u64>().ok()) {
+        Some(above) => job.replace("fullEvery: 10 }", &format!("fullEvery: 10, backgroundFullImageAbove: {above} }}")),
+        None => job,
+    }
 }
 
 /// Words per generated line of the CEL pipeline.
@@ -246,6 +257,7 @@ fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize, rocksdb:
         key_groups: (0, 128),
         incremental: true,
         full_every: 10,
+        background_full_image_above: u64::MAX,
         store: rocksdb
             .then(|| weir_runtime::state::StoreSettings { parent_dir: dir.join("stores"), cache_entries: 1_000_000 }),
     };
@@ -468,7 +480,7 @@ fn main() {
         println!(
             "restore at scale: {keys} keys, {} MiB of checkpoint files, {:.2} s per GiB \
              (the job that built it: {:.2}M records/CPU-s, {:.1} s, {} checkpoints, p50 {} ms, p99 {} ms, \
-             max {} ms, {:.1} ms synchronous each)",
+             max {} ms, {:.1} ms synchronous each, {} full images merged in the background)",
             bytes >> 20,
             s_per_gib,
             job.per_cpu() / 1e6,
@@ -477,7 +489,8 @@ fn main() {
             percentile(&job.durations, 0.5),
             percentile(&job.durations, 0.99),
             job.durations.iter().max().copied().unwrap_or(0),
-            job.sync_seconds * 1e3 / job.checkpoints.max(1) as f64
+            job.sync_seconds * 1e3 / job.checkpoints.max(1) as f64,
+            job.merges
         );
     }
 }

@@ -723,10 +723,21 @@ impl Executor<'_> {
             let ev = events.clone();
             let faults = self.faults.clone();
             let epoch = self.epoch;
+            let merges = spec.checkpointing.incremental.then(|| crate::upload::Merges {
+                full_every: spec.checkpointing.full_every.max(1) as usize,
+                merger: crate::compact::Merger::new(
+                    format!("merge-{}", task.id),
+                    storage.clone(),
+                    epoch,
+                    local_state_dir(),
+                ),
+                staged: Vec::new(),
+                metrics: self.metrics.clone(),
+            });
             running.uploaders.push(
                 std::thread::Builder::new()
                     .name(format!("upload-{}", task.id))
-                    .spawn(move || crate::upload::run(upload_rx, storage, epoch, ev, faults, chains))
+                    .spawn(move || crate::upload::run(upload_rx, storage, epoch, ev, faults, chains, merges))
                     .map_err(|e| TaskError::Read { what: "thread".into(), reason: e.to_string() })?,
             );
             let ev = events.clone();
@@ -1129,6 +1140,7 @@ impl OperatorFactory<'_> {
             key_groups,
             incremental: job.spec.checkpointing.incremental,
             full_every: job.spec.checkpointing.full_every,
+            background_full_image_above: job.spec.checkpointing.background_full_image_above,
             store: (job.spec.state_backend == StateBackendKind::Rocksdb).then(|| StoreSettings {
                 parent_dir: local_state_dir(),
                 cache_entries: job.spec.state_cache_entries.try_into().unwrap_or(usize::MAX),

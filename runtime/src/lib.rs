@@ -2,6 +2,7 @@
 //! one process with bounded channels, checkpointed by asynchronous barrier snapshots, restored
 //! by operator uid, and written out exactly once by two-phase commit.
 
+pub mod compact;
 pub mod control;
 pub mod executor;
 pub mod expr;

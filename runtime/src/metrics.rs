@@ -52,6 +52,10 @@ pub struct JobMetrics {
     pub injected_faults: Counter,
     /// Records windows dropped because they were behind the watermark.
     pub late_records: Counter,
+    /// Full images merged in the background from uploaded chains and adopted by a checkpoint.
+    pub state_merges: Counter,
+    /// Background merges that failed (their chains were kept).
+    pub state_merges_failed: Counter,
     /// Wakes the control API's requests waiting for a savepoint when one's status changes.
     pub savepoint_changed: tokio::sync::Notify,
     /// Lifecycle state, history, savepoint requests, last error.
@@ -105,6 +109,8 @@ impl JobMetrics {
         let restarts = Counter::default();
         let injected_faults = Counter::default();
         let late_records = Counter::default();
+        let state_merges = Counter::default();
+        let state_merges_failed = Counter::default();
         registry.register("records_in", "Records read by sources", records_in.clone());
         registry.register("records_out", "Records written by sinks", records_out.clone());
         registry.register(
@@ -152,6 +158,16 @@ impl JobMetrics {
         registry.register("restarts", "In-process restarts from the newest checkpoint", restarts.clone());
         registry.register("injected_faults", "Faults injected by the test hook", injected_faults.clone());
         registry.register("late_records", "Records windows dropped as behind the watermark", late_records.clone());
+        registry.register(
+            "state_merges",
+            "Full images of keyed state merged in the background from uploaded files and adopted",
+            state_merges.clone(),
+        );
+        registry.register(
+            "state_merges_failed",
+            "Background merges of keyed state that failed (their files were kept)",
+            state_merges_failed.clone(),
+        );
         JobMetrics {
             name: name.to_string(),
             job_id: job_id.to_string(),
@@ -168,6 +184,8 @@ impl JobMetrics {
             restarts,
             injected_faults,
             late_records,
+            state_merges,
+            state_merges_failed,
             savepoint_changed: tokio::sync::Notify::new(),
             status: Mutex::new(StatusBoard {
                 state: JobState::Starting,

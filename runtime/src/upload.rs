@@ -7,13 +7,15 @@
 //! transaction as pending, so it must not complete without the data.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 use weir_checkpoint::format::{FileKind, StateFileWriter};
 use weir_checkpoint::protocol::TaskId;
 use weir_checkpoint::{layout, FileRef, Storage, SubtaskSnapshot};
 
+use crate::compact::{MergeOutcome, MergeRequest, Merger};
 use crate::faults::{Fault, Faults};
 use crate::message::{Barrier, Event, OperatorAck, SnapshotTarget, TaskAck};
 use crate::operator::{StagedWrite, StateParts};
@@ -42,6 +44,32 @@ struct Chain {
     broken: bool,
 }
 
+/// A chain of more than `fullEvery` files is merged once its increments hold at least this
+/// fraction of its base's bytes (a restore then reads at most 1.5 times the state), or once it
+/// has more than [`MERGE_ANYWAY_FACTOR`] times `fullEvery` files. Merging every `fullEvery`
+/// checkpoints regardless would rewrite a large state that changes little over and over.
+const MERGE_AT_INCREMENTS_OF_BASE: f64 = 0.5;
+
+/// See [`MERGE_AT_INCREMENTS_OF_BASE`].
+const MERGE_ANYWAY_FACTOR: usize = 4;
+
+/// A chain of more than this many times `fullEvery` files, with no merge of it running (they
+/// keep failing), gets a full image from its task (its flag is raised): restores must not
+/// read unbounded chains.
+const CHAIN_LIMIT_FACTOR: usize = 8;
+
+/// Background merges of one task's chains (see [`crate::compact`]).
+pub struct Merges {
+    /// A chain longer than this many files is merged.
+    pub full_every: usize,
+    /// The merger.
+    pub merger: Merger,
+    /// Merges staged and not yet adopted (a savepoint came first).
+    pub staged: Vec<crate::compact::StagedMerge>,
+    /// Counts adopted and failed merges.
+    pub metrics: Arc<crate::metrics::JobMetrics>,
+}
+
 /// Runs the uploader of one task until its task drops the sender.
 pub fn run(
     jobs: Receiver<UploadJob>,
@@ -50,6 +78,7 @@ pub fn run(
     events: Sender<Event>,
     faults: Faults,
     restored_chains: HashMap<String, Vec<FileRef>>,
+    mut merges: Option<Merges>,
 ) {
     let mut chains: HashMap<String, Chain> =
         restored_chains.into_iter().map(|(uid, files)| (uid, Chain { files, broken: false })).collect();
@@ -57,14 +86,137 @@ pub fn run(
     for job in jobs {
         let id = job.barrier.id;
         let task = job.task;
+        let checkpoint = matches!(job.barrier.target, SnapshotTarget::Checkpoint);
+        let subtask = job.subtask;
+        let flags: Vec<(String, Arc<AtomicBool>)> =
+            job.parts.iter().filter_map(|(uid, p)| Some((uid.clone(), p.force_full.clone()?))).collect();
+        if let (Some(m), true) = (&mut merges, checkpoint) {
+            crate::io().block_on(adopt_merges(&storage, epoch, m, &mut chains, id, subtask));
+        }
         let result = crate::io().block_on(upload(&storage, epoch, &faults, &mut chains, &mut unstaged, job));
+        if let (Ok(_), Some(m), true) = (&result, &mut merges, checkpoint) {
+            request_merges(m, &chains, id, subtask, &flags);
+        }
         let event = match result {
             Ok(ack) => Event::Ack { id, task, ack },
             Err(reason) => Event::Decline { id, task, reason },
         };
         if events.send(event).is_err() {
-            return;
+            break;
         }
+    }
+    if let Some(mut m) = merges {
+        // Merges nobody will adopt: the staged files go (one still running deletes its own).
+        let outcomes = m.merger.finished();
+        drop(m.merger);
+        let staged = m.staged.into_iter().chain(outcomes.into_iter().filter_map(|o| match o {
+            MergeOutcome::Staged(s) => Some(s),
+            MergeOutcome::Failed { .. } => None,
+        }));
+        for s in staged {
+            let _ = crate::io().block_on(storage.delete(&s.staged));
+        }
+    }
+}
+
+/// Adopts, in checkpoint `id` (about to be uploaded), the staged merges whose chain is still
+/// the beginning of their operator's chain: each is renamed to a file that checkpoint creates
+/// and replaces the files it merged. The others are deleted.
+async fn adopt_merges(
+    storage: &Storage,
+    epoch: u64,
+    merges: &mut Merges,
+    chains: &mut HashMap<String, Chain>,
+    id: u64,
+    subtask: u32,
+) {
+    for outcome in merges.merger.finished() {
+        match outcome {
+            MergeOutcome::Staged(staged) => merges.staged.push(staged),
+            MergeOutcome::Failed { request, error } => {
+                let current = chains.get(&request.uid).is_some_and(|c| c.files.starts_with(&request.chain));
+                if !current {
+                    // A full image restarted the chain meanwhile, and retention may have
+                    // deleted the files it was reading: nothing was lost.
+                    tracing::debug!(uid = %request.uid, %error, "a merge of a replaced chain ended");
+                    continue;
+                }
+                merges.metrics.state_merges_failed.inc();
+                tracing::warn!(
+                    uid = %request.uid,
+                    files = request.chain.len(),
+                    %error,
+                    "a background merge of keyed state failed; its chain is kept and merged again later"
+                )
+            }
+        }
+    }
+    for staged in std::mem::take(&mut merges.staged) {
+        let uid = &staged.request.uid;
+        let Some(chain) = chains.get_mut(uid).filter(|c| !c.broken && c.files.starts_with(&staged.request.chain))
+        else {
+            // A full image restarted the chain meanwhile.
+            let _ = storage.delete(&staged.staged).await;
+            continue;
+        };
+        let rel = layout::shared_merged_file(uid, subtask, id, epoch);
+        match storage.rename(&staged.staged, &layout::resolve(&layout::checkpoint_dir(id), &rel)).await {
+            Ok(()) => {
+                let merged = staged.request.chain.len();
+                chain.files.splice(..merged, [FileRef { path: rel, len: staged.len, crc32c: staged.crc32c }]);
+                merges.metrics.state_merges.inc();
+                tracing::info!(
+                    uid = %uid,
+                    checkpoint = id,
+                    files = merged,
+                    entries = staged.entries,
+                    bytes = staged.len,
+                    seconds = staged.took.as_secs_f64(),
+                    "keyed state: a chain merged in the background replaces its files"
+                );
+            }
+            Err(error) => {
+                tracing::warn!(uid = %uid, %error, "a merged full image could not be adopted; its chain is kept");
+                let _ = storage.delete(&staged.staged).await;
+            }
+        }
+    }
+}
+
+/// Asks for a background merge of every chain longer than `fullEvery` files. A chain that
+/// grew beyond [`CHAIN_LIMIT_FACTOR`] times that (merges keep failing) gets a full image from
+/// its task instead.
+fn request_merges(
+    merges: &mut Merges,
+    chains: &HashMap<String, Chain>,
+    id: u64,
+    subtask: u32,
+    flags: &[(String, Arc<AtomicBool>)],
+) {
+    for (uid, chain) in chains {
+        let files = chain.files.len();
+        if chain.broken || files <= merges.full_every || merges.merger.in_flight(uid) {
+            continue;
+        }
+        if files > CHAIN_LIMIT_FACTOR * merges.full_every {
+            if let Some((_, flag)) = flags.iter().find(|(u, _)| u == uid) {
+                tracing::warn!(uid = %uid, files, "keyed state: the chain is too long; the task writes a full image");
+                flag.store(true, Ordering::Release);
+            }
+            continue;
+        }
+        let base = chain.files[0].len as f64;
+        let increments: u64 = chain.files[1..].iter().map(|f| f.len).sum();
+        if (increments as f64) < MERGE_AT_INCREMENTS_OF_BASE * base && files <= MERGE_ANYWAY_FACTOR * merges.full_every
+        {
+            continue;
+        }
+        merges.merger.request(MergeRequest {
+            uid: uid.clone(),
+            subtask,
+            checkpoint_id: id,
+            chain: chain.files.clone(),
+        });
     }
 }
 

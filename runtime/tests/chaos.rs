@@ -324,6 +324,17 @@ fn free_port() -> u16 {
 /// (a shared base image, often), or of its `_metadata`; returns the checkpoint's id. A shared
 /// file is only damaged while a checkpoint outside its chain exists to fall back to (retention
 /// keeps one); without one, refusing to start is the right answer, tested elsewhere.
+/// The merged full images in a checkpoint root's shared files.
+fn merged_images_in(chk: &Path) -> Vec<PathBuf> {
+    let Ok(operators) = std::fs::read_dir(chk.join("checkpoints/shared")) else { return Vec::new() };
+    operators
+        .flatten()
+        .flat_map(|op| std::fs::read_dir(op.path()).into_iter().flatten().flatten())
+        .map(|f| f.path())
+        .filter(|f| f.to_string_lossy().ends_with("-merged.kv"))
+        .collect()
+}
+
 fn corrupt_newest(chk: &Path, round: u64) -> Option<u64> {
     let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
     let found = weir_runtime::io().block_on(weir_checkpoint::retention::scan(&storage)).ok()?;
@@ -366,6 +377,11 @@ struct Tally {
     rescales: u64,
     /// Runs on the rocksdb backend (the others ran on the heap backend).
     rocksdb_runs: u64,
+    /// Runs whose periodic full images were merged in the background from the uploaded
+    /// chains (the others' tasks wrote them).
+    merging_runs: u64,
+    /// Merged full images found in the checkpoint storage between runs.
+    merged_images_seen: u64,
 }
 
 /// Runs one shape through a campaign and checks it against an undisturbed run.
@@ -396,6 +412,7 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
     let mut restore_from: Option<String> = None;
     let mut last_corrupted = 0u64;
     let mut round = 0u64;
+    let mut merged_images = BTreeSet::new();
     loop {
         round += 1;
         assert!(round < 10 * c.kills + 50, "{}: too many rounds ({tally:?})", shape.name);
@@ -409,6 +426,14 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
             yaml.push_str("stateBackend: rocksdb\nstateCacheEntries: 100\n");
             tally.rocksdb_runs += 1;
         }
+        // And who writes periodic full images: the task, or a background merge of the chain
+        // already uploaded (restores then read chains that begin with a merged image).
+        if (r >> 41).is_multiple_of(2) && yaml.contains("fullEvery: 3,") {
+            yaml = yaml.replace("fullEvery: 3,", "fullEvery: 3, backgroundFullImageAbove: 0,");
+            tally.merging_runs += 1;
+        }
+        merged_images.extend(merged_images_in(&chk));
+        tally.merged_images_seen = merged_images.len() as u64;
         std::fs::write(&job_file, yaml).unwrap();
         let rescale = !must_finish && c.rescale_every.is_some_and(|n| r.is_multiple_of(n));
         let port = free_port();
@@ -524,6 +549,7 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
             );
         }
     }
+    assert!(tally.merging_runs > 0, "{}: no run merged its full images in the background", shape.name);
     assert!(
         tally.rocksdb_runs > 0 && tally.rocksdb_runs < round,
         "{}: both state backends ran (seed {}, {tally:?}, {round} rounds)",

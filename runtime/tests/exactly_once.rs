@@ -51,6 +51,64 @@ fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
     record_faults(injected);
 }
 
+/// Full images merged in the background from the uploaded chains (`backgroundFullImageAbove:
+/// 0`): under task panics, failed uploads and crashes before commits the output equals an
+/// undisturbed run's, merges were adopted, and retention keeps what it must. Then a run is
+/// cancelled once its newest checkpoint builds on a merged image, and the run restored from it
+/// finishes with the same output again.
+#[test]
+fn full_images_merged_in_the_background_are_exactly_once_under_failures_and_restores() {
+    let mut p = JobParams::new("merges");
+    p.rate = Some(5_000);
+    p.background_merges = true;
+    let golden = golden_output(&p);
+    let mut injected = 0;
+    for seed in 1..=2u64 {
+        let (_d, out, chk) = workdir(&format!("merges-{seed}"));
+        let plan = FaultPlan {
+            seed,
+            task_panic: 0.03,
+            upload_failure: 0.05,
+            crash_before_commit: 0.3,
+            max_faults: 10,
+            ..FaultPlan::default()
+        };
+        let (outcome, m) = run_to_end(&job_yaml(&p, &out), common::RunOptionsExt::with_faults(opts(&chk), plan));
+        assert_eq!(outcome, JobOutcome::Finished);
+        let (n, merges) = (m.injected_faults.get(), m.state_merges.get());
+        injected += n;
+        assert!(merges > 0, "seed {seed}: no merged full image was adopted");
+        assert_eq!(m.state_merges_failed.get(), 0, "seed {seed}: merges failed");
+        assert_same_output(&golden, &committed(&out), &format!("seed {seed}: {n} faults, {merges} merges"));
+        assert_retention(&chk, 3);
+    }
+    record_faults(injected);
+
+    let (_d, out, chk) = workdir("merges-restore");
+    let yaml = job_yaml(&p, &out);
+    let run = InProcess::start(&yaml, opts(&chk));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while run.metrics.state_merges.get() == 0 {
+        assert!(std::time::Instant::now() < deadline, "no merge adopted within 60 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let completed = run.metrics.checkpoints_completed.get();
+    run.wait_for_checkpoints(completed + 2, Duration::from_secs(30));
+    run.requests.send(Request::Cancel).unwrap();
+    assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+    let newest = newest_checkpoint(&chk);
+    let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(newest.join("_metadata")).unwrap()).unwrap();
+    assert!(
+        meta.files().any(|f| f.path.ends_with("-merged.kv")),
+        "the newest checkpoint builds on a merged image: {:?}",
+        meta.files().map(|f| &f.path).collect::<Vec<_>>()
+    );
+    let (outcome, m) = run_to_end(&yaml, RunOptionsExt::restore_latest(opts(&chk)));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert!(m.board().restored_from.is_some());
+    assert_same_output(&golden, &committed(&out), "restored from a checkpoint on a merged image");
+}
+
 #[test]
 fn at_least_once_mode_loses_nothing_under_failures() {
     let mut p = JobParams::new("alo");
@@ -309,8 +367,8 @@ sinks:
     assert_same_output(&golden, &committed(&out), "file source under failures");
 }
 
-/// At most `retained` checkpoint directories remain, all complete, and every shared file is
-/// referenced by one of them.
+/// At most `retained` checkpoint directories remain (and a fallback that shares no file with
+/// the newest), all complete, and every shared file is referenced by one of them.
 fn assert_retention(chk: &std::path::Path, retained: usize) {
     let dirs: Vec<_> = std::fs::read_dir(chk.join("checkpoints"))
         .unwrap()
@@ -318,17 +376,30 @@ fn assert_retention(chk: &std::path::Path, retained: usize) {
         .map(|e| e.file_name().to_string_lossy().to_string())
         .filter(|n| n.starts_with("chk-"))
         .collect();
-    assert!(dirs.len() <= retained, "{} checkpoint directories left: {dirs:?}", dirs.len());
     let mut referenced = std::collections::BTreeSet::new();
+    let mut shared_by_dir = std::collections::BTreeMap::new();
     for d in &dirs {
         let meta = weir_checkpoint::CheckpointMetadata::decode(
             &std::fs::read(chk.join("checkpoints").join(d).join("_metadata")).unwrap(),
         )
         .expect("complete and valid");
+        let id = weir_checkpoint::layout::parse_checkpoint_dir(d).unwrap();
+        let files: std::collections::BTreeSet<String> = meta
+            .files()
+            .map(|f| weir_checkpoint::layout::resolve(&format!("checkpoints/{d}"), &f.path))
+            .filter(|f| f.starts_with("checkpoints/shared/"))
+            .collect();
         for f in meta.files() {
             referenced.insert(weir_checkpoint::layout::resolve(&format!("checkpoints/{d}"), &f.path));
         }
+        shared_by_dir.insert(id, files);
     }
+    // One more than `retained` only for a fallback: the oldest, sharing no file with the newest.
+    let extra = dirs.len() == retained + 1 && {
+        let (oldest, newest) = (shared_by_dir.values().next().unwrap(), shared_by_dir.values().last().unwrap());
+        !newest.is_empty() && oldest.is_disjoint(newest)
+    };
+    assert!(dirs.len() <= retained || extra, "{} checkpoint directories left: {dirs:?}", dirs.len());
     let shared = chk.join("checkpoints/shared");
     for uid in std::fs::read_dir(&shared).unwrap().flatten() {
         for f in std::fs::read_dir(uid.path()).unwrap().flatten() {

@@ -5,6 +5,8 @@
 //! <job>/checkpoints/chk-<N>/<uid>/<subtask>.state          operator (non-keyed) state
 //! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<seq>.kv    keyed state files, shared by the
 //!                                                          incremental checkpoints that list them
+//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>-merged.kv  a full image merged from a chain
+//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>.staged  the same before a checkpoint adopts it
 //! <job>/savepoints/sp-<time>-<N>/_metadata                 self-contained, relocatable
 //! <job>/savepoints/sp-<time>-<N>/<uid>/<subtask>.state|.kv
 //! <job>/_epochs/<E>                                        fencing: one claim per start
@@ -74,6 +76,25 @@ pub fn shared_keyed_file(uid: &str, subtask: u32, id: u64, epoch: u64) -> String
     format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}.kv")
 }
 
+/// A full image merged in the background from a chain of shared files, adopted by checkpoint
+/// `id` in `epoch` (relative to a checkpoint directory). Named like the files a checkpoint
+/// creates, so that retention treats it as created by the checkpoint that first lists it.
+pub fn shared_merged_file(uid: &str, subtask: u32, id: u64, epoch: u64) -> String {
+    format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-merged.kv")
+}
+
+/// Where a background merge writes its full image until a checkpoint adopts it (renamed to
+/// [`shared_merged_file`]): `id` is the checkpoint whose chain it merges. Relative to a
+/// checkpoint directory. Retention leaves staged files of the running epoch alone.
+pub fn shared_staged_merge(uid: &str, subtask: u32, id: u64, epoch: u64) -> String {
+    format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}.staged")
+}
+
+/// The epoch of a staged merge (from its name `<subtask>-<N>-<E>.staged`).
+pub fn staged_merge_epoch(file_name: &str) -> Option<u64> {
+    file_name.strip_suffix(".staged")?.split('-').nth(2)?.parse().ok()
+}
+
 /// The epoch that wrote a shared file (from its name `<subtask>-<N>-<E>.kv`).
 pub fn shared_file_epoch(file_name: &str) -> Option<u64> {
     file_name.strip_suffix(".kv")?.split('-').nth(2)?.parse().ok()
@@ -118,6 +139,11 @@ mod tests {
         assert_eq!(shared_file_creator("3-17-0.kv"), Some(17));
         assert_eq!(shared_file_epoch(&shared_keyed_file("op", 3, 17, 9)["../shared/op/".len()..]), Some(9));
         assert_eq!(parse_epoch_claim(&epoch_claim(12)["_epochs/".len()..]), Some(12));
+        let merged = &shared_merged_file("op", 3, 17, 9)["../shared/op/".len()..];
+        assert_eq!((shared_file_creator(merged), shared_file_epoch(merged)), (Some(17), Some(9)));
+        let staged = &shared_staged_merge("op", 3, 17, 9)["../shared/op/".len()..];
+        assert_eq!((shared_file_creator(staged), shared_file_epoch(staged)), (None, None));
+        assert_eq!(staged_merge_epoch(staged), Some(9));
         assert_eq!(parse_epoch_claim("12"), None);
         assert_eq!(parse_checkpoint_dir("chk-x"), None);
     }

@@ -59,7 +59,6 @@ pub fn plan(
         }
     }
     kept.sort_by_key(|c| std::cmp::Reverse(c.id));
-    let oldest_kept = kept.last().map_or(newest.id, |c| c.id);
     let newest_complete = newest.id;
     let kept_ids: BTreeSet<u64> = kept.iter().map(|c| c.id).collect();
     let delete_checkpoints: Vec<u64> = found
@@ -67,7 +66,9 @@ pub fn plan(
         .filter(|c| {
             !kept_ids.contains(&c.id)
                 && c.id < in_flight_from
-                && (c.id < oldest_kept || (c.references.is_none() && c.id < newest_complete))
+                // Older than the newest complete one: complete ones not kept (also those
+                // between a fallback and the newest `retained`), incomplete and corrupt ones.
+                && c.id < newest_complete
         })
         .map(|c| c.id)
         .collect();
@@ -77,9 +78,13 @@ pub fn plan(
         .filter(|f| !referenced.contains(f))
         .filter(|f| {
             let name = f.rsplit('/').next().unwrap_or("");
-            layout::shared_file_creator(name)
+            let unreferenced_file = layout::shared_file_creator(name)
                 .is_some_and(|creator| creator <= newest_complete && creator < in_flight_from)
-                && layout::shared_file_epoch(name).is_some_and(|e| e <= epoch)
+                && layout::shared_file_epoch(name).is_some_and(|e| e <= epoch);
+            // A merge staged by an earlier run was never adopted (its run is gone or fenced);
+            // this run's staged merges may be adopted by its next checkpoint.
+            let abandoned_merge = layout::staged_merge_epoch(name).is_some_and(|e| e < epoch);
+            unreferenced_file || abandoned_merge
         })
         .cloned()
         .collect();
@@ -240,5 +245,45 @@ mod tests {
             vec![shared("0-4-1.kv")],
             "0-3-2.kv was written by epoch 2, newer than this run's 1"
         );
+    }
+
+    /// A chain merged in the background shares no file with the chain it replaced, so the
+    /// fallback is the last checkpoint before the merge, possibly many checkpoints back: the
+    /// complete checkpoints between it and the newest `retained` are deleted, not kept.
+    #[test]
+    fn checkpoints_between_a_distant_fallback_and_the_newest_are_deleted() {
+        let old_chain = ["checkpoints/shared/op/0-1-1.kv", "checkpoints/shared/op/0-2-1.kv"];
+        let mut found = vec![chk(1, &old_chain[..1]), chk(2, &old_chain)];
+        for id in 3..=8 {
+            let mut refs = old_chain.to_vec();
+            let increments: Vec<String> = (3..=id).map(|i| format!("checkpoints/shared/op/0-{i}-1.kv")).collect();
+            refs.extend(increments.iter().map(String::as_str));
+            found.push(chk(id, &refs));
+        }
+        // 9 and 10 build on a merge of the chain of 2, adopted by 9.
+        found.push(chk(9, &["checkpoints/shared/op/0-9-1-merged.kv", "checkpoints/shared/op/0-3-1.kv"]));
+        found.push(chk(
+            10,
+            &[
+                "checkpoints/shared/op/0-9-1-merged.kv",
+                "checkpoints/shared/op/0-3-1.kv",
+                "checkpoints/shared/op/0-10-1.kv",
+            ],
+        ));
+        let p = plan(&found, &[], 2, 11, 1);
+        assert_eq!(p.delete_checkpoints, vec![1, 3, 4, 5, 6, 7, 8], "kept: 10 and 9, and 2 as the fallback");
+    }
+
+    /// A background merge is staged before a checkpoint adopts it under a name that checkpoint
+    /// created: a staged merge of the running epoch may still be adopted and stays; one staged
+    /// by an earlier run can never be and goes. An adopted (renamed) merge is kept while a kept
+    /// checkpoint lists it, like any shared file.
+    #[test]
+    fn staged_merges_of_earlier_runs_go_and_this_runs_stay() {
+        let found = vec![chk(9, &["checkpoints/shared/op/0-8-3-merged.kv", "checkpoints/shared/op/0-9-3.kv"])];
+        let files =
+            [shared("0-5-2.staged"), shared("0-7-3.staged"), shared("0-8-3-merged.kv"), shared("0-6-3-merged.kv")];
+        let p = plan(&found, &files, 1, 10, 3);
+        assert_eq!(p.delete_shared, vec![shared("0-5-2.staged"), shared("0-6-3-merged.kv")]);
     }
 }

@@ -27,6 +27,9 @@ pub struct KeyedContext {
     pub incremental: bool,
     /// Full image every N checkpoints.
     pub full_every: u32,
+    /// Above this many entries, periodic full images are merged by the uploader in the
+    /// background instead of written by the task.
+    pub background_full_image_above: u64,
     /// The rocksdb backend's settings; `None` for the heap backend.
     pub store: Option<StoreSettings>,
 }
@@ -34,7 +37,8 @@ pub struct KeyedContext {
 impl KeyedContext {
     /// Empty state on the job's backend, filled from `restore` when given.
     pub fn state<V: StateValue>(&self, restore: Option<&KeyedRestore>) -> Result<KeyedState<V>, TaskError> {
-        let mut state = KeyedState::new(self.max_parallelism, self.incremental, self.full_every);
+        let mut state = KeyedState::new(self.max_parallelism, self.incremental, self.full_every)
+            .with_background_full_image_above(self.background_full_image_above);
         if let Some(settings) = &self.store {
             let label = format!("{}-kg{}", self.uid, self.key_groups.0);
             let store = StateStore::open(&settings.parent_dir, &label).map_err(|e| self.state_failed(e))?;

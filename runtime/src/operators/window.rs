@@ -350,6 +350,7 @@ mod tests {
             key_groups: (0, 8),
             incremental: true,
             full_every: 5,
+            background_full_image_above: u64::MAX,
             store: None,
         };
         WindowOperator::new(ctx, &spec(kind, size, slide), &["k".to_string(), "v".to_string()], None).unwrap()
@@ -581,6 +582,7 @@ mod tests {
                         key_groups: range,
                         incremental: true,
                         full_every: 3,
+                        background_full_image_above: u64::MAX,
                         store: store.clone(),
                     };
                     let op = WindowOperator::new(

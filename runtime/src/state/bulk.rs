@@ -170,27 +170,36 @@ impl BulkLoad {
     /// it, and this load's directory is deleted.
     pub fn into_store(self, store: &StateStore) -> Result<(), StoreError> {
         let dir = self.dir.clone();
-        let tables = self.finish()?;
-        store.ingest(tables)?;
+        let opts = super::store::options();
+        let mut tables = TableWriter { dir: self.dir.clone(), opts: &opts, files: Vec::new(), writer: None };
+        // The tables are written into this load's directory: it is deleted after the ingest.
+        self.merge_all(|key, value| tables.put(key, value))?;
+        store.ingest(tables.finish()?)?;
         let _ = std::fs::remove_dir_all(dir);
         Ok(())
     }
 
-    /// Sorts and merges what was added into table files, in key order and without overlap,
-    /// deletions applied; their paths (empty when nothing is left).
-    fn finish(mut self) -> Result<Vec<PathBuf>, StoreError> {
-        let opts = super::store::options();
-        let mut tables = TableWriter { dir: self.dir.clone(), opts: &opts, files: Vec::new(), writer: None };
+    /// Sorts and merges what was added: `emit` gets every live entry (the newest of its key,
+    /// deletions applied) once, in the store keys' order. This load's directory is deleted
+    /// when it returns.
+    pub fn into_live_entries(self, emit: impl FnMut(&[u8], &[u8]) -> Result<(), StoreError>) -> Result<(), StoreError> {
+        let dir = self.dir.clone();
+        let merged = self.merge_all(emit);
+        let _ = std::fs::remove_dir_all(dir);
+        merged
+    }
+
+    fn merge_all(mut self, mut emit: impl FnMut(&[u8], &[u8]) -> Result<(), StoreError>) -> Result<(), StoreError> {
         if self.runs.is_empty() {
             // Everything fit in one run: straight from memory, and nothing is older than it.
             let keep = self.sorted_run();
             for i in keep {
                 let e = &self.index[i];
                 if let Some(value) = self.value(e) {
-                    tables.put(self.key(e), value)?;
+                    emit(self.key(e), value)?;
                 }
             }
-            return tables.finish();
+            return Ok(());
         }
         if !self.index.is_empty() {
             self.spill_run()?;
@@ -224,10 +233,9 @@ impl BulkLoad {
             }
         }
         merge(&self.runs, false, |key, value| match value {
-            Some(value) => tables.put(key, value),
+            Some(value) => emit(key, value),
             None => Ok(()),
-        })?;
-        tables.finish()
+        })
     }
 }
 
@@ -478,6 +486,7 @@ mod tests {
             let parent = tempfile::tempdir().unwrap();
             let store = StateStore::open(parent.path(), "bulk").unwrap();
             let mut load = BulkLoad::with_limits(&store.dir().join("bulk"), run_bytes, fan_in);
+            let mut merged = BulkLoad::with_limits(&parent.path().join("merged"), run_bytes, fan_in);
             let mut model: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
             for i in 0..20_000u32 {
                 let k = next() % 3_000;
@@ -485,14 +494,26 @@ mod tests {
                 let key = format!("{:02}key-{k}", k % 7).into_bytes();
                 if next() % 5 == 0 {
                     load.add(&key, None).unwrap();
+                    merged.add(&key, None).unwrap();
                     model.remove(&key);
                 } else {
                     let value = format!("v{i}-{}", "x".repeat((next() % 40) as usize)).into_bytes();
                     load.add(&key, Some(&value)).unwrap();
+                    merged.add(&key, Some(&value)).unwrap();
                     model.insert(key, value);
                 }
             }
             load.into_store(&store).unwrap();
+            // The same entries merged into a stream: each live key once, in byte order.
+            let mut emitted = Vec::new();
+            merged
+                .into_live_entries(|k, v| {
+                    emitted.push((k.to_vec(), v.to_vec()));
+                    Ok(())
+                })
+                .unwrap();
+            assert!(emitted == model.clone().into_iter().collect::<Vec<_>>(), "seed {seed}: the merged stream");
+            assert!(!parent.path().join("merged").exists(), "seed {seed}: the merge's runs are gone");
             let mut stored = BTreeMap::new();
             store
                 .scan(|k, v| {
@@ -519,9 +540,7 @@ mod tests {
         for i in 0..50u32 {
             load.add(&i.to_be_bytes(), None).unwrap();
         }
-        let tables = load.finish().unwrap();
-        assert!(tables.is_empty());
-        store.ingest(tables).unwrap();
+        load.into_store(&store).unwrap();
         let mut n = 0;
         store
             .scan(|_, _| {

@@ -84,6 +84,9 @@ pub struct KeyedState<V> {
     max_parallelism: u32,
     incremental: bool,
     full_every: u32,
+    /// Above this many entries the periodic full image is left to the uploader's background
+    /// merge (see [`KeyedState::with_background_full_image_above`]).
+    background_full_image_above: u64,
     increments_since_full: u32,
     force_full: Arc<AtomicBool>,
     spill: Option<Spill>,
@@ -117,6 +120,7 @@ impl<V: StateValue> KeyedState<V> {
             max_parallelism,
             incremental,
             full_every: full_every.max(1),
+            background_full_image_above: u64::MAX,
             increments_since_full: 0,
             // The first checkpoint of a run is always a full image.
             force_full: Arc::new(AtomicBool::new(true)),
@@ -135,6 +139,24 @@ impl<V: StateValue> KeyedState<V> {
             restoring: None,
         });
         self
+    }
+
+    /// Periodic full images of a state with more than `entries` entries are not written by
+    /// the task: its checkpoints stay increments, and the uploader merges the chain it has
+    /// uploaded into a new full image in the background (`crate::compact`). Forced full images
+    /// (the first of a run, after a failed upload) are still written here. Default: never.
+    pub fn with_background_full_image_above(mut self, entries: u64) -> Self {
+        self.background_full_image_above = entries;
+        self
+    }
+
+    /// Entries in the state: exact on the heap backend; on the rocksdb backend the cached ones
+    /// plus the store's estimate.
+    fn estimated_entries(&self) -> u64 {
+        match &self.spill {
+            None => self.map.len() as u64,
+            Some(spill) => spill.store.estimated_entries() + self.map.len() as u64,
+        }
     }
 
     /// The flag the uploader raises when an upload failed (the next snapshot must be full).
@@ -381,9 +403,9 @@ impl<V: StateValue> KeyedState<V> {
     /// (a sequential scan replaces per-key lookups when most keys changed on the heap backend;
     /// the rocksdb backend reads the evicted changed entries back in one call).
     pub fn snapshot_checkpoint(&mut self) -> Result<KeyedSnapshot, StoreError> {
-        let full = !self.incremental
-            || self.force_full.swap(false, Ordering::AcqRel)
-            || self.increments_since_full + 1 >= self.full_every;
+        let periodic = self.increments_since_full + 1 >= self.full_every
+            && self.estimated_entries() <= self.background_full_image_above;
+        let full = !self.incremental || self.force_full.swap(false, Ordering::AcqRel) || periodic;
         if self.spill.is_some() {
             return self.snapshot_checkpoint_on_store(full);
         }
@@ -399,7 +421,7 @@ impl<V: StateValue> KeyedState<V> {
             }
             return Ok(finish(FileKind::KeyedFull, w));
         }
-        self.increments_since_full += 1;
+        self.increments_since_full = self.increments_since_full.saturating_add(1);
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.changed.len() * 16 + self.deleted.len() * 12);
         // Deletions first: a key removed and inserted again since the previous snapshot is in
         // both lists, and a restore applies entries in file order, so its put must come last.
@@ -436,7 +458,7 @@ impl<V: StateValue> KeyedState<V> {
             }
             return self.full_image();
         }
-        self.increments_since_full += 1;
+        self.increments_since_full = self.increments_since_full.saturating_add(1);
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.changed.len() * 16 + self.deleted.len() * 12);
         for (kg, k) in self.deleted.drain(..) {
             w.delete_encoded(kg, |e| k.encode(e));
@@ -779,6 +801,25 @@ mod tests {
         assert_eq!(s.snapshot_checkpoint().unwrap().kind, FileKind::KeyedFull, "every third checkpoint is full");
         s.force_full_flag().store(true, Ordering::Release);
         assert_eq!(s.snapshot_checkpoint().unwrap().kind, FileKind::KeyedFull);
+    }
+
+    /// Above the size where full images are merged in the background, the task writes only
+    /// increments, except the forced full images (the first of a run, after a failed upload);
+    /// at or below it, the periodic ones too.
+    #[test]
+    fn large_states_leave_periodic_full_images_to_the_background_merge() {
+        let kinds = |above: u64| {
+            let mut s = KeyedState::<i64>::new(16, true, 2).with_background_full_image_above(above);
+            s.update(key(1), || 1).unwrap();
+            s.update(key(2), || 1).unwrap();
+            let mut kinds: Vec<FileKind> = (0..4).map(|_| s.snapshot_checkpoint().unwrap().kind).collect();
+            s.force_full_flag().store(true, Ordering::Release);
+            kinds.push(s.snapshot_checkpoint().unwrap().kind);
+            kinds
+        };
+        use FileKind::{KeyedFull as F, KeyedIncrement as I};
+        assert_eq!(kinds(1), vec![F, I, I, I, F], "2 entries are above 1");
+        assert_eq!(kinds(2), vec![F, I, F, I, F], "2 entries are not above 2: every 2nd is full");
     }
 
     #[test]

@@ -184,6 +184,12 @@ impl StateStore {
         self.db().ingest_external_file_opts(&opts, tables).map_err(StoreError::Ingest)
     }
 
+    /// RocksDB's estimate of the number of entries stored (`rocksdb.estimate-num-keys`; it
+    /// counts overwritten and deleted keys until compactions drop them). 0 when unavailable.
+    pub fn estimated_entries(&self) -> u64 {
+        self.db().property_int_value("rocksdb.estimate-num-keys").ok().flatten().unwrap_or(0)
+    }
+
     /// Calls `f` with every entry's store key and value, in key order.
     pub fn scan<E: From<StoreError>>(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<(), E>) -> Result<(), E> {
         let mut it = self.db().raw_iterator();
@@ -223,11 +229,11 @@ fn perf_counters_off() {
     });
 }
 
-/// Deletes the store directories, full-image files and restored local copies that processes
-/// killed before they could delete theirs left under `parent_dir` (named `<label>-<pid>-<n>`; a
-/// process that no longer exists). What a live process (or one whose pid was reused) owns is
-/// left alone.
-fn remove_stores_of_dead_processes(parent_dir: &Path) {
+/// Deletes the store directories, full-image files, restored local copies and background
+/// merges' scratch files that processes killed before they could delete theirs left under
+/// `parent_dir` (named `<label>-<pid>-<n>`; a process that no longer exists). What a live
+/// process (or one whose pid was reused) owns is left alone.
+pub(crate) fn remove_stores_of_dead_processes(parent_dir: &Path) {
     let Ok(entries) = std::fs::read_dir(parent_dir) else { return };
     let me = std::process::id();
     for entry in entries.flatten() {

@@ -25,6 +25,9 @@ pub struct JobParams {
     pub extra_operators: String,
     /// Drop the dedupe branch (to test a removed stateful uid).
     pub without_dedupe: bool,
+    /// Periodic full images merged in the background whatever the state's size
+    /// (`backgroundFullImageAbove: 0`).
+    pub background_merges: bool,
 }
 
 impl JobParams {
@@ -38,6 +41,7 @@ impl JobParams {
             tolerable_failures: 2,
             extra_operators: String::new(),
             without_dedupe: false,
+            background_merges: false,
         }
     }
 }
@@ -68,6 +72,7 @@ pub fn job_yaml(p: &JobParams, out: &Path) -> String {
             p.count / 2
         )
     };
+    let merges = if p.background_merges { "  backgroundFullImageAbove: 0\n" } else { "" };
     format!(
         r#"name: {name}
 parallelism: {par}
@@ -79,7 +84,7 @@ checkpointing:
   retained: 3
   tolerableFailures: {tol}
   fullEvery: 4
-restart:
+{merges}restart:
   strategy: fixed-delay
   attempts: 1000
   delay: 10ms

@@ -1,0 +1,391 @@
+//! Full images merged in the background from files already uploaded.
+//!
+//! A periodic full image written by the task stops its records while it encodes every entry,
+//! and its upload holds back the checkpoints behind it: with 90M entries, 36 s. Above a size
+//! ([`weir_crds::job::CheckpointingSpec::background_full_image_above`]) the task writes only
+//! increments, and once a chain is longer than `fullEvery` files its uploader asks this merger
+//! for a new full image:
+//! 1. every file of the chain is downloaded to local disk and verified (length and CRC-32C),
+//!    then read in parts into a [`BulkLoad`] (sorted runs, spilled to disk: memory stays
+//!    bounded whatever the state's size);
+//! 2. the runs are merged (the newest entry of a key wins; a deletion leaves nothing) into
+//!    one full image, streamed to a local file and uploaded as a *staged* merge
+//!    ([`layout::shared_staged_merge`]);
+//! 3. the uploader's next checkpoint adopts it when its chain still begins with the files
+//!    merged: it renames it to a file that checkpoint creates ([`layout::shared_merged_file`])
+//!    and lists it in place of those files. Otherwise (the chain was restarted by a full image
+//!    meanwhile) the staged merge is deleted.
+//!
+//! The merged image holds exactly the entries a restore of the chain would: the chain's files
+//! are read in chain order, and within a file in file order, as a restore applies them.
+//! Nothing here changes a file a checkpoint lists, so a failed or abandoned merge loses
+//! nothing: the chain stays as it was and the next one is tried later.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use weir_checkpoint::format::{self, FileKind, PartsError, StateFileStream};
+use weir_checkpoint::local::SyncedWriter;
+use weir_checkpoint::{layout, FileRef, Storage, StorageError};
+
+use crate::state::bulk::BulkLoad;
+use crate::state::{StateStore, StoreError};
+
+/// How much of a downloaded file is read at once.
+const PART_BYTES: usize = 8 << 20;
+
+/// A chain of one operator's keyed-state files to merge.
+#[derive(Clone, Debug)]
+pub struct MergeRequest {
+    /// Operator uid.
+    pub uid: String,
+    /// Subtask index.
+    pub subtask: u32,
+    /// The checkpoint whose chain this is (its files are relative to its directory).
+    pub checkpoint_id: u64,
+    /// The chain: a full image, then increments in order.
+    pub chain: Vec<FileRef>,
+}
+
+/// A merge staged in storage, waiting to be adopted.
+#[derive(Clone, Debug)]
+pub struct StagedMerge {
+    /// What was merged.
+    pub request: MergeRequest,
+    /// The staged file, relative to the job root.
+    pub staged: String,
+    /// Its length.
+    pub len: u64,
+    /// Its CRC-32C.
+    pub crc32c: u32,
+    /// Live entries in it.
+    pub entries: u64,
+    /// How long the merge took.
+    pub took: Duration,
+}
+
+/// Why a merge failed, by step.
+#[derive(Debug, thiserror::Error)]
+pub enum MergeError {
+    /// A file of the chain could not be downloaded.
+    #[error("downloading {path}: {source}")]
+    Download {
+        /// The file.
+        path: String,
+        /// Why.
+        source: Box<StorageError>,
+    },
+    /// A downloaded file is not the one the checkpoint lists.
+    #[error("{path} does not match its checkpoint: {reason}")]
+    Mismatch {
+        /// The file.
+        path: String,
+        /// Length or checksum.
+        reason: String,
+    },
+    /// A file could not be parsed.
+    #[error("reading {path}: {reason}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// Sorting, spilling or merging the entries failed.
+    #[error("merging: {0}")]
+    Merge(StoreError),
+    /// The merged image could not be written to local disk.
+    #[error("writing the merged image: {0}")]
+    WriteImage(std::io::Error),
+    /// The merged image could not be uploaded.
+    #[error("uploading the merged image: {0}")]
+    Upload(Box<StorageError>),
+}
+
+/// How a merge ended.
+#[derive(Debug)]
+pub enum MergeOutcome {
+    /// Staged, to be adopted.
+    Staged(StagedMerge),
+    /// Failed; the chain stays as it is.
+    Failed {
+        /// What was to be merged.
+        request: MergeRequest,
+        /// Why.
+        error: MergeError,
+    },
+}
+
+/// One task's merger: a thread, started by the first request, that merges one chain at a time.
+pub struct Merger {
+    name: String,
+    storage: Storage,
+    epoch: u64,
+    local_dir: PathBuf,
+    requests: Option<Sender<MergeRequest>>,
+    outcomes: Option<Receiver<MergeOutcome>>,
+    in_flight: HashSet<String>,
+}
+
+static NEXT_SCRATCH: AtomicU64 = AtomicU64::new(0);
+
+impl Merger {
+    /// A merger whose thread (named `name`) stages merges in `storage` as `epoch`, working in
+    /// local files under `local_dir`.
+    pub fn new(name: String, storage: Storage, epoch: u64, local_dir: PathBuf) -> Merger {
+        Merger { name, storage, epoch, local_dir, requests: None, outcomes: None, in_flight: HashSet::new() }
+    }
+
+    fn start(&mut self) -> Option<&Sender<MergeRequest>> {
+        if self.requests.is_none() {
+            let (requests, jobs) = crossbeam_channel::unbounded::<MergeRequest>();
+            let (done, outcomes) = crossbeam_channel::unbounded();
+            let (storage, epoch, local_dir) = (self.storage.clone(), self.epoch, self.local_dir.clone());
+            let spawned = std::thread::Builder::new().name(self.name.clone()).spawn(move || {
+                // Scratch files of merges a killed process left behind.
+                crate::state::store::remove_stores_of_dead_processes(&local_dir);
+                for request in jobs {
+                    let started = Instant::now();
+                    let outcome = match merge(&storage, epoch, &local_dir, &request) {
+                        Ok((staged, len, crc32c, entries)) => MergeOutcome::Staged(StagedMerge {
+                            request,
+                            staged,
+                            len,
+                            crc32c,
+                            entries,
+                            took: started.elapsed(),
+                        }),
+                        Err(error) => MergeOutcome::Failed { request, error },
+                    };
+                    if let Err(unsent) = done.send(outcome) {
+                        // The uploader is gone: nobody will adopt it.
+                        if let MergeOutcome::Staged(s) = unsent.0 {
+                            let _ = crate::io().block_on(storage.delete(&s.staged));
+                        }
+                        return;
+                    }
+                }
+            });
+            if let Err(error) = spawned {
+                tracing::warn!(%error, "the background merger could not start; full images stay with the tasks");
+                return None;
+            }
+            self.requests = Some(requests);
+            self.outcomes = Some(outcomes);
+        }
+        self.requests.as_ref()
+    }
+
+    /// Asks for a merge unless one of the same operator is in flight; whether it was asked.
+    pub fn request(&mut self, request: MergeRequest) -> bool {
+        if self.in_flight.contains(&request.uid) {
+            return false;
+        }
+        let uid = request.uid.clone();
+        let sent = self.start().is_some_and(|requests| requests.send(request).is_ok());
+        if sent {
+            self.in_flight.insert(uid);
+        }
+        sent
+    }
+
+    /// Whether a merge of `uid`'s chain is running or queued.
+    pub fn in_flight(&self, uid: &str) -> bool {
+        self.in_flight.contains(uid)
+    }
+
+    /// The merges that ended since the last call.
+    pub fn finished(&mut self) -> Vec<MergeOutcome> {
+        let mut out = Vec::new();
+        let Some(outcomes) = &self.outcomes else { return out };
+        loop {
+            match outcomes.try_recv() {
+                Ok(outcome) => {
+                    let uid = match &outcome {
+                        MergeOutcome::Staged(s) => &s.request.uid,
+                        MergeOutcome::Failed { request, .. } => &request.uid,
+                    };
+                    self.in_flight.remove(uid);
+                    out.push(outcome);
+                }
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return out,
+            }
+        }
+    }
+}
+
+/// Scratch files of one merge, deleted with it. Named like state stores
+/// (`<label>-<pid>-<n>`), so that a killed process's leftovers are deleted by the next process
+/// that opens a state store in the same directory.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Merges one chain and stages the result; the staged path, its length, CRC-32C and entries.
+pub fn merge(
+    storage: &Storage,
+    epoch: u64,
+    local_dir: &Path,
+    request: &MergeRequest,
+) -> Result<(String, u64, u32, u64), MergeError> {
+    let n = NEXT_SCRATCH.fetch_add(1, Ordering::Relaxed);
+    let scratch = Scratch(local_dir.join(format!("merge-{}-{n}", std::process::id())));
+    std::fs::create_dir_all(&scratch.0).map_err(MergeError::WriteImage)?;
+    let dir = layout::checkpoint_dir(request.checkpoint_id);
+    let mut load = BulkLoad::new(&scratch.0.join("runs"));
+    let input = scratch.0.join("input");
+    let mut raw = Vec::with_capacity(64);
+    for file in &request.chain {
+        let path = layout::resolve(&dir, &file.path);
+        let (len, crc) = crate::io()
+            .block_on(storage.get_to_file(&path, &input))
+            .map_err(|source| MergeError::Download { path: path.clone(), source: Box::new(source) })?;
+        if (len, crc) != (file.len, file.crc32c) {
+            let reason = format!(
+                "{len} bytes with crc32c {crc:08x}, the checkpoint lists {} bytes with {:08x}",
+                file.len, file.crc32c
+            );
+            return Err(MergeError::Mismatch { path, reason });
+        }
+        let read_failed = |reason: String| MergeError::Read { path: path.clone(), reason };
+        let opened = std::fs::File::open(&input).map_err(|e| read_failed(e.to_string()))?;
+        let parts = format::read_keyed_parts(opened, len, PART_BYTES, |body| {
+            for entry in format::keyed_entries(body) {
+                let entry = entry.map_err(StoreError::Decode)?;
+                raw.clear();
+                StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
+                load.add(&raw, entry.value)?;
+            }
+            Ok::<(), StoreError>(())
+        });
+        match parts {
+            Ok(_) => {}
+            Err(PartsError::Read(e)) => return Err(read_failed(e.to_string())),
+            Err(PartsError::Format(e)) => return Err(read_failed(e.to_string())),
+            Err(PartsError::Consume(StoreError::Decode(e))) => return Err(read_failed(e.to_string())),
+            Err(PartsError::Consume(e)) => return Err(MergeError::Merge(e)),
+        }
+        let _ = std::fs::remove_file(&input);
+    }
+    let image = scratch.0.join("image");
+    let mut out =
+        StateFileStream::new(FileKind::KeyedFull, SyncedWriter::create(&image).map_err(MergeError::WriteImage)?);
+    load.into_live_entries(|raw, value| {
+        let (key_group, key) = StateStore::split_key(raw)?;
+        out.put(key_group, key, value).map_err(StoreError::SpillImage)
+    })
+    .map_err(|e| match e {
+        StoreError::SpillImage(io) => MergeError::WriteImage(io),
+        e => MergeError::Merge(e),
+    })?;
+    let entries = out.entries();
+    let (writer, len, crc) = out.finish().map_err(MergeError::WriteImage)?;
+    writer.sync_all().map_err(MergeError::WriteImage)?;
+    let staged = layout::resolve(
+        &dir,
+        &layout::shared_staged_merge(&request.uid, request.subtask, request.checkpoint_id, epoch),
+    );
+    crate::io().block_on(storage.put_file(&staged, &image)).map_err(|e| MergeError::Upload(Box::new(e)))?;
+    Ok((staged, len, crc, entries))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use weir_checkpoint::format::StateFileWriter;
+
+    fn key(i: u32) -> Vec<u8> {
+        format!("key-{i}").into_bytes()
+    }
+
+    /// Random chains of a full image and increments (puts, deletions, a key deleted and put
+    /// again within one file) are merged into one full image that holds exactly what applying
+    /// the chain in order holds, and the scratch files are gone afterwards.
+    #[test]
+    fn a_merged_chain_holds_what_applying_it_in_order_holds() {
+        let root = tempfile::tempdir().unwrap();
+        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
+        let local = tempfile::tempdir().unwrap();
+        for seed in 1..=5u64 {
+            let mut drawn = 0u64;
+            let mut next = move || {
+                drawn += 1;
+                crate::value::mix64(seed << 32 | drawn)
+            };
+            let mut model: BTreeMap<(u32, Vec<u8>), Vec<u8>> = BTreeMap::new();
+            let mut chain = Vec::new();
+            for f in 0..(2 + next() % 8) {
+                let kind = if f == 0 { FileKind::KeyedFull } else { FileKind::KeyedIncrement };
+                let mut w = StateFileWriter::new(kind, 1024);
+                for _ in 0..(next() % 3000) {
+                    let i = (next() % 2000) as u32;
+                    let kg = i % 16;
+                    if kind == FileKind::KeyedIncrement && next() % 4 == 0 {
+                        w.delete(kg, &key(i));
+                        model.remove(&(kg, key(i)));
+                    } else {
+                        let value = format!("v{seed}-{f}-{}", next() % 100).into_bytes();
+                        w.put(kg, &key(i), &value);
+                        model.insert((kg, key(i)), value);
+                    }
+                }
+                let (data, crc32c) = w.finish();
+                let rel = layout::shared_keyed_file("op", 0, seed * 100 + f, 1);
+                let len = data.len() as u64;
+                crate::io()
+                    .block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(seed * 100 + f), &rel), data))
+                    .unwrap();
+                chain.push(FileRef { path: rel, len, crc32c });
+            }
+            let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: seed * 100 + 20, chain };
+            let (staged, len, crc, entries) = merge(&storage, 1, local.path(), &request).unwrap();
+            let bytes = crate::io().block_on(storage.get(&staged)).unwrap();
+            assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (len, crc));
+            let (kind, body) = format::open(&bytes).unwrap();
+            assert_eq!(kind, FileKind::KeyedFull);
+            let mut merged = BTreeMap::new();
+            for e in format::keyed_entries(body) {
+                let e = e.unwrap();
+                let value = e.value.expect("a full image has no deletions").to_vec();
+                assert!(merged.insert((e.key_group, e.key.to_vec()), value).is_none(), "seed {seed}: a key twice");
+            }
+            assert_eq!(entries, merged.len() as u64);
+            assert!(merged == model, "seed {seed}: the merged image differs from the chain applied in order");
+            assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "seed {seed}: scratch files are gone");
+        }
+    }
+
+    /// A chain file that is not what its checkpoint lists (damaged in storage) fails the merge,
+    /// naming the file; nothing is staged.
+    #[test]
+    fn a_damaged_chain_file_fails_the_merge_and_stages_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
+        let local = tempfile::tempdir().unwrap();
+        let mut w = StateFileWriter::new(FileKind::KeyedFull, 64);
+        w.put(1, b"k", b"v");
+        let (data, crc32c) = w.finish();
+        let rel = layout::shared_keyed_file("op", 0, 1, 1);
+        let mut damaged = data.to_vec();
+        damaged[6] ^= 1;
+        crate::io().block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(1), &rel), damaged.into())).unwrap();
+        let request = MergeRequest {
+            uid: "op".into(),
+            subtask: 0,
+            checkpoint_id: 1,
+            chain: vec![FileRef { path: rel, len: data.len() as u64, crc32c }],
+        };
+        let err = merge(&storage, 1, local.path(), &request).unwrap_err();
+        assert!(matches!(&err, MergeError::Mismatch { path, .. } if path.ends_with("0-1-1.kv")), "{err}");
+        let staged = crate::io().block_on(storage.list("checkpoints/shared/op")).unwrap();
+        assert!(staged.iter().all(|f| !f.ends_with(".staged")), "{staged:?}");
+    }
+}
