@@ -18,7 +18,7 @@ pub mod store;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::{FxBuildHasher, FxHashSet};
 use weir_checkpoint::format::{
     keyed_entries, Decoder, Encoder, FileKind, FormatError, StateFileStream, StateFileWriter,
 };
@@ -73,7 +73,7 @@ struct Spill {
 /// Keyed state of one operator subtask.
 pub struct KeyedState<V> {
     /// Every entry (heap backend), or the cached ones (rocksdb backend).
-    map: FxHashMap<Key, Slot<V>>,
+    map: griddle::HashMap<Key, Slot<V>, FxBuildHasher>,
     /// Keys changed since the last snapshot. With the heap backend, only while few: once more
     /// than a quarter of the keys changed, the next snapshot scans the dirty flags instead and
     /// the list stops growing. With the rocksdb backend always, and it may repeat keys (an
@@ -113,7 +113,7 @@ impl<V: StateValue> KeyedState<V> {
     /// settings.
     pub fn new(max_parallelism: u32, incremental: bool, full_every: u32) -> Self {
         KeyedState {
-            map: FxHashMap::default(),
+            map: griddle::HashMap::default(),
             changed: Vec::new(),
             scan: false,
             deleted: Vec::new(),
@@ -314,7 +314,7 @@ impl<V: StateValue> KeyedState<V> {
     /// The value of a key for update, created with `init` when absent; marks it changed.
     #[inline]
     pub fn update(&mut self, key: Key, init: impl FnOnce() -> V) -> Result<&mut V, StoreError> {
-        use std::collections::hash_map::Entry;
+        use griddle::hash_map::Entry;
         if self.spill.is_some() && !self.load(&key)? {
             self.make_room(1)?;
         }
