@@ -35,7 +35,13 @@ use crate::state::bulk::BulkLoad;
 use crate::state::{StateStore, StoreError};
 
 /// How much of a downloaded file is read at once.
-const PART_BYTES: usize = 8 << 20;
+const PART_BYTES: usize = 1 << 20;
+
+/// Entries sorted in memory before a run goes to disk, and runs merged at once (a 256 KiB
+/// buffer each): a merge runs beside the job, in the same memory limit, so it takes about
+/// 10 MiB (a restore, which runs alone, takes about 32).
+const RUN_BYTES: usize = 4 << 20;
+const MERGE_FAN_IN: usize = 16;
 
 /// A chain of one operator's keyed-state files to merge.
 #[derive(Clone, Debug)]
@@ -239,7 +245,7 @@ pub fn merge(
     let scratch = Scratch(local_dir.join(format!("merge-{}-{n}", std::process::id())));
     std::fs::create_dir_all(&scratch.0).map_err(MergeError::WriteImage)?;
     let dir = layout::checkpoint_dir(request.checkpoint_id);
-    let mut load = BulkLoad::new(&scratch.0.join("runs"));
+    let mut load = BulkLoad::with_limits(&scratch.0.join("runs"), RUN_BYTES, MERGE_FAN_IN);
     let input = scratch.0.join("input");
     let mut raw = Vec::with_capacity(64);
     for file in &request.chain {
@@ -292,7 +298,7 @@ pub fn merge(
     writer.sync_all().map_err(MergeError::WriteImage)?;
     // Pass 2: the same entries in the order of the buckets a heap restore puts them in, which
     // then fills its table front to back (3 times faster than in key order at 20M entries).
-    let mut by_bucket = BulkLoad::new(&scratch.0.join("by-bucket"));
+    let mut by_bucket = BulkLoad::with_limits(&scratch.0.join("by-bucket"), RUN_BYTES, MERGE_FAN_IN);
     let mask = heap_buckets(live_entries) - 1;
     let opened = std::fs::File::open(&live).map_err(MergeError::WriteImage)?;
     let mut sort_key = Vec::with_capacity(64);

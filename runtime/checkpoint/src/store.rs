@@ -264,9 +264,20 @@ impl Storage {
     }
 
     /// Writes the local file `local` at `rel` as one object, streamed in parts (a file may be
-    /// larger than memory).
+    /// larger than memory). On a local filesystem the file is hard-linked instead when it can
+    /// be (same filesystem): it must not be changed afterwards, only deleted.
     pub async fn put_file(&self, rel: &str, local: &std::path::Path) -> Result<(), StorageError> {
         use std::io::Read;
+        if let Some(root) = &self.local {
+            let object = root.join(self.full(rel).as_ref());
+            if let Some(parent) = object.parent() {
+                std::fs::create_dir_all(parent).map_err(local_io("create directory", rel))?;
+            }
+            let _ = std::fs::remove_file(&object);
+            if std::fs::hard_link(local, &object).is_ok() {
+                return self.sync_local(&[rel]).map_err(local_io("fsync", rel));
+            }
+        }
         let mut file = std::fs::File::open(local).map_err(local_io("open", rel))?;
         let upload = self.store.put_multipart(&self.full(rel)).await.map_err(io("put", rel))?;
         let mut writer = object_store::WriteMultipart::new_with_chunk_size(upload, 8 << 20);
@@ -454,6 +465,23 @@ mod tests {
         Storage::open(dir.path().to_str().unwrap()).unwrap().get_to_file("chk-1/state", &local).await.unwrap();
         use std::os::unix::fs::MetadataExt;
         assert_eq!(std::fs::metadata(&local).unwrap().ino(), std::fs::metadata(&linked).unwrap().ino(), "linked");
+    }
+
+    /// A local file put as an object (linked on a filesystem, streamed elsewhere) stays the
+    /// object once the local file is deleted; an older object under the name is replaced.
+    #[tokio::test]
+    async fn local_files_put_as_objects_outlive_the_file_and_replace_an_older_object() {
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 241) as u8).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let work = tempfile::tempdir().unwrap();
+        for s in [Storage::open(dir.path().to_str().unwrap()).unwrap(), Storage::open("memory://m").unwrap()] {
+            s.put("shared/op/0-1-1.staged", Bytes::from_static(b"older")).await.unwrap();
+            let local = work.path().join("image");
+            std::fs::write(&local, &data).unwrap();
+            s.put_file("shared/op/0-1-1.staged", &local).await.unwrap();
+            std::fs::remove_file(&local).unwrap();
+            assert_eq!(s.get("shared/op/0-1-1.staged").await.unwrap(), data);
+        }
     }
 
     #[tokio::test]

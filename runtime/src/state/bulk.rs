@@ -78,8 +78,10 @@ impl BulkLoad {
         Self::with_limits(dir, RUN_BYTES, MERGE_FAN_IN)
     }
 
-    /// [`Self::new`] with other limits (tests force many runs and merge passes).
-    fn with_limits(dir: &Path, run_bytes: usize, fan_in: usize) -> Self {
+    /// [`Self::new`] with other limits: runs of `run_bytes` in memory, and at most `fan_in`
+    /// runs (a 256 KiB buffer each) merged at once. Background merges use less memory than
+    /// restores; tests force many runs and merge passes.
+    pub fn with_limits(dir: &Path, run_bytes: usize, fan_in: usize) -> Self {
         BulkLoad {
             dir: dir.to_path_buf(),
             arena: Vec::new(),
