@@ -111,6 +111,18 @@ pub enum MergeError {
     Upload(Box<StorageError>),
 }
 
+impl MergeError {
+    /// Whether a file of the chain is missing or not what its checkpoint lists (as opposed
+    /// to a failure of this merge's own I/O).
+    pub fn damaged_input(&self) -> bool {
+        match self {
+            MergeError::Mismatch { .. } | MergeError::Read { .. } => true,
+            MergeError::Download { source, .. } => matches!(**source, StorageError::NotFound(_)),
+            _ => false,
+        }
+    }
+}
+
 /// How a merge ended.
 #[derive(Debug)]
 pub enum MergeOutcome {
@@ -206,7 +218,7 @@ impl Merger {
     /// The merges that ended since the last call.
     pub fn finished(&mut self) -> Vec<MergeOutcome> {
         let mut out = Vec::new();
-        let Some(outcomes) = &self.outcomes else { return out };
+        let Some(outcomes) = self.outcomes.clone() else { return out };
         loop {
             match outcomes.try_recv() {
                 Ok(outcome) => {
@@ -217,7 +229,16 @@ impl Merger {
                     self.in_flight.remove(uid);
                     out.push(outcome);
                 }
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return out,
+                Err(TryRecvError::Empty) => return out,
+                Err(TryRecvError::Disconnected) => {
+                    // The thread is gone (it panicked): nothing is running any more, and the
+                    // next request starts a new one.
+                    tracing::warn!(merger = %self.name, "the background merger stopped; starting it again");
+                    self.in_flight.clear();
+                    self.requests = None;
+                    self.outcomes = None;
+                    return out;
+                }
             }
         }
     }

@@ -91,11 +91,25 @@ pub fn run(
         let flags: Vec<(String, Arc<AtomicBool>)> =
             job.parts.iter().filter_map(|(uid, p)| Some((uid.clone(), p.force_full.clone()?))).collect();
         if let (Some(m), true) = (&mut merges, checkpoint) {
-            crate::io().block_on(adopt_merges(&storage, epoch, m, &mut chains, id, subtask));
+            crate::io().block_on(adopt_merges(&storage, epoch, m, &mut chains, id, subtask, &flags));
         }
         let result = crate::io().block_on(upload(&storage, epoch, &faults, &mut chains, &mut unstaged, job));
-        if let (Ok(_), Some(m), true) = (&result, &mut merges, checkpoint) {
-            request_merges(m, &chains, id, subtask, &flags);
+        match (&result, checkpoint) {
+            (Ok(_), true) => {
+                if let Some(m) = &mut merges {
+                    request_merges(m, &chains, id, subtask, &flags);
+                }
+            }
+            (Err(_), true) => {
+                // Every keyed part of this snapshot was taken from its state's change tracking,
+                // also those the failed upload never reached (a sink's staging fails first):
+                // each chain misses an increment, so each next snapshot is full.
+                for (uid, flag) in &flags {
+                    flag.store(true, Ordering::Release);
+                    chains.entry(uid.clone()).or_default().broken = true;
+                }
+            }
+            (_, false) => {}
         }
         let event = match result {
             Ok(ack) => Event::Ack { id, task, ack },
@@ -129,6 +143,7 @@ async fn adopt_merges(
     chains: &mut HashMap<String, Chain>,
     id: u64,
     subtask: u32,
+    flags: &[(String, Arc<AtomicBool>)],
 ) {
     for outcome in merges.merger.finished() {
         match outcome {
@@ -142,6 +157,13 @@ async fn adopt_merges(
                     continue;
                 }
                 merges.metrics.state_merges_failed.inc();
+                if error.damaged_input() {
+                    // A file the newest checkpoints list is missing or not what they say: the
+                    // next snapshot is full, so that later checkpoints stop building on it.
+                    if let Some((_, flag)) = flags.iter().find(|(u, _)| *u == request.uid) {
+                        flag.store(true, Ordering::Release);
+                    }
+                }
                 tracing::warn!(
                     uid = %request.uid,
                     files = request.chain.len(),

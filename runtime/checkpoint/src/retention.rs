@@ -59,6 +59,7 @@ pub fn plan(
         }
     }
     kept.sort_by_key(|c| std::cmp::Reverse(c.id));
+    let oldest_kept = kept.last().map_or(newest.id, |c| c.id);
     let newest_complete = newest.id;
     let kept_ids: BTreeSet<u64> = kept.iter().map(|c| c.id).collect();
     let delete_checkpoints: Vec<u64> = found
@@ -66,9 +67,11 @@ pub fn plan(
         .filter(|c| {
             !kept_ids.contains(&c.id)
                 && c.id < in_flight_from
-                // Older than the newest complete one: complete ones not kept (also those
-                // between a fallback and the newest `retained`), incomplete and corrupt ones.
-                && c.id < newest_complete
+                // Complete ones only below the oldest kept: those between a fallback and the
+                // newest `retained` are the next fallbacks (once the newest chain no longer
+                // shares their files), so deleting them would pin the fallback to an ever
+                // older checkpoint. Incomplete and corrupt ones below the newest complete go.
+                && (c.id < oldest_kept || (c.references.is_none() && c.id < newest_complete))
         })
         .map(|c| c.id)
         .collect();
@@ -248,30 +251,28 @@ mod tests {
     }
 
     /// A chain merged in the background shares no file with the chain it replaced, so the
-    /// fallback is the last checkpoint before the merge, possibly many checkpoints back: the
-    /// complete checkpoints between it and the newest `retained` are deleted, not kept.
+    /// fallback is the last checkpoint before the merge, possibly many checkpoints back. The
+    /// checkpoints between it and the newest are kept: each becomes the fallback in turn once
+    /// the newest chain stops sharing its files (deleting them pinned the fallback to the
+    /// first one, found in review). Over rounds of merges the fallback moves forward.
     #[test]
-    fn checkpoints_between_a_distant_fallback_and_the_newest_are_deleted() {
-        let old_chain = ["checkpoints/shared/op/0-1-1.kv", "checkpoints/shared/op/0-2-1.kv"];
-        let mut found = vec![chk(1, &old_chain[..1]), chk(2, &old_chain)];
-        for id in 3..=8 {
-            let mut refs = old_chain.to_vec();
-            let increments: Vec<String> = (3..=id).map(|i| format!("checkpoints/shared/op/0-{i}-1.kv")).collect();
-            refs.extend(increments.iter().map(String::as_str));
-            found.push(chk(id, &refs));
-        }
-        // 9 and 10 build on a merge of the chain of 2, adopted by 9.
-        found.push(chk(9, &["checkpoints/shared/op/0-9-1-merged.kv", "checkpoints/shared/op/0-3-1.kv"]));
-        found.push(chk(
-            10,
-            &[
-                "checkpoints/shared/op/0-9-1-merged.kv",
-                "checkpoints/shared/op/0-3-1.kv",
-                "checkpoints/shared/op/0-10-1.kv",
-            ],
-        ));
-        let p = plan(&found, &[], 2, 11, 1);
-        assert_eq!(p.delete_checkpoints, vec![1, 3, 4, 5, 6, 7, 8], "kept: 10 and 9, and 2 as the fallback");
+    fn the_fallback_moves_forward_as_merged_chains_replace_older_ones() {
+        let f = |i: u64| format!("checkpoints/shared/op/0-{i}-1.kv");
+        let m = |i: u64| format!("checkpoints/shared/op/0-{i}-1-merged.kv");
+        let c = |id: u64, files: &[String]| FoundCheckpoint { id, references: Some(files.iter().cloned().collect()) };
+        // 1..=3 build on base 1; 3's chain is merged and adopted at 5 (keeping 4 and 5);
+        // 7's chain ([M5, 4..7]) is merged and adopted at 8.
+        let mut found = vec![c(1, &[f(1)]), c(2, &[f(1), f(2)]), c(3, &[f(1), f(2), f(3)])];
+        found.push(c(4, &[f(1), f(2), f(3), f(4)]));
+        found.push(c(5, &[m(5), f(4), f(5)]));
+        let p = plan(&found, &[], 1, 6, 1);
+        assert_eq!(p.delete_checkpoints, vec![1, 2], "3 is the fallback; 4 is kept as the next one");
+        found.retain(|x| !p.delete_checkpoints.contains(&x.id));
+        found.push(c(6, &[m(5), f(4), f(5), f(6)]));
+        found.push(c(7, &[m(5), f(4), f(5), f(6), f(7)]));
+        found.push(c(8, &[m(8), f(8)]));
+        let p = plan(&found, &[], 1, 9, 1);
+        assert_eq!(p.delete_checkpoints, vec![3, 4, 5, 6], "7 (before the second merge) is the fallback now");
     }
 
     /// A background merge is staged before a checkpoint adopts it under a name that checkpoint
