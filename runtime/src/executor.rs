@@ -202,6 +202,9 @@ pub fn run_job(
             return Err(JobError::MissingFeature { path: n.path.clone(), feature: "kafka" });
         }
     }
+    if !cfg!(feature = "rocksdb") && job.spec.state_backend == StateBackendKind::Rocksdb {
+        return Err(JobError::MissingFeature { path: "stateBackend".into(), feature: "rocksdb" });
+    }
     let storage = Storage::open(&storage_url(job, opts))?;
     let faults = Faults::new(opts.faults.clone(), metrics.clone());
     let mut exec = Executor {

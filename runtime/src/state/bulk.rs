@@ -16,10 +16,13 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
+#[cfg(feature = "rocksdb")]
 use rocksdb::SstFileWriter;
 use weir_checkpoint::local::SyncedWriter;
 
-use super::store::{StateStore, StoreError};
+#[cfg(feature = "rocksdb")]
+use super::store::StateStore;
+use super::store::StoreError;
 
 /// The bytes of entries (and of their index) sorted in memory before a run goes to disk.
 const RUN_BYTES: usize = 16 << 20;
@@ -28,6 +31,7 @@ const RUN_BYTES: usize = 16 << 20;
 const MERGE_FAN_IN: usize = 64;
 
 /// A table file is closed and a new one started beyond this size.
+#[cfg(feature = "rocksdb")]
 const TABLE_BYTES: u64 = 32 << 20;
 
 /// The length that marks a deletion in a run file.
@@ -170,6 +174,7 @@ impl BulkLoad {
 
     /// Loads what was added into `store`, which must be empty: the table files are moved into
     /// it, and this load's directory is deleted.
+    #[cfg(feature = "rocksdb")]
     pub fn into_store(self, store: &StateStore) -> Result<(), StoreError> {
         let dir = self.dir.clone();
         let opts = super::store::options();
@@ -433,6 +438,7 @@ impl RunReader {
 }
 
 /// Writes keys in order into table files of about [`TABLE_BYTES`] each.
+#[cfg(feature = "rocksdb")]
 struct TableWriter<'o> {
     dir: PathBuf,
     opts: &'o rocksdb::Options,
@@ -440,6 +446,7 @@ struct TableWriter<'o> {
     writer: Option<SstFileWriter<'o>>,
 }
 
+#[cfg(feature = "rocksdb")]
 impl TableWriter<'_> {
     fn put(&mut self, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
         if self.writer.is_none() {
@@ -467,7 +474,7 @@ impl TableWriter<'_> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "rocksdb"))]
 mod tests {
     use super::*;
     use std::collections::BTreeMap;

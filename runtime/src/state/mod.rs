@@ -187,9 +187,11 @@ impl<V: StateValue> KeyedState<V> {
         }
         let key_group = key.key_group(self.max_parallelism);
         let raw = StateStore::key_of(key_group, key);
-        let Some(stored) = spill.store.get(&raw)? else { return Ok(false) };
-        let value = V::decode(&mut Decoder::new(&stored))?;
-        drop(stored);
+        // The stored value is pinned in the store's cache only while it is decoded.
+        let value = match spill.store.get(&raw)? {
+            Some(stored) => V::decode(&mut Decoder::new(&stored))?,
+            None => return Ok(false),
+        };
         self.make_room(1)?;
         self.map.insert(key.clone(), Slot { value, key_group, dirty: false, touched: true, stored: true });
         Ok(true)
@@ -206,7 +208,7 @@ impl<V: StateValue> KeyedState<V> {
         }
         let target = capacity.saturating_sub(incoming.max(capacity / 8));
         let mut excess = self.map.len().saturating_sub(target);
-        let mut batch = rocksdb::WriteBatch::default();
+        let mut batch = spill.store.batch();
         let mut raw_key = Vec::with_capacity(32);
         let mut value = Encoder::default();
         for second_chance in [true, false] {
@@ -372,7 +374,7 @@ impl<V: StateValue> KeyedState<V> {
         let Some(slot) = self.map.remove(key) else { return Ok(None) };
         if let Some(spill) = &self.spill {
             let raw = StateStore::key_of(slot.key_group, key);
-            let mut batch = rocksdb::WriteBatch::default();
+            let mut batch = spill.store.batch();
             batch.delete(&raw);
             spill.store.write(batch)?;
         }
@@ -629,7 +631,7 @@ impl<V: StateValue> KeyedState<V> {
         self.force_full.store(!continue_chain, Ordering::Release);
         if let Some(spill) = &mut self.spill {
             if let Some(restoring) = spill.restoring.take() {
-                restoring.into_store(&spill.store)?;
+                spill.store.bulk_load(restoring)?;
             }
         }
         Ok(())

@@ -1,0 +1,182 @@
+//! The store on RocksDB (the `rocksdb` feature): Debian's librocksdb, linked (see
+//! `.cargo/config.toml`).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rocksdb::{BlockBasedOptions, Cache, DBCompressionType, Options, WriteOptions, DB};
+
+use super::super::bulk::BulkLoad;
+use super::{remove_stores_of_dead_processes, StoreError};
+
+/// A batch of puts and deletes for [`StateStore::write`].
+pub use rocksdb::WriteBatch;
+
+/// A value read from the store, pinned in its block cache while borrowed.
+pub type StoredValue<'s> = rocksdb::DBPinnableSlice<'s>;
+
+/// The engine's own error.
+pub type EngineError = rocksdb::Error;
+
+/// One subtask's store.
+pub struct StateStore {
+    db: Option<DB>,
+    dir: PathBuf,
+    parent_dir: PathBuf,
+    no_wal: WriteOptions,
+}
+
+/// Makes store directory names unique within the process.
+static NEXT_STORE: AtomicU64 = AtomicU64::new(0);
+
+/// RocksDB's own memory per store: two 8 MiB memtables and a 16 MiB block cache (about 32 MiB),
+/// so that a process's memory is mostly the cache of decoded entries, which the job sizes
+/// (`stateCacheEntries`).
+const WRITE_BUFFER_BYTES: usize = 8 << 20;
+const BLOCK_CACHE_BYTES: usize = 16 << 20;
+
+impl StateStore {
+    /// Opens an empty store in a new directory under `parent_dir`, named after `label`.
+    pub fn open(parent_dir: &Path, label: &str) -> Result<Self, StoreError> {
+        let n = NEXT_STORE.fetch_add(1, Ordering::Relaxed);
+        let safe: String = label.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
+        let dir = parent_dir.join(format!("{}-{}-{n}", safe, std::process::id()));
+        let prepare = |source| StoreError::PrepareDir { dir: dir.display().to_string(), source };
+        // In the background: after many kills there may be gigabytes to delete.
+        let parent = parent_dir.to_path_buf();
+        std::thread::spawn(move || remove_stores_of_dead_processes(&parent));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(prepare)?;
+        }
+        std::fs::create_dir_all(&dir).map_err(prepare)?;
+        let db =
+            DB::open(&options(), &dir).map_err(|source| StoreError::Open { dir: dir.display().to_string(), source })?;
+        let mut no_wal = WriteOptions::default();
+        no_wal.disable_wal(true);
+        Ok(StateStore { db: Some(db), dir, parent_dir: parent_dir.to_path_buf(), no_wal })
+    }
+
+    /// The directory the store's own directory is in.
+    pub fn parent_dir(&self) -> &Path {
+        &self.parent_dir
+    }
+
+    /// The store's own directory (deleted with the store).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn db(&self) -> &DB {
+        perf_counters_off();
+        self.db.as_ref().expect("the store is open until dropped")
+    }
+
+    /// An empty batch for [`Self::write`].
+    pub fn batch(&self) -> WriteBatch {
+        WriteBatch::default()
+    }
+
+    /// Loads a restore's entries into this (empty) store as table files.
+    pub fn bulk_load(&self, load: BulkLoad) -> Result<(), StoreError> {
+        load.into_store(self)
+    }
+
+    /// The value stored under a store key.
+    pub fn get(&self, store_key: &[u8]) -> Result<Option<StoredValue<'_>>, StoreError> {
+        self.db().get_pinned(store_key).map_err(StoreError::Read)
+    }
+
+    /// The values stored under several store keys, in their order, in one call.
+    pub fn multi_get(&self, store_keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        self.db().multi_get(store_keys).into_iter().map(|r| r.map_err(StoreError::Read)).collect()
+    }
+
+    /// Applies a batch of puts and deletes.
+    pub fn write(&self, batch: WriteBatch) -> Result<(), StoreError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        self.db().write_opt(batch, &self.no_wal).map_err(StoreError::Write)
+    }
+
+    /// Moves table files written by [`super::bulk::BulkLoad`] into the store: into its last
+    /// level when the store is empty and the files do not overlap, as a restore's are.
+    pub fn ingest(&self, tables: Vec<PathBuf>) -> Result<(), StoreError> {
+        if tables.is_empty() {
+            return Ok(());
+        }
+        let mut opts = rocksdb::IngestExternalFileOptions::default();
+        opts.set_move_files(true);
+        self.db().ingest_external_file_opts(&opts, tables).map_err(StoreError::Ingest)
+    }
+
+    /// RocksDB's estimate of the number of entries stored (`rocksdb.estimate-num-keys`; it
+    /// counts overwritten and deleted keys until compactions drop them). 0 when unavailable.
+    pub fn estimated_entries(&self) -> u64 {
+        self.db().property_int_value("rocksdb.estimate-num-keys").ok().flatten().unwrap_or(0)
+    }
+
+    /// Calls `f` with every entry's store key and value, in key order.
+    pub fn scan<E: From<StoreError>>(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<(), E>) -> Result<(), E> {
+        let mut it = self.db().raw_iterator();
+        it.seek_to_first();
+        while let (Some(k), Some(v)) = (it.key(), it.value()) {
+            f(k, v)?;
+            it.next();
+        }
+        it.status().map_err(|e| E::from(StoreError::Scan(e)))
+    }
+}
+
+impl Drop for StateStore {
+    fn drop(&mut self) {
+        // A working copy: checkpoints hold the state, so nothing here is anyone's data.
+        drop(self.db.take());
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "could not delete a state store directory");
+        }
+    }
+}
+
+thread_local! {
+    static PERF_COUNTERS_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Turns RocksDB's per-thread performance counters off on the calling thread, once. They are on
+/// by default, and counting costs every read and write a lookup of the counters' thread-local
+/// storage in the shared library: 7.5% of the task thread's time on the keyed count with a
+/// cache of a tenth of the keys.
+fn perf_counters_off() {
+    PERF_COUNTERS_OFF.with(|off| {
+        if !off.get() {
+            rocksdb::perf::set_perf_stats(rocksdb::perf::PerfStatsLevel::Disable);
+            off.set(true);
+        }
+    });
+}
+
+/// The store's options, also those of the table files a restore writes.
+pub(crate) fn options() -> Options {
+    let mut opts = Options::default();
+    // Flushes, compactions and a restore's table files are synced as they are written: under a
+    // cgroup v1 memory limit, dirty pages count against the limit until written back.
+    opts.set_bytes_per_sync(weir_checkpoint::local::SYNC_EVERY_BYTES as u64);
+    opts.create_if_missing(true);
+    opts.set_compression_type(DBCompressionType::Lz4);
+    opts.set_write_buffer_size(WRITE_BUFFER_BYTES);
+    opts.set_max_write_buffer_number(2);
+    let mut table = BlockBasedOptions::default();
+    match Cache::new_lru_cache(BLOCK_CACHE_BYTES) {
+        Ok(cache) => table.set_block_cache(&cache),
+        Err(e) => tracing::warn!(error = %e, "no block cache for the state store"),
+    }
+    // Most reads of a cache miss are of keys the store has never seen (new keys): a bloom
+    // filter answers those without reading a block.
+    table.set_bloom_filter(10.0, false);
+    opts.set_block_based_table_factory(&table);
+    // The same for the memtables: without a filter, every miss walks the skiplists, which
+    // took a third of the process's CPU time on a keyed count whose state was 10× the cache.
+    opts.set_memtable_whole_key_filtering(true);
+    opts.set_memtable_prefix_bloom_ratio(0.1);
+    opts
+}
