@@ -20,14 +20,20 @@
 //! are read in chain order, and within a file in file order, as a restore applies them.
 //! Nothing here changes a file a checkpoint lists, so a failed or abandoned merge loses
 //! nothing: the chain stays as it was and the next one is tried later.
+//!
+//! When its uploader goes (the run ends, or restarts in the same process), the merger is
+//! cancelled: queued merges never start and the running one stops at its next file or part
+//! (a megabyte), deleting its scratch files, instead of competing with the next run's tasks.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
-use weir_checkpoint::format::{self, FileKind, PartsError, StateFileStream};
+use weir_checkpoint::format::{self, FileKind, FormatError, PartsError, StateFileStream};
 use weir_checkpoint::local::SyncedWriter;
 use weir_checkpoint::{layout, FileRef, Storage, StorageError};
 
@@ -109,6 +115,9 @@ pub enum MergeError {
     /// The merged image could not be uploaded.
     #[error("uploading the merged image: {0}")]
     Upload(Box<StorageError>),
+    /// The merger was cancelled (its uploader is gone) before the merge was staged.
+    #[error("cancelled: the uploader that asked for the merge is gone")]
+    Cancelled,
 }
 
 impl MergeError {
@@ -146,6 +155,10 @@ pub struct Merger {
     requests: Option<Sender<MergeRequest>>,
     outcomes: Option<Receiver<MergeOutcome>>,
     in_flight: HashSet<String>,
+    /// Set when the merger is dropped or cancelled; its thread checks it between steps.
+    cancelled: Arc<AtomicBool>,
+    /// The thread; it returns how many merges it started.
+    thread: Option<JoinHandle<u32>>,
 }
 
 static NEXT_SCRATCH: AtomicU64 = AtomicU64::new(0);
@@ -154,7 +167,26 @@ impl Merger {
     /// A merger whose thread (named `name`) stages merges in `storage` as `epoch`, working in
     /// local files under `local_dir`.
     pub fn new(name: String, storage: Storage, epoch: u64, local_dir: PathBuf) -> Merger {
-        Merger { name, storage, epoch, local_dir, requests: None, outcomes: None, in_flight: HashSet::new() }
+        Merger {
+            name,
+            storage,
+            epoch,
+            local_dir,
+            requests: None,
+            outcomes: None,
+            in_flight: HashSet::new(),
+            cancelled: Arc::default(),
+            thread: None,
+        }
+    }
+
+    /// Stops the merger: queued merges never start, the running one stops at its next step and
+    /// stages nothing. The thread, if one ran, is returned to be joined (it returns how many
+    /// merges it started); dropping the merger cancels it without waiting.
+    pub fn cancel(mut self) -> Option<JoinHandle<u32>> {
+        self.cancelled.store(true, Ordering::Release);
+        self.requests = None;
+        self.thread.take()
     }
 
     fn start(&mut self) -> Option<&Sender<MergeRequest>> {
@@ -162,12 +194,18 @@ impl Merger {
             let (requests, jobs) = crossbeam_channel::unbounded::<MergeRequest>();
             let (done, outcomes) = crossbeam_channel::unbounded();
             let (storage, epoch, local_dir) = (self.storage.clone(), self.epoch, self.local_dir.clone());
+            let cancelled = self.cancelled.clone();
             let spawned = std::thread::Builder::new().name(self.name.clone()).spawn(move || {
                 // Scratch files of merges a killed process left behind.
                 crate::state::store::remove_stores_of_dead_processes(&local_dir);
+                let mut started_merges = 0;
                 for request in jobs {
+                    if cancelled.load(Ordering::Acquire) {
+                        break;
+                    }
+                    started_merges += 1;
                     let started = Instant::now();
-                    let outcome = match merge(&storage, epoch, &local_dir, &request) {
+                    let outcome = match merge(&storage, epoch, &local_dir, &request, &cancelled) {
                         Ok((staged, len, crc32c, entries)) => MergeOutcome::Staged(StagedMerge {
                             request,
                             staged,
@@ -183,13 +221,17 @@ impl Merger {
                         if let MergeOutcome::Staged(s) = unsent.0 {
                             let _ = crate::io().block_on(storage.delete(&s.staged));
                         }
-                        return;
+                        break;
                     }
                 }
+                started_merges
             });
-            if let Err(error) = spawned {
-                tracing::warn!(%error, "the background merger could not start; full images stay with the tasks");
-                return None;
+            match spawned {
+                Ok(thread) => self.thread = Some(thread),
+                Err(error) => {
+                    tracing::warn!(%error, "the background merger could not start; full images stay with the tasks");
+                    return None;
+                }
             }
             self.requests = Some(requests);
             self.outcomes = Some(outcomes);
@@ -244,6 +286,12 @@ impl Merger {
     }
 }
 
+impl Drop for Merger {
+    fn drop(&mut self) {
+        self.cancelled.store(true, Ordering::Release);
+    }
+}
+
 /// Scratch files of one merge, deleted with it. Named like state stores
 /// (`<label>-<pid>-<n>`), so that a killed process's leftovers are deleted by the next process
 /// that opens a state store in the same directory.
@@ -255,13 +303,36 @@ impl Drop for Scratch {
     }
 }
 
+/// What a part of a merge's reading loops stopped on.
+enum Stop {
+    Store(StoreError),
+    Cancelled,
+}
+
+impl From<StoreError> for Stop {
+    fn from(e: StoreError) -> Self {
+        Stop::Store(e)
+    }
+}
+
+impl From<FormatError> for Stop {
+    fn from(e: FormatError) -> Self {
+        Stop::Store(StoreError::Decode(e))
+    }
+}
+
 /// Merges one chain and stages the result; the staged path, its length, CRC-32C and entries.
+/// Stops with [`MergeError::Cancelled`] at the first file, part or pass that begins after
+/// `cancelled` is set.
 pub fn merge(
     storage: &Storage,
     epoch: u64,
     local_dir: &Path,
     request: &MergeRequest,
+    cancelled: &AtomicBool,
 ) -> Result<(String, u64, u32, u64), MergeError> {
+    let check = || if cancelled.load(Ordering::Acquire) { Err(MergeError::Cancelled) } else { Ok(()) };
+    let part_check = || if cancelled.load(Ordering::Acquire) { Err(Stop::Cancelled) } else { Ok(()) };
     let n = NEXT_SCRATCH.fetch_add(1, Ordering::Relaxed);
     let scratch = Scratch(local_dir.join(format!("merge-{}-{n}", std::process::id())));
     std::fs::create_dir_all(&scratch.0).map_err(MergeError::WriteImage)?;
@@ -270,6 +341,7 @@ pub fn merge(
     let input = scratch.0.join("input");
     let mut raw = Vec::with_capacity(64);
     for file in &request.chain {
+        check()?;
         let path = layout::resolve(&dir, &file.path);
         let (len, crc) = crate::io()
             .block_on(storage.get_to_file(&path, &input))
@@ -284,20 +356,22 @@ pub fn merge(
         let read_failed = |reason: String| MergeError::Read { path: path.clone(), reason };
         let opened = std::fs::File::open(&input).map_err(|e| read_failed(e.to_string()))?;
         let parts = format::read_keyed_parts(opened, len, PART_BYTES, |body| {
+            part_check()?;
             for entry in format::keyed_entries(body) {
-                let entry = entry.map_err(StoreError::Decode)?;
+                let entry = entry?;
                 raw.clear();
                 StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
                 load.add(&raw, entry.value)?;
             }
-            Ok::<(), StoreError>(())
+            Ok::<(), Stop>(())
         });
         match parts {
             Ok(_) => {}
             Err(PartsError::Read(e)) => return Err(read_failed(e.to_string())),
             Err(PartsError::Format(e)) => return Err(read_failed(e.to_string())),
-            Err(PartsError::Consume(StoreError::Decode(e))) => return Err(read_failed(e.to_string())),
-            Err(PartsError::Consume(e)) => return Err(MergeError::Merge(e)),
+            Err(PartsError::Consume(Stop::Store(StoreError::Decode(e)))) => return Err(read_failed(e.to_string())),
+            Err(PartsError::Consume(Stop::Store(e))) => return Err(MergeError::Merge(e)),
+            Err(PartsError::Consume(Stop::Cancelled)) => return Err(MergeError::Cancelled),
         }
         let _ = std::fs::remove_file(&input);
     }
@@ -306,6 +380,7 @@ pub fn merge(
         e => MergeError::Merge(e),
     };
     // Pass 1: the live entries, in key order, into a local file; how many there are.
+    check()?;
     let live = scratch.0.join("live");
     let mut out =
         StateFileStream::new(FileKind::KeyedFull, SyncedWriter::create(&live).map_err(MergeError::WriteImage)?);
@@ -323,7 +398,9 @@ pub fn merge(
     let mask = heap_buckets(live_entries) - 1;
     let opened = std::fs::File::open(&live).map_err(MergeError::WriteImage)?;
     let mut sort_key = Vec::with_capacity(64);
+    check()?;
     let reordered = format::read_keyed_parts(opened, live_len, PART_BYTES, |body| {
+        part_check()?;
         for entry in format::keyed_entries(body) {
             let entry = entry?;
             let bucket = heap_hash(entry.key)? & mask;
@@ -332,15 +409,17 @@ pub fn merge(
             StateStore::encoded_key(entry.key_group, entry.key, &mut sort_key);
             by_bucket.add(&sort_key, entry.value)?;
         }
-        Ok::<(), StoreError>(())
+        Ok::<(), Stop>(())
     });
     match reordered {
         Ok(_) => {}
         Err(PartsError::Read(e)) => return Err(MergeError::WriteImage(e)),
         Err(PartsError::Format(e)) => return Err(MergeError::Merge(StoreError::Decode(e))),
-        Err(PartsError::Consume(e)) => return Err(merge_failed(e)),
+        Err(PartsError::Consume(Stop::Store(e))) => return Err(merge_failed(e)),
+        Err(PartsError::Consume(Stop::Cancelled)) => return Err(MergeError::Cancelled),
     }
     let _ = std::fs::remove_file(&live);
+    check()?;
     let image = scratch.0.join("image");
     let mut out =
         StateFileStream::new(FileKind::KeyedFull, SyncedWriter::create(&image).map_err(MergeError::WriteImage)?);
@@ -353,6 +432,7 @@ pub fn merge(
     let entries = out.entries();
     let (writer, len, crc) = out.finish().map_err(MergeError::WriteImage)?;
     writer.sync_all().map_err(MergeError::WriteImage)?;
+    check()?;
     let staged = layout::resolve(
         &dir,
         &layout::shared_staged_merge(&request.uid, request.subtask, request.checkpoint_id, epoch),
@@ -429,7 +509,8 @@ mod tests {
                 chain.push(FileRef { path: rel, len, crc32c });
             }
             let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: seed * 100 + 20, chain };
-            let (staged, len, crc, entries) = merge(&storage, 1, local.path(), &request).unwrap();
+            let (staged, len, crc, entries) =
+                merge(&storage, 1, local.path(), &request, &AtomicBool::new(false)).unwrap();
             let bytes = crate::io().block_on(storage.get(&staged)).unwrap();
             assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (len, crc));
             let (kind, body) = format::open(&bytes).unwrap();
@@ -472,9 +553,63 @@ mod tests {
             checkpoint_id: 1,
             chain: vec![FileRef { path: rel, len: data.len() as u64, crc32c }],
         };
-        let err = merge(&storage, 1, local.path(), &request).unwrap_err();
+        let err = merge(&storage, 1, local.path(), &request, &AtomicBool::new(false)).unwrap_err();
         assert!(matches!(&err, MergeError::Mismatch { path, .. } if path.ends_with("0-1-1.kv")), "{err}");
         let staged = crate::io().block_on(storage.list("checkpoints/shared/op")).unwrap();
         assert!(staged.iter().all(|f| !f.ends_with(".staged")), "{staged:?}");
+    }
+
+    /// One full image of `entries` keys under `uid`, uploaded as checkpoint 1's file.
+    fn uploaded_chain(storage: &Storage, uid: &str, entries: u32) -> Vec<FileRef> {
+        let mut w = StateFileWriter::new(FileKind::KeyedFull, 1024);
+        for i in 0..entries {
+            w.put(i % 16, &key(i), b"value");
+        }
+        let (data, crc32c) = w.finish();
+        let rel = layout::shared_keyed_file(uid, 0, 1, 1);
+        let len = data.len() as u64;
+        crate::io().block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(1), &rel), data)).unwrap();
+        vec![FileRef { path: rel, len, crc32c }]
+    }
+
+    fn staged_files(storage: &Storage) -> Vec<String> {
+        let listed = crate::io().block_on(storage.list("checkpoints/shared")).unwrap();
+        listed.into_iter().filter(|f| f.ends_with(".staged")).collect()
+    }
+
+    /// A merge cancelled before it stages its image (its uploader went) stages nothing and
+    /// leaves no scratch files; an uncancelled one of the same chain stages its image.
+    #[test]
+    fn a_cancelled_merge_stages_nothing_and_leaves_no_scratch() {
+        let root = tempfile::tempdir().unwrap();
+        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
+        let local = tempfile::tempdir().unwrap();
+        let chain = uploaded_chain(&storage, "op", 5_000);
+        let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 2, chain };
+        let err = merge(&storage, 1, local.path(), &request, &AtomicBool::new(true)).unwrap_err();
+        assert!(matches!(err, MergeError::Cancelled), "{err}");
+        assert!(staged_files(&storage).is_empty());
+        assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "scratch files are gone");
+        merge(&storage, 1, local.path(), &request, &AtomicBool::new(false)).unwrap();
+        assert_eq!(staged_files(&storage).len(), 1);
+    }
+
+    /// Merges queued behind a cancellation never start: the thread ends without merging, and
+    /// nothing is staged.
+    #[test]
+    fn a_cancelled_merger_starts_none_of_its_queued_merges() {
+        let root = tempfile::tempdir().unwrap();
+        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
+        let local = tempfile::tempdir().unwrap();
+        let mut merger = Merger::new("merger-test".into(), storage.clone(), 1, local.path().to_path_buf());
+        merger.cancelled.store(true, Ordering::Release);
+        for uid in ["a", "b", "c"] {
+            let chain = uploaded_chain(&storage, uid, 1_000);
+            // The first starts the thread; the thread may be gone before the later ones are sent.
+            merger.request(MergeRequest { uid: uid.into(), subtask: 0, checkpoint_id: 2, chain });
+        }
+        let started = merger.cancel().expect("the first request started the thread").join().unwrap();
+        assert_eq!(started, 0, "no queued merge starts after the merger is cancelled");
+        assert!(staged_files(&storage).is_empty());
     }
 }

@@ -120,9 +120,11 @@ pub fn run(
         }
     }
     if let Some(mut m) = merges {
-        // Merges nobody will adopt: the staged files go (one still running deletes its own).
+        // Merges nobody will adopt: the staged files go (one still running stops, or deletes
+        // what it staged when it finds nobody to hand it to).
         let outcomes = m.merger.finished();
-        drop(m.merger);
+        // Not joined: a running merge stops at its next part, and a restart need not wait.
+        drop(m.merger.cancel());
         let staged = m.staged.into_iter().chain(outcomes.into_iter().filter_map(|o| match o {
             MergeOutcome::Staged(s) => Some(s),
             MergeOutcome::Failed { .. } => None,
