@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's first command, exactly as written there, as a user runs it: it must build
-# without any system library (no RocksDB, no librdkafka: `--no-default-features`), run the
-# example job to its end and publish its output. The runtime it built must refuse a job that
-# asks for the backend it leaves out, naming the field.
+# without any system library (no RocksDB, no librdkafka, no C++ runtime:
+# `--no-default-features`), run the example job to its end and publish its output. The
+# runtime it built must refuse a job that asks for the backend it leaves out, naming the field.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -22,6 +22,10 @@ mkdir -p "$scratch/examples"
 cp examples/*.yaml "$scratch/examples/"
 echo "readme-run: $cmd"
 (cd "$scratch" && eval "$cmd")
+if [ ! -d "$scratch/.weir" ]; then
+  echo "readme-run: the job wrote nothing under ./.weir" >&2
+  exit 1
+fi
 parts=$(find "$scratch/.weir" -path '*/output/*' -name 'part-*' -type f | wc -l)
 records=$(find "$scratch/.weir" -path '*/output/*' -name 'part-*' -type f -exec cat {} + | wc -l)
 if [ "$parts" -eq 0 ] || [ "$records" -eq 0 ]; then
@@ -29,7 +33,11 @@ if [ "$parts" -eq 0 ] || [ "$records" -eq 0 ]; then
   exit 1
 fi
 bin="${CARGO_TARGET_DIR:-$root/target}/release/weir-runtime"
-if ldd "$bin" | grep -E 'librocksdb|librdkafka|libclang'; then
+if [ ! -x "$bin" ]; then
+  echo "readme-run: no runtime binary at $bin" >&2
+  exit 1
+fi
+if ldd "$bin" | grep -E 'librocksdb|librdkafka|libstdc\+\+'; then
   echo "readme-run: the README's runtime links a system library it must not need" >&2
   exit 1
 fi

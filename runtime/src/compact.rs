@@ -22,8 +22,10 @@
 //! nothing: the chain stays as it was and the next one is tried later.
 //!
 //! When its uploader goes (the run ends, or restarts in the same process), the merger is
-//! cancelled: queued merges never start and the running one stops at its next file or part
-//! (a megabyte), deleting its scratch files, instead of competing with the next run's tasks.
+//! cancelled: queued merges never start and the running one stops at its next file, part (a
+//! megabyte) or 64K merged entries, deleting its scratch files, instead of competing with the
+//! next run's tasks (a download or upload in progress is finished first). A merge staged while
+//! its uploader went, which nobody will adopt, is deleted by the merger itself.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -192,7 +194,9 @@ impl Merger {
     fn start(&mut self) -> Option<&Sender<MergeRequest>> {
         if self.requests.is_none() {
             let (requests, jobs) = crossbeam_channel::unbounded::<MergeRequest>();
-            let (done, outcomes) = crossbeam_channel::unbounded();
+            let (done, outcomes) = crossbeam_channel::unbounded::<MergeOutcome>();
+            // The thread's own end of its outcomes: what the uploader never took when it went.
+            let untaken = outcomes.clone();
             let (storage, epoch, local_dir) = (self.storage.clone(), self.epoch, self.local_dir.clone());
             let cancelled = self.cancelled.clone();
             let spawned = std::thread::Builder::new().name(self.name.clone()).spawn(move || {
@@ -205,7 +209,8 @@ impl Merger {
                     }
                     started_merges += 1;
                     let started = Instant::now();
-                    let outcome = match merge(&storage, epoch, &local_dir, &request, &cancelled) {
+                    let stop = || cancelled.load(Ordering::Acquire);
+                    let outcome = match merge(&storage, epoch, &local_dir, &request, &stop) {
                         Ok((staged, len, crc32c, entries)) => MergeOutcome::Staged(StagedMerge {
                             request,
                             staged,
@@ -216,12 +221,15 @@ impl Merger {
                         }),
                         Err(error) => MergeOutcome::Failed { request, error },
                     };
-                    if let Err(unsent) = done.send(outcome) {
-                        // The uploader is gone: nobody will adopt it.
-                        if let MergeOutcome::Staged(s) = unsent.0 {
-                            let _ = crate::io().block_on(storage.delete(&s.staged));
-                        }
+                    if done.send(outcome).is_err() {
                         break;
+                    }
+                }
+                // The loop ends when the uploader is gone: merges staged after its last look
+                // are nobody's to adopt.
+                for outcome in untaken.try_iter() {
+                    if let MergeOutcome::Staged(s) = outcome {
+                        let _ = crate::io().block_on(storage.delete(&s.staged));
                     }
                 }
                 started_merges
@@ -321,18 +329,33 @@ impl From<FormatError> for Stop {
     }
 }
 
+/// Every this many merged entries, a merge asks whether to stop.
+const STOP_CHECK_ENTRIES: u64 = 1 << 16;
+
 /// Merges one chain and stages the result; the staged path, its length, CRC-32C and entries.
-/// Stops with [`MergeError::Cancelled`] at the first file, part or pass that begins after
-/// `cancelled` is set.
+/// Stops with [`MergeError::Cancelled`] at the first file, part, pass or [`STOP_CHECK_ENTRIES`]
+/// merged entries after `stop` answers true.
 pub fn merge(
     storage: &Storage,
     epoch: u64,
     local_dir: &Path,
     request: &MergeRequest,
-    cancelled: &AtomicBool,
+    stop: &dyn Fn() -> bool,
 ) -> Result<(String, u64, u32, u64), MergeError> {
-    let check = || if cancelled.load(Ordering::Acquire) { Err(MergeError::Cancelled) } else { Ok(()) };
-    let part_check = || if cancelled.load(Ordering::Acquire) { Err(Stop::Cancelled) } else { Ok(()) };
+    let check = || if stop() { Err(MergeError::Cancelled) } else { Ok(()) };
+    let part_check = || if stop() { Err(Stop::Cancelled) } else { Ok(()) };
+    // The merge passes' callbacks can only fail with a store error: a stop is recorded here
+    // and reported as a cancellation.
+    let stopped = std::cell::Cell::new(false);
+    let mut emitted = 0u64;
+    let mut entry_check = || {
+        emitted += 1;
+        if emitted.is_multiple_of(STOP_CHECK_ENTRIES) && stop() {
+            stopped.set(true);
+            return Err(StoreError::SpillImage(std::io::Error::other("the merge was cancelled")));
+        }
+        Ok(())
+    };
     let n = NEXT_SCRATCH.fetch_add(1, Ordering::Relaxed);
     let scratch = Scratch(local_dir.join(format!("merge-{}-{n}", std::process::id())));
     std::fs::create_dir_all(&scratch.0).map_err(MergeError::WriteImage)?;
@@ -376,6 +399,7 @@ pub fn merge(
         let _ = std::fs::remove_file(&input);
     }
     let merge_failed = |e: StoreError| match e {
+        _ if stopped.get() => MergeError::Cancelled,
         StoreError::SpillImage(io) => MergeError::WriteImage(io),
         e => MergeError::Merge(e),
     };
@@ -385,6 +409,7 @@ pub fn merge(
     let mut out =
         StateFileStream::new(FileKind::KeyedFull, SyncedWriter::create(&live).map_err(MergeError::WriteImage)?);
     load.into_live_entries(|raw, value| {
+        entry_check()?;
         let (key_group, key) = StateStore::split_key(raw)?;
         out.put(key_group, key, value).map_err(StoreError::SpillImage)
     })
@@ -425,6 +450,7 @@ pub fn merge(
         StateFileStream::new(FileKind::KeyedFull, SyncedWriter::create(&image).map_err(MergeError::WriteImage)?);
     by_bucket
         .into_live_entries(|raw, value| {
+            entry_check()?;
             let (key_group, key) = StateStore::split_key(&raw[8..])?;
             out.put(key_group, key, value).map_err(StoreError::SpillImage)
         })
@@ -509,8 +535,7 @@ mod tests {
                 chain.push(FileRef { path: rel, len, crc32c });
             }
             let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: seed * 100 + 20, chain };
-            let (staged, len, crc, entries) =
-                merge(&storage, 1, local.path(), &request, &AtomicBool::new(false)).unwrap();
+            let (staged, len, crc, entries) = merge(&storage, 1, local.path(), &request, &|| false).unwrap();
             let bytes = crate::io().block_on(storage.get(&staged)).unwrap();
             assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (len, crc));
             let (kind, body) = format::open(&bytes).unwrap();
@@ -553,7 +578,7 @@ mod tests {
             checkpoint_id: 1,
             chain: vec![FileRef { path: rel, len: data.len() as u64, crc32c }],
         };
-        let err = merge(&storage, 1, local.path(), &request, &AtomicBool::new(false)).unwrap_err();
+        let err = merge(&storage, 1, local.path(), &request, &|| false).unwrap_err();
         assert!(matches!(&err, MergeError::Mismatch { path, .. } if path.ends_with("0-1-1.kv")), "{err}");
         let staged = crate::io().block_on(storage.list("checkpoints/shared/op")).unwrap();
         assert!(staged.iter().all(|f| !f.ends_with(".staged")), "{staged:?}");
@@ -577,21 +602,74 @@ mod tests {
         listed.into_iter().filter(|f| f.ends_with(".staged")).collect()
     }
 
-    /// A merge cancelled before it stages its image (its uploader went) stages nothing and
-    /// leaves no scratch files; an uncancelled one of the same chain stages its image.
+    /// A merge asked to stop at any of its checks (each file, each 1 MiB part, each pass, every
+    /// 64K merged entries) fails as cancelled, stages nothing and leaves no scratch files; asked
+    /// at none, the same merge stages its image.
     #[test]
-    fn a_cancelled_merge_stages_nothing_and_leaves_no_scratch() {
+    fn a_merge_stopped_at_any_step_stages_nothing_and_leaves_no_scratch() {
         let root = tempfile::tempdir().unwrap();
         let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
         let local = tempfile::tempdir().unwrap();
-        let chain = uploaded_chain(&storage, "op", 5_000);
-        let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 2, chain };
-        let err = merge(&storage, 1, local.path(), &request, &AtomicBool::new(true)).unwrap_err();
-        assert!(matches!(err, MergeError::Cancelled), "{err}");
-        assert!(staged_files(&storage).is_empty());
-        assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "scratch files are gone");
-        merge(&storage, 1, local.path(), &request, &AtomicBool::new(false)).unwrap();
-        assert_eq!(staged_files(&storage).len(), 1);
+        // Two files of more than one part each, and more than 64K entries.
+        let mut chain = Vec::new();
+        for (f, kind) in [FileKind::KeyedFull, FileKind::KeyedIncrement].into_iter().enumerate() {
+            let mut w = StateFileWriter::new(kind, 1 << 21);
+            for k in (0..70_000u32).map(|i| i + f as u32 * 35_000) {
+                w.put(k % 16, &key(k), b"a value of 24 bytes.....");
+            }
+            let (data, crc32c) = w.finish();
+            assert!(data.len() > PART_BYTES);
+            let id = f as u64 + 1;
+            let rel = layout::shared_keyed_file("op", 0, id, 1);
+            let len = data.len() as u64;
+            crate::io().block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(id), &rel), data)).unwrap();
+            chain.push(FileRef { path: rel, len, crc32c });
+        }
+        let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 3, chain };
+        let mut stop_at = 1;
+        loop {
+            let asked = std::cell::Cell::new(0);
+            let stop = || {
+                asked.set(asked.get() + 1);
+                asked.get() >= stop_at
+            };
+            match merge(&storage, 1, local.path(), &request, &stop) {
+                Err(MergeError::Cancelled) => {
+                    assert!(staged_files(&storage).is_empty(), "stopped at check {stop_at}");
+                    let left = std::fs::read_dir(local.path()).unwrap().count();
+                    assert_eq!(left, 0, "stopped at check {stop_at}: scratch files are gone");
+                }
+                Ok((_, _, _, entries)) => {
+                    assert_eq!(entries, 105_000);
+                    assert_eq!(staged_files(&storage).len(), 1);
+                    break;
+                }
+                Err(e) => panic!("stopped at check {stop_at}: {e}"),
+            }
+            stop_at += 1;
+        }
+        // 2 files, 2 parts or more each, 2 passes and a check before the upload, 3 entry checks.
+        assert!(stop_at > 12, "the merge asked whether to stop only {} times", stop_at - 1);
+    }
+
+    /// A merge staged after its uploader last looked for finished merges is nobody's to adopt:
+    /// when the uploader goes, the merger deletes it.
+    #[test]
+    fn a_merge_staged_after_the_uploaders_last_look_is_deleted_when_it_goes() {
+        let root = tempfile::tempdir().unwrap();
+        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
+        let local = tempfile::tempdir().unwrap();
+        let mut merger = Merger::new("merger-test".into(), storage.clone(), 1, local.path().to_path_buf());
+        let chain = uploaded_chain(&storage, "op", 1_000);
+        assert!(merger.request(MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 2, chain }));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while staged_files(&storage).is_empty() {
+            assert!(Instant::now() < deadline, "the merge was never staged");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let started = merger.cancel().expect("the thread ran").join().unwrap();
+        assert_eq!(started, 1);
+        assert!(staged_files(&storage).is_empty(), "{:?}", staged_files(&storage));
     }
 
     /// Merges queued behind a cancellation never start: the thread ends without merging, and

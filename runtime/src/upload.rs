@@ -120,8 +120,8 @@ pub fn run(
         }
     }
     if let Some(mut m) = merges {
-        // Merges nobody will adopt: the staged files go (one still running stops, or deletes
-        // what it staged when it finds nobody to hand it to).
+        // Merges nobody will adopt: the staged files go (a running merge stops; one staged
+        // after this last look is deleted by the merger's thread when it sees the uploader go).
         let outcomes = m.merger.finished();
         // Not joined: a running merge stops at its next part, and a restart need not wait.
         drop(m.merger.cancel());
