@@ -251,6 +251,22 @@ impl<V: StateValue> KeyedState<V> {
     /// Inserts `key` with `value` unless it exists; whether it was inserted. One lookup where
     /// [`Self::get`] then [`Self::update`] would take two (two store reads for a new key).
     pub fn insert_new(&mut self, key: Key, value: V) -> Result<bool, StoreError> {
+        if self.spill.is_none() {
+            // Heap backend: one probe of the map finds the key or the slot for it (a lookup
+            // and then an insert probed twice; dedupe inserts a new key per record).
+            use griddle::hash_map::Entry;
+            return Ok(match self.map.entry(key) {
+                Entry::Occupied(_) => false,
+                Entry::Vacant(v) => {
+                    let key_group = v.key().key_group(self.max_parallelism);
+                    if !self.scan {
+                        self.changed.push(v.key().clone());
+                    }
+                    v.insert(Slot { value, key_group, dirty: true, touched: true, stored: false });
+                    true
+                }
+            });
+        }
         if self.load(&key)? {
             return Ok(false);
         }
@@ -888,6 +904,8 @@ mod model_tests {
     #[derive(Clone, Debug)]
     enum Op {
         Add(i64, i64),
+        /// Insert unless present, as dedupe does.
+        InsertNew(i64, i64),
         Remove(i64),
         /// Prepare a batch of keys as an operator does before updating them.
         Prefetch(Vec<i64>),
@@ -902,6 +920,7 @@ mod model_tests {
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             8 => (0i64..40, -5i64..5).prop_map(|(k, v)| Op::Add(k, v)),
+            3 => (0i64..40, -5i64..5).prop_map(|(k, v)| Op::InsertNew(k, v)),
             4 => (0i64..40).prop_map(Op::Remove),
             3 => proptest::collection::vec(0i64..40, 1..6).prop_map(Op::Prefetch),
             3 => Just(Op::Checkpoint),
@@ -1043,6 +1062,11 @@ mod model_tests {
                     Op::Add(k, v) => {
                         *subtasks.owner(&key(k)).update(key(k), || 0).unwrap() += v;
                         *model.entry(k).or_default() += v;
+                    }
+                    Op::InsertNew(k, v) => {
+                        let inserted = subtasks.owner(&key(k)).insert_new(key(k), v).unwrap();
+                        prop_assert_eq!(inserted, !model.contains_key(&k));
+                        model.entry(k).or_insert(v);
                     }
                     Op::Remove(k) => {
                         prop_assert_eq!(subtasks.owner(&key(k)).remove(&key(k)).unwrap(), model.remove(&k));
