@@ -164,6 +164,13 @@ pub fn commit_manifest_name(epoch: u64, checkpoint: u64) -> String {
     format!("{COMMITS_DIR}/{epoch:06}-{checkpoint:010}.json")
 }
 
+/// The epoch and checkpoint of a commit manifest's path ([`commit_manifest_name`]).
+fn parse_commit_manifest_name(path: &str) -> Option<(u64, u64)> {
+    let core = path.strip_prefix(COMMITS_DIR)?.strip_prefix('/')?.strip_suffix(".json")?;
+    let (epoch, checkpoint) = core.split_once('-')?;
+    Some((epoch.parse().ok()?, checkpoint.parse().ok()?))
+}
+
 /// Parses a staged or published name of sink `uid` strictly: the fields are read from the
 /// right, so `part-out-2-...` is never taken for a file of uid `out`.
 pub fn parse_name(uid: &str, name: &str) -> Option<OutputName> {
@@ -464,7 +471,19 @@ async fn rewind(
             coming_back.push((path.clone(), name.to_string(), parsed));
         }
     }
-    if moving_out.is_empty() && coming_back.is_empty() {
+    // Commit manifests of checkpoints outside the history go with their files. They are taken
+    // from the listing, not from the files moving now: a recovery killed after it moved the
+    // files and before it moved their manifests left manifests whose files are gone.
+    let manifests_out: Vec<&String> = all
+        .iter()
+        .filter(|p| {
+            parse_commit_manifest_name(p).is_some_and(|(e, n)| {
+                let probe = OutputName { staged: false, epoch: e, checkpoint: n, subtask: 0 };
+                e < epoch && history.wants(&probe) == Some(false)
+            })
+        })
+        .collect();
+    if moving_out.is_empty() && coming_back.is_empty() && manifests_out.is_empty() {
         return Ok(());
     }
     let moved_dir = format!("{SUPERSEDED_DIR}/{epoch:06}");
@@ -498,15 +517,12 @@ async fn rewind(
     dir.put(&format!("{moved_dir}/_manifest-{uid}.json"), Bytes::from(body))
         .await
         .map_err(fail("writing the superseded manifest"))?;
+    for m in manifests_out {
+        dir.rename(m, &format!("{moved_dir}/{m}")).await.map_err(fail("moving superseded commit manifests"))?;
+    }
     for (name, _) in &moving_out {
         dir.rename(name, &format!("{moved_dir}/{name}")).await.map_err(fail("moving superseded output"))?;
         report.superseded.push(name.clone());
-    }
-    for (e, n) in moving_out.iter().map(|(_, p)| (p.epoch, p.checkpoint)).collect::<BTreeSet<_>>() {
-        let m = commit_manifest_name(e, n);
-        if dir.size(&m).await.map_err(fail("reading commit manifests"))?.is_some() {
-            dir.rename(&m, &format!("{moved_dir}/{m}")).await.map_err(fail("moving superseded commit manifests"))?;
-        }
     }
     for (from, name, parsed) in &coming_back {
         dir.rename(from, name).await.map_err(fail("bringing output of the restored history back"))?;
@@ -743,6 +759,41 @@ mod tests {
             b"c\n",
             "moved, not lost"
         );
+    }
+
+    /// A recovery killed after its rewind moved the files and before it moved their commit
+    /// manifests left manifests listing files that are gone: the next recovery moves them too.
+    #[tokio::test]
+    async fn a_rewind_cut_short_before_the_manifests_moved_is_finished_by_the_next_recovery() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Storage::open(dir.path().to_str().unwrap()).unwrap();
+        for n in [3u64, 5, 6] {
+            let c = committable(&s, 1, n, 0, b"");
+            s.put(&c.published, Bytes::from_static(b"x\n")).await.unwrap();
+            write_commit_manifest(&s, &CommitManifest { uid: "o".into(), epoch: 1, checkpoint: n, files: vec![] })
+                .await
+                .unwrap();
+        }
+        // Epoch 2's rewind to checkpoint 4 moved the files of 5 and 6, then its process died.
+        for n in [5u64, 6] {
+            let name = published_name("o", 1, n, 0);
+            s.rename(&name, &format!("_superseded/000002/{name}")).await.unwrap();
+        }
+        recover(&s, "o", 3, input(&[], &OutputHistory::After(4), 6)).await.unwrap();
+        let left = s.list("").await.unwrap();
+        assert!(left.contains(&commit_manifest_name(1, 3)), "{left:?}");
+        for n in [5u64, 6] {
+            assert!(!left.contains(&commit_manifest_name(1, n)), "{left:?}");
+            assert!(left.contains(&format!("_superseded/000003/{}", commit_manifest_name(1, n))), "{left:?}");
+            assert!(left.contains(&format!("_superseded/000002/{}", published_name("o", 1, n, 0))), "{left:?}");
+        }
+    }
+
+    #[test]
+    fn commit_manifest_names_parse_back() {
+        assert_eq!(parse_commit_manifest_name(&commit_manifest_name(7, 1234)), Some((7, 1234)));
+        assert_eq!(parse_commit_manifest_name("_commits/000007-0000001234.json#3"), None);
+        assert_eq!(parse_commit_manifest_name("_superseded/000002/_commits/000007-0000001234.json"), None);
     }
 
     #[tokio::test]
