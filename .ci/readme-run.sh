@@ -41,8 +41,14 @@ if ldd "$bin" | grep -E 'librocksdb|librdkafka|libstdc\+\+'; then
   echo "readme-run: the README's runtime links a system library it must not need" >&2
   exit 1
 fi
-# The same build refuses the rocksdb backend, naming the field.
+# The same build refuses the rocksdb backend, naming the field; `validate` warns of it.
 sed 's/^checkpointing:/stateBackend: rocksdb\ncheckpointing:/' examples/wordcount.yaml > "$scratch/rocksdb.yaml"
+warned=$("$bin" validate "$scratch/rocksdb.yaml" 2>&1)
+if ! grep -q 'warning: .*this build cannot run the job: stateBackend: .*`rocksdb` feature' <<<"$warned"; then
+  echo "readme-run: validate does not warn that this build cannot run a rocksdb job:" >&2
+  echo "$warned" >&2
+  exit 1
+fi
 if refused=$(cd "$scratch" && "$bin" run rocksdb.yaml --fresh 2>&1); then
   echo "readme-run: a job with stateBackend: rocksdb ran on a runtime built without the backend" >&2
   exit 1

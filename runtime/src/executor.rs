@@ -189,6 +189,21 @@ impl Running {
     }
 }
 
+/// The first part of `job` that this build of the runtime leaves out (a cargo feature that was
+/// off), as the error a run of it fails with.
+pub fn missing_feature(job: &ValidatedJob) -> Option<JobError> {
+    if !cfg!(feature = "kafka") {
+        if let Some(n) = job.nodes.iter().find(|n| matches!(n.kind, NodeKind::KafkaSource(_) | NodeKind::KafkaSink(_)))
+        {
+            return Some(JobError::MissingFeature { path: n.path.clone(), feature: "kafka" });
+        }
+    }
+    if !cfg!(feature = "rocksdb") && job.spec.state_backend == StateBackendKind::Rocksdb {
+        return Some(JobError::MissingFeature { path: "stateBackend".into(), feature: "rocksdb" });
+    }
+    None
+}
+
 /// Runs a job to its end.
 pub fn run_job(
     job: &ValidatedJob,
@@ -196,14 +211,8 @@ pub fn run_job(
     metrics: Arc<JobMetrics>,
     requests: Receiver<Request>,
 ) -> Result<JobOutcome, JobError> {
-    if !cfg!(feature = "kafka") {
-        if let Some(n) = job.nodes.iter().find(|n| matches!(n.kind, NodeKind::KafkaSource(_) | NodeKind::KafkaSink(_)))
-        {
-            return Err(JobError::MissingFeature { path: n.path.clone(), feature: "kafka" });
-        }
-    }
-    if !cfg!(feature = "rocksdb") && job.spec.state_backend == StateBackendKind::Rocksdb {
-        return Err(JobError::MissingFeature { path: "stateBackend".into(), feature: "rocksdb" });
+    if let Some(missing) = missing_feature(job) {
+        return Err(missing);
     }
     let storage = Storage::open(&storage_url(job, opts))?;
     let faults = Faults::new(opts.faults.clone(), metrics.clone());

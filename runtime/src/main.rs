@@ -383,6 +383,11 @@ fn validate(path: &str) -> ExitCode {
         let names: Vec<&str> = v.nodes.iter().map(|&n| job.nodes[n].name.as_str()).collect();
         println!("  {} × {}", names.join(" → "), v.parallelism);
     }
+    // Valid wherever the runtime has every feature (the operator's image does), but this build
+    // would refuse to run it.
+    if let Some(missing) = weir_runtime::executor::missing_feature(&job) {
+        eprintln!("warning: {path}: this build cannot run the job: {missing}");
+    }
     ExitCode::SUCCESS
 }
 
