@@ -5,11 +5,13 @@
 //! ([`weir_crds::job::CheckpointingSpec::background_full_image_above`]) the task writes only
 //! increments, and once a chain is longer than `fullEvery` files its uploader asks this merger
 //! for a new full image:
-//! 1. every file of the chain is downloaded to local disk and verified (length and CRC-32C),
-//!    then read in parts into a [`BulkLoad`] (sorted runs, spilled to disk: memory stays
-//!    bounded whatever the state's size);
+//! 1. every file of the chain is downloaded to local disk, verified (length and CRC-32C) and
+//!    its entries counted, then read in parts into a [`BulkLoad`] (sorted runs, spilled to
+//!    disk: memory stays bounded whatever the state's size), each entry under the bucket the
+//!    heap backend's map gives its key at that count, then its key;
 //! 2. the runs are merged (the newest entry of a key wins; a deletion leaves nothing) into
-//!    one full image, streamed to a local file and uploaded as a *staged* merge
+//!    one full image, in the map's bucket order (so that a heap restore fills its table front
+//!    to back), streamed to a local file and uploaded as a *staged* merge
 //!    ([`layout::shared_staged_merge`]);
 //! 3. the uploader's next checkpoint adopts it when its chain still begins with the files
 //!    merged: it renames it to a file that checkpoint creates ([`layout::shared_merged_file`])
@@ -356,16 +358,23 @@ pub fn merge(
         }
         Ok(())
     };
+    let merge_failed = |e: StoreError| match e {
+        _ if stopped.get() => MergeError::Cancelled,
+        StoreError::SpillImage(io) => MergeError::WriteImage(io),
+        e => MergeError::Merge(e),
+    };
     let n = NEXT_SCRATCH.fetch_add(1, Ordering::Relaxed);
     let scratch = Scratch(local_dir.join(format!("merge-{}-{n}", std::process::id())));
     std::fs::create_dir_all(&scratch.0).map_err(MergeError::WriteImage)?;
     let dir = layout::checkpoint_dir(request.checkpoint_id);
-    let mut load = BulkLoad::with_limits(&scratch.0.join("runs"), RUN_BYTES, MERGE_FAN_IN);
-    let input = scratch.0.join("input");
-    let mut raw = Vec::with_capacity(64);
-    for file in &request.chain {
+    // Step 1: every file of the chain, downloaded, verified and its entries counted. The count
+    // bounds the live entries, and so the size of the heap map a restore reserves.
+    let mut inputs = Vec::with_capacity(request.chain.len());
+    let mut chain_entries = 0u64;
+    for (i, file) in request.chain.iter().enumerate() {
         check()?;
         let path = layout::resolve(&dir, &file.path);
+        let input = scratch.0.join(format!("input-{i}"));
         let (len, crc) = crate::io()
             .block_on(storage.get_to_file(&path, &input))
             .map_err(|source| MergeError::Download { path: path.clone(), source: Box::new(source) })?;
@@ -376,85 +385,42 @@ pub fn merge(
             );
             return Err(MergeError::Mismatch { path, reason });
         }
-        let read_failed = |reason: String| MergeError::Read { path: path.clone(), reason };
-        let opened = std::fs::File::open(&input).map_err(|e| read_failed(e.to_string()))?;
-        let parts = format::read_keyed_parts(opened, len, PART_BYTES, |body| {
-            part_check()?;
-            for entry in format::keyed_entries(body) {
-                let entry = entry?;
-                raw.clear();
-                StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
-                load.add(&raw, entry.value)?;
-            }
-            Ok::<(), Stop>(())
-        });
-        match parts {
-            Ok(_) => {}
-            Err(PartsError::Read(e)) => return Err(read_failed(e.to_string())),
-            Err(PartsError::Format(e)) => return Err(read_failed(e.to_string())),
-            Err(PartsError::Consume(Stop::Store(StoreError::Decode(e)))) => return Err(read_failed(e.to_string())),
-            Err(PartsError::Consume(Stop::Store(e))) => return Err(MergeError::Merge(e)),
-            Err(PartsError::Consume(Stop::Cancelled)) => return Err(MergeError::Cancelled),
-        }
-        let _ = std::fs::remove_file(&input);
+        read_entries(&input, len, &path, &part_check, |_| {
+            chain_entries += 1;
+            Ok(())
+        })?;
+        inputs.push((path, input, len));
     }
-    let merge_failed = |e: StoreError| match e {
-        _ if stopped.get() => MergeError::Cancelled,
-        StoreError::SpillImage(io) => MergeError::WriteImage(io),
-        e => MergeError::Merge(e),
-    };
-    // Pass 1: the live entries, in key order, into a local file; how many there are.
-    check()?;
-    let live = scratch.0.join("live");
-    let mut out =
-        StateFileStream::new(FileKind::KeyedFull, SyncedWriter::create(&live).map_err(MergeError::WriteImage)?);
-    load.into_live_entries(|raw, value| {
-        entry_check()?;
-        let (key_group, key) = StateStore::split_key(raw)?;
-        out.put(key_group, key, value).map_err(StoreError::SpillImage)
-    })
-    .map_err(merge_failed)?;
-    let live_entries = out.entries();
-    let (writer, live_len, _) = out.finish().map_err(MergeError::WriteImage)?;
-    writer.sync_all().map_err(MergeError::WriteImage)?;
-    // Pass 2: the same entries in the order of the buckets a heap restore puts them in, which
-    // then fills its table front to back (3 times faster than in key order at 20M entries).
-    let mut by_bucket = BulkLoad::with_limits(&scratch.0.join("by-bucket"), RUN_BYTES, MERGE_FAN_IN);
-    let mask = heap_buckets(live_entries) - 1;
-    let opened = std::fs::File::open(&live).map_err(MergeError::WriteImage)?;
+    // Step 2: the entries sorted by the heap map's bucket for that bound, then by key, and
+    // merged (the newest entry of a key wins; a deletion leaves nothing). A key's entries share
+    // a bucket, so they meet in the merge; and a restore, whose map has the same or fewer
+    // buckets (the bound counts every entry of the chain, the restore only the live ones),
+    // fills its table in a few front-to-back sweeps instead of at random.
+    let mask = heap_buckets(chain_entries) - 1;
+    let mut load = BulkLoad::with_limits(&scratch.0.join("runs"), RUN_BYTES, MERGE_FAN_IN);
     let mut sort_key = Vec::with_capacity(64);
-    check()?;
-    let reordered = format::read_keyed_parts(opened, live_len, PART_BYTES, |body| {
-        part_check()?;
-        for entry in format::keyed_entries(body) {
-            let entry = entry?;
+    for (path, input, len) in &inputs {
+        check()?;
+        read_entries(input, *len, path, &part_check, |entry| {
             let bucket = heap_hash(entry.key)? & mask;
             sort_key.clear();
             sort_key.extend_from_slice(&bucket.to_be_bytes());
             StateStore::encoded_key(entry.key_group, entry.key, &mut sort_key);
-            by_bucket.add(&sort_key, entry.value)?;
-        }
-        Ok::<(), Stop>(())
-    });
-    match reordered {
-        Ok(_) => {}
-        Err(PartsError::Read(e)) => return Err(MergeError::WriteImage(e)),
-        Err(PartsError::Format(e)) => return Err(MergeError::Merge(StoreError::Decode(e))),
-        Err(PartsError::Consume(Stop::Store(e))) => return Err(merge_failed(e)),
-        Err(PartsError::Consume(Stop::Cancelled)) => return Err(MergeError::Cancelled),
+            load.add(&sort_key, entry.value)?;
+            Ok(())
+        })?;
+        let _ = std::fs::remove_file(input);
     }
-    let _ = std::fs::remove_file(&live);
     check()?;
     let image = scratch.0.join("image");
     let mut out =
         StateFileStream::new(FileKind::KeyedFull, SyncedWriter::create(&image).map_err(MergeError::WriteImage)?);
-    by_bucket
-        .into_live_entries(|raw, value| {
-            entry_check()?;
-            let (key_group, key) = StateStore::split_key(&raw[8..])?;
-            out.put(key_group, key, value).map_err(StoreError::SpillImage)
-        })
-        .map_err(merge_failed)?;
+    load.into_live_entries(|raw, value| {
+        entry_check()?;
+        let (key_group, key) = StateStore::split_key(&raw[8..])?;
+        out.put(key_group, key, value).map_err(StoreError::SpillImage)
+    })
+    .map_err(merge_failed)?;
     let entries = out.entries();
     let (writer, len, crc) = out.finish().map_err(MergeError::WriteImage)?;
     writer.sync_all().map_err(MergeError::WriteImage)?;
@@ -465,6 +431,34 @@ pub fn merge(
     );
     crate::io().block_on(storage.put_file(&staged, &image)).map_err(|e| MergeError::Upload(Box::new(e)))?;
     Ok((staged, len, crc, entries))
+}
+
+/// Calls `each` with every entry of the verified local copy `input` of the chain file `path`,
+/// read in parts of [`PART_BYTES`], asking `part_check` before each part.
+fn read_entries(
+    input: &Path,
+    len: u64,
+    path: &str,
+    part_check: &dyn Fn() -> Result<(), Stop>,
+    mut each: impl FnMut(format::KeyedEntry<'_>) -> Result<(), Stop>,
+) -> Result<(), MergeError> {
+    let read_failed = |reason: String| MergeError::Read { path: path.to_string(), reason };
+    let opened = std::fs::File::open(input).map_err(|e| read_failed(e.to_string()))?;
+    let parts = format::read_keyed_parts(opened, len, PART_BYTES, |body| {
+        part_check()?;
+        for entry in format::keyed_entries(body) {
+            each(entry?)?;
+        }
+        Ok::<(), Stop>(())
+    });
+    match parts {
+        Ok(_) => Ok(()),
+        Err(PartsError::Read(e)) => Err(read_failed(e.to_string())),
+        Err(PartsError::Format(e)) => Err(read_failed(e.to_string())),
+        Err(PartsError::Consume(Stop::Store(StoreError::Decode(e)))) => Err(read_failed(e.to_string())),
+        Err(PartsError::Consume(Stop::Store(e))) => Err(MergeError::Merge(e)),
+        Err(PartsError::Consume(Stop::Cancelled)) => Err(MergeError::Cancelled),
+    }
 }
 
 /// The buckets of the heap backend's map after reserving room for `entries` (hashbrown's
@@ -510,6 +504,7 @@ mod tests {
                 crate::value::mix64(seed << 32 | drawn)
             };
             let mut model: BTreeMap<(u32, Vec<u8>), Vec<u8>> = BTreeMap::new();
+            let mut written = 0u64;
             let mut chain = Vec::new();
             for f in 0..(2 + next() % 8) {
                 let kind = if f == 0 { FileKind::KeyedFull } else { FileKind::KeyedIncrement };
@@ -519,10 +514,12 @@ mod tests {
                     let kg = i % 16;
                     if kind == FileKind::KeyedIncrement && next() % 4 == 0 {
                         w.delete(kg, &key(i));
+                        written += 1;
                         model.remove(&(kg, key(i)));
                     } else {
                         let value = format!("v{seed}-{f}-{}", next() % 100).into_bytes();
                         w.put(kg, &key(i), &value);
+                        written += 1;
                         model.insert((kg, key(i)), value);
                     }
                 }
@@ -541,7 +538,8 @@ mod tests {
             let (kind, body) = format::open(&bytes).unwrap();
             assert_eq!(kind, FileKind::KeyedFull);
             let mut merged = BTreeMap::new();
-            let mask = heap_buckets(entries) - 1;
+            // The bucket order of a map sized for every entry of the chain.
+            let mask = heap_buckets(written) - 1;
             let mut last_bucket = 0;
             for e in format::keyed_entries(body) {
                 let e = e.unwrap();
@@ -648,7 +646,8 @@ mod tests {
             }
             stop_at += 1;
         }
-        // 2 files, 2 parts or more each, 2 passes and a check before the upload, 3 entry checks.
+        // 2 files read twice (a check per file and per part: at least 12), one before the merge,
+        // one every 64K merged entries and one before the upload.
         assert!(stop_at > 12, "the merge asked whether to stop only {} times", stop_at - 1);
     }
 
