@@ -483,6 +483,14 @@ mod tests {
     use std::collections::BTreeMap;
     use weir_checkpoint::format::StateFileWriter;
 
+    /// Local checkpoint storage in a temporary directory (kept alive by the first value), and
+    /// a temporary directory for a merge's scratch files.
+    fn storage_and_scratch() -> (tempfile::TempDir, Storage, tempfile::TempDir) {
+        let root = tempfile::tempdir().unwrap();
+        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
+        (root, storage, tempfile::tempdir().unwrap())
+    }
+
     fn key(i: u32) -> Vec<u8> {
         let mut e = weir_checkpoint::format::Encoder::with_capacity(16);
         crate::value::Key::One(crate::value::Value::Str(format!("key-{i}").into())).encode(&mut e);
@@ -494,9 +502,7 @@ mod tests {
     /// the chain in order holds, and the scratch files are gone afterwards.
     #[test]
     fn a_merged_chain_holds_what_applying_it_in_order_holds() {
-        let root = tempfile::tempdir().unwrap();
-        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
-        let local = tempfile::tempdir().unwrap();
+        let (_root, storage, local) = storage_and_scratch();
         for seed in 1..=5u64 {
             let mut drawn = 0u64;
             let mut next = move || {
@@ -560,9 +566,7 @@ mod tests {
     /// naming the file; nothing is staged.
     #[test]
     fn a_damaged_chain_file_fails_the_merge_and_stages_nothing() {
-        let root = tempfile::tempdir().unwrap();
-        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
-        let local = tempfile::tempdir().unwrap();
+        let (_root, storage, local) = storage_and_scratch();
         let mut w = StateFileWriter::new(FileKind::KeyedFull, 64);
         w.put(1, b"k", b"v");
         let (data, crc32c) = w.finish();
@@ -605,9 +609,7 @@ mod tests {
     /// at none, the same merge stages its image.
     #[test]
     fn a_merge_stopped_at_any_step_stages_nothing_and_leaves_no_scratch() {
-        let root = tempfile::tempdir().unwrap();
-        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
-        let local = tempfile::tempdir().unwrap();
+        let (_root, storage, local) = storage_and_scratch();
         // Two files of more than one part each, and more than 64K entries.
         let mut chain = Vec::new();
         for (f, kind) in [FileKind::KeyedFull, FileKind::KeyedIncrement].into_iter().enumerate() {
@@ -655,9 +657,7 @@ mod tests {
     /// when the uploader goes, the merger deletes it.
     #[test]
     fn a_merge_staged_after_the_uploaders_last_look_is_deleted_when_it_goes() {
-        let root = tempfile::tempdir().unwrap();
-        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
-        let local = tempfile::tempdir().unwrap();
+        let (_root, storage, local) = storage_and_scratch();
         let mut merger = Merger::new("merger-test".into(), storage.clone(), 1, local.path().to_path_buf());
         let chain = uploaded_chain(&storage, "op", 1_000);
         assert!(merger.request(MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 2, chain }));
@@ -675,9 +675,7 @@ mod tests {
     /// nothing is staged.
     #[test]
     fn a_cancelled_merger_starts_none_of_its_queued_merges() {
-        let root = tempfile::tempdir().unwrap();
-        let storage = Storage::open(root.path().to_str().unwrap()).unwrap();
-        let local = tempfile::tempdir().unwrap();
+        let (_root, storage, local) = storage_and_scratch();
         let mut merger = Merger::new("merger-test".into(), storage.clone(), 1, local.path().to_path_buf());
         merger.cancelled.store(true, Ordering::Release);
         for uid in ["a", "b", "c"] {
