@@ -42,7 +42,7 @@ use weir_checkpoint::local::SyncedWriter;
 use weir_checkpoint::{layout, FileRef, Storage, StorageError};
 
 use crate::state::bulk::BulkLoad;
-use crate::state::{StateStore, StoreError};
+use crate::state::{heap_buckets, StateStore, StoreError};
 
 /// How much of a downloaded file is read at once.
 const PART_BYTES: usize = 1 << 20;
@@ -459,15 +459,6 @@ fn read_entries(
         Err(PartsError::Consume(Stop::Store(e))) => Err(MergeError::Merge(e)),
         Err(PartsError::Consume(Stop::Cancelled)) => Err(MergeError::Cancelled),
     }
-}
-
-/// The buckets of the heap backend's map after reserving room for `entries` (hashbrown's
-/// rule: room for 7/8 of the buckets, a power of two).
-fn heap_buckets(entries: u64) -> u64 {
-    if entries < 8 {
-        return if entries < 4 { 4 } else { 8 };
-    }
-    (entries.saturating_mul(8) / 7).next_power_of_two()
 }
 
 /// The hash the heap backend's map gives an encoded key (its bucket is the hash's low bits).

@@ -911,7 +911,12 @@ impl Executor<'_> {
                 let mut more = coord.completed(id, now_ms());
                 let path = self.storage.url_of(&dir);
                 self.record(id, kind, &dir, t0, CheckpointOutcome::Completed, bytes, None);
-                tracing::debug!(checkpoint = id, bytes, "checkpoint complete");
+                tracing::debug!(
+                    checkpoint = id,
+                    bytes,
+                    duration_ms = now_ms().saturating_sub(t0),
+                    "checkpoint complete"
+                );
                 if self.faults.fires(Fault::AbortBeforeCommit) {
                     tracing::error!(
                         checkpoint = id,

@@ -220,7 +220,15 @@ impl Task {
                 parts.push((uid.clone(), p));
             }
         }
-        self.metrics.snapshot_sync_seconds.inc_by(started.elapsed().as_secs_f64());
+        let sync = started.elapsed();
+        self.metrics.snapshot_sync_seconds.inc_by(sync.as_secs_f64());
+        tracing::debug!(
+            checkpoint = barrier.id,
+            task = %self.name,
+            sync_ms = sync.as_millis() as u64,
+            alignment_ms = alignment.as_millis() as u64,
+            "snapshot taken"
+        );
         for o in &self.outputs {
             let b = barrier.clone();
             o.broadcast(move || Message::Barrier(b.clone()))?;

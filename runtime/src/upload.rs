@@ -93,7 +93,15 @@ pub fn run(
         if let (Some(m), true) = (&mut merges, checkpoint) {
             crate::io().block_on(adopt_merges(&storage, epoch, m, &mut chains, id, subtask, &flags));
         }
+        let started = std::time::Instant::now();
         let result = crate::io().block_on(upload(&storage, epoch, &faults, &mut chains, &mut unstaged, job));
+        tracing::debug!(
+            checkpoint = id,
+            task,
+            upload_ms = started.elapsed().as_millis() as u64,
+            bytes = result.as_ref().map(|a| a.bytes).unwrap_or(0),
+            "snapshot uploaded"
+        );
         match (&result, checkpoint) {
             (Ok(_), true) => {
                 if let Some(m) = &mut merges {
