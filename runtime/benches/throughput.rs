@@ -37,6 +37,8 @@ struct Run {
     sync_seconds: f64,
     /// Full images merged in the background and adopted.
     merges: u64,
+    /// CPU seconds of the task threads (records and snapshots' synchronous part).
+    task_cpu: f64,
 }
 
 impl Run {
@@ -85,7 +87,14 @@ fn run(yaml: &str, dir: &std::path::Path) -> Run {
         checkpoints: metrics.checkpoints_completed.get(),
         sync_seconds: metrics.snapshot_sync_seconds.get(),
         merges: metrics.state_merges.get(),
+        task_cpu: metrics.task_cpu_seconds.get(),
     }
+}
+
+/// The share of a run's CPU time spent outside its task threads: uploads, background merges,
+/// the coordinator.
+fn outside_tasks(r: &Run) -> f64 {
+    1.0 - r.task_cpu / r.cpu
 }
 
 /// The job's state backend lines: the heap, or rocksdb with a cache of `cache` entries.
@@ -344,6 +353,15 @@ fn main() {
     }
     let pair_overheads: Vec<String> =
         offs.iter().zip(&ons).map(|(a, b)| format!("{:+.1}%", (1.0 - b.per_cpu() / a.per_cpu()) * 100.0)).collect();
+    // Checkpointing's direct CPU cost within each pair, which the machine's noise moves far
+    // less than the ratio of two runs' rates: the synchronous part on the task threads, plus
+    // the growth of the CPU share outside them (uploads, merges) against the run without.
+    let mut direct_costs: Vec<f64> = offs
+        .iter()
+        .zip(&ons)
+        .map(|(off, on)| on.sync_seconds / on.cpu + outside_tasks(on) - outside_tasks(off))
+        .collect();
+    direct_costs.sort_by(f64::total_cmp);
     let off = median_run(offs);
     let on = median_run(ons);
     let (restore_s_per_gib, restore_bytes) =
@@ -411,6 +429,13 @@ fn main() {
     println!(
         "synchronous snapshots, keyed count with checkpoints: {:.1}% of its CPU time",
         on.sync_seconds / on.cpu * 100.0
+    );
+    println!(
+        "checkpointing's direct CPU cost, keyed count (synchronous part + growth of the CPU outside the task \
+         threads, {:.1}% without checkpoints): median {:.1}% of the job's CPU (each pair: {})",
+        outside_tasks(&off) * 100.0,
+        direct_costs[direct_costs.len() / 2] * 100.0,
+        direct_costs.iter().map(|c| format!("{:.1}%", c * 100.0)).collect::<Vec<_>>().join(", ")
     );
     println!(
         "checkpoint overhead, sliding window: {:+.1}% records/s, {:+.1}% records/CPU-s",

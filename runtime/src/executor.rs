@@ -754,12 +754,14 @@ impl Executor<'_> {
             );
             let ev = events.clone();
             let name = task.name.clone();
+            let metrics = self.metrics.clone();
             running.tasks.push(
                 std::thread::Builder::new()
                     .name(name.clone())
                     .spawn(move || {
                         let id = task.id;
                         let result = std::panic::catch_unwind(AssertUnwindSafe(move || task.run()));
+                        metrics.add_task_cpu();
                         let event = match result {
                             Ok(Ok(TaskEnd::Finished)) => Event::TaskFinished { task: id },
                             Ok(Ok(TaskEnd::Cancelled)) | Ok(Err(TaskError::Shutdown)) => return,
