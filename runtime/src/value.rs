@@ -5,6 +5,7 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
+use smol_str::SmolStr;
 use weir_checkpoint::format::{Decoder, Encoder, FormatError};
 
 /// One field value.
@@ -18,8 +19,9 @@ pub enum Value {
     Int(i64),
     /// 64-bit float.
     Float(f64),
-    /// Immutable, cheaply cloned string.
-    Str(Arc<str>),
+    /// Immutable string, cheaply cloned: up to 23 bytes held inline (no allocation, and no
+    /// pointer to follow when a key is hashed or compared), longer ones shared.
+    Str(SmolStr),
 }
 
 impl PartialEq for Value {
@@ -64,7 +66,7 @@ impl fmt::Display for Value {
 impl Value {
     /// A string value.
     pub fn str(s: &str) -> Value {
-        Value::Str(Arc::from(s))
+        Value::Str(SmolStr::new(s))
     }
 
     /// Appends the value as JSON.
@@ -129,7 +131,7 @@ impl Value {
             5 => {
                 let at = d.position();
                 let raw = d.bytes()?;
-                Value::Str(Arc::from(std::str::from_utf8(raw).map_err(|_| FormatError::Malformed(at))?))
+                Value::Str(SmolStr::new(std::str::from_utf8(raw).map_err(|_| FormatError::Malformed(at))?))
             }
             _ => return Err(FormatError::Malformed(d.position())),
         })
@@ -308,6 +310,24 @@ pub fn write_json_line(schema: &[String], record: &Record, out: &mut Vec<u8>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A value stays 24 bytes with strings inline (state entries and records are sized by it),
+    /// and a short string needs no allocation while a long one is shared, both read back whole.
+    #[test]
+    fn strings_up_to_23_bytes_are_inline_and_values_stay_24_bytes() {
+        assert_eq!(std::mem::size_of::<Value>(), 24);
+        let short = Value::str("kalomine-23-bytes-long!");
+        let Value::Str(s) = &short else { unreachable!() };
+        assert!(!s.is_heap_allocated(), "23 bytes are held inline");
+        let long = Value::str("kalomine-24-bytes-long!!");
+        let Value::Str(l) = &long else { unreachable!() };
+        assert!(l.is_heap_allocated());
+        for v in [short, long] {
+            let mut e = Encoder::default();
+            v.encode(&mut e);
+            assert_eq!(Value::decode(&mut Decoder::new(&e.buf)).unwrap(), v);
+        }
+    }
 
     #[test]
     fn key_group_ranges_partition_and_invert() {

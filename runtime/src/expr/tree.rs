@@ -11,9 +11,8 @@
 //! so results and error messages are the interpreter's. A differential test checks that the
 //! tree, when it answers, answers as the interpreter does.
 
-use std::sync::Arc;
-
 use cel::common::ast::{operators, Expr as Ast, IdedExpr, LiteralValue};
+use smol_str::{SmolStr, StrExt};
 
 use crate::value::{Record, Value};
 
@@ -33,7 +32,7 @@ pub enum V {
     /// A double.
     Float(f64),
     /// A string (field strings are shared, not copied).
-    Str(Arc<str>),
+    Str(SmolStr),
     /// A list.
     List(Vec<V>),
 }
@@ -162,7 +161,7 @@ pub fn lower(e: &IdedExpr, inputs: &[(usize, String)]) -> Option<Node> {
             LiteralValue::Boolean(v) => V::Bool(*v.inner()),
             LiteralValue::Int(v) => V::Int(*v.inner()),
             LiteralValue::Double(v) => V::Float(*v.inner()),
-            LiteralValue::String(v) => V::Str(Arc::from(v.inner())),
+            LiteralValue::String(v) => V::Str(SmolStr::new(v.inner())),
             LiteralValue::Null => V::Null,
             LiteralValue::Bytes(_) | LiteralValue::UInt(_) => return None,
         }),
@@ -251,7 +250,7 @@ impl Node {
             },
             Node::Split(s, sep) => match (s.eval(record)?, sep.eval(record)?) {
                 (V::Str(s), V::Str(sep)) if !sep.is_empty() => {
-                    Ok(V::List(s.split(&*sep).map(|p| V::Str(Arc::from(p))).collect()))
+                    Ok(V::List(s.split(sep.as_str()).map(|p| V::Str(SmolStr::new(p))).collect()))
                 }
                 _ => Err(Fallback),
             },
@@ -335,7 +334,7 @@ fn binary(op: BinOp, l: V, r: V) -> R {
                 let mut s = String::with_capacity(x.len() + y.len());
                 s.push_str(&x);
                 s.push_str(&y);
-                V::Str(Arc::from(s))
+                V::Str(SmolStr::from(s))
             }
             (V::List(mut x), V::List(y)) => {
                 x.extend(y);
@@ -376,11 +375,11 @@ fn unary(f: Unary, x: V) -> R {
         (Unary::ToDouble, V::Int(i)) => V::Float(i as f64),
         (Unary::ToDouble, V::Float(v)) => V::Float(v),
         (Unary::ToString, V::Str(s)) => V::Str(s),
-        (Unary::ToString, V::Int(i)) => V::Str(Arc::from(i.to_string())),
-        (Unary::ToString, V::Bool(b)) => V::Str(Arc::from(if b { "true" } else { "false" })),
-        (Unary::Lower, V::Str(s)) => V::Str(Arc::from(s.to_ascii_lowercase())),
-        (Unary::Upper, V::Str(s)) => V::Str(Arc::from(s.to_ascii_uppercase())),
-        (Unary::Trim, V::Str(s)) => V::Str(Arc::from(s.trim())),
+        (Unary::ToString, V::Int(i)) => V::Str(SmolStr::from(i.to_string())),
+        (Unary::ToString, V::Bool(b)) => V::Str(SmolStr::new_static(if b { "true" } else { "false" })),
+        (Unary::Lower, V::Str(s)) => V::Str(s.to_ascii_lowercase_smolstr()),
+        (Unary::Upper, V::Str(s)) => V::Str(s.to_ascii_uppercase_smolstr()),
+        (Unary::Trim, V::Str(s)) => V::Str(SmolStr::new(s.trim())),
         _ => return Err(Fallback),
     })
 }

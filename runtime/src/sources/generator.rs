@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use smol_str::SmolStr;
 use weir_crds::job::GeneratorSpec;
 
 use crate::operator::TaskError;
@@ -24,7 +25,7 @@ enum FieldGen {
 
 /// Words for `word` and `text` fields: precomputed up to a size, formatted beyond it.
 #[derive(Clone)]
-struct Vocabulary(Arc<Vec<Arc<str>>>);
+struct Vocabulary(Arc<Vec<SmolStr>>);
 
 const SYLLABLES: [&str; 16] =
     ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "de", "ba", "zu", "po", "fe", "gi", "ha", "jo"];
@@ -44,13 +45,13 @@ fn word_text(mut i: u64) -> String {
 impl Vocabulary {
     fn new(size: u64) -> Self {
         let n = size.min(100_000);
-        Vocabulary(Arc::new((0..n).map(|i| Arc::from(word_text(i).as_str())).collect()))
+        Vocabulary(Arc::new((0..n).map(|i| SmolStr::from(word_text(i))).collect()))
     }
 
-    fn word(&self, i: u64) -> Arc<str> {
+    fn word(&self, i: u64) -> SmolStr {
         match self.0.get(i as usize) {
             Some(w) => w.clone(),
-            None => Arc::from(word_text(i).as_str()),
+            None => SmolStr::from(word_text(i)),
         }
     }
 }
