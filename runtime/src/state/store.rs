@@ -54,6 +54,9 @@ pub enum StoreError {
     /// A restore's sorted runs could not be written to or read from local disk.
     #[error("bulk-loading restored state through local disk: {0}")]
     BulkLoad(std::io::Error),
+    /// A restore could not start the thread that decodes a state file.
+    #[error("starting a restore's decoding thread: {0}")]
+    RestoreThread(std::io::Error),
     /// A restore's table file could not be written.
     #[error("writing a table file of restored state: {0}")]
     WriteTable(EngineError),
