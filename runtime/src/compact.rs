@@ -202,6 +202,7 @@ impl Merger {
             let (storage, epoch, local_dir) = (self.storage.clone(), self.epoch, self.local_dir.clone());
             let cancelled = self.cancelled.clone();
             let spawned = std::thread::Builder::new().name(self.name.clone()).spawn(move || {
+                lower_this_threads_priority();
                 // Scratch files of merges a killed process left behind.
                 crate::state::store::remove_stores_of_dead_processes(&local_dir);
                 let mut started_merges = 0;
@@ -433,6 +434,21 @@ pub fn merge(
     Ok((staged, len, crc, entries))
 }
 
+/// How much lower the merger thread's CPU priority is than the tasks' (a nice value): a merge
+/// is background work, and when the cores are busy the tasks' records, and the snapshots that
+/// stop them, come first.
+const MERGER_NICENESS: i32 = 10;
+
+/// Lowers the calling thread's CPU priority by [`MERGER_NICENESS`] (on Linux a thread has a
+/// nice value of its own; lowering it needs no privilege). A failure leaves it as it was.
+fn lower_this_threads_priority() {
+    let thread = rustix::thread::gettid();
+    let current = rustix::process::getpriority_process(Some(thread)).unwrap_or(0);
+    if let Err(error) = rustix::process::setpriority_process(Some(thread), current + MERGER_NICENESS) {
+        tracing::debug!(%error, "the merger thread's priority stays as it was");
+    }
+}
+
 /// Calls `each` with every entry of the verified local copy `input` of the chain file `path`,
 /// read in parts of [`PART_BYTES`], asking `part_check` before each part.
 fn read_entries(
@@ -473,6 +489,21 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
     use weir_checkpoint::format::StateFileWriter;
+
+    #[test]
+    fn the_merger_thread_runs_at_a_lower_cpu_priority_than_the_tasks() {
+        let this = rustix::thread::gettid();
+        let before = rustix::process::getpriority_process(Some(this)).unwrap();
+        let lowered = std::thread::spawn(|| {
+            lower_this_threads_priority();
+            rustix::process::getpriority_process(Some(rustix::thread::gettid())).unwrap()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(lowered, (before + MERGER_NICENESS).min(19), "nice {before} → {lowered}");
+        let after = rustix::process::getpriority_process(Some(this)).unwrap();
+        assert_eq!(after, before, "the other threads keep their priority");
+    }
 
     /// Local checkpoint storage in a temporary directory (kept alive by the first value), and
     /// a temporary directory for a merge's scratch files.
