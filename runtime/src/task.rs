@@ -221,20 +221,20 @@ impl Task {
             }
         }
         let sync = started.elapsed();
+        let alignment_ms = alignment.as_millis() as u64;
         self.metrics.snapshot_sync_seconds.inc_by(sync.as_secs_f64());
+        self.metrics.alignment_seconds.inc_by(alignment.as_secs_f64());
         tracing::debug!(
             checkpoint = barrier.id,
             task = %self.name,
             sync_ms = sync.as_millis() as u64,
-            alignment_ms = alignment.as_millis() as u64,
+            alignment_ms,
             "snapshot taken"
         );
         for o in &self.outputs {
             let b = barrier.clone();
             o.broadcast(move || Message::Barrier(b.clone()))?;
         }
-        let alignment_ms = alignment.as_millis() as u64;
-        self.metrics.alignment_seconds.inc_by(alignment.as_secs_f64());
         self.uploads
             .send(UploadJob {
                 barrier,

@@ -633,17 +633,10 @@ impl<V: StateValue> KeyedState<V> {
             return Ok(());
         }
         if body.len() < RESTORE_PIPELINE_MIN_BYTES {
-            let mut batch = Vec::with_capacity(RESTORE_BATCH);
-            for entry in keyed_entries(body) {
-                if let Some(decoded) = decode_restored::<V>(entry?, key_groups)? {
-                    batch.push(decoded);
-                    if batch.len() == RESTORE_BATCH {
-                        self.apply_restored(&mut batch);
-                    }
-                }
-            }
-            self.apply_restored(&mut batch);
-            return Ok(());
+            return decode_in_batches(body, key_groups, |batch| {
+                self.apply_restored(batch);
+                true
+            });
         }
         // A large body is decoded on a second thread while this one applies the batches:
         // decoding is about half of a restore's CPU time, and the two halves overlap.
@@ -652,21 +645,11 @@ impl<V: StateValue> KeyedState<V> {
             let (empty_tx, empty_rx) = crossbeam_channel::bounded::<Vec<Restored<V>>>(RESTORE_BATCHES_IN_FLIGHT);
             let decoder = std::thread::Builder::new()
                 .name("restore-decode".into())
-                .spawn_scoped(scope, move || -> Result<(), StoreError> {
-                    let mut batch = Vec::with_capacity(RESTORE_BATCH);
-                    for entry in keyed_entries(body) {
-                        if let Some(decoded) = decode_restored::<V>(entry?, key_groups)? {
-                            batch.push(decoded);
-                            if batch.len() == RESTORE_BATCH {
-                                let next = empty_rx.try_recv().unwrap_or_else(|_| Vec::with_capacity(RESTORE_BATCH));
-                                if full_tx.send(std::mem::replace(&mut batch, next)).is_err() {
-                                    return Ok(());
-                                }
-                            }
-                        }
-                    }
-                    let _ = full_tx.send(batch);
-                    Ok(())
+                .spawn_scoped(scope, move || {
+                    decode_in_batches(body, key_groups, |batch| {
+                        let next = empty_rx.try_recv().unwrap_or_else(|_| Vec::with_capacity(RESTORE_BATCH));
+                        full_tx.send(std::mem::replace(batch, next)).is_ok()
+                    })
                 })
                 .map_err(StoreError::RestoreThread)?;
             for mut batch in full_rx {
@@ -746,6 +729,27 @@ fn decode_restored<V: StateValue>(
         None => None,
     };
     Ok(Some((entry.key_group, key, value)))
+}
+
+/// Decodes the entries of `body` in `key_groups` into batches of [`RESTORE_BATCH`] and hands
+/// each full batch, then the last one, to `take`, which leaves it empty or replaces it; `take`
+/// returns false to stop early.
+fn decode_in_batches<V: StateValue>(
+    body: &[u8],
+    key_groups: (u32, u32),
+    mut take: impl FnMut(&mut Vec<Restored<V>>) -> bool,
+) -> Result<(), StoreError> {
+    let mut batch = Vec::with_capacity(RESTORE_BATCH);
+    for entry in keyed_entries(body) {
+        if let Some(decoded) = decode_restored::<V>(entry?, key_groups)? {
+            batch.push(decoded);
+            if batch.len() == RESTORE_BATCH && !take(&mut batch) {
+                return Ok(());
+            }
+        }
+    }
+    take(&mut batch);
+    Ok(())
 }
 
 /// Whether `key_group` is in the range `[start, end)`.
