@@ -64,6 +64,20 @@ pub struct MergeRequest {
     pub checkpoint_id: u64,
     /// The chain: a full image, then increments in order.
     pub chain: Vec<FileRef>,
+    /// Also write the image as the rocksdb backend's table files (sorted by store key rather
+    /// than by the heap map's bucket), for that backend's restores to take in whole.
+    pub store_tables: bool,
+}
+
+/// A staged file of a merge: its path relative to the job root, length and CRC-32C.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagedFile {
+    /// Relative to the job root.
+    pub path: String,
+    /// Its length.
+    pub len: u64,
+    /// Its CRC-32C.
+    pub crc32c: u32,
 }
 
 /// A merge staged in storage, waiting to be adopted.
@@ -79,8 +93,35 @@ pub struct StagedMerge {
     pub crc32c: u32,
     /// Live entries in it.
     pub entries: u64,
+    /// The same entries as table files, in key order (when the request asked for them).
+    pub tables: Vec<StagedFile>,
     /// How long the merge took.
     pub took: Duration,
+}
+
+impl StagedMerge {
+    /// Deletes what it staged (nobody will adopt it).
+    pub async fn delete(&self, storage: &Storage) {
+        let _ = storage.delete(&self.staged).await;
+        for t in &self.tables {
+            let _ = storage.delete(&t.path).await;
+        }
+    }
+}
+
+/// What [`merge`] staged.
+#[derive(Debug)]
+pub struct Merged {
+    /// The image: relative to the job root.
+    pub staged: String,
+    /// Its length.
+    pub len: u64,
+    /// Its CRC-32C.
+    pub crc32c: u32,
+    /// Live entries in it.
+    pub entries: u64,
+    /// Its table files, in key order (when asked for).
+    pub tables: Vec<StagedFile>,
 }
 
 /// Why a merge failed, by step.
@@ -214,12 +255,13 @@ impl Merger {
                     let started = Instant::now();
                     let stop = || cancelled.load(Ordering::Acquire);
                     let outcome = match merge(&storage, epoch, &local_dir, &request, &stop) {
-                        Ok((staged, len, crc32c, entries)) => MergeOutcome::Staged(StagedMerge {
+                        Ok(m) => MergeOutcome::Staged(StagedMerge {
                             request,
-                            staged,
-                            len,
-                            crc32c,
-                            entries,
+                            staged: m.staged,
+                            len: m.len,
+                            crc32c: m.crc32c,
+                            entries: m.entries,
+                            tables: m.tables,
                             took: started.elapsed(),
                         }),
                         Err(error) => MergeOutcome::Failed { request, error },
@@ -232,7 +274,7 @@ impl Merger {
                 // are nobody's to adopt.
                 for outcome in untaken.try_iter() {
                     if let MergeOutcome::Staged(s) = outcome {
-                        let _ = crate::io().block_on(storage.delete(&s.staged));
+                        crate::io().block_on(s.delete(&storage));
                     }
                 }
                 started_merges
@@ -335,7 +377,7 @@ impl From<FormatError> for Stop {
 /// Every this many merged entries, a merge asks whether to stop.
 const STOP_CHECK_ENTRIES: u64 = 1 << 16;
 
-/// Merges one chain and stages the result; the staged path, its length, CRC-32C and entries.
+/// Merges one chain and stages the result (and its table files, when asked for).
 /// Stops with [`MergeError::Cancelled`] at the first file, part, pass or [`STOP_CHECK_ENTRIES`]
 /// merged entries after `stop` answers true.
 pub fn merge(
@@ -344,7 +386,7 @@ pub fn merge(
     local_dir: &Path,
     request: &MergeRequest,
     stop: &dyn Fn() -> bool,
-) -> Result<(String, u64, u32, u64), MergeError> {
+) -> Result<Merged, MergeError> {
     let check = || if stop() { Err(MergeError::Cancelled) } else { Ok(()) };
     let part_check = || if stop() { Err(Stop::Cancelled) } else { Ok(()) };
     // The merge passes' callbacks can only fail with a store error: a stop is recorded here
@@ -394,18 +436,26 @@ pub fn merge(
     }
     // Step 2: the entries sorted by the heap map's bucket for that bound, then by key, and
     // merged (the newest entry of a key wins; a deletion leaves nothing). A key's entries share
-    // a bucket, so they meet in the merge; and a restore, whose map has the same or fewer
+    // a bucket, so they still meet in the merge; and a restore, whose map has the same or fewer
     // buckets (the bound counts every entry of the chain, the restore only the live ones),
-    // fills its table in a few front-to-back sweeps instead of at random.
+    // fills its table in a few front-to-back sweeps instead of at random. With table files the
+    // order is the store key's (the tables need it): a heap restore of that image is slower.
+    #[cfg(feature = "rocksdb")]
+    let with_tables = request.store_tables;
+    #[cfg(not(feature = "rocksdb"))]
+    let with_tables = false;
+    let bucket_bytes = if with_tables { 0 } else { 8 };
     let mask = heap_buckets(chain_entries) - 1;
     let mut load = BulkLoad::with_limits(&scratch.0.join("runs"), RUN_BYTES, MERGE_FAN_IN);
     let mut sort_key = Vec::with_capacity(64);
     for (path, input, len) in &inputs {
         check()?;
         read_entries(input, *len, path, &part_check, |entry| {
-            let bucket = heap_hash(entry.key)? & mask;
             sort_key.clear();
-            sort_key.extend_from_slice(&bucket.to_be_bytes());
+            if !with_tables {
+                let bucket = heap_hash(entry.key)? & mask;
+                sort_key.extend_from_slice(&bucket.to_be_bytes());
+            }
             StateStore::encoded_key(entry.key_group, entry.key, &mut sort_key);
             load.add(&sort_key, entry.value)?;
             Ok(())
@@ -416,22 +466,55 @@ pub fn merge(
     let image = scratch.0.join("image");
     let mut out =
         StateFileStream::new(FileKind::KeyedFull, SyncedWriter::create(&image).map_err(MergeError::WriteImage)?);
+    #[cfg(feature = "rocksdb")]
+    let table_opts = crate::state::store::options();
+    #[cfg(feature = "rocksdb")]
+    let mut tables = with_tables.then(|| crate::state::bulk::TableWriter::new(&scratch.0.join("tables"), &table_opts));
     load.into_live_entries(|raw, value| {
         entry_check()?;
-        let (key_group, key) = StateStore::split_key(&raw[8..])?;
+        let store_key = &raw[bucket_bytes..];
+        #[cfg(feature = "rocksdb")]
+        if let Some(tables) = tables.as_mut() {
+            tables.put(store_key, value)?;
+        }
+        let (key_group, key) = StateStore::split_key(store_key)?;
         out.put(key_group, key, value).map_err(StoreError::SpillImage)
     })
     .map_err(merge_failed)?;
+    #[cfg(feature = "rocksdb")]
+    let table_paths = match tables {
+        Some(tables) => tables.finish().map_err(MergeError::Merge)?,
+        None => Vec::new(),
+    };
+    #[cfg(not(feature = "rocksdb"))]
+    let table_paths: Vec<PathBuf> = Vec::new();
     let entries = out.entries();
     let (writer, len, crc) = out.finish().map_err(MergeError::WriteImage)?;
     writer.sync_all().map_err(MergeError::WriteImage)?;
     check()?;
-    let staged = layout::resolve(
-        &dir,
-        &layout::shared_staged_merge(&request.uid, request.subtask, request.checkpoint_id, epoch),
-    );
-    crate::io().block_on(storage.put_file(&staged, &image)).map_err(|e| MergeError::Upload(Box::new(e)))?;
-    Ok((staged, len, crc, entries))
+    let dir_of = |rel: String| layout::resolve(&dir, &rel);
+    let (uid, subtask, id) = (&request.uid, request.subtask, request.checkpoint_id);
+    // The tables first, the image last: what is staged is adopted only once the image is. A
+    // failure or a stop deletes the tables staged so far.
+    let mut staged_tables = Vec::with_capacity(table_paths.len());
+    let staged = dir_of(layout::shared_staged_merge(uid, subtask, id, epoch));
+    let mut stage = || -> Result<(), MergeError> {
+        for (i, table) in table_paths.iter().enumerate() {
+            check()?;
+            let (len, crc32c) = weir_checkpoint::local::file_len_and_crc32c(table).map_err(MergeError::WriteImage)?;
+            let path = dir_of(layout::shared_staged_table(uid, subtask, id, epoch, i));
+            staged_tables.push(StagedFile { path: path.clone(), len, crc32c });
+            crate::io().block_on(storage.put_file(&path, table)).map_err(|e| MergeError::Upload(Box::new(e)))?;
+        }
+        crate::io().block_on(storage.put_file(&staged, &image)).map_err(|e| MergeError::Upload(Box::new(e)))
+    };
+    if let Err(e) = stage() {
+        for t in &staged_tables {
+            let _ = crate::io().block_on(storage.delete(&t.path));
+        }
+        return Err(e);
+    }
+    Ok(Merged { staged, len, crc32c: crc, entries, tables: staged_tables })
 }
 
 /// How much lower the merger thread's CPU priority is than the tasks' (a nice value): a merge
@@ -559,28 +642,69 @@ mod tests {
                     .unwrap();
                 chain.push(FileRef { path: rel, len, crc32c });
             }
-            let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: seed * 100 + 20, chain };
-            let (staged, len, crc, entries) = merge(&storage, 1, local.path(), &request, &|| false).unwrap();
-            let bytes = crate::io().block_on(storage.get(&staged)).unwrap();
-            assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (len, crc));
-            let (kind, body) = format::open(&bytes).unwrap();
-            assert_eq!(kind, FileKind::KeyedFull);
-            let mut merged = BTreeMap::new();
-            // The bucket order of a map sized for every entry of the chain.
-            let mask = heap_buckets(written) - 1;
-            let mut last_bucket = 0;
-            for e in format::keyed_entries(body) {
-                let e = e.unwrap();
-                // In the order of the heap map's buckets, so that a restore fills it in order.
-                let bucket = heap_hash(e.key).unwrap() & mask;
-                assert!(bucket >= last_bucket, "seed {seed}: bucket {bucket} after {last_bucket}");
-                last_bucket = bucket;
-                let value = e.value.expect("a full image has no deletions").to_vec();
-                assert!(merged.insert((e.key_group, e.key.to_vec()), value).is_none(), "seed {seed}: a key twice");
+            // With table files for the rocksdb backend (when built with it) and without.
+            for with_tables in [false, true] {
+                if with_tables && !cfg!(feature = "rocksdb") {
+                    continue;
+                }
+                let request = MergeRequest {
+                    uid: "op".into(),
+                    subtask: 0,
+                    checkpoint_id: seed * 100 + 20,
+                    chain: chain.clone(),
+                    store_tables: with_tables,
+                };
+                let m = merge(&storage, 1, local.path(), &request, &|| false).unwrap();
+                let bytes = crate::io().block_on(storage.get(&m.staged)).unwrap();
+                assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (m.len, m.crc32c));
+                let (kind, body) = format::open(&bytes).unwrap();
+                assert_eq!(kind, FileKind::KeyedFull);
+                let mut merged = BTreeMap::new();
+                // The bucket order of a map sized for every entry of the chain, or with table
+                // files the store keys' order.
+                let mask = heap_buckets(written) - 1;
+                let mut last = (0, Vec::new());
+                for e in format::keyed_entries(body) {
+                    let e = e.unwrap();
+                    let order = if with_tables {
+                        (0, StateStore::key_of_encoded(e.key_group, e.key))
+                    } else {
+                        (heap_hash(e.key).unwrap() & mask, Vec::new())
+                    };
+                    assert!(order >= last, "seed {seed}: {order:?} after {last:?}");
+                    last = order;
+                    let value = e.value.expect("a full image has no deletions").to_vec();
+                    assert!(merged.insert((e.key_group, e.key.to_vec()), value).is_none(), "seed {seed}: a key twice");
+                }
+                assert_eq!(m.entries, merged.len() as u64);
+                assert!(merged == model, "seed {seed}: the merged image differs from the chain applied in order");
+                assert_eq!(m.tables.is_empty(), !with_tables, "seed {seed}");
+                #[cfg(feature = "rocksdb")]
+                if with_tables {
+                    // The table files hold the same entries: a store that takes them in holds
+                    // the model.
+                    let parent = tempfile::tempdir().unwrap();
+                    let store = StateStore::open(parent.path(), "tables").unwrap();
+                    let mut copies = Vec::new();
+                    for (i, t) in m.tables.iter().enumerate() {
+                        let copy = parent.path().join(format!("t{i}"));
+                        let got = crate::io().block_on(storage.get_to_file(&t.path, &copy)).unwrap();
+                        assert_eq!(got, (t.len, t.crc32c), "seed {seed}: table {i} as staged");
+                        copies.push(copy);
+                    }
+                    store.take_tables(&copies).unwrap();
+                    let mut stored = BTreeMap::new();
+                    store
+                        .scan(|k, v| {
+                            let (kg, key) = StateStore::split_key(k)?;
+                            stored.insert((kg, key.to_vec()), v.to_vec());
+                            Ok::<_, StoreError>(())
+                        })
+                        .unwrap();
+                    assert!(stored == model, "seed {seed}: the table files differ from the chain applied in order");
+                }
+                assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "seed {seed}: scratch files are gone");
             }
-            assert_eq!(entries, merged.len() as u64);
-            assert!(merged == model, "seed {seed}: the merged image differs from the chain applied in order");
-            assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "seed {seed}: scratch files are gone");
         }
     }
 
@@ -601,6 +725,7 @@ mod tests {
             subtask: 0,
             checkpoint_id: 1,
             chain: vec![FileRef { path: rel, len: data.len() as u64, crc32c }],
+            store_tables: false,
         };
         let err = merge(&storage, 1, local.path(), &request, &|| false).unwrap_err();
         assert!(matches!(&err, MergeError::Mismatch { path, .. } if path.ends_with("0-1-1.kv")), "{err}");
@@ -647,7 +772,7 @@ mod tests {
             crate::io().block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(id), &rel), data)).unwrap();
             chain.push(FileRef { path: rel, len, crc32c });
         }
-        let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 3, chain };
+        let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 3, chain, store_tables: false };
         let mut stop_at = 1;
         loop {
             let asked = std::cell::Cell::new(0);
@@ -661,7 +786,7 @@ mod tests {
                     let left = std::fs::read_dir(local.path()).unwrap().count();
                     assert_eq!(left, 0, "stopped at check {stop_at}: scratch files are gone");
                 }
-                Ok((_, _, _, entries)) => {
+                Ok(Merged { entries, .. }) => {
                     assert_eq!(entries, 105_000);
                     assert_eq!(staged_files(&storage).len(), 1);
                     break;
@@ -682,7 +807,13 @@ mod tests {
         let (_root, storage, local) = storage_and_scratch();
         let mut merger = Merger::new("merger-test".into(), storage.clone(), 1, local.path().to_path_buf());
         let chain = uploaded_chain(&storage, "op", 1_000);
-        assert!(merger.request(MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 2, chain }));
+        assert!(merger.request(MergeRequest {
+            uid: "op".into(),
+            subtask: 0,
+            checkpoint_id: 2,
+            chain,
+            store_tables: false
+        }));
         let deadline = Instant::now() + Duration::from_secs(30);
         while staged_files(&storage).is_empty() {
             assert!(Instant::now() < deadline, "the merge was never staged");
@@ -703,7 +834,7 @@ mod tests {
         for uid in ["a", "b", "c"] {
             let chain = uploaded_chain(&storage, uid, 1_000);
             // The first starts the thread; the thread may be gone before the later ones are sent.
-            merger.request(MergeRequest { uid: uid.into(), subtask: 0, checkpoint_id: 2, chain });
+            merger.request(MergeRequest { uid: uid.into(), subtask: 0, checkpoint_id: 2, chain, store_tables: false });
         }
         let started = merger.cancel().expect("the first request started the thread").join().unwrap();
         assert_eq!(started, 0, "no queued merge starts after the merger is cancelled");

@@ -745,6 +745,7 @@ impl Executor<'_> {
                 ),
                 staged: Vec::new(),
                 metrics: self.metrics.clone(),
+                store_tables: spec.state_backend == StateBackendKind::Rocksdb,
             });
             running.uploaders.push(
                 std::thread::Builder::new()
@@ -1088,7 +1089,7 @@ struct OperatorFactory<'a> {
 }
 
 /// A task's chained operators, and the keyed-state chains its uploader continues (by uid).
-type BuiltChain = (Vec<ChainedOperator>, HashMap<String, Vec<weir_checkpoint::FileRef>>);
+type BuiltChain = (Vec<ChainedOperator>, HashMap<String, crate::upload::RestoredChain>);
 
 impl OperatorFactory<'_> {
     /// Every task's chain (all but a source head), in task order. They are built on up to one
@@ -1146,7 +1147,7 @@ impl OperatorFactory<'_> {
         subtask: u32,
         key_groups: (u32, u32),
         restored: Option<&RestoredState>,
-        chains: &mut HashMap<String, Vec<weir_checkpoint::FileRef>>,
+        chains: &mut HashMap<String, crate::upload::RestoredChain>,
     ) -> Result<ChainedOperator, TaskError> {
         let job = self.job;
         let node = &job.nodes[ni];
@@ -1168,7 +1169,8 @@ impl OperatorFactory<'_> {
         let keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
         if let Some(k) = &keyed_restore {
             if k.continue_chain {
-                chains.insert(uid.clone(), k.chain.clone());
+                let chain = crate::upload::RestoredChain { files: k.chain.clone(), tables: k.chain_tables.clone() };
+                chains.insert(uid.clone(), chain);
             }
         }
         let op: Box<dyn Operator> = match &node.kind {

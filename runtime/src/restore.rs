@@ -121,10 +121,24 @@ pub struct KeyedRestore {
     pub continue_chain: bool,
     /// The chain's file references, when it continues.
     pub chain: Vec<FileRef>,
+    /// The references of the table files of the chain's first file, when it continues and has
+    /// them (the uploader lists them again while the chain begins with that file).
+    pub chain_tables: Vec<FileRef>,
+    /// (rocksdb backend) Full images restored from their table files instead of their entries:
+    /// per restored subtask that had them, its key groups and the verified table files. Each
+    /// stands for the first file of that subtask's chain, which `files` then leaves out.
+    pub tables: Vec<((u32, u32), Vec<KeyedFile>)>,
     /// The operator documents of the snapshot's subtasks whose key groups overlap this
     /// subtask's, with those key groups (keyed operators with per-key-group operator state,
     /// such as a window's watermark, take each key group's value from its previous owner).
     pub operator_docs: Vec<((u32, u32), Vec<u8>)>,
+}
+
+impl KeyedRestore {
+    /// How many files the restored chains have, those that table files stand for included.
+    pub fn chain_len(&self) -> usize {
+        self.files.len() + self.tables.len()
+    }
 }
 
 /// One restored subtask's state.
@@ -134,10 +148,15 @@ pub struct RestoredSubtask {
     pub key_groups: (u32, u32),
     /// Its operator-state document.
     pub operator_doc: Option<Vec<u8>>,
-    /// Its keyed-state chain, verified.
+    /// Its keyed-state chain, verified; without its first file when `store_tables` stand for
+    /// it.
     pub keyed_files: Vec<KeyedFile>,
-    /// References of that chain.
+    /// References of that chain (all of it).
     pub keyed_refs: Vec<FileRef>,
+    /// The chain's first file as table files, verified (only for the rocksdb backend).
+    pub store_tables: Vec<KeyedFile>,
+    /// References of the chain's table files (whether they were read or not).
+    pub table_refs: Vec<FileRef>,
 }
 
 /// One restored operator.
@@ -185,6 +204,7 @@ impl RestoredState {
                 let mut sub = RestoredSubtask {
                     key_groups: s.key_groups,
                     keyed_refs: s.keyed_state.clone(),
+                    table_refs: s.store_tables.clone(),
                     ..Default::default()
                 };
                 if let Some(f) = &s.operator_state {
@@ -195,7 +215,24 @@ impl RestoredState {
                         weir_checkpoint::format::operator_document(body).map_err(|e| corrupt(storage, found, f, e))?;
                     sub.operator_doc = Some(doc.to_vec());
                 }
-                for f in &s.keyed_state {
+                let mut image_from_tables = false;
+                if let (KeyedFilesIn::LocalDir(dir), false) = (keyed_in, s.store_tables.is_empty()) {
+                    match copy_tables_verified(storage, found, &s.store_tables, dir).await {
+                        Ok(tables) => {
+                            bytes += s.store_tables.iter().map(|f| f.len).sum::<u64>();
+                            sub.store_tables = tables;
+                            image_from_tables = true;
+                        }
+                        // The image they stand for is still there: restore from it.
+                        Err(RestoreError::CorruptFile { path, reason }) => tracing::warn!(
+                            %path,
+                            %reason,
+                            "a checkpoint's table file is damaged; its full image is restored instead"
+                        ),
+                        Err(e) => return Err(e),
+                    }
+                }
+                for f in s.keyed_state.iter().skip(usize::from(image_from_tables)) {
                     let file = match keyed_in {
                         KeyedFilesIn::Memory => {
                             let data = read_verified(storage, found, f).await?;
@@ -237,14 +274,24 @@ impl RestoredState {
         let overlaps = |s: &&RestoredSubtask| s.key_groups.0 < key_groups.1 && key_groups.0 < s.key_groups.1;
         let operator_docs =
             op.subtasks.iter().filter(overlaps).filter_map(|s| Some((s.key_groups, s.operator_doc.clone()?))).collect();
-        let overlapping: Vec<&RestoredSubtask> =
-            op.subtasks.iter().filter(overlaps).filter(|s| !s.keyed_files.is_empty()).collect();
+        let overlapping: Vec<&RestoredSubtask> = op
+            .subtasks
+            .iter()
+            .filter(overlaps)
+            .filter(|s| !s.keyed_files.is_empty() || !s.store_tables.is_empty())
+            .collect();
         let same = op.parallelism == parallelism && overlapping.len() == 1 && overlapping[0].key_groups == key_groups;
         let continue_chain = same && self.kind == SnapshotKind::Checkpoint;
         Some(KeyedRestore {
             files: overlapping.iter().flat_map(|s| s.keyed_files.iter().cloned()).collect(),
             continue_chain,
             chain: if continue_chain { overlapping[0].keyed_refs.clone() } else { Vec::new() },
+            chain_tables: if continue_chain { overlapping[0].table_refs.clone() } else { Vec::new() },
+            tables: overlapping
+                .iter()
+                .filter(|s| !s.store_tables.is_empty())
+                .map(|s| (s.key_groups, s.store_tables.clone()))
+                .collect(),
             operator_docs,
         })
     }
@@ -277,6 +324,20 @@ async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Re
         });
     }
     Ok(data)
+}
+
+/// Copies every table file to local files under `dir`, verified like [`read_verified`].
+async fn copy_tables_verified(
+    storage: &Storage,
+    found: &Restorable,
+    tables: &[FileRef],
+    dir: &std::path::Path,
+) -> Result<Vec<KeyedFile>, RestoreError> {
+    let mut out = Vec::with_capacity(tables.len());
+    for f in tables {
+        out.push(KeyedFile::Local(copy_verified(storage, found, f, dir).await?));
+    }
+    Ok(out)
 }
 
 /// Copies a state file to a new local file under `dir`, verified like [`read_verified`].
@@ -527,6 +588,7 @@ mod tests {
             key_groups: (0, 8),
             operator_state: Some(FileRef { path: rel, len, crc32c }),
             keyed_state: vec![],
+            store_tables: vec![],
         };
         complete(s, id, "src", subtask).await;
     }
@@ -571,10 +633,71 @@ mod tests {
         let rel = format!("counts-{id}.wst");
         let file = FileRef { path: rel.clone(), len: data.len() as u64, crc32c };
         s.put(&layout::resolve(&layout::checkpoint_dir(id), &rel), data).await.unwrap();
-        let subtask =
-            SubtaskSnapshot { subtask: 0, key_groups: (0, 8), operator_state: None, keyed_state: vec![file.clone()] };
+        let subtask = SubtaskSnapshot { keyed_state: vec![file.clone()], key_groups: (0, 8), ..Default::default() };
         complete(s, id, "counts", subtask).await;
         file
+    }
+
+    /// A checkpoint whose chain (a full image and an increment) has the image as two table
+    /// files too: a restore to local disk takes the tables instead of the image, one to memory
+    /// the image; a damaged table makes the restore take the image, not an older checkpoint.
+    #[tokio::test]
+    async fn table_files_stand_for_the_image_on_local_disk_and_a_damaged_one_falls_back_to_it() {
+        let (_, s) = store();
+        let dir = layout::checkpoint_dir(1);
+        let mut chain = Vec::new();
+        let mut state_files = Vec::new();
+        for (rel, kind) in [("image.kv", FileKind::KeyedFull), ("increment.kv", FileKind::KeyedIncrement)] {
+            let mut w = StateFileWriter::new(kind, 16);
+            w.put(1, rel.as_bytes(), b"v");
+            let data = w.finish().0;
+            state_files.push(data.to_vec());
+            chain.push(FileRef { path: rel.into(), len: data.len() as u64, crc32c: crc32c::crc32c(&data) });
+            s.put(&layout::resolve(&dir, rel), data).await.unwrap();
+        }
+        let mut tables = Vec::new();
+        for rel in ["t0.sst", "t1.sst"] {
+            let data = bytes::Bytes::from(format!("table {rel}"));
+            tables.push(FileRef { path: rel.into(), len: data.len() as u64, crc32c: crc32c::crc32c(&data) });
+            s.put(&layout::resolve(&dir, rel), data).await.unwrap();
+        }
+        // The tables are not table files: only the loading is under test.
+        let subtask = SubtaskSnapshot {
+            key_groups: (0, 8),
+            keyed_state: chain.clone(),
+            store_tables: tables.clone(),
+            ..Default::default()
+        };
+        complete(&s, 1, "counts", subtask).await;
+        let metadata = recovery::read_metadata(&s, &dir).await.unwrap().unwrap();
+        let found = Restorable { dir: dir.clone(), metadata };
+        let local = tempfile::tempdir().unwrap();
+        let on_disk = KeyedFilesIn::LocalDir(local.path().to_path_buf());
+        let read = |f: &KeyedFile| match f {
+            KeyedFile::Local(c) => std::fs::read(&c.path).unwrap(),
+            KeyedFile::Memory(b) => b.to_vec(),
+        };
+
+        let restored = RestoredState::load(&s, &found, &on_disk).await.unwrap();
+        let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
+        assert_eq!(keyed.files.iter().map(read).collect::<Vec<_>>(), vec![state_files[1].clone()]);
+        let [((0, 8), t)] = keyed.tables.as_slice() else { panic!("one subtask's tables: {:?}", keyed.tables) };
+        assert_eq!(t.iter().map(read).collect::<Vec<_>>(), vec![b"table t0.sst".to_vec(), b"table t1.sst".to_vec()]);
+        assert_eq!(keyed.chain_len(), 2, "the tables stand for the image");
+        assert_eq!((keyed.chain.clone(), keyed.chain_tables.clone()), (chain.clone(), tables.clone()));
+
+        let in_memory = RestoredState::load(&s, &found, &KeyedFilesIn::Memory).await.unwrap();
+        let keyed = in_memory.keyed_for("counts", (0, 8), 1).unwrap();
+        assert_eq!(keyed.files.len(), 2, "the heap backend reads the image");
+        assert!(keyed.tables.is_empty());
+
+        let t1 = layout::resolve(&dir, "t1.sst");
+        s.put(&t1, bytes::Bytes::from("table t1.ssT")).await.unwrap();
+        let restored = RestoredState::load(&s, &found, &on_disk).await.unwrap();
+        let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
+        assert_eq!(keyed.files.iter().map(read).collect::<Vec<_>>(), state_files);
+        assert!(keyed.tables.is_empty(), "a damaged table is not used");
+        assert_eq!(keyed.chain_tables, tables, "the chain still lists them (the image stands for them)");
     }
 
     #[tokio::test]

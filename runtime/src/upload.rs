@@ -41,7 +41,19 @@ pub struct UploadJob {
 #[derive(Default)]
 struct Chain {
     files: Vec<FileRef>,
+    /// The first file's entries as the rocksdb backend's table files (see
+    /// [`SubtaskSnapshot::store_tables`]); empty when it has none.
+    tables: Vec<FileRef>,
     broken: bool,
+}
+
+/// A restored keyed-state chain that a task's uploader continues.
+#[derive(Clone, Debug, Default)]
+pub struct RestoredChain {
+    /// Its files: a full image, then increments.
+    pub files: Vec<FileRef>,
+    /// The full image's table files, if it has them.
+    pub tables: Vec<FileRef>,
 }
 
 /// A chain of more than `fullEvery` files is merged once its increments hold at least this
@@ -68,6 +80,9 @@ pub struct Merges {
     pub staged: Vec<crate::compact::StagedMerge>,
     /// Counts adopted and failed merges.
     pub metrics: Arc<crate::metrics::JobMetrics>,
+    /// Merged images are also written as the rocksdb backend's table files (the job's
+    /// backend), so that its restores take them in whole.
+    pub store_tables: bool,
 }
 
 /// Runs the uploader of one task until its task drops the sender.
@@ -77,11 +92,13 @@ pub fn run(
     epoch: u64,
     events: Sender<Event>,
     faults: Faults,
-    restored_chains: HashMap<String, Vec<FileRef>>,
+    restored_chains: HashMap<String, RestoredChain>,
     mut merges: Option<Merges>,
 ) {
-    let mut chains: HashMap<String, Chain> =
-        restored_chains.into_iter().map(|(uid, files)| (uid, Chain { files, broken: false })).collect();
+    let mut chains: HashMap<String, Chain> = restored_chains
+        .into_iter()
+        .map(|(uid, c)| (uid, Chain { files: c.files, tables: c.tables, broken: false }))
+        .collect();
     let mut unstaged: Vec<StagedWrite> = Vec::new();
     for job in jobs {
         let id = job.barrier.id;
@@ -138,7 +155,7 @@ pub fn run(
             MergeOutcome::Failed { .. } => None,
         }));
         for s in staged {
-            let _ = crate::io().block_on(storage.delete(&s.staged));
+            crate::io().block_on(s.delete(&storage));
         }
     }
 }
@@ -188,14 +205,34 @@ async fn adopt_merges(
         let Some(chain) = chains.get_mut(uid).filter(|c| !c.broken && c.files.starts_with(&staged.request.chain))
         else {
             // A full image restarted the chain meanwhile.
-            let _ = storage.delete(&staged.staged).await;
+            staged.delete(storage).await;
             continue;
         };
+        let dir = layout::checkpoint_dir(id);
+        // The table files first: renamed to files this checkpoint creates. If one fails, the
+        // image is adopted without them (restores on rocksdb then read the image).
+        let mut tables = Vec::with_capacity(staged.tables.len());
+        for (i, t) in staged.tables.iter().enumerate() {
+            let rel = layout::shared_merged_table(uid, subtask, id, epoch, i);
+            match storage.rename(&t.path, &layout::resolve(&dir, &rel)).await {
+                Ok(()) => tables.push(FileRef { path: rel, len: t.len, crc32c: t.crc32c }),
+                Err(error) => {
+                    tracing::warn!(uid = %uid, %error, "a merged image's table files could not be adopted");
+                    for t in &staged.tables[i..] {
+                        let _ = storage.delete(&t.path).await;
+                    }
+                    // Those renamed are listed by nothing: retention deletes them.
+                    tables.clear();
+                    break;
+                }
+            }
+        }
         let rel = layout::shared_merged_file(uid, subtask, id, epoch);
-        match storage.rename(&staged.staged, &layout::resolve(&layout::checkpoint_dir(id), &rel)).await {
+        match storage.rename(&staged.staged, &layout::resolve(&dir, &rel)).await {
             Ok(()) => {
                 let merged = staged.request.chain.len();
                 chain.files.splice(..merged, [FileRef { path: rel, len: staged.len, crc32c: staged.crc32c }]);
+                chain.tables = tables;
                 merges.metrics.state_merges.inc();
                 tracing::info!(
                     uid = %uid,
@@ -210,6 +247,7 @@ async fn adopt_merges(
             Err(error) => {
                 tracing::warn!(uid = %uid, %error, "a merged full image could not be adopted; its chain is kept");
                 let _ = storage.delete(&staged.staged).await;
+                // Its tables, renamed above, are listed by nothing: retention deletes them.
             }
         }
     }
@@ -248,6 +286,7 @@ fn request_merges(
             subtask,
             checkpoint_id: id,
             chain: chain.files.clone(),
+            store_tables: merges.store_tables,
         });
     }
 }
@@ -298,6 +337,7 @@ async fn upload(
                 key_groups: job.key_groups,
                 operator_state: None,
                 keyed_state: Vec::new(),
+                store_tables: Vec::new(),
             };
             if let Some(doc) = parts.operator_doc {
                 let mut w = StateFileWriter::new(FileKind::OperatorState, doc.len());
@@ -344,10 +384,12 @@ async fn upload(
                 } else {
                     if kind == FileKind::KeyedFull {
                         chain.files.clear();
+                        chain.tables.clear();
                         chain.broken = false;
                     }
                     chain.files.push(file);
                     snap.keyed_state = chain.files.clone();
+                    snap.store_tables = chain.tables.clone();
                 }
             }
             ack.operators.push(OperatorAck { uid, parallelism: job.parallelism, snapshot: snap });

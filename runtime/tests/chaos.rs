@@ -324,14 +324,15 @@ fn free_port() -> u16 {
 /// (a shared base image, often), or of its `_metadata`; returns the checkpoint's id. A shared
 /// file is only damaged while a checkpoint outside its chain exists to fall back to (retention
 /// keeps one); without one, refusing to start is the right answer, tested elsewhere.
-/// The merged full images in a checkpoint root's shared files.
-fn merged_images_in(chk: &Path) -> Vec<PathBuf> {
+/// The shared files of a checkpoint root whose names end in `suffix` (`-merged.kv`: merged full
+/// images; `.sst`: their table files, for the rocksdb backend).
+fn shared_files_ending(chk: &Path, suffix: &str) -> Vec<PathBuf> {
     let Ok(operators) = std::fs::read_dir(chk.join("checkpoints/shared")) else { return Vec::new() };
     operators
         .flatten()
         .flat_map(|op| std::fs::read_dir(op.path()).into_iter().flatten().flatten())
         .map(|f| f.path())
-        .filter(|f| f.to_string_lossy().ends_with("-merged.kv"))
+        .filter(|f| f.to_string_lossy().ends_with(suffix))
         .collect()
 }
 
@@ -382,6 +383,8 @@ struct Tally {
     merging_runs: u64,
     /// Merged full images found in the checkpoint storage between runs.
     merged_images_seen: u64,
+    /// Distinct table files of merged images seen (merges of rocksdb runs).
+    merged_tables_seen: u64,
 }
 
 /// Runs one shape through a campaign and checks it against an undisturbed run.
@@ -413,6 +416,7 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
     let mut last_corrupted = 0u64;
     let mut round = 0u64;
     let mut merged_images = BTreeSet::new();
+    let mut merged_tables = BTreeSet::new();
     loop {
         round += 1;
         assert!(round < 10 * c.kills + 50, "{}: too many rounds ({tally:?})", shape.name);
@@ -432,8 +436,10 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
             yaml = yaml.replace("fullEvery: 3,", "fullEvery: 3, backgroundFullImageAbove: 0,");
             tally.merging_runs += 1;
         }
-        merged_images.extend(merged_images_in(&chk));
+        merged_images.extend(shared_files_ending(&chk, "-merged.kv"));
         tally.merged_images_seen = merged_images.len() as u64;
+        merged_tables.extend(shared_files_ending(&chk, ".sst"));
+        tally.merged_tables_seen = merged_tables.len() as u64;
         std::fs::write(&job_file, yaml).unwrap();
         let rescale = !must_finish && c.rescale_every.is_some_and(|n| r.is_multiple_of(n));
         let port = free_port();

@@ -7,6 +7,9 @@
 //!                                                          incremental checkpoints that list them
 //! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>-merged.kv  a full image merged from a chain
 //! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>.staged  the same before a checkpoint adopts it
+//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>-merged-<i>.sst  that image as the rocksdb
+//!                                                          backend's table files
+//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>-<i>.sst.staged  the same before adoption
 //! <job>/savepoints/sp-<time>-<N>/_metadata                 self-contained, relocatable
 //! <job>/savepoints/sp-<time>-<N>/<uid>/<subtask>.state|.kv
 //! <job>/_epochs/<E>                                        fencing: one claim per start
@@ -90,14 +93,32 @@ pub fn shared_staged_merge(uid: &str, subtask: u32, id: u64, epoch: u64) -> Stri
     format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}.staged")
 }
 
-/// The epoch of a staged merge (from its name `<subtask>-<N>-<E>.staged`).
+/// Table file `index` of a merged full image adopted by checkpoint `id` in `epoch` (see
+/// [`shared_merged_file`]), relative to a checkpoint directory.
+pub fn shared_merged_table(uid: &str, subtask: u32, id: u64, epoch: u64, index: usize) -> String {
+    format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-merged-{index}.sst")
+}
+
+/// Where a background merge writes table file `index` until a checkpoint adopts it (renamed to
+/// [`shared_merged_table`]). Relative to a checkpoint directory.
+pub fn shared_staged_table(uid: &str, subtask: u32, id: u64, epoch: u64, index: usize) -> String {
+    format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-{index}.sst.staged")
+}
+
+/// A shared file's name without its kind: `.kv` (state files) or `.sst` (table files).
+fn shared_stem(file_name: &str) -> Option<&str> {
+    file_name.strip_suffix(".kv").or_else(|| file_name.strip_suffix(".sst"))
+}
+
+/// The epoch of a staged merge or staged table file (from its name
+/// `<subtask>-<N>-<E>[-<i>.sst].staged`).
 pub fn staged_merge_epoch(file_name: &str) -> Option<u64> {
     file_name.strip_suffix(".staged")?.split('-').nth(2)?.parse().ok()
 }
 
-/// The epoch that wrote a shared file (from its name `<subtask>-<N>-<E>.kv`).
+/// The epoch that wrote a shared file (from its name `<subtask>-<N>-<E>….kv|.sst`).
 pub fn shared_file_epoch(file_name: &str) -> Option<u64> {
-    file_name.strip_suffix(".kv")?.split('-').nth(2)?.parse().ok()
+    shared_stem(file_name)?.split('-').nth(2)?.parse().ok()
 }
 
 /// A savepoint's keyed-state file, relative to the savepoint directory.
@@ -105,9 +126,9 @@ pub fn savepoint_keyed_file(uid: &str, subtask: u32) -> String {
     format!("{uid}/{subtask}.kv")
 }
 
-/// The checkpoint id that created a shared file (from its name `<subtask>-<N>-<seq>.kv`).
+/// The checkpoint id that created a shared file (from its name `<subtask>-<N>-….kv|.sst`).
 pub fn shared_file_creator(file_name: &str) -> Option<u64> {
-    let stem = file_name.strip_suffix(".kv")?;
+    let stem = shared_stem(file_name)?;
     let mut parts = stem.split('-');
     let _subtask = parts.next()?;
     parts.next()?.parse().ok()
@@ -144,6 +165,11 @@ mod tests {
         let staged = &shared_staged_merge("op", 3, 17, 9)["../shared/op/".len()..];
         assert_eq!((shared_file_creator(staged), shared_file_epoch(staged)), (None, None));
         assert_eq!(staged_merge_epoch(staged), Some(9));
+        let table = &shared_merged_table("op", 3, 17, 9, 4)["../shared/op/".len()..];
+        assert_eq!((shared_file_creator(table), shared_file_epoch(table)), (Some(17), Some(9)));
+        let staged_table = &shared_staged_table("op", 3, 17, 9, 4)["../shared/op/".len()..];
+        assert_eq!((shared_file_creator(staged_table), shared_file_epoch(staged_table)), (None, None));
+        assert_eq!(staged_merge_epoch(staged_table), Some(9));
         assert_eq!(parse_epoch_claim("12"), None);
         assert_eq!(parse_checkpoint_dir("chk-x"), None);
     }

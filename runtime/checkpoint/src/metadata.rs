@@ -43,6 +43,12 @@ pub struct SubtaskSnapshot {
     pub operator_state: Option<FileRef>,
     /// Keyed state: a full image first, then increments in order. Empty means no keyed state.
     pub keyed_state: Vec<FileRef>,
+    /// The entries of `keyed_state`'s first file (a full image merged in the background for
+    /// the rocksdb backend) as RocksDB table files, in key order and not overlapping: that
+    /// backend restores by taking them into its store whole, without reading the image.
+    /// Empty when there are none; the heap backend never reads them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub store_tables: Vec<FileRef>,
 }
 
 /// What one operator (by uid) contributed.
@@ -141,7 +147,7 @@ impl CheckpointMetadata {
         self.operators
             .values()
             .flat_map(|op| op.subtasks.iter())
-            .flat_map(|s| s.operator_state.iter().chain(s.keyed_state.iter()))
+            .flat_map(|s| s.operator_state.iter().chain(s.keyed_state.iter()).chain(s.store_tables.iter()))
     }
 
     /// Total bytes of state referenced.
@@ -164,7 +170,12 @@ mod tests {
                     subtask: 0,
                     key_groups: (0, 128),
                     operator_state: None,
-                    keyed_state: vec![FileRef { path: "../shared/counts/0-1-0.kv".into(), len: 10, crc32c: 7 }],
+                    keyed_state: vec![FileRef { path: "../shared/counts/0-1-0-merged.kv".into(), len: 10, crc32c: 7 }],
+                    store_tables: vec![FileRef {
+                        path: "../shared/counts/0-1-0-merged-0.sst".into(),
+                        len: 4,
+                        crc32c: 9,
+                    }],
                 }],
             },
         );
@@ -184,7 +195,17 @@ mod tests {
     fn round_trips() {
         let m = sample();
         assert_eq!(CheckpointMetadata::decode(&m.encode()).unwrap(), m);
-        assert_eq!(m.state_bytes(), 10);
+        // Table files are state too: retention keeps them and recovery checks them.
+        assert_eq!(m.state_bytes(), 14);
+    }
+
+    #[test]
+    fn documents_without_table_files_read_as_before_and_are_written_as_before() {
+        let mut m = sample();
+        m.operators.get_mut("counts").unwrap().subtasks[0].store_tables.clear();
+        let text = String::from_utf8(m.encode()).unwrap();
+        assert!(!text.contains("store_tables"), "an empty list is left out: {text}");
+        assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
     }
 
     #[test]

@@ -168,6 +168,7 @@ mod tests {
                     key_groups: (0, 8),
                     operator_state: None,
                     keyed_state: vec![FileRef { path: rel, len: file_len as u64, crc32c: 0 }],
+                    store_tables: vec![],
                 }],
             },
         );

@@ -287,4 +287,26 @@ mod tests {
         let p = plan(&found, &files, 1, 10, 3);
         assert_eq!(p.delete_shared, vec![shared("0-5-2.staged"), shared("0-6-3-merged.kv")]);
     }
+
+    /// A merged image's table files (the rocksdb backend's) follow the same rules: staged ones
+    /// of an earlier run go, this run's stay; adopted ones stay while a kept checkpoint lists
+    /// them, those of an image no kept checkpoint lists go, those of a newer epoch stay.
+    #[test]
+    fn table_files_are_kept_and_deleted_like_the_images_they_stand_for() {
+        let found =
+            vec![chk(9, &["checkpoints/shared/op/0-8-3-merged.kv", "checkpoints/shared/op/0-8-3-merged-0.sst"])];
+        let files = [
+            shared("0-5-2-0.sst.staged"),
+            shared("0-7-3-0.sst.staged"),
+            shared("0-8-3-merged-0.sst"),
+            shared("0-6-3-merged-0.sst"),
+            shared("0-6-3-merged-1.sst"),
+            shared("0-6-4-merged-0.sst"),
+        ];
+        let p = plan(&found, &files, 1, 10, 3);
+        assert_eq!(
+            p.delete_shared,
+            vec![shared("0-5-2-0.sst.staged"), shared("0-6-3-merged-0.sst"), shared("0-6-3-merged-1.sst")]
+        );
+    }
 }

@@ -45,10 +45,26 @@ impl KeyedContext {
             state = state.on_store(store, settings.cache_entries);
         }
         if let Some(r) = restore {
+            for (source, tables) in &r.tables {
+                let paths: Vec<std::path::PathBuf> = tables
+                    .iter()
+                    .filter_map(|t| match t {
+                        KeyedFile::Local(copy) => Some(copy.path.clone()),
+                        KeyedFile::Memory(_) => None,
+                    })
+                    .collect();
+                if paths.len() != tables.len() || !state.restore_tables(&paths, *source, self.key_groups) {
+                    // Only a restore for the rocksdb backend reads table files, to local disk.
+                    return Err(TaskError::Restore {
+                        uid: self.uid.clone(),
+                        reason: "table files were restored for a backend that cannot take them".into(),
+                    });
+                }
+            }
             for file in &r.files {
                 self.restore_file(&mut state, file)?;
             }
-            state.after_restore(r.continue_chain, r.files.len()).map_err(|e| self.state_failed(e))?;
+            state.after_restore(r.continue_chain, r.chain_len()).map_err(|e| self.state_failed(e))?;
         }
         Ok(state)
     }

@@ -363,6 +363,8 @@ mod tests {
             files: vec![crate::restore::KeyedFile::Memory(snap.keyed.unwrap().data)],
             continue_chain: true,
             chain: vec![],
+            chain_tables: vec![],
+            tables: vec![],
             operator_docs: vec![(w.ctx.key_groups, snap.operator_doc.unwrap())],
         };
         WindowOperator::new(w.ctx.clone(), spec, &["k".to_string(), "v".to_string()], Some(&restore)).unwrap()
@@ -573,6 +575,8 @@ mod tests {
                         files: restored_files,
                         continue_chain: same,
                         chain: vec![],
+                        chain_tables: vec![],
+                        tables: vec![],
                         operator_docs: overlapping.iter().map(|(r, _, doc)| (*r, doc.clone())).collect(),
                     };
                     let ctx = KeyedContext {

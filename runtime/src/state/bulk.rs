@@ -172,15 +172,20 @@ impl BulkLoad {
         Ok(())
     }
 
-    /// Loads what was added into `store`, which must be empty: the table files are moved into
-    /// it, and this load's directory is deleted.
+    /// Loads what was added into `store`: the table files are moved into it, and this load's
+    /// directory is deleted. Into an empty store a deletion leaves nothing; `over_existing`
+    /// (the store already holds a restore's base tables) keeps deletions as tombstones, so that
+    /// they hide the entries below them.
     #[cfg(feature = "rocksdb")]
-    pub fn into_store(self, store: &StateStore) -> Result<(), StoreError> {
+    pub fn into_store(self, store: &StateStore, over_existing: bool) -> Result<(), StoreError> {
         let dir = self.dir.clone();
         let opts = super::store::options();
-        let mut tables = TableWriter { dir: self.dir.clone(), opts: &opts, files: Vec::new(), writer: None };
         // The tables are written into this load's directory: it is deleted after the ingest.
-        self.merge_all(|key, value| tables.put(key, value))?;
+        let mut tables = TableWriter::new(&self.dir, &opts);
+        self.merge_all(over_existing, |key, value| match value {
+            Some(value) => tables.put(key, value),
+            None => tables.delete(key),
+        })?;
         store.ingest(tables.finish()?)?;
         let _ = std::fs::remove_dir_all(dir);
         Ok(())
@@ -189,20 +194,33 @@ impl BulkLoad {
     /// Sorts and merges what was added: `emit` gets every live entry (the newest of its key,
     /// deletions applied) once, in the store keys' order. This load's directory is deleted
     /// when it returns.
-    pub fn into_live_entries(self, emit: impl FnMut(&[u8], &[u8]) -> Result<(), StoreError>) -> Result<(), StoreError> {
+    pub fn into_live_entries(
+        self,
+        mut emit: impl FnMut(&[u8], &[u8]) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
         let dir = self.dir.clone();
-        let merged = self.merge_all(emit);
+        let merged = self.merge_all(false, |key, value| match value {
+            Some(value) => emit(key, value),
+            None => Ok(()),
+        });
         let _ = std::fs::remove_dir_all(dir);
         merged
     }
 
-    fn merge_all(mut self, mut emit: impl FnMut(&[u8], &[u8]) -> Result<(), StoreError>) -> Result<(), StoreError> {
+    /// `emit` gets each key once, in order, with its newest value; deletions (`None`) only when
+    /// `keep_deletions`.
+    fn merge_all(
+        mut self,
+        keep_deletions: bool,
+        mut emit: impl FnMut(&[u8], Option<&[u8]>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
         if self.runs.is_empty() {
             // Everything fit in one run: straight from memory, and nothing is older than it.
             let keep = self.sorted_run();
             for i in keep {
                 let e = &self.index[i];
-                if let Some(value) = self.value(e) {
+                let value = self.value(e);
+                if keep_deletions || value.is_some() {
                     emit(self.key(e), value)?;
                 }
             }
@@ -228,7 +246,7 @@ impl BulkLoad {
                 } else {
                     let merged = RunFile { path: self.new_path("run")? };
                     let mut out = RunWriter::create(&merged.path)?;
-                    merge(&group, !oldest, |key, value| out.write(key, value))?;
+                    merge(&group, keep_deletions || !oldest, |key, value| out.write(key, value))?;
                     out.finish()?;
                     self.runs.push(merged);
                 }
@@ -239,10 +257,7 @@ impl BulkLoad {
                 }
             }
         }
-        merge(&self.runs, false, |key, value| match value {
-            Some(value) => emit(key, value),
-            None => Ok(()),
-        })
+        merge(&self.runs, keep_deletions, emit)
     }
 }
 
@@ -437,9 +452,10 @@ impl RunReader {
     }
 }
 
-/// Writes keys in order into table files of about [`TABLE_BYTES`] each.
+/// Writes entries in key order into table files of about [`TABLE_BYTES`] each: the rocksdb
+/// backend's own files, which a store takes in whole ([`StateStore::ingest`]).
 #[cfg(feature = "rocksdb")]
-struct TableWriter<'o> {
+pub(crate) struct TableWriter<'o> {
     dir: PathBuf,
     opts: &'o rocksdb::Options,
     files: Vec<PathBuf>,
@@ -447,8 +463,14 @@ struct TableWriter<'o> {
 }
 
 #[cfg(feature = "rocksdb")]
-impl TableWriter<'_> {
-    fn put(&mut self, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
+impl<'o> TableWriter<'o> {
+    /// Table files named `table-<i>.sst` under `dir` (created when the first entry comes),
+    /// written with `opts` (the store's: [`super::store::options`]).
+    pub(crate) fn new(dir: &Path, opts: &'o rocksdb::Options) -> Self {
+        TableWriter { dir: dir.to_path_buf(), opts, files: Vec::new(), writer: None }
+    }
+
+    fn writer(&mut self) -> Result<&mut SstFileWriter<'o>, StoreError> {
         if self.writer.is_none() {
             std::fs::create_dir_all(&self.dir).map_err(io_failed)?;
             let path = self.dir.join(format!("table-{}.sst", self.files.len()));
@@ -457,16 +479,31 @@ impl TableWriter<'_> {
             self.writer = Some(w);
             self.files.push(path);
         }
-        let w = self.writer.as_mut().expect("opened above");
-        w.put(key, value).map_err(StoreError::WriteTable)?;
-        if w.file_size() >= TABLE_BYTES {
+        Ok(self.writer.as_mut().expect("opened above"))
+    }
+
+    fn end_of_entry(&mut self) -> Result<(), StoreError> {
+        if self.writer.as_ref().is_some_and(|w| w.file_size() >= TABLE_BYTES) {
+            let mut w = self.writer.take().expect("checked above");
             w.finish().map_err(StoreError::WriteTable)?;
-            self.writer = None;
         }
         Ok(())
     }
 
-    fn finish(mut self) -> Result<Vec<PathBuf>, StoreError> {
+    /// Adds a put; keys must come in increasing order.
+    pub(crate) fn put(&mut self, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
+        self.writer()?.put(key, value).map_err(StoreError::WriteTable)?;
+        self.end_of_entry()
+    }
+
+    /// Adds a deletion (a tombstone hiding the key in the files below); keys in order.
+    pub(crate) fn delete(&mut self, key: &[u8]) -> Result<(), StoreError> {
+        self.writer()?.delete(key).map_err(StoreError::WriteTable)?;
+        self.end_of_entry()
+    }
+
+    /// Closes the last file; the files written, in key order.
+    pub(crate) fn finish(mut self) -> Result<Vec<PathBuf>, StoreError> {
         if let Some(mut w) = self.writer.take() {
             w.finish().map_err(StoreError::WriteTable)?;
         }
@@ -512,7 +549,7 @@ mod tests {
                     model.insert(key, value);
                 }
             }
-            load.into_store(&store).unwrap();
+            load.into_store(&store, false).unwrap();
             // The same entries merged into a stream: each live key once, in byte order.
             let mut emitted = Vec::new();
             merged
@@ -549,7 +586,7 @@ mod tests {
         for i in 0..50u32 {
             load.add(&i.to_be_bytes(), None).unwrap();
         }
-        load.into_store(&store).unwrap();
+        load.into_store(&store, false).unwrap();
         let mut n = 0;
         store
             .scan(|_, _| {

@@ -69,6 +69,10 @@ struct Spill {
     full_image_in_memory: usize,
     /// A restore's entries, loaded into the store by [`KeyedState::after_restore`].
     restoring: Option<bulk::BulkLoad>,
+    /// A restore's table files (local copies), taken into the store first by
+    /// [`KeyedState::after_restore`], and the key groups to keep of them.
+    restoring_tables: Vec<std::path::PathBuf>,
+    restoring_key_groups: Option<(u32, u32)>,
 }
 
 /// Changed keys whose lookups a snapshot runs back to back before encoding their entries.
@@ -141,6 +145,8 @@ impl<V: StateValue> KeyedState<V> {
             absent: FxHashSet::default(),
             full_image_in_memory: FULL_IMAGE_IN_MEMORY,
             restoring: None,
+            restoring_tables: Vec::new(),
+            restoring_key_groups: None,
         });
         self
     }
@@ -674,10 +680,31 @@ impl<V: StateValue> KeyedState<V> {
         }
     }
 
+    /// (rocksdb backend) Restores a full image from its table files (a checkpoint's
+    /// `store_tables`, verified local copies) instead of its entries: they are taken into the
+    /// store whole by [`Self::after_restore`]. When the subtask that wrote them owned key
+    /// groups (`source`) beyond this one's (`key_groups`), the others are deleted. Call before
+    /// [`Self::restore_file`] applies the increments that follow the image. Whether the backend
+    /// takes table files (the heap backend restores the image itself).
+    pub fn restore_tables(
+        &mut self,
+        tables: &[std::path::PathBuf],
+        source: (u32, u32),
+        key_groups: (u32, u32),
+    ) -> bool {
+        let Some(spill) = &mut self.spill else { return false };
+        spill.restoring_tables.extend(tables.iter().cloned());
+        if source.0 < key_groups.0 || source.1 > key_groups.1 {
+            spill.restoring_key_groups = Some(key_groups);
+        }
+        true
+    }
+
     /// After a restore: continue the restored incremental chain of `chain_len` files (same key
     /// groups) or start a new one with a full image. A continued chain keeps counting towards
     /// its next full image, so restarting in a loop cannot grow a chain without bound. On the
-    /// rocksdb backend this loads the restored entries into the store.
+    /// rocksdb backend this loads the restored entries into the store: table files first, then
+    /// the other entries over them.
     pub fn after_restore(&mut self, continue_chain: bool, chain_len: usize) -> Result<(), StoreError> {
         self.changed.clear();
         self.scan = false;
@@ -685,8 +712,16 @@ impl<V: StateValue> KeyedState<V> {
         self.increments_since_full = if continue_chain { chain_len.saturating_sub(1) as u32 } else { 0 };
         self.force_full.store(!continue_chain, Ordering::Release);
         if let Some(spill) = &mut self.spill {
+            let tables = std::mem::take(&mut spill.restoring_tables);
+            let over_tables = !tables.is_empty();
+            if over_tables {
+                spill.store.take_tables(&tables)?;
+                if let Some(key_groups) = spill.restoring_key_groups.take() {
+                    spill.store.keep_only_key_groups(key_groups)?;
+                }
+            }
             if let Some(restoring) = spill.restoring.take() {
-                spill.store.bulk_load(restoring)?;
+                spill.store.bulk_load(restoring, over_tables)?;
             }
         }
         Ok(())
@@ -1157,8 +1192,20 @@ mod model_tests {
                 let same = overlapping.len() == 1 && overlapping[0].0 == range;
                 let mut state = empty(full_every, backend);
                 let mut files = Vec::new();
-                for (_, chain) in &overlapping {
-                    for f in chain {
+                // A rocksdb backend with an even cache size takes a chain's full image as table
+                // files (as a checkpoint's merged image offers them), the others its entries.
+                let tables_dir = tempfile::tempdir().unwrap();
+                for (source, chain) in &overlapping {
+                    for (i, f) in chain.iter().enumerate() {
+                        files.push(f.clone());
+                        let as_tables = i == 0 && backend.is_some_and(|c| c % 2 == 0);
+                        #[cfg(feature = "rocksdb")]
+                        if as_tables && open(f).unwrap().0 == FileKind::KeyedFull {
+                            let tables = tables_of(f, &tables_dir.path().join(format!("{}", source.0)));
+                            assert!(state.restore_tables(&tables, *source, range));
+                            continue;
+                        }
+                        let _ = (as_tables, source, &tables_dir);
                         if backend.is_none() {
                             let (_, body) = open(f).expect("a file written by a snapshot verifies");
                             state.restore_file(body, range).unwrap();
@@ -1169,7 +1216,6 @@ mod model_tests {
                             })
                             .unwrap();
                         }
-                        files.push(f.clone());
                     }
                 }
                 let continue_chain = same && from_checkpoint;
@@ -1178,6 +1224,23 @@ mod model_tests {
             }
             Subtasks { parts }
         }
+    }
+
+    /// The entries of full image `file` as the rocksdb backend's table files under `dir`.
+    #[cfg(feature = "rocksdb")]
+    fn tables_of(file: &bytes::Bytes, dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+        let (_, body) = open(file).unwrap();
+        let mut sorted = BTreeMap::new();
+        for e in keyed_entries(body) {
+            let e = e.unwrap();
+            sorted.insert(StateStore::key_of_encoded(e.key_group, e.key), e.value.unwrap().to_vec());
+        }
+        let opts = store::options();
+        let mut w = bulk::TableWriter::new(dir, &opts);
+        for (k, v) in &sorted {
+            w.put(k, v).unwrap();
+        }
+        w.finish().unwrap()
     }
 
     proptest! {

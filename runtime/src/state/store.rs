@@ -60,6 +60,9 @@ pub enum StoreError {
     /// A restore's table file could not be written.
     #[error("writing a table file of restored state: {0}")]
     WriteTable(EngineError),
+    /// A checkpoint's table file could not be linked or copied into the store's directory.
+    #[error("linking a checkpoint's table file into the state store: {0}")]
+    TakeTable(std::io::Error),
     /// The store refused a restore's table files.
     #[error("loading restored table files into the state store: {0}")]
     Ingest(EngineError),
@@ -93,7 +96,7 @@ mod rocks;
 #[cfg(not(feature = "rocksdb"))]
 pub use absent::{EngineError, StateStore, StoredValue, WriteBatch};
 #[cfg(feature = "rocksdb")]
-pub(super) use rocks::options;
+pub(crate) use rocks::options;
 #[cfg(feature = "rocksdb")]
 pub use rocks::{EngineError, StateStore, StoredValue, WriteBatch};
 
@@ -110,6 +113,13 @@ impl StateStore {
     pub fn key_of(key_group: u32, key: &Key) -> Vec<u8> {
         let mut raw = Vec::with_capacity(16);
         Self::encode_key(key_group, key, &mut raw);
+        raw
+    }
+
+    /// The store key of an already encoded key (as a state file holds it).
+    pub fn key_of_encoded(key_group: u32, encoded: &[u8]) -> Vec<u8> {
+        let mut raw = Vec::with_capacity(2 + encoded.len());
+        Self::encoded_key(key_group, encoded, &mut raw);
         raw
     }
 

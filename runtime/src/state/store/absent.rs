@@ -4,7 +4,7 @@
 
 use std::marker::PhantomData;
 use std::ops::Deref;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::super::bulk::BulkLoad;
 use super::StoreError;
@@ -73,8 +73,18 @@ impl StateStore {
         match self.never {}
     }
 
-    /// Loads a restore's entries into this (empty) store.
-    pub fn bulk_load(&self, _load: BulkLoad) -> Result<(), StoreError> {
+    /// Loads a restore's entries into this store.
+    pub fn bulk_load(&self, _load: BulkLoad, _over_existing: bool) -> Result<(), StoreError> {
+        match self.never {}
+    }
+
+    /// Takes a checkpoint's table files into this empty store.
+    pub fn take_tables(&self, _tables: &[PathBuf]) -> Result<(), StoreError> {
+        match self.never {}
+    }
+
+    /// Deletes every entry outside key groups `[start, end)`.
+    pub fn keep_only_key_groups(&self, _key_groups: (u32, u32)) -> Result<(), StoreError> {
         match self.never {}
     }
 

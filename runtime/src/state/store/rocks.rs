@@ -76,9 +76,41 @@ impl StateStore {
         WriteBatch::default()
     }
 
-    /// Loads a restore's entries into this (empty) store as table files.
-    pub fn bulk_load(&self, load: BulkLoad) -> Result<(), StoreError> {
-        load.into_store(self)
+    /// Loads a restore's entries into this store as table files: into an empty store, or
+    /// `over_existing` table files a restore took in first (deletions then stay tombstones).
+    pub fn bulk_load(&self, load: BulkLoad, over_existing: bool) -> Result<(), StoreError> {
+        load.into_store(self, over_existing)
+    }
+
+    /// Takes a checkpoint's table files (local copies of them, which may be links to the
+    /// checkpoint's own files) into this empty store: each is linked again under the store's
+    /// directory and that link moved in, so the copies stay for other subtasks. The files must
+    /// not overlap. Into an empty store they keep sequence number 0, so RocksDB writes nothing
+    /// into them (it would write an ingested file's global sequence number in place).
+    pub fn take_tables(&self, tables: &[PathBuf]) -> Result<(), StoreError> {
+        let linked_dir = self.dir.join("taken");
+        std::fs::create_dir_all(&linked_dir).map_err(StoreError::TakeTable)?;
+        let mut linked = Vec::with_capacity(tables.len());
+        for (i, table) in tables.iter().enumerate() {
+            let link = linked_dir.join(format!("{i}.sst"));
+            if std::fs::hard_link(table, &link).is_err() {
+                std::fs::copy(table, &link).map_err(StoreError::TakeTable)?;
+            }
+            linked.push(link);
+        }
+        self.ingest(linked)?;
+        let _ = std::fs::remove_dir_all(&linked_dir);
+        Ok(())
+    }
+
+    /// Deletes every entry outside key groups `[start, end)` (a restore at another parallelism
+    /// took in table files of a subtask that owned more).
+    pub fn keep_only_key_groups(&self, (start, end): (u32, u32)) -> Result<(), StoreError> {
+        let mut batch = WriteBatch::default();
+        batch.delete_range([0u8, 0].as_slice(), (start as u16).to_be_bytes().as_slice());
+        // Key groups are below 2^15, so no store key begins with two 0xff bytes.
+        batch.delete_range((end as u16).to_be_bytes().as_slice(), [0xffu8, 0xff, 0xff].as_slice());
+        self.write(batch)
     }
 
     /// The value stored under a store key.
