@@ -408,6 +408,7 @@ impl Executor<'_> {
     /// What the first attempt restores, and why: the request, or nothing for a fresh start
     /// (refused when the root already holds restore points, unless `fresh`).
     fn initial_restore(&mut self) -> Result<(Option<RestoredState>, String), JobError> {
+        let started = std::time::Instant::now();
         let (restored, reason) = match &self.opts.restore {
             None => {
                 if !self.opts.fresh {
@@ -446,7 +447,8 @@ impl Executor<'_> {
         };
         if let Some(r) = &restored {
             self.check_compatible(r)?;
-            tracing::info!(path = %r.path, checkpoint = r.checkpoint_id, bytes = r.bytes, %reason, "restoring");
+            let load_ms = started.elapsed().as_millis() as u64;
+            tracing::info!(path = %r.path, checkpoint = r.checkpoint_id, bytes = r.bytes, load_ms, %reason, "restoring");
         }
         Ok((restored, reason))
     }

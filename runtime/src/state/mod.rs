@@ -714,15 +714,23 @@ impl<V: StateValue> KeyedState<V> {
         if let Some(spill) = &mut self.spill {
             let tables = std::mem::take(&mut spill.restoring_tables);
             let over_tables = !tables.is_empty();
+            let started = std::time::Instant::now();
             if over_tables {
                 spill.store.take_tables(&tables)?;
                 if let Some(key_groups) = spill.restoring_key_groups.take() {
                     spill.store.keep_only_key_groups(key_groups)?;
                 }
             }
+            let tables_ms = started.elapsed().as_millis() as u64;
             if let Some(restoring) = spill.restoring.take() {
                 spill.store.bulk_load(restoring, over_tables)?;
             }
+            tracing::debug!(
+                tables = tables.len(),
+                tables_ms,
+                bulk_load_ms = started.elapsed().as_millis() as u64 - tables_ms,
+                "restored into the state store"
+            );
         }
         Ok(())
     }
