@@ -448,7 +448,8 @@ impl Executor<'_> {
         if let Some(r) = &restored {
             self.check_compatible(r)?;
             let load_ms = started.elapsed().as_millis() as u64;
-            tracing::info!(path = %r.path, checkpoint = r.checkpoint_id, bytes = r.bytes, load_ms, %reason, "restoring");
+            let (checkpoint, bytes) = (r.checkpoint_id, r.bytes);
+            tracing::info!(path = %r.path, checkpoint, bytes, load_ms, %reason, "restoring");
         }
         Ok((restored, reason))
     }

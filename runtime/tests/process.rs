@@ -391,10 +391,24 @@ fn published_files_are_fsynced_before_and_their_directory_after_the_rename() {
                 .unwrap_or_else(|| panic!("{target} was not published by a rename"));
             let Traced::Rename(staged, _) = &calls[at] else { unreachable!() };
             assert!(staged.contains("/.part-"), "{target} published from {staged}");
-            assert!(
-                calls[..at].iter().any(|c| matches!(c, Traced::Fsync(p) if p == staged)),
-                "{staged} was not fsynced before its publish"
-            );
+            // Fsynced under its name, or under a name it was renamed from after the fsync
+            // (local storage writes a staging file, syncs it, and renames it into place).
+            let mut synced = std::collections::HashSet::new();
+            for c in &calls[..at] {
+                match c {
+                    Traced::Fsync(p) => {
+                        synced.insert(p.clone());
+                    }
+                    Traced::Rename(from, to) => {
+                        if synced.remove(from) {
+                            synced.insert(to.clone());
+                        } else {
+                            synced.remove(to);
+                        }
+                    }
+                }
+            }
+            assert!(synced.contains(staged), "{staged} was not fsynced before its publish");
             let dir = sink.path().display().to_string();
             assert!(
                 calls[at..].iter().any(|c| matches!(c, Traced::Fsync(p) if *p == dir)),

@@ -1,5 +1,5 @@
 //! Local files written under a memory limit: restored copies of state files, spilled full
-//! images, a restore's sorted runs.
+//! images, a restore's sorted runs; and checkpoint files written past the page cache.
 //!
 //! Under a cgroup v1 memory limit, dirty page-cache pages count against the limit until they
 //! are written back, and nothing throttles the writer before the OOM killer acts: a file larger
@@ -9,6 +9,77 @@
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
+
+/// The block size direct writes are aligned to (the largest logical block size in use).
+const DIRECT_ALIGN: usize = 4096;
+
+/// Direct writes go through an aligned buffer of this size.
+const DIRECT_CHUNK: usize = 1 << 20;
+
+thread_local! {
+    /// Each thread's buffer for direct writes, reused: it stays in memory the thread touched.
+    static DIRECT_BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Writes `data` to a new file at `path` (it must not exist), past the page cache when the
+/// filesystem allows it (`O_DIRECT`), and syncs it.
+///
+/// A checkpoint file is written once and read only by a restore. Written through the page cache,
+/// every byte is copied into a page the kernel allocates for it: on a virtual machine whose free
+/// memory is handed back to its host, that copy was most of the CPU a checkpoint cost outside
+/// the task threads (about 8 ns per byte, against 0.2 written directly). The data goes through
+/// an aligned buffer of 1 MiB that the calling thread reuses; the last block is padded and the
+/// file truncated to its length. A filesystem that refuses direct I/O (tmpfs) gets an ordinary
+/// write.
+pub fn write_file_direct(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let direct = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
+        .open(path);
+    let file = match direct {
+        Ok(file) => file,
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
+            return write_file_buffered(path, data);
+        }
+        Err(e) => return Err(e),
+    };
+    match write_direct(&file, data) {
+        Ok(()) => file.sync_all(),
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
+            drop(file);
+            std::fs::remove_file(path)?;
+            write_file_buffered(path, data)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn write_file_buffered(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).open(path)?;
+    file.write_all(data)?;
+    file.sync_all()
+}
+
+fn write_direct(mut file: &File, data: &[u8]) -> std::io::Result<()> {
+    DIRECT_BUFFER.with(|buffer| {
+        let mut buffer = buffer.borrow_mut();
+        if buffer.len() < DIRECT_CHUNK + DIRECT_ALIGN {
+            buffer.resize(DIRECT_CHUNK + DIRECT_ALIGN, 0);
+        }
+        let start = buffer.as_ptr().align_offset(DIRECT_ALIGN);
+        let aligned = &mut buffer[start..start + DIRECT_CHUNK];
+        for part in data.chunks(DIRECT_CHUNK) {
+            aligned[..part.len()].copy_from_slice(part);
+            // The last part is padded to a whole block; the file is cut to its length below.
+            let padded = part.len().next_multiple_of(DIRECT_ALIGN);
+            aligned[part.len()..padded].fill(0);
+            file.write_all(&aligned[..padded])?;
+        }
+        file.set_len(data.len() as u64)
+    })
+}
 
 /// The length and CRC-32C of a local file, read in 1 MiB parts.
 pub fn file_len_and_crc32c(path: &Path) -> std::io::Result<(u64, u32)> {
@@ -69,6 +140,28 @@ impl Write for SyncedWriter {
 
 #[cfg(test)]
 mod tests {
+    /// Direct writes hold exactly the bytes given, at lengths around the block and buffer
+    /// sizes, on the disk's filesystem and on tmpfs (which refuses direct I/O); an existing
+    /// file is never overwritten.
+    #[test]
+    fn direct_writes_hold_exactly_their_bytes_whatever_the_length_and_filesystem() {
+        let disk = tempfile::tempdir().unwrap();
+        let shm = std::path::Path::new("/dev/shm");
+        let tmpfs = shm.is_dir().then(|| tempfile::tempdir_in(shm).unwrap());
+        let dirs = std::iter::once(disk.path()).chain(tmpfs.as_ref().map(|d| d.path()));
+        for dir in dirs {
+            for len in [0, 1, 4095, 4096, 4097, (1 << 20) - 1, 1 << 20, (1 << 20) + 4097, 3 << 20] {
+                let data: Vec<u8> = (0..len).map(|i| (i * 31 % 253) as u8 + 1).collect();
+                let path = dir.join(format!("f{len}"));
+                super::write_file_direct(&path, &data).unwrap();
+                assert!(std::fs::read(&path).unwrap() == data, "{}: {len} bytes", dir.display());
+                let again = super::write_file_direct(&path, b"other");
+                assert_eq!(again.unwrap_err().kind(), std::io::ErrorKind::AlreadyExists);
+                assert!(std::fs::read(&path).unwrap() == data, "{}: kept", dir.display());
+            }
+        }
+    }
+
     #[test]
     fn a_files_length_and_crc_are_those_of_its_bytes() {
         let dir = tempfile::tempdir().unwrap();

@@ -112,6 +112,9 @@ fn local_io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(std::io::Error) 
     }
 }
 
+/// Makes the names of local staging files unique within the process.
+static NEXT_STAGING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// A job's storage root.
 #[derive(Clone, Debug)]
 pub struct Storage {
@@ -258,7 +261,31 @@ impl Storage {
     /// Writes an object (atomically: readers see the old object, nothing, or all of the new one).
     /// On a local filesystem the file and its directory are synced before this returns, so a
     /// checkpoint acknowledged or a file published survives a power loss.
+    ///
+    /// On a local filesystem the object is written past the page cache where the filesystem
+    /// allows it ([`crate::local::write_file_direct`]) to a staging file beside it, then renamed.
     pub async fn put(&self, rel: &str, data: Bytes) -> Result<(), StorageError> {
+        if let Some(root) = &self.local {
+            let object = root.join(self.full(rel).as_ref());
+            if let Some(parent) = object.parent() {
+                std::fs::create_dir_all(parent).map_err(local_io("create directory", rel))?;
+            }
+            // Named as object_store names its staging files (`<name>#<digits>`), which its
+            // listings leave out.
+            let n = NEXT_STAGING.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut staging = object.clone().into_os_string();
+            staging.push(format!("#{}{n:06}", std::process::id()));
+            let staging = std::path::PathBuf::from(staging);
+            let written = crate::local::write_file_direct(&staging, &data)
+                .and_then(|()| std::fs::rename(&staging, &object))
+                .map_err(local_io("put", rel));
+            if written.is_err() {
+                let _ = std::fs::remove_file(&staging);
+            }
+            written?;
+            let dir = object.parent().unwrap_or(root);
+            return std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(local_io("fsync", rel));
+        }
         self.store.put(&self.full(rel), PutPayload::from(data)).await.map_err(io("put", rel))?;
         self.sync_local(&[rel]).map_err(local_io("fsync", rel))
     }
