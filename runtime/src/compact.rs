@@ -11,12 +11,15 @@
 //!    heap backend's map gives its key at that count, then its key;
 //! 2. the runs are merged (the newest entry of a key wins; a deletion leaves nothing) into
 //!    one full image, in the map's bucket order (so that a heap restore fills its table front
-//!    to back), streamed to a local file and uploaded as a *staged* merge
-//!    ([`layout::shared_staged_merge`]);
+//!    to back), streamed to a local file and uploaded under its final name
+//!    ([`layout::shared_merged_file`], after the checkpoint whose chain it merges), registered
+//!    first as a [`PendingFiles`] entry so that retention leaves it alone until a checkpoint
+//!    lists it;
 //! 3. the uploader's next checkpoint adopts it when its chain still begins with the files
-//!    merged: it renames it to a file that checkpoint creates ([`layout::shared_merged_file`])
-//!    and lists it in place of those files. Otherwise (the chain was restarted by a full image
-//!    meanwhile) the staged merge is deleted.
+//!    merged: it lists it in place of those files. Otherwise (the chain was restarted by a full
+//!    image meanwhile) the merged image is deleted. Nothing is copied or renamed: on an object
+//!    store a rename is a copy, which took 4.5 s for a 550 MB image on the S3 server here, held
+//!    a checkpoint back that long, and cannot copy an object over 5 GiB in one request.
 //!
 //! The merged image holds exactly the entries a restore of the chain would: the chain's files
 //! are read in chain order, and within a file in file order, as a restore applies them.
@@ -39,6 +42,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use weir_checkpoint::format::{self, FileKind, FormatError, PartsError, StateFileStream};
 use weir_checkpoint::local::SyncedWriter;
+use weir_checkpoint::retention::PendingFiles;
 use weir_checkpoint::{layout, FileRef, Storage, StorageError};
 
 use crate::state::bulk::BulkLoad;
@@ -69,28 +73,26 @@ pub struct MergeRequest {
     pub store_tables: bool,
 }
 
-/// A staged file of a merge: its path relative to the job root, length and CRC-32C.
+/// A file a merge wrote: where it is, its length and CRC-32C.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StagedFile {
     /// Relative to the job root.
     pub path: String,
+    /// Relative to a checkpoint directory (as a checkpoint lists it).
+    pub rel: String,
     /// Its length.
     pub len: u64,
     /// Its CRC-32C.
     pub crc32c: u32,
 }
 
-/// A merge staged in storage, waiting to be adopted.
+/// A merge written to storage, waiting to be adopted.
 #[derive(Clone, Debug)]
 pub struct StagedMerge {
     /// What was merged.
     pub request: MergeRequest,
-    /// The staged file, relative to the job root.
-    pub staged: String,
-    /// Its length.
-    pub len: u64,
-    /// Its CRC-32C.
-    pub crc32c: u32,
+    /// The merged image.
+    pub image: StagedFile,
     /// Live entries in it.
     pub entries: u64,
     /// The same entries as table files, in key order (when the request asked for them).
@@ -100,24 +102,20 @@ pub struct StagedMerge {
 }
 
 impl StagedMerge {
-    /// Deletes what it staged (nobody will adopt it).
-    pub async fn delete(&self, storage: &Storage) {
-        let _ = storage.delete(&self.staged).await;
-        for t in &self.tables {
-            let _ = storage.delete(&t.path).await;
+    /// Deletes what it wrote (nobody will adopt it) and stops protecting it.
+    pub async fn delete(&self, storage: &Storage, pending: &PendingFiles) {
+        for f in std::iter::once(&self.image).chain(&self.tables) {
+            let _ = storage.delete(&f.path).await;
+            pending.remove(&f.path);
         }
     }
 }
 
-/// What [`merge`] staged.
+/// What [`merge`] wrote.
 #[derive(Debug)]
 pub struct Merged {
-    /// The image: relative to the job root.
-    pub staged: String,
-    /// Its length.
-    pub len: u64,
-    /// Its CRC-32C.
-    pub crc32c: u32,
+    /// The image.
+    pub image: StagedFile,
     /// Live entries in it.
     pub entries: u64,
     /// Its table files, in key order (when asked for).
@@ -195,6 +193,8 @@ pub enum MergeOutcome {
 pub struct Merger {
     name: String,
     storage: Storage,
+    /// The run's files written ahead of the checkpoints that will list them.
+    pending: PendingFiles,
     epoch: u64,
     local_dir: PathBuf,
     requests: Option<Sender<MergeRequest>>,
@@ -209,12 +209,13 @@ pub struct Merger {
 static NEXT_SCRATCH: AtomicU64 = AtomicU64::new(0);
 
 impl Merger {
-    /// A merger whose thread (named `name`) stages merges in `storage` as `epoch`, working in
-    /// local files under `local_dir`.
-    pub fn new(name: String, storage: Storage, epoch: u64, local_dir: PathBuf) -> Merger {
+    /// A merger whose thread (named `name`) writes merges to `storage` as `epoch`, protected
+    /// from retention by `pending` until adopted, working in local files under `local_dir`.
+    pub fn new(name: String, storage: Storage, pending: PendingFiles, epoch: u64, local_dir: PathBuf) -> Merger {
         Merger {
             name,
             storage,
+            pending,
             epoch,
             local_dir,
             requests: None,
@@ -241,6 +242,7 @@ impl Merger {
             // The thread's own end of its outcomes: what the uploader never took when it went.
             let untaken = outcomes.clone();
             let (storage, epoch, local_dir) = (self.storage.clone(), self.epoch, self.local_dir.clone());
+            let pending = self.pending.clone();
             let cancelled = self.cancelled.clone();
             let spawned = std::thread::Builder::new().name(self.name.clone()).spawn(move || {
                 lower_this_threads_priority();
@@ -254,12 +256,10 @@ impl Merger {
                     started_merges += 1;
                     let started = Instant::now();
                     let stop = || cancelled.load(Ordering::Acquire);
-                    let outcome = match merge(&storage, epoch, &local_dir, &request, &stop) {
+                    let outcome = match merge(&storage, &pending, epoch, &local_dir, &request, &stop) {
                         Ok(m) => MergeOutcome::Staged(StagedMerge {
                             request,
-                            staged: m.staged,
-                            len: m.len,
-                            crc32c: m.crc32c,
+                            image: m.image,
                             entries: m.entries,
                             tables: m.tables,
                             took: started.elapsed(),
@@ -274,7 +274,7 @@ impl Merger {
                 // are nobody's to adopt.
                 for outcome in untaken.try_iter() {
                     if let MergeOutcome::Staged(s) = outcome {
-                        crate::io().block_on(s.delete(&storage));
+                        crate::io().block_on(s.delete(&storage, &pending));
                     }
                 }
                 started_merges
@@ -308,6 +308,11 @@ impl Merger {
     /// Whether a merge of `uid`'s chain is running or queued.
     pub fn in_flight(&self, uid: &str) -> bool {
         self.in_flight.contains(uid)
+    }
+
+    /// The files written ahead of the checkpoints that will list them.
+    pub fn pending(&self) -> &PendingFiles {
+        &self.pending
     }
 
     /// The merges that ended since the last call.
@@ -382,6 +387,7 @@ const STOP_CHECK_ENTRIES: u64 = 1 << 16;
 /// merged entries after `stop` answers true.
 pub fn merge(
     storage: &Storage,
+    pending: &PendingFiles,
     epoch: u64,
     local_dir: &Path,
     request: &MergeRequest,
@@ -492,29 +498,37 @@ pub fn merge(
     let (writer, len, crc) = out.finish().map_err(MergeError::WriteImage)?;
     writer.sync_all().map_err(MergeError::WriteImage)?;
     check()?;
-    let dir_of = |rel: String| layout::resolve(&dir, &rel);
     let (uid, subtask, id) = (&request.uid, request.subtask, request.checkpoint_id);
-    // The tables first, the image last: what is staged is adopted only once the image is. A
-    // failure or a stop deletes the tables staged so far.
-    let mut staged_tables = Vec::with_capacity(table_paths.len());
-    let staged = dir_of(layout::shared_staged_merge(uid, subtask, id, epoch));
-    let mut stage = || -> Result<(), MergeError> {
-        for (i, table) in table_paths.iter().enumerate() {
-            check()?;
-            let (len, crc32c) = weir_checkpoint::local::file_len_and_crc32c(table).map_err(MergeError::WriteImage)?;
-            let path = dir_of(layout::shared_staged_table(uid, subtask, id, epoch, i));
-            staged_tables.push(StagedFile { path: path.clone(), len, crc32c });
-            crate::io().block_on(storage.put_file(&path, table)).map_err(|e| MergeError::Upload(Box::new(e)))?;
-        }
-        crate::io().block_on(storage.put_file(&staged, &image)).map_err(|e| MergeError::Upload(Box::new(e)))
+    // Under their final names, each protected from retention before it is uploaded. A failure
+    // or a stop deletes what was written so far.
+    let mut written: Vec<StagedFile> = Vec::with_capacity(table_paths.len() + 1);
+    let mut upload = |local: &Path, rel: String, len: u64, crc32c: u32| -> Result<StagedFile, MergeError> {
+        check()?;
+        let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c };
+        pending.add(&file.path);
+        written.push(file.clone());
+        crate::io().block_on(storage.put_file(&file.path, local)).map_err(|e| MergeError::Upload(Box::new(e)))?;
+        Ok(file)
     };
-    if let Err(e) = stage() {
-        for t in &staged_tables {
-            let _ = crate::io().block_on(storage.delete(&t.path));
+    let mut upload_all = || -> Result<(StagedFile, Vec<StagedFile>), MergeError> {
+        let mut tables = Vec::with_capacity(table_paths.len());
+        for (i, table) in table_paths.iter().enumerate() {
+            let (len, crc32c) = weir_checkpoint::local::file_len_and_crc32c(table).map_err(MergeError::WriteImage)?;
+            tables.push(upload(table, layout::shared_merged_table(uid, subtask, id, epoch, i), len, crc32c)?);
         }
-        return Err(e);
+        let image = upload(&image, layout::shared_merged_file(uid, subtask, id, epoch), len, crc)?;
+        Ok((image, tables))
+    };
+    match upload_all() {
+        Ok((image, tables)) => Ok(Merged { image, entries, tables }),
+        Err(e) => {
+            for f in &written {
+                let _ = crate::io().block_on(storage.delete(&f.path));
+                pending.remove(&f.path);
+            }
+            Err(e)
+        }
     }
-    Ok(Merged { staged, len, crc32c: crc, entries, tables: staged_tables })
 }
 
 /// How much lower the merger thread's CPU priority is than the tasks' (a nice value): a merge
@@ -654,9 +668,14 @@ mod tests {
                     chain: chain.clone(),
                     store_tables: with_tables,
                 };
-                let m = merge(&storage, 1, local.path(), &request, &|| false).unwrap();
-                let bytes = crate::io().block_on(storage.get(&m.staged)).unwrap();
-                assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (m.len, m.crc32c));
+                let pending = PendingFiles::default();
+                let m = merge(&storage, &pending, 1, local.path(), &request, &|| false).unwrap();
+                let bytes = crate::io().block_on(storage.get(&m.image.path)).unwrap();
+                assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (m.image.len, m.image.crc32c));
+                assert_eq!(m.image.path, layout::resolve(&layout::checkpoint_dir(seed * 100 + 20), &m.image.rel));
+                let files: std::collections::BTreeSet<String> =
+                    std::iter::once(&m.image).chain(&m.tables).map(|f| f.path.clone()).collect();
+                assert_eq!(pending.snapshot(), files, "seed {seed}: every file written is pending");
                 let (kind, body) = format::open(&bytes).unwrap();
                 assert_eq!(kind, FileKind::KeyedFull);
                 let mut merged = BTreeMap::new();
@@ -727,10 +746,11 @@ mod tests {
             chain: vec![FileRef { path: rel, len: data.len() as u64, crc32c }],
             store_tables: false,
         };
-        let err = merge(&storage, 1, local.path(), &request, &|| false).unwrap_err();
+        let pending = PendingFiles::default();
+        let err = merge(&storage, &pending, 1, local.path(), &request, &|| false).unwrap_err();
         assert!(matches!(&err, MergeError::Mismatch { path, .. } if path.ends_with("0-1-1.kv")), "{err}");
-        let staged = crate::io().block_on(storage.list("checkpoints/shared/op")).unwrap();
-        assert!(staged.iter().all(|f| !f.ends_with(".staged")), "{staged:?}");
+        assert!(staged_files(&storage).is_empty(), "{:?}", staged_files(&storage));
+        assert!(pending.snapshot().is_empty());
     }
 
     /// One full image of `entries` keys under `uid`, uploaded as checkpoint 1's file.
@@ -746,9 +766,10 @@ mod tests {
         vec![FileRef { path: rel, len, crc32c }]
     }
 
+    /// The merged images and table files in storage.
     fn staged_files(storage: &Storage) -> Vec<String> {
         let listed = crate::io().block_on(storage.list("checkpoints/shared")).unwrap();
-        listed.into_iter().filter(|f| f.ends_with(".staged")).collect()
+        listed.into_iter().filter(|f| f.contains("-merged")).collect()
     }
 
     /// A merge asked to stop at any of its checks (each file, each 1 MiB part, each pass, every
@@ -757,6 +778,7 @@ mod tests {
     #[test]
     fn a_merge_stopped_at_any_step_stages_nothing_and_leaves_no_scratch() {
         let (_root, storage, local) = storage_and_scratch();
+        let pending = PendingFiles::default();
         // Two files of more than one part each, and more than 64K entries.
         let mut chain = Vec::new();
         for (f, kind) in [FileKind::KeyedFull, FileKind::KeyedIncrement].into_iter().enumerate() {
@@ -780,9 +802,10 @@ mod tests {
                 asked.set(asked.get() + 1);
                 asked.get() >= stop_at
             };
-            match merge(&storage, 1, local.path(), &request, &stop) {
+            match merge(&storage, &pending, 1, local.path(), &request, &stop) {
                 Err(MergeError::Cancelled) => {
                     assert!(staged_files(&storage).is_empty(), "stopped at check {stop_at}");
+                    assert!(pending.snapshot().is_empty(), "stopped at check {stop_at}");
                     let left = std::fs::read_dir(local.path()).unwrap().count();
                     assert_eq!(left, 0, "stopped at check {stop_at}: scratch files are gone");
                 }
@@ -805,7 +828,9 @@ mod tests {
     #[test]
     fn a_merge_staged_after_the_uploaders_last_look_is_deleted_when_it_goes() {
         let (_root, storage, local) = storage_and_scratch();
-        let mut merger = Merger::new("merger-test".into(), storage.clone(), 1, local.path().to_path_buf());
+        let pending = PendingFiles::default();
+        let mut merger =
+            Merger::new("merger-test".into(), storage.clone(), pending.clone(), 1, local.path().to_path_buf());
         let chain = uploaded_chain(&storage, "op", 1_000);
         assert!(merger.request(MergeRequest {
             uid: "op".into(),
@@ -822,6 +847,7 @@ mod tests {
         let started = merger.cancel().expect("the thread ran").join().unwrap();
         assert_eq!(started, 1);
         assert!(staged_files(&storage).is_empty(), "{:?}", staged_files(&storage));
+        assert!(pending.snapshot().is_empty(), "nothing left to protect");
     }
 
     /// Merges queued behind a cancellation never start: the thread ends without merging, and
@@ -829,7 +855,8 @@ mod tests {
     #[test]
     fn a_cancelled_merger_starts_none_of_its_queued_merges() {
         let (_root, storage, local) = storage_and_scratch();
-        let mut merger = Merger::new("merger-test".into(), storage.clone(), 1, local.path().to_path_buf());
+        let mut merger =
+            Merger::new("merger-test".into(), storage.clone(), PendingFiles::default(), 1, local.path().to_path_buf());
         merger.cancelled.store(true, Ordering::Release);
         for uid in ["a", "b", "c"] {
             let chain = uploaded_chain(&storage, uid, 1_000);

@@ -228,6 +228,7 @@ pub fn run_job(
         savepoint_requests: HashMap::new(),
         retention_running: Arc::default(),
         known_corrupt: Default::default(),
+        pending_files: Default::default(),
         epoch: 0,
         commits: CommitTracker::default(),
         file_sinks: job
@@ -268,7 +269,8 @@ pub fn run_job(
                 {
                     crate::io().block_on(exec.storage.delete_dir(layout::CHECKPOINTS))?;
                 } else {
-                    // Leave storage as retention says, not as the last background pass got to.
+                    // Leave storage as retention says, not as the last background pass got to. The
+                    // uploaders are gone: a merge nobody adopted is nobody's to adopt.
                     let in_flight_from = exec.next_id;
                     crate::io().block_on(retention::apply(
                         &exec.storage,
@@ -276,6 +278,7 @@ pub fn run_job(
                         in_flight_from,
                         exec.epoch,
                         &exec.known_corrupt.borrow(),
+                        &retention::PendingFiles::default(),
                     ))?;
                 }
                 metrics.set_state(state);
@@ -333,6 +336,9 @@ struct Executor<'a> {
     retention_running: Arc<std::sync::atomic::AtomicBool>,
     /// Checkpoints a restore of this run found corrupt: retention must not count them.
     known_corrupt: std::cell::RefCell<BTreeSet<u64>>,
+    /// Files background merges wrote that no complete checkpoint lists yet: retention leaves
+    /// them alone.
+    pending_files: retention::PendingFiles,
     /// This attempt's fencing epoch.
     epoch: u64,
     /// Transactions committed by checkpoint completions, until their manifests are written.
@@ -602,6 +608,11 @@ impl Executor<'_> {
     }
 
     fn attempt(&mut self, restored: Option<&RestoredState>, reason: &str) -> AttemptEnd {
+        // Merges the last attempt wrote and never got listed are orphans from now on (its
+        // checkpoints are over); a retention pass it started may still rely on them being
+        // protected, so it ends first.
+        self.wait_for_retention();
+        self.pending_files.clear();
         let holder = self.opts.holder.clone().unwrap_or_else(|| format!("pid {}", std::process::id()));
         self.epoch = match crate::io().block_on(epoch::claim(&self.storage, &holder, self.restored_from(restored))) {
             Ok(e) => e,
@@ -743,6 +754,7 @@ impl Executor<'_> {
                 merger: crate::compact::Merger::new(
                     format!("merge-{}", task.id),
                     storage.clone(),
+                    self.pending_files.clone(),
                     epoch,
                     local_state_dir(),
                 ),
@@ -1022,9 +1034,10 @@ impl Executor<'_> {
         let running = self.retention_running.clone();
         let mine = self.epoch;
         let corrupt = self.known_corrupt.borrow().clone();
+        let pending = self.pending_files.clone();
         crate::io().spawn(async move {
             let result = match epoch::check(&storage, mine).await {
-                Ok(()) => retention::apply(&storage, retained, in_flight_from, mine, &corrupt)
+                Ok(()) => retention::apply(&storage, retained, in_flight_from, mine, &corrupt, &pending)
                     .await
                     .map(|_| ())
                     .map_err(|e| e.to_string()),

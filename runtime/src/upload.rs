@@ -108,7 +108,7 @@ pub fn run(
         let flags: Vec<(String, Arc<AtomicBool>)> =
             job.parts.iter().filter_map(|(uid, p)| Some((uid.clone(), p.force_full.clone()?))).collect();
         if let (Some(m), true) = (&mut merges, checkpoint) {
-            crate::io().block_on(adopt_merges(&storage, epoch, m, &mut chains, id, subtask, &flags));
+            crate::io().block_on(adopt_merges(&storage, m, &mut chains, id, &flags));
         }
         let started = std::time::Instant::now();
         let result = crate::io().block_on(upload(&storage, epoch, &faults, &mut chains, &mut unstaged, job));
@@ -148,6 +148,7 @@ pub fn run(
         // Merges nobody will adopt: the staged files go (a running merge stops; one staged
         // after this last look is deleted by the merger's thread when it sees the uploader go).
         let outcomes = m.merger.finished();
+        let pending = m.merger.pending().clone();
         // Not joined: a running merge stops at its next part, and a restart need not wait.
         drop(m.merger.cancel());
         let staged = m.staged.into_iter().chain(outcomes.into_iter().filter_map(|o| match o {
@@ -155,21 +156,19 @@ pub fn run(
             MergeOutcome::Failed { .. } => None,
         }));
         for s in staged {
-            crate::io().block_on(s.delete(&storage));
+            crate::io().block_on(s.delete(&storage, &pending));
         }
     }
 }
 
-/// Adopts, in checkpoint `id` (about to be uploaded), the staged merges whose chain is still
-/// the beginning of their operator's chain: each is renamed to a file that checkpoint creates
-/// and replaces the files it merged. The others are deleted.
+/// Adopts, in checkpoint `id` (about to be uploaded), the merges whose chain is still the
+/// beginning of their operator's chain: each replaces the files it merged. The others are
+/// deleted.
 async fn adopt_merges(
     storage: &Storage,
-    epoch: u64,
     merges: &mut Merges,
     chains: &mut HashMap<String, Chain>,
     id: u64,
-    subtask: u32,
     flags: &[(String, Arc<AtomicBool>)],
 ) {
     for outcome in merges.merger.finished() {
@@ -205,51 +204,26 @@ async fn adopt_merges(
         let Some(chain) = chains.get_mut(uid).filter(|c| !c.broken && c.files.starts_with(&staged.request.chain))
         else {
             // A full image restarted the chain meanwhile.
-            staged.delete(storage).await;
+            staged.delete(storage, merges.merger.pending()).await;
             continue;
         };
-        let dir = layout::checkpoint_dir(id);
-        // The table files first: renamed to files this checkpoint creates. If one fails, the
-        // image is adopted without them (restores on rocksdb then read the image).
-        let mut tables = Vec::with_capacity(staged.tables.len());
-        for (i, t) in staged.tables.iter().enumerate() {
-            let rel = layout::shared_merged_table(uid, subtask, id, epoch, i);
-            match storage.rename(&t.path, &layout::resolve(&dir, &rel)).await {
-                Ok(()) => tables.push(FileRef { path: rel, len: t.len, crc32c: t.crc32c }),
-                Err(error) => {
-                    tracing::warn!(uid = %uid, %error, "a merged image's table files could not be adopted");
-                    for t in &staged.tables[i..] {
-                        let _ = storage.delete(&t.path).await;
-                    }
-                    // Those renamed are listed by nothing: retention deletes them.
-                    tables.clear();
-                    break;
-                }
-            }
-        }
-        let rel = layout::shared_merged_file(uid, subtask, id, epoch);
-        match storage.rename(&staged.staged, &layout::resolve(&dir, &rel)).await {
-            Ok(()) => {
-                let merged = staged.request.chain.len();
-                chain.files.splice(..merged, [FileRef { path: rel, len: staged.len, crc32c: staged.crc32c }]);
-                chain.tables = tables;
-                merges.metrics.state_merges.inc();
-                tracing::info!(
-                    uid = %uid,
-                    checkpoint = id,
-                    files = merged,
-                    entries = staged.entries,
-                    bytes = staged.len,
-                    seconds = staged.took.as_secs_f64(),
-                    "keyed state: a chain merged in the background replaces its files"
-                );
-            }
-            Err(error) => {
-                tracing::warn!(uid = %uid, %error, "a merged full image could not be adopted; its chain is kept");
-                let _ = storage.delete(&staged.staged).await;
-                // Its tables, renamed above, are listed by nothing: retention deletes them.
-            }
-        }
+        // Listed as written: nothing is renamed. Retention leaves the files alone until a
+        // complete checkpoint lists them (they are pending until then).
+        let listed = |f: &crate::compact::StagedFile| FileRef { path: f.rel.clone(), len: f.len, crc32c: f.crc32c };
+        let merged = staged.request.chain.len();
+        chain.files.splice(..merged, [listed(&staged.image)]);
+        chain.tables = staged.tables.iter().map(listed).collect();
+        merges.metrics.state_merges.inc();
+        tracing::info!(
+            uid = %uid,
+            checkpoint = id,
+            files = merged,
+            entries = staged.entries,
+            bytes = staged.image.len,
+            tables = staged.tables.len(),
+            seconds = staged.took.as_secs_f64(),
+            "keyed state: a chain merged in the background replaces its files"
+        );
     }
 }
 

@@ -5,11 +5,11 @@
 //! <job>/checkpoints/chk-<N>/<uid>/<subtask>.state          operator (non-keyed) state
 //! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<seq>.kv    keyed state files, shared by the
 //!                                                          incremental checkpoints that list them
-//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>-merged.kv  a full image merged from a chain
-//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>.staged  the same before a checkpoint adopts it
+//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>-merged.kv  a full image merged from the
+//!                                                          chain of checkpoint N
 //! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>-merged-<i>.sst  that image as the rocksdb
 //!                                                          backend's table files
-//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>-<i>.sst.staged  the same before adoption
+//! <job>/checkpoints/shared/<uid>/<subtask>-<N>-<E>.staged  a merge staged by an older Weir
 //! <job>/savepoints/sp-<time>-<N>/_metadata                 self-contained, relocatable
 //! <job>/savepoints/sp-<time>-<N>/<uid>/<subtask>.state|.kv
 //! <job>/_epochs/<E>                                        fencing: one claim per start
@@ -79,30 +79,24 @@ pub fn shared_keyed_file(uid: &str, subtask: u32, id: u64, epoch: u64) -> String
     format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}.kv")
 }
 
-/// A full image merged in the background from a chain of shared files, adopted by checkpoint
-/// `id` in `epoch` (relative to a checkpoint directory). Named like the files a checkpoint
-/// creates, so that retention treats it as created by the checkpoint that first lists it.
+/// A full image merged in the background from the chain of checkpoint `id` in `epoch`, listed
+/// by a later checkpoint once adopted (relative to a checkpoint directory). Until then no
+/// checkpoint lists it, though its name says a complete checkpoint created it: the run protects
+/// it from retention (`retention::PendingFiles`).
 pub fn shared_merged_file(uid: &str, subtask: u32, id: u64, epoch: u64) -> String {
     format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-merged.kv")
 }
 
-/// Where a background merge writes its full image until a checkpoint adopts it (renamed to
-/// [`shared_merged_file`]): `id` is the checkpoint whose chain it merges. Relative to a
-/// checkpoint directory. Retention leaves staged files of the running epoch alone.
+/// Where a merge was staged by a Weir that renamed merges on adoption (relative to a checkpoint
+/// directory); retention deletes those of earlier runs.
 pub fn shared_staged_merge(uid: &str, subtask: u32, id: u64, epoch: u64) -> String {
     format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}.staged")
 }
 
-/// Table file `index` of a merged full image adopted by checkpoint `id` in `epoch` (see
+/// Table file `index` of the merged full image of checkpoint `id`'s chain in `epoch` (see
 /// [`shared_merged_file`]), relative to a checkpoint directory.
 pub fn shared_merged_table(uid: &str, subtask: u32, id: u64, epoch: u64, index: usize) -> String {
     format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-merged-{index}.sst")
-}
-
-/// Where a background merge writes table file `index` until a checkpoint adopts it (renamed to
-/// [`shared_merged_table`]). Relative to a checkpoint directory.
-pub fn shared_staged_table(uid: &str, subtask: u32, id: u64, epoch: u64, index: usize) -> String {
-    format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-{index}.sst.staged")
 }
 
 /// A shared file's name without its kind: `.kv` (state files) or `.sst` (table files).
@@ -110,8 +104,7 @@ fn shared_stem(file_name: &str) -> Option<&str> {
     file_name.strip_suffix(".kv").or_else(|| file_name.strip_suffix(".sst"))
 }
 
-/// The epoch of a staged merge or staged table file (from its name
-/// `<subtask>-<N>-<E>[-<i>.sst].staged`).
+/// The epoch of a staged merge (from its name `<subtask>-<N>-<E>.staged`).
 pub fn staged_merge_epoch(file_name: &str) -> Option<u64> {
     file_name.strip_suffix(".staged")?.split('-').nth(2)?.parse().ok()
 }
@@ -167,9 +160,6 @@ mod tests {
         assert_eq!(staged_merge_epoch(staged), Some(9));
         let table = &shared_merged_table("op", 3, 17, 9, 4)["../shared/op/".len()..];
         assert_eq!((shared_file_creator(table), shared_file_epoch(table)), (Some(17), Some(9)));
-        let staged_table = &shared_staged_table("op", 3, 17, 9, 4)["../shared/op/".len()..];
-        assert_eq!((shared_file_creator(staged_table), shared_file_epoch(staged_table)), (None, None));
-        assert_eq!(staged_merge_epoch(staged_table), Some(9));
         assert_eq!(parse_epoch_claim("12"), None);
         assert_eq!(parse_checkpoint_dir("chk-x"), None);
     }

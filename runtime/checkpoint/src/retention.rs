@@ -7,9 +7,12 @@
 //! directories (complete, incomplete or corrupt); delete shared files that no kept checkpoint
 //! references, but only those created by a checkpoint no newer than the newest complete one
 //! (newer files may belong to checkpoints still in flight) and by this run's epoch or an
-//! older one (a newer epoch's files belong to the run that replaced this one).
+//! older one (a newer epoch's files belong to the run that replaced this one). Files a
+//! background merge wrote and no complete checkpoint lists yet ([`PendingFiles`]) are never
+//! deleted.
 
 use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 
 use crate::layout;
 use crate::metadata::CheckpointMetadata;
@@ -25,6 +28,49 @@ pub struct FoundCheckpoint {
     pub references: Option<BTreeSet<String>>,
 }
 
+/// Shared files this run wrote ahead of the checkpoint that will list them: a background merge
+/// uploads its image (and table files) under their final names, and a later checkpoint adopts
+/// them. Until a complete checkpoint lists a file, retention must not take it for an
+/// unreferenced one. The merger adds a file before it uploads it, the uploader removes the ones
+/// it drops, and retention removes those it finds listed (from then on they are kept or deleted
+/// like any shared file).
+#[derive(Clone, Debug, Default)]
+pub struct PendingFiles(Arc<Mutex<BTreeSet<String>>>);
+
+impl PendingFiles {
+    /// Protects `path` (relative to the job root); call before uploading it.
+    pub fn add(&self, path: &str) {
+        self.lock().insert(path.to_string());
+    }
+
+    /// Stops protecting `path` (it was deleted, or will never be listed).
+    pub fn remove(&self, path: &str) {
+        self.lock().remove(path);
+    }
+
+    /// Stops protecting every file: for a new run, once no retention pass of the last one is
+    /// running. Its files that no complete checkpoint lists will never be listed (its
+    /// checkpoints are over), and retention deletes them like any unlisted file.
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
+    /// The files protected now.
+    pub fn snapshot(&self) -> BTreeSet<String> {
+        self.lock().clone()
+    }
+
+    /// Stops protecting the files that complete checkpoints list.
+    fn settle(&self, found: &[FoundCheckpoint]) {
+        self.lock().retain(|p| !found.iter().any(|c| c.references.as_ref().is_some_and(|r| r.contains(p))));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+        // A panic while holding the lock left a set of strings: still the right set.
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
 /// What to delete.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RetentionPlan {
@@ -36,13 +82,14 @@ pub struct RetentionPlan {
 
 /// Plans retention. `in_flight_from`: ids at or above it may still be written and are never
 /// touched; `epoch`: the epoch of the run applying it (files of newer epochs are never
-/// touched).
+/// touched); `pending`: shared files never to delete (see [`PendingFiles`]).
 pub fn plan(
     found: &[FoundCheckpoint],
     shared_files: &[String],
     retained: usize,
     in_flight_from: u64,
     epoch: u64,
+    pending: &BTreeSet<String>,
 ) -> RetentionPlan {
     let mut complete: Vec<&FoundCheckpoint> = found.iter().filter(|c| c.references.is_some()).collect();
     complete.sort_by_key(|c| std::cmp::Reverse(c.id));
@@ -78,14 +125,14 @@ pub fn plan(
     let referenced: BTreeSet<&String> = kept.iter().flat_map(|c| c.references.as_ref().into_iter().flatten()).collect();
     let delete_shared = shared_files
         .iter()
-        .filter(|f| !referenced.contains(f))
+        .filter(|f| !referenced.contains(f) && !pending.contains(*f))
         .filter(|f| {
             let name = f.rsplit('/').next().unwrap_or("");
             let unreferenced_file = layout::shared_file_creator(name)
                 .is_some_and(|creator| creator <= newest_complete && creator < in_flight_from)
                 && layout::shared_file_epoch(name).is_some_and(|e| e <= epoch);
-            // A merge staged by an earlier run was never adopted (its run is gone or fenced);
-            // this run's staged merges may be adopted by its next checkpoint.
+            // A merge staged by an earlier run of an older Weir (which renamed merges when it
+            // adopted them) was never adopted: its run is gone or fenced.
             let abandoned_merge = layout::staged_merge_epoch(name).is_some_and(|e| e < epoch);
             unreferenced_file || abandoned_merge
         })
@@ -123,18 +170,23 @@ pub fn mark_corrupt(found: &mut [FoundCheckpoint], corrupt: &BTreeSet<u64>) {
 }
 
 /// Applies retention to a job root for a run of `epoch`, with the checkpoints known to be
-/// corrupt (see [`mark_corrupt`]); returns what was deleted.
+/// corrupt (see [`mark_corrupt`]) and the files merges wrote for checkpoints still to come;
+/// returns what was deleted.
 pub async fn apply(
     storage: &Storage,
     retained: usize,
     in_flight_from: u64,
     epoch: u64,
     corrupt: &BTreeSet<u64>,
+    pending: &PendingFiles,
 ) -> Result<RetentionPlan, StorageError> {
     let mut found = scan(storage).await?;
     mark_corrupt(&mut found, corrupt);
     let shared = storage.list(&format!("{}/{}", layout::CHECKPOINTS, layout::SHARED)).await?;
-    let plan = plan(&found, &shared, retained, in_flight_from, epoch);
+    // After the listing: a merge adds its file before uploading it, so every pending file the
+    // listing shows is in this snapshot.
+    pending.settle(&found);
+    let plan = plan(&found, &shared, retained, in_flight_from, epoch, &pending.snapshot());
     for id in &plan.delete_checkpoints {
         storage.delete_dir(&layout::checkpoint_dir(*id)).await?;
     }
@@ -170,10 +222,10 @@ mod tests {
         ];
         let files = vec![shared("1-397-80.kv"), shared("1-398-81.kv"), shared("1-400-0.kv"), shared("1-402-82.kv")];
         // File names are `<subtask>-<checkpoint>-<epoch>.kv`; this run is epoch 82.
-        let unaware = plan(&found, &files, 3, 403, 82);
+        let unaware = plan(&found, &files, 3, 403, 82, &BTreeSet::new());
         assert_eq!(unaware.delete_checkpoints, vec![397], "the failure: the valid fallback goes");
         mark_corrupt(&mut found, &BTreeSet::from([399, 400]));
-        let p = plan(&found, &files, 3, 403, 82);
+        let p = plan(&found, &files, 3, 403, 82, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![399, 400]);
         assert_eq!(p.delete_shared, vec![shared("1-398-81.kv"), shared("1-400-0.kv")]);
     }
@@ -188,7 +240,7 @@ mod tests {
         ];
         let files =
             vec![shared("0-1-0.kv"), shared("0-2-0.kv"), shared("0-3-0.kv"), shared("0-4-0.kv"), shared("0-5-0.kv")];
-        let p = plan(&found, &files, 2, 5, 0);
+        let p = plan(&found, &files, 2, 5, 0, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![1, 2]);
         assert_eq!(
             p.delete_shared,
@@ -201,17 +253,17 @@ mod tests {
     fn never_deletes_the_newest_and_skips_incomplete_ones_in_flight() {
         let found =
             vec![chk(1, &[]), FoundCheckpoint { id: 2, references: None }, FoundCheckpoint { id: 3, references: None }];
-        let p = plan(&found, &[], 0, 3, 0);
+        let p = plan(&found, &[], 0, 3, 0, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, Vec::<u64>::new(), "2 is incomplete but newer than the newest complete (1)");
         let found = vec![FoundCheckpoint { id: 1, references: None }, chk(2, &[]), chk(3, &[])];
-        let p = plan(&found, &[], 1, 4, 0);
+        let p = plan(&found, &[], 1, 4, 0, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![1, 2]);
     }
 
     #[test]
     fn nothing_is_deleted_without_a_complete_checkpoint() {
         let found = vec![FoundCheckpoint { id: 1, references: None }];
-        assert_eq!(plan(&found, &[shared("0-1-0.kv")], 3, 2, 0), RetentionPlan::default());
+        assert_eq!(plan(&found, &[shared("0-1-0.kv")], 3, 2, 0, &BTreeSet::new()), RetentionPlan::default());
     }
 
     #[test]
@@ -229,20 +281,20 @@ mod tests {
         ];
         let files: Vec<String> =
             ["0-1-0.kv", "0-2-0.kv", "0-3-0.kv", "0-4-0.kv", "0-5-0.kv"].iter().map(|n| shared(n)).collect();
-        let p = plan(&found, &files, 3, 6, 0);
+        let p = plan(&found, &files, 3, 6, 0, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![1], "3, 4, 5 share 0-3-0.kv: 2 is kept as well");
         assert_eq!(p.delete_shared, Vec::<String>::new(), "2 still needs 0-1-0.kv");
         // Once a later full image exists, the chain of 3 is the independent one.
         let mut found = found;
         found.push(chk(6, &["checkpoints/shared/op/0-6-0.kv"]));
-        let p = plan(&found, &files, 3, 7, 0);
+        let p = plan(&found, &files, 3, 7, 0, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![1, 2, 3]);
     }
 
     #[test]
     fn never_deletes_files_of_a_newer_epoch() {
         let found = vec![chk(5, &[]), chk(6, &["checkpoints/shared/op/0-6-1.kv"])];
-        let p = plan(&found, &[shared("0-3-2.kv"), shared("0-4-1.kv")], 1, 7, 1);
+        let p = plan(&found, &[shared("0-3-2.kv"), shared("0-4-1.kv")], 1, 7, 1, &BTreeSet::new());
         assert_eq!(
             p.delete_shared,
             vec![shared("0-4-1.kv")],
@@ -265,13 +317,13 @@ mod tests {
         let mut found = vec![c(1, &[f(1)]), c(2, &[f(1), f(2)]), c(3, &[f(1), f(2), f(3)])];
         found.push(c(4, &[f(1), f(2), f(3), f(4)]));
         found.push(c(5, &[m(5), f(4), f(5)]));
-        let p = plan(&found, &[], 1, 6, 1);
+        let p = plan(&found, &[], 1, 6, 1, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![1, 2], "3 is the fallback; 4 is kept as the next one");
         found.retain(|x| !p.delete_checkpoints.contains(&x.id));
         found.push(c(6, &[m(5), f(4), f(5), f(6)]));
         found.push(c(7, &[m(5), f(4), f(5), f(6), f(7)]));
         found.push(c(8, &[m(8), f(8)]));
-        let p = plan(&found, &[], 1, 9, 1);
+        let p = plan(&found, &[], 1, 9, 1, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![3, 4, 5, 6], "7 (before the second merge) is the fallback now");
     }
 
@@ -284,29 +336,95 @@ mod tests {
         let found = vec![chk(9, &["checkpoints/shared/op/0-8-3-merged.kv", "checkpoints/shared/op/0-9-3.kv"])];
         let files =
             [shared("0-5-2.staged"), shared("0-7-3.staged"), shared("0-8-3-merged.kv"), shared("0-6-3-merged.kv")];
-        let p = plan(&found, &files, 1, 10, 3);
+        let p = plan(&found, &files, 1, 10, 3, &BTreeSet::new());
         assert_eq!(p.delete_shared, vec![shared("0-5-2.staged"), shared("0-6-3-merged.kv")]);
     }
 
-    /// A merged image's table files (the rocksdb backend's) follow the same rules: staged ones
-    /// of an earlier run go, this run's stay; adopted ones stay while a kept checkpoint lists
-    /// them, those of an image no kept checkpoint lists go, those of a newer epoch stay.
+    /// Files a merge wrote for a checkpoint still to come are never deleted, though no
+    /// checkpoint lists them and their names say an older, complete checkpoint created them;
+    /// once a complete checkpoint lists them they stop being pending, and once none lists them
+    /// any more they go like any shared file.
+    #[tokio::test]
+    async fn files_pending_adoption_stay_until_listed_and_go_once_superseded() {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = Storage::open(dir.path().to_str().unwrap()).unwrap();
+        let put = |rel: String| {
+            let storage = storage.clone();
+            async move { storage.put(&rel, bytes::Bytes::from_static(b"x")).await.unwrap() }
+        };
+        let complete = |id: u64, files: Vec<String>| {
+            let storage = storage.clone();
+            async move {
+                let keyed_state: Vec<crate::FileRef> = files
+                    .iter()
+                    .map(|f| crate::FileRef { path: format!("../shared/op/{f}"), len: 1, crc32c: 0 })
+                    .collect();
+                let subtask = crate::SubtaskSnapshot { keyed_state, key_groups: (0, 8), ..Default::default() };
+                let m = CheckpointMetadata {
+                    format_version: crate::metadata::FORMAT_VERSION,
+                    checkpoint_id: id,
+                    kind: crate::SnapshotKind::Checkpoint,
+                    job_name: "j".into(),
+                    epoch: 1,
+                    created_at_ms: id,
+                    max_parallelism: 8,
+                    operators: [(
+                        "op".to_string(),
+                        crate::OperatorSnapshot { parallelism: 1, subtasks: vec![subtask] },
+                    )]
+                    .into(),
+                };
+                let at = format!("{}/{}", layout::checkpoint_dir(id), layout::METADATA);
+                storage.put(&at, bytes::Bytes::from(m.encode())).await.unwrap();
+            }
+        };
+        let pending = PendingFiles::default();
+        put(shared("0-1-1.kv")).await;
+        complete(1, vec!["0-1-1.kv".into()]).await;
+        // A merge of checkpoint 1's chain, written before checkpoint 2 (which does not list it).
+        let merged = shared("0-1-1-merged.kv");
+        pending.add(&merged);
+        put(merged.clone()).await;
+        put(shared("0-2-1.kv")).await;
+        complete(2, vec!["0-1-1.kv".into(), "0-2-1.kv".into()]).await;
+        apply(&storage, 1, 3, 1, &BTreeSet::new(), &pending).await.unwrap();
+        assert!(storage.size(&merged).await.unwrap().is_some(), "a pending merge stays");
+        assert!(pending.snapshot().contains(&merged));
+        // Checkpoint 3 adopts it.
+        put(shared("0-3-1.kv")).await;
+        complete(3, vec!["0-1-1-merged.kv".into(), "0-3-1.kv".into()]).await;
+        apply(&storage, 1, 4, 1, &BTreeSet::new(), &pending).await.unwrap();
+        assert!(pending.snapshot().is_empty(), "listed by a complete checkpoint: no longer pending");
+        assert!(storage.size(&merged).await.unwrap().is_some(), "listed by the newest checkpoint");
+        // A full image restarts the chain: the merged image is no longer listed, and goes.
+        put(shared("0-4-1.kv")).await;
+        complete(4, vec!["0-4-1.kv".into()]).await;
+        apply(&storage, 1, 5, 1, &BTreeSet::new(), &pending).await.unwrap();
+        // Kept once more as the fallback outside the newest chain (checkpoint 3).
+        put(shared("0-5-1.kv")).await;
+        complete(5, vec!["0-4-1.kv".into(), "0-5-1.kv".into()]).await;
+        put(shared("0-6-1.kv")).await;
+        complete(6, vec!["0-6-1.kv".into()]).await;
+        apply(&storage, 1, 7, 1, &BTreeSet::new(), &pending).await.unwrap();
+        assert!(storage.size(&merged).await.unwrap().is_none(), "superseded: deleted");
+    }
+
+    /// A merged image's table files (the rocksdb backend's) follow the same rules as the image:
+    /// kept while a kept checkpoint lists them or while pending, deleted once unlisted, never
+    /// those of a newer epoch.
     #[test]
     fn table_files_are_kept_and_deleted_like_the_images_they_stand_for() {
         let found =
             vec![chk(9, &["checkpoints/shared/op/0-8-3-merged.kv", "checkpoints/shared/op/0-8-3-merged-0.sst"])];
         let files = [
-            shared("0-5-2-0.sst.staged"),
-            shared("0-7-3-0.sst.staged"),
             shared("0-8-3-merged-0.sst"),
             shared("0-6-3-merged-0.sst"),
             shared("0-6-3-merged-1.sst"),
+            shared("0-7-3-merged-0.sst"),
             shared("0-6-4-merged-0.sst"),
         ];
-        let p = plan(&found, &files, 1, 10, 3);
-        assert_eq!(
-            p.delete_shared,
-            vec![shared("0-5-2-0.sst.staged"), shared("0-6-3-merged-0.sst"), shared("0-6-3-merged-1.sst")]
-        );
+        let pending = [shared("0-7-3-merged-0.sst")].into_iter().collect();
+        let p = plan(&found, &files, 1, 10, 3, &pending);
+        assert_eq!(p.delete_shared, vec![shared("0-6-3-merged-0.sst"), shared("0-6-3-merged-1.sst")]);
     }
 }
