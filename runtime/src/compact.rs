@@ -57,6 +57,11 @@ const PART_BYTES: usize = 1 << 20;
 const RUN_BYTES: usize = 4 << 20;
 const MERGE_FAN_IN: usize = 16;
 
+/// Entries per table file a merge writes (RocksDB keeps 8 bytes per key of the file being
+/// written, 4 MiB here): with 32 MiB files, the 5×-memory test's job went over its limit.
+#[cfg(feature = "rocksdb")]
+const TABLE_ENTRIES: u64 = 512 << 10;
+
 /// A chain of one operator's keyed-state files to merge.
 #[derive(Clone, Debug)]
 pub struct MergeRequest {
@@ -475,7 +480,9 @@ pub fn merge(
     #[cfg(feature = "rocksdb")]
     let table_opts = crate::state::store::options();
     #[cfg(feature = "rocksdb")]
-    let mut tables = with_tables.then(|| crate::state::bulk::TableWriter::new(&scratch.0.join("tables"), &table_opts));
+    let mut tables = with_tables.then(|| {
+        crate::state::bulk::TableWriter::new(&scratch.0.join("tables"), &table_opts).with_max_entries(TABLE_ENTRIES)
+    });
     load.into_live_entries(|raw, value| {
         entry_check()?;
         let store_key = &raw[bucket_bytes..];

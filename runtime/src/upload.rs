@@ -13,6 +13,7 @@ use std::sync::Arc;
 use crossbeam_channel::{Receiver, Sender};
 use weir_checkpoint::format::{FileKind, StateFileWriter};
 use weir_checkpoint::protocol::TaskId;
+use weir_checkpoint::retention::PendingFiles;
 use weir_checkpoint::{layout, FileRef, Storage, SubtaskSnapshot};
 
 use crate::compact::{MergeOutcome, MergeRequest, Merger};
@@ -111,7 +112,9 @@ pub fn run(
             crate::io().block_on(adopt_merges(&storage, m, &mut chains, id, &flags));
         }
         let started = std::time::Instant::now();
-        let result = crate::io().block_on(upload(&storage, epoch, &faults, &mut chains, &mut unstaged, job));
+        let pending = merges.as_ref().map(|m| m.merger.pending().clone());
+        let result =
+            crate::io().block_on(upload(&storage, epoch, &faults, &mut chains, &mut unstaged, pending.as_ref(), job));
         tracing::debug!(
             checkpoint = id,
             task,
@@ -211,8 +214,12 @@ async fn adopt_merges(
         // complete checkpoint lists them (they are pending until then).
         let listed = |f: &crate::compact::StagedFile| FileRef { path: f.rel.clone(), len: f.len, crc32c: f.crc32c };
         let merged = staged.request.chain.len();
-        chain.files.splice(..merged, [listed(&staged.image)]);
-        chain.tables = staged.tables.iter().map(listed).collect();
+        let replaced: Vec<FileRef> = chain.files.splice(..merged, [listed(&staged.image)]).collect();
+        let old_tables = std::mem::replace(&mut chain.tables, staged.tables.iter().map(listed).collect());
+        // An earlier merge replaced here may never have been listed by a complete checkpoint.
+        for f in replaced.iter().chain(&old_tables) {
+            merges.merger.pending().dropped(&layout::resolve(&layout::checkpoint_dir(id), &f.path), id);
+        }
         merges.metrics.state_merges.inc();
         tracing::info!(
             uid = %uid,
@@ -271,6 +278,7 @@ async fn upload(
     faults: &Faults,
     chains: &mut HashMap<String, Chain>,
     unstaged: &mut Vec<StagedWrite>,
+    pending: Option<&PendingFiles>,
     job: UploadJob,
 ) -> Result<TaskAck, String> {
     let savepoint_dir = match &job.barrier.target {
@@ -357,6 +365,13 @@ async fn upload(
                     snap.keyed_state = vec![file];
                 } else {
                     if kind == FileKind::KeyedFull {
+                        // A merge adopted into the chain may not be listed by any complete
+                        // checkpoint yet: from this one on, none lists it.
+                        if let Some(pending) = pending {
+                            for f in chain.files.iter().chain(&chain.tables) {
+                                pending.dropped(&layout::resolve(&base, &f.path), job.barrier.id);
+                            }
+                        }
                         chain.files.clear();
                         chain.tables.clear();
                         chain.broken = false;

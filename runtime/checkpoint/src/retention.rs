@@ -11,7 +11,7 @@
 //! background merge wrote and no complete checkpoint lists yet ([`PendingFiles`]) are never
 //! deleted.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use crate::layout;
@@ -31,21 +31,31 @@ pub struct FoundCheckpoint {
 /// Shared files this run wrote ahead of the checkpoint that will list them: a background merge
 /// uploads its image (and table files) under their final names, and a later checkpoint adopts
 /// them. Until a complete checkpoint lists a file, retention must not take it for an
-/// unreferenced one. The merger adds a file before it uploads it, the uploader removes the ones
-/// it drops, and retention removes those it finds listed (from then on they are kept or deleted
-/// like any shared file).
+/// unreferenced one. The merger adds a file before it uploads it and removes the files it
+/// deletes; retention stops protecting a file once a complete checkpoint lists it (from then on
+/// it is kept or deleted like any shared file), or once the uploader has stopped listing it
+/// ([`PendingFiles::dropped`]) and every checkpoint that could list it is over.
 #[derive(Clone, Debug, Default)]
-pub struct PendingFiles(Arc<Mutex<BTreeSet<String>>>);
+pub struct PendingFiles(Arc<Mutex<BTreeMap<String, Option<u64>>>>);
 
 impl PendingFiles {
     /// Protects `path` (relative to the job root); call before uploading it.
     pub fn add(&self, path: &str) {
-        self.lock().insert(path.to_string());
+        self.lock().insert(path.to_string(), None);
     }
 
-    /// Stops protecting `path` (it was deleted, or will never be listed).
+    /// Stops protecting `path` (it was deleted).
     pub fn remove(&self, path: &str) {
         self.lock().remove(path);
+    }
+
+    /// The uploader's chain no longer lists `path` from checkpoint `from` on (a full image or a
+    /// newer merge replaced it): once no checkpoint before `from` is in flight, nothing can list
+    /// it any more. A path that is not pending is left as it is.
+    pub fn dropped(&self, path: &str, from: u64) {
+        if let Some(at) = self.lock().get_mut(path) {
+            *at = Some(from);
+        }
     }
 
     /// Stops protecting every file: for a new run, once no retention pass of the last one is
@@ -57,16 +67,20 @@ impl PendingFiles {
 
     /// The files protected now.
     pub fn snapshot(&self) -> BTreeSet<String> {
-        self.lock().clone()
+        self.lock().keys().cloned().collect()
     }
 
-    /// Stops protecting the files that complete checkpoints list.
-    fn settle(&self, found: &[FoundCheckpoint]) {
-        self.lock().retain(|p| !found.iter().any(|c| c.references.as_ref().is_some_and(|r| r.contains(p))));
+    /// Stops protecting the files that complete checkpoints list, and those dropped from
+    /// checkpoint `from` on when no checkpoint below `in_flight_from` is in flight any more.
+    fn settle(&self, found: &[FoundCheckpoint], in_flight_from: u64) {
+        self.lock().retain(|p, dropped| {
+            let listed = found.iter().any(|c| c.references.as_ref().is_some_and(|r| r.contains(p)));
+            !listed && (*dropped).is_none_or(|from| from > in_flight_from)
+        });
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
-        // A panic while holding the lock left a set of strings: still the right set.
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Option<u64>>> {
+        // A panic while holding the lock left a map of strings: still the right one.
         self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
@@ -185,7 +199,7 @@ pub async fn apply(
     let shared = storage.list(&format!("{}/{}", layout::CHECKPOINTS, layout::SHARED)).await?;
     // After the listing: a merge adds its file before uploading it, so every pending file the
     // listing shows is in this snapshot.
-    pending.settle(&found);
+    pending.settle(&found, in_flight_from);
     let plan = plan(&found, &shared, retained, in_flight_from, epoch, &pending.snapshot());
     for id in &plan.delete_checkpoints {
         storage.delete_dir(&layout::checkpoint_dir(*id)).await?;
@@ -327,10 +341,9 @@ mod tests {
         assert_eq!(p.delete_checkpoints, vec![3, 4, 5, 6], "7 (before the second merge) is the fallback now");
     }
 
-    /// A background merge is staged before a checkpoint adopts it under a name that checkpoint
-    /// created: a staged merge of the running epoch may still be adopted and stays; one staged
-    /// by an earlier run can never be and goes. An adopted (renamed) merge is kept while a kept
-    /// checkpoint lists it, like any shared file.
+    /// Older Weirs staged a merge under a `.staged` name and renamed it on adoption: those of
+    /// earlier runs can never be adopted and go (none are written now). A merged image is kept
+    /// while a kept checkpoint lists it, like any shared file.
     #[test]
     fn staged_merges_of_earlier_runs_go_and_this_runs_stay() {
         let found = vec![chk(9, &["checkpoints/shared/op/0-8-3-merged.kv", "checkpoints/shared/op/0-9-3.kv"])];
@@ -407,6 +420,21 @@ mod tests {
         complete(6, vec!["0-6-1.kv".into()]).await;
         apply(&storage, 1, 7, 1, &BTreeSet::new(), &pending).await.unwrap();
         assert!(storage.size(&merged).await.unwrap().is_none(), "superseded: deleted");
+
+        // A merge adopted and dropped again before any complete checkpoint listed it (the same
+        // upload was a full image): protected while a checkpoint that could list it is in
+        // flight, deleted once none is.
+        let orphan = shared("0-6-1-merged.kv");
+        pending.add(&orphan);
+        put(orphan.clone()).await;
+        pending.dropped(&orphan, 8);
+        apply(&storage, 1, 7, 1, &BTreeSet::new(), &pending).await.unwrap();
+        assert!(storage.size(&orphan).await.unwrap().is_some(), "checkpoint 7 may still list it");
+        put(shared("0-8-1.kv")).await;
+        complete(8, vec!["0-8-1.kv".into()]).await;
+        apply(&storage, 1, 9, 1, &BTreeSet::new(), &pending).await.unwrap();
+        assert!(storage.size(&orphan).await.unwrap().is_none(), "no checkpoint can list it: deleted");
+        assert!(pending.snapshot().is_empty());
     }
 
     /// A merged image's table files (the rocksdb backend's) follow the same rules as the image:

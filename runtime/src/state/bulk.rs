@@ -1,7 +1,7 @@
 //! Restores onto the `rocksdb` backend by bulk load: the entries of a restored chain are sorted
-//! into runs, the runs merged (the newest entry of a key wins; a deletion leaves nothing), and
-//! the result written as table files that the empty store takes in whole
-//! ([`super::StateStore::ingest`]).
+//! into runs, the runs merged (the newest entry of a key wins; into an empty store a deletion
+//! leaves nothing, over a restore's table files it stays a tombstone), and the result written as
+//! table files that the store takes in whole ([`super::StateStore::ingest`]).
 //!
 //! Writing a restored entry into the store one put at a time costs a memtable insert, a share of
 //! a flush and of every compaction after it: 245–465 s per GiB of state files on the keyed count.
@@ -59,7 +59,8 @@ impl Drop for RunFile {
     }
 }
 
-/// Restored entries on their way into an empty store, in the order the chain applies them.
+/// Restored entries on their way into a store (empty, or holding only a restore's table files),
+/// in the order the chain applies them.
 pub struct BulkLoad {
     dir: PathBuf,
     arena: Vec<u8>,
@@ -460,6 +461,9 @@ pub(crate) struct TableWriter<'o> {
     opts: &'o rocksdb::Options,
     files: Vec<PathBuf>,
     writer: Option<SstFileWriter<'o>>,
+    /// A file is closed after this many entries.
+    max_entries: u64,
+    entries: u64,
 }
 
 #[cfg(feature = "rocksdb")]
@@ -467,7 +471,15 @@ impl<'o> TableWriter<'o> {
     /// Table files named `table-<i>.sst` under `dir` (created when the first entry comes),
     /// written with `opts` (the store's: [`super::store::options`]).
     pub(crate) fn new(dir: &Path, opts: &'o rocksdb::Options) -> Self {
-        TableWriter { dir: dir.to_path_buf(), opts, files: Vec::new(), writer: None }
+        TableWriter { dir: dir.to_path_buf(), opts, files: Vec::new(), writer: None, max_entries: u64::MAX, entries: 0 }
+    }
+
+    /// Files of at most `max_entries` entries too. RocksDB holds 8 bytes per key of the file
+    /// it is writing until the file is closed (to build its bloom filter): a background merge,
+    /// which runs beside the job in its memory limit, bounds that.
+    pub(crate) fn with_max_entries(mut self, max_entries: u64) -> Self {
+        self.max_entries = max_entries.max(1);
+        self
     }
 
     fn writer(&mut self) -> Result<&mut SstFileWriter<'o>, StoreError> {
@@ -483,9 +495,11 @@ impl<'o> TableWriter<'o> {
     }
 
     fn end_of_entry(&mut self) -> Result<(), StoreError> {
-        if self.writer.as_ref().is_some_and(|w| w.file_size() >= TABLE_BYTES) {
-            let mut w = self.writer.take().expect("checked above");
+        self.entries += 1;
+        if self.entries >= self.max_entries || self.writer.as_ref().is_some_and(|w| w.file_size() >= TABLE_BYTES) {
+            let mut w = self.writer.take().expect("an entry was just written");
             w.finish().map_err(StoreError::WriteTable)?;
+            self.entries = 0;
         }
         Ok(())
     }

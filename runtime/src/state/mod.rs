@@ -621,7 +621,8 @@ impl<V: StateValue> KeyedState<V> {
     /// applied (see [`Self::prefetch`]); within a file, entries apply in file order. A body
     /// of a megabyte or more is decoded on a second thread while this one applies. On the
     /// rocksdb backend the entries are collected, without decoding them, for a bulk load of the
-    /// (empty) store when the chain is complete ([`Self::after_restore`]).
+    /// store when the chain is complete ([`Self::after_restore`]), over the table files of
+    /// [`Self::restore_tables`] if any.
     pub fn restore_file(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), StoreError> {
         if let Some(spill) = &mut self.spill {
             let restoring =

@@ -98,7 +98,13 @@ impl StateStore {
             }
             linked.push(link);
         }
-        self.ingest(linked)?;
+        let mut opts = rocksdb::IngestExternalFileOptions::default();
+        opts.set_move_files(true);
+        // A file that would need a sequence number of its own (it overlaps another or the
+        // store is not empty) is refused instead of written into: it may be a hard link to a
+        // checkpoint's file.
+        opts.set_allow_global_seqno(false);
+        self.db().ingest_external_file_opts(&opts, linked).map_err(StoreError::Ingest)?;
         let _ = std::fs::remove_dir_all(&linked_dir);
         Ok(())
     }
