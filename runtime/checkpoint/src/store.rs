@@ -266,10 +266,7 @@ impl Storage {
     /// allows it ([`crate::local::write_file_direct`]) to a staging file beside it, then renamed.
     pub async fn put(&self, rel: &str, data: Bytes) -> Result<(), StorageError> {
         if let Some(root) = &self.local {
-            let object = root.join(self.full(rel).as_ref());
-            if let Some(parent) = object.parent() {
-                std::fs::create_dir_all(parent).map_err(local_io("create directory", rel))?;
-            }
+            let object = self.local_object(root, rel)?;
             // Named as object_store names its staging files (`<name>#<digits>`), which its
             // listings leave out.
             let n = NEXT_STAGING.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -290,16 +287,22 @@ impl Storage {
         self.sync_local(&[rel]).map_err(local_io("fsync", rel))
     }
 
+    /// The file of object `rel` under a local root, its directory created.
+    fn local_object(&self, root: &std::path::Path, rel: &str) -> Result<std::path::PathBuf, StorageError> {
+        let object = root.join(self.full(rel).as_ref());
+        if let Some(parent) = object.parent() {
+            std::fs::create_dir_all(parent).map_err(local_io("create directory", rel))?;
+        }
+        Ok(object)
+    }
+
     /// Writes the local file `local` at `rel` as one object, streamed in parts (a file may be
     /// larger than memory). On a local filesystem the file is hard-linked instead when it can
     /// be (same filesystem): it must not be changed afterwards, only deleted.
     pub async fn put_file(&self, rel: &str, local: &std::path::Path) -> Result<(), StorageError> {
         use std::io::Read;
         if let Some(root) = &self.local {
-            let object = root.join(self.full(rel).as_ref());
-            if let Some(parent) = object.parent() {
-                std::fs::create_dir_all(parent).map_err(local_io("create directory", rel))?;
-            }
+            let object = self.local_object(root, rel)?;
             let _ = std::fs::remove_file(&object);
             if std::fs::hard_link(local, &object).is_ok() {
                 return self.sync_local(&[rel]).map_err(local_io("fsync", rel));
@@ -361,22 +364,12 @@ impl Storage {
     /// `local` later deletes the link, never the object.
     pub async fn get_to_file(&self, rel: &str, local: &std::path::Path) -> Result<(u64, u32), StorageError> {
         use futures::StreamExt;
-        use std::io::{Read, Write};
+        use std::io::Write;
         if let Some(root) = &self.local {
             let object = root.join(self.full(rel).as_ref());
             let _ = std::fs::remove_file(local);
             if std::fs::hard_link(&object, local).is_ok() {
-                let mut linked = std::fs::File::open(local).map_err(local_io("open", rel))?;
-                let mut buf = vec![0u8; 1 << 20];
-                let (mut len, mut crc) = (0u64, 0u32);
-                loop {
-                    let n = linked.read(&mut buf).map_err(local_io("read", rel))?;
-                    if n == 0 {
-                        return Ok((len, crc));
-                    }
-                    crc = crc32c::crc32c_append(crc, &buf[..n]);
-                    len += n as u64;
-                }
+                return crate::local::file_len_and_crc32c(local).map_err(local_io("read", rel));
             }
         }
         let res = self.store.get(&self.full(rel)).await.map_err(io("get", rel))?;

@@ -116,8 +116,10 @@ impl StateStore {
         raw
     }
 
-    /// The store key of an already encoded key (as a state file holds it).
-    pub fn key_of_encoded(key_group: u32, encoded: &[u8]) -> Vec<u8> {
+    /// The store key of an already encoded key (as a state file holds it); tests compare
+    /// state files with stores by it.
+    #[cfg(test)]
+    pub(crate) fn key_of_encoded(key_group: u32, encoded: &[u8]) -> Vec<u8> {
         let mut raw = Vec::with_capacity(2 + encoded.len());
         Self::encoded_key(key_group, encoded, &mut raw);
         raw
