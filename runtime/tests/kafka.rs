@@ -845,3 +845,38 @@ fn read_committed_skips_aborted_transactions_and_read_uncommitted_does_not() {
         assert_eq!(b.read_committed(&output).len() as u64, expected);
     }
 }
+
+/// The tests' reader must see everything committed up to the end of the topic as it was when
+/// the read began, even while another producer's transaction is open in front of it (as in the
+/// marker topic all tests share). A `read_committed` consumer reports end-of-partition at the
+/// first open transaction; stopping there loses the records committed after it.
+#[test]
+fn reading_back_waits_for_a_transaction_open_in_front_of_committed_records() {
+    use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+    let b = broker();
+    let shared = topic("shared");
+    b.create_topic(&shared, 1);
+    let transactional = |id: &str| -> ThreadedProducer<DefaultProducerContext> {
+        let p: ThreadedProducer<DefaultProducerContext> =
+            kafka_broker::config(&b.bootstrap).set("transactional.id", format!("{id}-{shared}")).create().unwrap();
+        p.init_transactions(Duration::from_secs(30)).unwrap();
+        p.begin_transaction().unwrap();
+        p
+    };
+    let send = |p: &ThreadedProducer<DefaultProducerContext>, key: &str| {
+        p.send(BaseRecord::to(&shared).key(key).payload("v")).map_err(|(e, _)| e).unwrap();
+        p.flush(Duration::from_secs(30)).unwrap();
+    };
+    let open = transactional("open");
+    send(&open, "held-open");
+    let other = transactional("other");
+    send(&other, "committed-behind-it");
+    other.commit_transaction(Duration::from_secs(30)).unwrap();
+    let committer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        open.commit_transaction(Duration::from_secs(30)).unwrap();
+    });
+    let keys: Vec<Option<String>> = b.read_committed(&shared).into_iter().map(|(k, _)| k).collect();
+    committer.join().unwrap();
+    assert_eq!(keys, [Some("held-open".to_string()), Some("committed-behind-it".to_string())]);
+}

@@ -6,6 +6,7 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -282,24 +283,38 @@ impl Client {
             .unwrap();
         let md = c.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
         let partitions: Vec<i32> = md.topics()[0].partitions().iter().map(|p| p.id()).collect();
+        // The end of each partition now. A `read_committed` consumer stops short of it (and
+        // reports end-of-partition there) while another producer's transaction is open in the
+        // partition, as in the marker topic every test shares: the read goes on until that
+        // transaction ends and the position passes this offset.
+        let mut high = BTreeMap::new();
         let mut tpl = TopicPartitionList::new();
         for &p in &partitions {
+            let (_, h) = c.fetch_watermarks(topic, p, Duration::from_secs(10)).unwrap();
+            high.insert(p, h);
             tpl.add_partition_offset(topic, p, Offset::Beginning).unwrap();
         }
         c.assign(&tpl).unwrap();
-        let mut at_end = std::collections::BTreeSet::new();
         let mut out = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(60);
-        while at_end.len() < partitions.len() {
-            assert!(Instant::now() < deadline, "reading {topic} did not reach its end");
-            match c.poll(Duration::from_millis(500)) {
-                None => {}
-                Some(Err(KafkaError::PartitionEOF(p))) => {
-                    at_end.insert(p);
-                }
+        loop {
+            let positions = c.position().unwrap();
+            let behind: Vec<i32> = partitions
+                .iter()
+                .copied()
+                .filter(|&p| {
+                    let at = positions.find_partition(topic, p).and_then(|e| e.offset().to_raw()).unwrap_or(-1);
+                    high[&p] > 0 && at < high[&p]
+                })
+                .collect();
+            if behind.is_empty() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "reading {topic}: partitions {behind:?} did not reach their end");
+            match c.poll(Duration::from_millis(200)) {
+                None | Some(Err(KafkaError::PartitionEOF(_))) => {}
                 Some(Err(e)) => panic!("reading {topic}: {e}"),
                 Some(Ok(m)) => {
-                    at_end.remove(&m.partition());
                     use rdkafka::message::Headers;
                     let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
                     out.push(ReadRecord {
