@@ -275,7 +275,15 @@ pub fn read_markers(
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "true");
     let consumer: BaseConsumer = c.create().map_err(|e| fail(e.to_string()))?;
-    let (_, high) = consumer.fetch_watermarks(topic, 0, REQUEST_TIMEOUT).map_err(|e| fail(e.to_string()))?;
+    // The end of the log, open transactions included. A `read_committed` consumer's own
+    // watermark is the last stable offset, which stops in front of any transaction still open
+    // in the topic; another job's commit in flight there would hide this sink's markers behind
+    // it, and their checkpoints would be sent again.
+    let mut ends = config.clone();
+    ends.set("group.id", format!("{prefix}-markers")).set("isolation.level", "read_uncommitted");
+    let ends: BaseConsumer = ends.create().map_err(|e| fail(e.to_string()))?;
+    let (_, high) = ends.fetch_watermarks(topic, 0, REQUEST_TIMEOUT).map_err(|e| fail(e.to_string()))?;
+    drop(ends);
     let mut markers = BTreeMap::new();
     if high == 0 {
         return Ok(markers);

@@ -880,3 +880,44 @@ fn reading_back_waits_for_a_transaction_open_in_front_of_committed_records() {
     committer.join().unwrap();
     assert_eq!(keys, [Some("held-open".to_string()), Some("committed-behind-it".to_string())]);
 }
+
+/// Recovery reads the sink's commit markers to the end of the topic, past a transaction that
+/// another job holds open in front of them (the marker topic is shared; any commit in flight
+/// is such a transaction). Stopping at the last stable offset, as a `read_committed` consumer's
+/// own watermark says, would miss the markers behind it, and recovery would send their
+/// checkpoints' records a second time.
+#[test]
+fn recovery_reads_markers_behind_another_jobs_open_transaction() {
+    use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+    use weir_runtime::kafka::{marker_key, read_markers, CommitMarker};
+    let b = broker();
+    let markers = topic("markers");
+    b.create_topic(&markers, 1);
+    let transactional = |id: &str| -> ThreadedProducer<DefaultProducerContext> {
+        let p: ThreadedProducer<DefaultProducerContext> =
+            kafka_broker::config(&b.bootstrap).set("transactional.id", format!("{id}-{markers}")).create().unwrap();
+        p.init_transactions(Duration::from_secs(30)).unwrap();
+        p.begin_transaction().unwrap();
+        p
+    };
+    let other_job = transactional("other-job");
+    let key = marker_key("weir-recovery", "out", 0, 4);
+    other_job.send(BaseRecord::to(&markers).key("weir-other/out/0/1").payload("{}")).map_err(|(e, _)| e).unwrap();
+    other_job.flush(Duration::from_secs(30)).unwrap();
+    let this_job = transactional("this-job");
+    let marker = CommitMarker { checkpoint: 9, records: 120, committed_by: 4 };
+    let payload = serde_json::to_string(&marker).unwrap();
+    this_job.send(BaseRecord::to(&markers).key(&key).payload(&payload)).map_err(|(e, _)| e).unwrap();
+    this_job.commit_transaction(Duration::from_secs(30)).unwrap();
+    let ends = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        other_job.commit_transaction(Duration::from_secs(30)).unwrap();
+    });
+    let started = Instant::now();
+    let read =
+        read_markers(&kafka_broker::config(&b.bootstrap), &markers, "weir-recovery", "out", Duration::from_secs(30));
+    ends.join().unwrap();
+    let read = read.expect("the markers are read once the other transaction ends");
+    assert_eq!(read, BTreeMap::from([((0, 4), 9)]), "read in {:?}", started.elapsed());
+    assert!(started.elapsed() >= Duration::from_secs(1), "the read waited for the open transaction");
+}

@@ -283,14 +283,16 @@ impl Client {
             .unwrap();
         let md = c.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
         let partitions: Vec<i32> = md.topics()[0].partitions().iter().map(|p| p.id()).collect();
-        // The end of each partition now. A `read_committed` consumer stops short of it (and
-        // reports end-of-partition there) while another producer's transaction is open in the
-        // partition, as in the marker topic every test shares: the read goes on until that
+        // The end of each partition now, open transactions included (a `read_committed`
+        // consumer's own watermark is the last stable offset). That consumer stops short of it,
+        // and reports end-of-partition there, while another producer's transaction is open in
+        // the partition, as in the marker topic every test shares: the read goes on until that
         // transaction ends and the position passes this offset.
+        let ends: BaseConsumer = config(&self.bootstrap).set("isolation.level", "read_uncommitted").create().unwrap();
         let mut high = BTreeMap::new();
         let mut tpl = TopicPartitionList::new();
         for &p in &partitions {
-            let (_, h) = c.fetch_watermarks(topic, p, Duration::from_secs(10)).unwrap();
+            let (_, h) = ends.fetch_watermarks(topic, p, Duration::from_secs(10)).unwrap();
             high.insert(p, h);
             tpl.add_partition_offset(topic, p, Offset::Beginning).unwrap();
         }
