@@ -338,7 +338,9 @@ impl Storage {
         let Some(local) = &self.local else { return Ok(()) };
         let mut dirs = std::collections::BTreeSet::new();
         for rel in rels {
-            let path = local.join(rel);
+            // The file object_store names: the path as `Path` encodes it (`%`, `#`, `~` and the
+            // like percent-encoded), as `local_object` and `get_to_file` name it too.
+            let path = local.join(self.full(rel).as_ref());
             if path.is_file() {
                 std::fs::File::open(&path)?.sync_all()?;
             }
@@ -419,7 +421,7 @@ impl Storage {
             Err(object_store::Error::NotFound { .. }) => return Ok(Vec::new()),
             Err(source) => return Err(StorageError::Io { op: "list", path: dir.to_string(), source }),
         };
-        let mut out: Vec<String> = items.into_iter().map(|m| self.strip(m.location.as_ref()).to_string()).collect();
+        let mut out: Vec<String> = items.into_iter().map(|m| decoded(self.strip(m.location.as_ref()))).collect();
         out.sort();
         Ok(out)
     }
@@ -432,7 +434,7 @@ impl Storage {
             Err(object_store::Error::NotFound { .. }) => return Ok(Vec::new()),
             Err(source) => return Err(StorageError::Io { op: "list", path: dir.to_string(), source }),
         };
-        Ok(listing.common_prefixes.iter().filter_map(|p| p.filename().map(str::to_string)).collect())
+        Ok(listing.common_prefixes.iter().filter_map(|p| p.filename().map(decoded)).collect())
     }
 
     /// Deletes every object under a directory.
@@ -442,7 +444,7 @@ impl Storage {
         }
         if let Some(local) = &self.local {
             // A filesystem store leaves the emptied directories behind.
-            let path = local.join(&self.prefix).join(dir.trim_matches('/'));
+            let path = local.join(self.full(dir.trim_matches('/')).as_ref());
             match std::fs::remove_dir_all(&path) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -457,6 +459,12 @@ impl Storage {
         }
         Ok(())
     }
+}
+
+/// A name as it was written: object_store's `Path` percent-encodes characters such as `%`,
+/// `#`, `~` and `*` in what it lists; every other method here takes names unencoded.
+fn decoded(listed: &str) -> String {
+    percent_encoding::percent_decode_str(listed).decode_utf8_lossy().into_owned()
 }
 
 #[cfg(test)]
@@ -519,6 +527,35 @@ mod tests {
         s.delete_dir("a").await.unwrap();
         assert!(s.list("a").await.unwrap().is_empty());
         assert!(!dir.path().join("a").exists(), "emptied directories are removed too");
+    }
+
+    /// Names with characters object_store percent-encodes (`%`, `~`, `#`, spaces) are the
+    /// same object whichever way it was written or read: Weir's own local writes, links and
+    /// syncs name the file as object_store does.
+    #[tokio::test]
+    async fn names_object_store_encodes_are_one_object_on_a_local_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = tempfile::tempdir().unwrap();
+        let s = Storage::open(dir.path().to_str().unwrap()).unwrap();
+        let name = "out/we~ird 100%#1x/part #2~.json";
+        s.put(name, Bytes::from_static(b"put")).await.unwrap();
+        assert_eq!(s.list("out").await.unwrap(), vec![name.to_string()]);
+        assert_eq!(s.size(name).await.unwrap(), Some(3));
+        assert_eq!(&s.store.get(&s.full(name)).await.unwrap().bytes().await.unwrap()[..], b"put");
+        let local = work.path().join("file");
+        std::fs::write(&local, b"put_file").unwrap();
+        s.put_file(name, &local).await.unwrap();
+        std::fs::remove_file(&local).unwrap();
+        assert_eq!(&s.get(name).await.unwrap()[..], b"put_file");
+        let (len, crc) = s.get_to_file(name, &local).await.unwrap();
+        assert_eq!((len, crc), (8, crc32c::crc32c(b"put_file")));
+        assert_eq!(s.list("out").await.unwrap(), vec![name.to_string()], "one object, not two");
+        assert_eq!(s.list_dirs("out").await.unwrap(), vec!["we~ird 100%#1x".to_string()]);
+        s.delete(name).await.unwrap();
+        assert!(s.list("out").await.unwrap().is_empty());
+        s.put(name, Bytes::from_static(b"again")).await.unwrap();
+        s.delete_dir("out/we~ird 100%#1x").await.unwrap();
+        assert!(std::fs::read_dir(dir.path().join("out")).unwrap().next().is_none(), "the directory is gone too");
     }
 
     #[tokio::test]
