@@ -856,13 +856,7 @@ fn reading_back_waits_for_a_transaction_open_in_front_of_committed_records() {
     let b = broker();
     let shared = topic("shared");
     b.create_topic(&shared, 1);
-    let transactional = |id: &str| -> ThreadedProducer<DefaultProducerContext> {
-        let p: ThreadedProducer<DefaultProducerContext> =
-            kafka_broker::config(&b.bootstrap).set("transactional.id", format!("{id}-{shared}")).create().unwrap();
-        p.init_transactions(Duration::from_secs(30)).unwrap();
-        p.begin_transaction().unwrap();
-        p
-    };
+    let transactional = |id: &str| b.open_transaction(&format!("{id}-{shared}"));
     let send = |p: &ThreadedProducer<DefaultProducerContext>, key: &str| {
         p.send(BaseRecord::to(&shared).key(key).payload("v")).map_err(|(e, _)| e).unwrap();
         p.flush(Duration::from_secs(30)).unwrap();
@@ -888,18 +882,12 @@ fn reading_back_waits_for_a_transaction_open_in_front_of_committed_records() {
 /// checkpoints' records a second time.
 #[test]
 fn recovery_reads_markers_behind_another_jobs_open_transaction() {
-    use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+    use rdkafka::producer::{BaseRecord, Producer};
     use weir_runtime::kafka::{marker_key, read_markers, CommitMarker};
     let b = broker();
     let markers = topic("markers");
     b.create_topic(&markers, 1);
-    let transactional = |id: &str| -> ThreadedProducer<DefaultProducerContext> {
-        let p: ThreadedProducer<DefaultProducerContext> =
-            kafka_broker::config(&b.bootstrap).set("transactional.id", format!("{id}-{markers}")).create().unwrap();
-        p.init_transactions(Duration::from_secs(30)).unwrap();
-        p.begin_transaction().unwrap();
-        p
-    };
+    let transactional = |id: &str| b.open_transaction(&format!("{id}-{markers}"));
     let other_job = transactional("other-job");
     let key = marker_key("weir-recovery", "out", 0, 4);
     other_job.send(BaseRecord::to(&markers).key("weir-other/out/0/1").payload("{}")).map_err(|(e, _)| e).unwrap();

@@ -235,6 +235,16 @@ impl Client {
         p.flush(Duration::from_secs(30)).unwrap();
     }
 
+    /// A producer with transactional id `id`, its transaction begun (and left to the caller
+    /// to send in, commit or abort).
+    pub fn open_transaction(&self, id: &str) -> ThreadedProducer<DefaultProducerContext> {
+        let p: ThreadedProducer<DefaultProducerContext> =
+            config(&self.bootstrap).set("transactional.id", id).create().unwrap();
+        p.init_transactions(Duration::from_secs(30)).unwrap();
+        p.begin_transaction().unwrap();
+        p
+    }
+
     /// Every record of `topic` visible to a `read_committed` consumer now, as (key, value).
     pub fn read_committed(&self, topic: &str) -> Vec<(Option<String>, String)> {
         self.read_committed_records(topic).into_iter().map(|r| (r.key, r.value)).collect()
