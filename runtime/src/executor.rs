@@ -33,6 +33,7 @@ use crate::sources::generator::GeneratorSource;
 use crate::sources::Source;
 use crate::state::StoreSettings;
 use crate::task::{Head, Output, Task, TaskEnd};
+use crate::value::{Key, PackedKey};
 
 /// Capacity of a data channel, in batches: the backpressure window.
 const CHANNEL_CAPACITY: usize = 8;
@@ -1183,6 +1184,7 @@ impl OperatorFactory<'_> {
             }),
         };
         let keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
+        let composite_key = keyed().composite();
         if let Some(k) = &keyed_restore {
             if k.continue_chain {
                 let chain = crate::upload::RestoredChain { files: k.chain.clone(), tables: k.chain_tables.clone() };
@@ -1197,10 +1199,19 @@ impl OperatorFactory<'_> {
                 WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?
                     .counting_late_records_in(self.metrics.late_records.clone()),
             ),
+            NodeKind::Aggregate(a) if composite_key => Box::new(AggregateOperator::<PackedKey>::new(
+                keyed(),
+                &a.aggregates,
+                input_schema,
+                keyed_restore.as_ref(),
+            )?),
             NodeKind::Aggregate(a) => {
-                Box::new(AggregateOperator::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?)
+                Box::new(AggregateOperator::<Key>::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?)
             }
-            NodeKind::Dedupe => Box::new(DedupeOperator::new(keyed(), keyed_restore.as_ref())?),
+            NodeKind::Dedupe if composite_key => {
+                Box::new(DedupeOperator::<PackedKey>::new(keyed(), keyed_restore.as_ref())?)
+            }
+            NodeKind::Dedupe => Box::new(DedupeOperator::<Key>::new(keyed(), keyed_restore.as_ref())?),
             NodeKind::FileSink(_) => {
                 let storage = self
                     .file_sinks

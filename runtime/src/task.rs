@@ -58,7 +58,7 @@ impl Output {
                 let mut parts: Vec<Vec<Record>> =
                     (0..n).map(|_| Vec::with_capacity(batch.len() / n as usize + 8)).collect();
                 for r in batch {
-                    let kg = Key::of(&r, fields).key_group(self.max_parallelism);
+                    let kg = Key::key_group_of(&r, fields, self.max_parallelism);
                     parts[subtask_for_key_group(kg, self.max_parallelism, n) as usize].push(r);
                 }
                 for (i, p) in parts.into_iter().enumerate() {

@@ -238,24 +238,199 @@ impl Key {
     /// A hash that never changes across runs, machines or versions: key groups depend on it.
     #[inline]
     pub fn stable_hash(&self) -> u64 {
-        let mut h: u64 = 0x9e37_79b9_7f4a_7c15;
-        for v in self.values() {
-            let x = match v {
-                Value::Null => 0x51,
-                Value::Bool(b) => 0x52 + u64::from(*b),
-                Value::Int(i) => *i as u64,
-                Value::Float(f) => f.to_bits() ^ 0x5bd1_e995,
-                Value::Str(s) => fnv1a(s.as_bytes()),
-            };
-            h = mix64(h ^ mix64(x));
-        }
-        h
+        stable_hash_of(self.values().iter().map(value_hash))
     }
 
     /// The key group (`0..max_parallelism`) of this key.
     #[inline]
     pub fn key_group(&self, max_parallelism: u32) -> u32 {
         (self.stable_hash() % u64::from(max_parallelism)) as u32
+    }
+
+    /// The key group of the key of `record`'s `fields`, without building the key (a composite
+    /// key would allocate).
+    #[inline]
+    pub fn key_group_of(record: &Record, fields: &[usize], max_parallelism: u32) -> u32 {
+        let hash = stable_hash_of(fields.iter().map(|&i| value_hash(&record.fields[i])));
+        (hash % u64::from(max_parallelism)) as u32
+    }
+}
+
+/// One value's part of [`Key::stable_hash`].
+#[inline]
+fn value_hash(v: &Value) -> u64 {
+    match v {
+        Value::Null => 0x51,
+        Value::Bool(b) => 0x52 + u64::from(*b),
+        Value::Int(i) => *i as u64,
+        Value::Float(f) => f.to_bits() ^ 0x5bd1_e995,
+        Value::Str(s) => fnv1a(s.as_bytes()),
+    }
+}
+
+/// [`Key::stable_hash`] from its values' parts, in order.
+#[inline]
+fn stable_hash_of(parts: impl Iterator<Item = u64>) -> u64 {
+    parts.fold(0x9e37_79b9_7f4a_7c15, |h, x| mix64(h ^ mix64(x)))
+}
+
+/// A key as keyed state holds it: hashed and compared in the state's map, and written to state
+/// files and store keys in the one canonical encoding of [`Key::encode`], so that every
+/// representation reads what another wrote.
+pub trait StateKey: Clone + Eq + Hash + fmt::Debug + Send + 'static {
+    /// The key of `record`'s `fields`.
+    fn of(record: &Record, fields: &[usize]) -> Self;
+    /// Its key group (`0..max_parallelism`): [`Key::key_group`] of the same values.
+    fn key_group(&self, max_parallelism: u32) -> u32;
+    /// Appends its encoding ([`Key::encode`]).
+    fn encode(&self, e: &mut Encoder);
+    /// Reads a whole encoded key.
+    fn decode(encoded: &[u8]) -> Result<Self, FormatError>;
+    /// Appends its values to `out`.
+    fn push_values(&self, out: &mut Fields);
+}
+
+impl StateKey for Key {
+    #[inline]
+    fn of(record: &Record, fields: &[usize]) -> Self {
+        Key::of(record, fields)
+    }
+
+    #[inline]
+    fn key_group(&self, max_parallelism: u32) -> u32 {
+        Key::key_group(self, max_parallelism)
+    }
+
+    fn encode(&self, e: &mut Encoder) {
+        Key::encode(self, e)
+    }
+
+    fn decode(encoded: &[u8]) -> Result<Self, FormatError> {
+        Key::decode(&mut Decoder::new(encoded))
+    }
+
+    fn push_values(&self, out: &mut Fields) {
+        out.extend(self.values().iter().cloned());
+    }
+}
+
+/// Bytes of a [`PackedKey`] held without an allocation.
+pub const PACKED_KEY_INLINE: usize = 24;
+
+/// A composite key as keyed state holds it: its encoding ([`Key::encode`]), inline up to
+/// [`PACKED_KEY_INLINE`] bytes.
+///
+/// [`Key::Many`] allocates a shared slice per key. A state of millions of composite keys (a
+/// dedupe on (word, count) keeps one per record) then spent its time allocating, following a
+/// pointer at every comparison, and freeing them one by one when the job ended. Equal keys have
+/// equal encodings (floats compare by their bits, as they are encoded; strings by their bytes),
+/// so the bytes are what is hashed and compared.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct PackedKey(smallvec::SmallVec<[u8; PACKED_KEY_INLINE]>);
+
+thread_local! {
+    /// Scratch space for encoding keys.
+    static KEY_SCRATCH: std::cell::RefCell<Encoder> = std::cell::RefCell::new(Encoder::default());
+}
+
+impl PackedKey {
+    /// The key's values, decoded.
+    pub fn values(&self) -> Fields {
+        let mut out = Fields::new();
+        self.push_values(&mut out);
+        out
+    }
+
+    /// The encoded values, each passed to `f` as it is read.
+    fn walk(
+        encoded: &[u8],
+        mut f: impl FnMut(&mut Decoder<'_>, u8) -> Result<(), FormatError>,
+    ) -> Result<(), FormatError> {
+        let mut d = Decoder::new(encoded);
+        let n = d.varint()?;
+        for _ in 0..n {
+            let tag = d.u8()?;
+            f(&mut d, tag)?;
+        }
+        if !d.is_empty() {
+            return Err(FormatError::Malformed(d.position()));
+        }
+        Ok(())
+    }
+
+    /// [`Key::stable_hash`] read off the encoding (no value is built).
+    fn stable_hash(encoded: &[u8]) -> Result<u64, FormatError> {
+        let mut parts = smallvec::SmallVec::<[u64; 4]>::new();
+        Self::walk(encoded, |d, tag| {
+            parts.push(match tag {
+                0 => 0x51,
+                1 | 2 => 0x52 + u64::from(tag == 2),
+                3 => d.svarint()? as u64,
+                4 => d.f64()?.to_bits() ^ 0x5bd1_e995,
+                5 => fnv1a(d.bytes()?),
+                _ => return Err(FormatError::Malformed(d.position())),
+            });
+            Ok(())
+        })?;
+        Ok(stable_hash_of(parts.into_iter()))
+    }
+}
+
+impl StateKey for PackedKey {
+    fn of(record: &Record, fields: &[usize]) -> Self {
+        KEY_SCRATCH.with_borrow_mut(|e| {
+            e.buf.clear();
+            e.varint(fields.len() as u64);
+            for &i in fields {
+                record.fields[i].encode(e);
+            }
+            PackedKey(smallvec::SmallVec::from_slice(&e.buf))
+        })
+    }
+
+    fn key_group(&self, max_parallelism: u32) -> u32 {
+        let hash = Self::stable_hash(&self.0).expect("a packed key holds a valid encoding (checked when read)");
+        (hash % u64::from(max_parallelism)) as u32
+    }
+
+    fn encode(&self, e: &mut Encoder) {
+        e.buf.extend_from_slice(&self.0);
+    }
+
+    fn decode(encoded: &[u8]) -> Result<Self, FormatError> {
+        // Every value read through, as `Value::decode` would: a string must be UTF-8.
+        Self::walk(encoded, |d, tag| {
+            match tag {
+                0..=2 => {}
+                3 => {
+                    d.svarint()?;
+                }
+                4 => {
+                    d.f64()?;
+                }
+                5 => {
+                    let at = d.position();
+                    std::str::from_utf8(d.bytes()?).map_err(|_| FormatError::Malformed(at))?;
+                }
+                _ => return Err(FormatError::Malformed(d.position())),
+            }
+            Ok(())
+        })?;
+        Ok(PackedKey(smallvec::SmallVec::from_slice(encoded)))
+    }
+
+    fn push_values(&self, out: &mut Fields) {
+        let mut d = Decoder::new(&self.0);
+        let n = d.varint().expect("a packed key holds a valid encoding (checked when read)");
+        for _ in 0..n {
+            out.push(Value::decode(&mut d).expect("a packed key holds a valid encoding (checked when read)"));
+        }
+    }
+}
+
+impl fmt::Debug for PackedKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("PackedKey").field(&self.values()).finish()
     }
 }
 
@@ -359,6 +534,55 @@ mod tests {
         // Pinned: changing the hash would move existing state to the wrong key groups.
         assert_eq!(Key::One(Value::str("hello")).stable_hash(), PINNED_HELLO);
         assert_eq!(Key::One(Value::Int(42)).key_group(128), PINNED_42_KG);
+    }
+
+    /// Composite keys packed into bytes behave as the keys they encode: the same encoding,
+    /// key group, equality and values, read back from a state file whole; a damaged encoding is
+    /// refused when read.
+    #[test]
+    fn packed_keys_are_the_keys_they_encode() {
+        let long = "a string longer than the twenty-four inline bytes";
+        let records: Vec<Fields> = vec![
+            smallvec::smallvec![Value::str("word"), Value::Int(17)],
+            smallvec::smallvec![Value::str("word"), Value::Int(-17)],
+            smallvec::smallvec![Value::str(long), Value::Int(i64::MAX)],
+            smallvec::smallvec![Value::Float(-0.0), Value::Float(0.0), Value::Null],
+            smallvec::smallvec![Value::Float(f64::NAN), Value::Bool(true), Value::Bool(false)],
+            smallvec::smallvec![Value::str(""), Value::Null, Value::Int(0)],
+        ];
+        let fields = [0usize, 1, 2];
+        let mut keys = Vec::new();
+        for values in &records {
+            let record = Record { time: 0, fields: values.clone() };
+            let arity = values.len();
+            let key = Key::of(&record, &fields[..arity]);
+            let packed = PackedKey::of(&record, &fields[..arity]);
+            let mut e = Encoder::default();
+            Key::encode(&key, &mut e);
+            let mut p = Encoder::default();
+            StateKey::encode(&packed, &mut p);
+            assert_eq!(p.buf, e.buf, "{key:?}");
+            assert_eq!(PackedKey::decode(&e.buf).unwrap(), packed);
+            for m in [1, 7, 128, 32768] {
+                assert_eq!(StateKey::key_group(&packed, m), key.key_group(m), "{key:?}");
+                assert_eq!(Key::key_group_of(&record, &fields[..arity], m), key.key_group(m));
+            }
+            assert_eq!(packed.values().as_slice(), key.values());
+            keys.push((key, packed));
+        }
+        for (a, pa) in &keys {
+            for (b, pb) in &keys {
+                assert_eq!(a == b, pa == pb, "{a:?} against {b:?}");
+            }
+        }
+        let one = Key::One(Value::str("hello"));
+        let mut e = Encoder::default();
+        one.encode(&mut e);
+        assert_eq!(StateKey::key_group(&PackedKey::decode(&e.buf).unwrap(), 128), one.key_group(128));
+        // Damaged: a truncated string, bytes left over, an unknown tag, bad UTF-8.
+        for bad in [&[2u8, 5, 4, b'a'][..], &[1, 0, 9], &[1, 9], &[1, 5, 2, 0xff, 0xfe]] {
+            assert!(PackedKey::decode(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::restore::{KeyedFile, KeyedRestore};
 /// How much of a state file's local copy a restore reads at once.
 const RESTORE_PART_BYTES: usize = 8 << 20;
 use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings};
-use crate::value::{Fields, Key, Record};
+use crate::value::{Fields, Key, Record, StateKey};
 
 /// Settings every keyed operator needs.
 #[derive(Clone, Debug)]
@@ -36,7 +36,10 @@ pub struct KeyedContext {
 
 impl KeyedContext {
     /// Empty state on the job's backend, filled from `restore` when given.
-    pub fn state<V: StateValue>(&self, restore: Option<&KeyedRestore>) -> Result<KeyedState<V>, TaskError> {
+    pub fn state<V: StateValue, K: StateKey>(
+        &self,
+        restore: Option<&KeyedRestore>,
+    ) -> Result<KeyedState<V, K>, TaskError> {
         let mut state = KeyedState::new(self.max_parallelism, self.incremental, self.full_every)
             .with_background_full_image_above(self.background_full_image_above);
         if let Some(settings) = &self.store {
@@ -71,7 +74,11 @@ impl KeyedContext {
 
     /// Applies one file of a restored chain: from memory, or read back in parts from its local
     /// copy (so that a state larger than memory restores within it).
-    fn restore_file<V: StateValue>(&self, state: &mut KeyedState<V>, file: &KeyedFile) -> Result<(), TaskError> {
+    fn restore_file<V: StateValue, K: StateKey>(
+        &self,
+        state: &mut KeyedState<V, K>,
+        file: &KeyedFile,
+    ) -> Result<(), TaskError> {
         use weir_checkpoint::format::{FileKind, FormatError, PartsError};
         let failed = |reason: String| TaskError::Restore { uid: self.uid.clone(), reason };
         let store_failed = |e: StoreError| match e {
@@ -104,6 +111,12 @@ impl KeyedContext {
         }
     }
 
+    /// Whether the key has several fields: keyed state then holds its keys packed
+    /// ([`crate::value::PackedKey`], no allocation per key) rather than as [`Key`]s.
+    pub fn composite(&self) -> bool {
+        self.key.len() != 1
+    }
+
     /// The task error for a failure of the state's store.
     pub fn state_failed(&self, source: StoreError) -> TaskError {
         TaskError::State { uid: self.uid.clone(), source }
@@ -111,20 +124,20 @@ impl KeyedContext {
 
     /// The keys of a batch's records, prepared for the batch's updates (see
     /// [`KeyedState::prefetch`]).
-    pub fn prefetched_keys<V: StateValue>(
+    pub fn prefetched_keys<V: StateValue, K: StateKey>(
         &self,
-        state: &mut KeyedState<V>,
+        state: &mut KeyedState<V, K>,
         batch: &[Record],
-    ) -> Result<Vec<Key>, TaskError> {
-        let keys: Vec<Key> = batch.iter().map(|r| Key::of(r, &self.key)).collect();
+    ) -> Result<Vec<K>, TaskError> {
+        let keys: Vec<K> = batch.iter().map(|r| K::of(r, &self.key)).collect();
         std::hint::black_box(state.prefetch(&keys).map_err(|e| self.state_failed(e))?);
         Ok(keys)
     }
 
     /// The snapshot parts of keyed state for a barrier.
-    pub fn snapshot<V: StateValue>(
+    pub fn snapshot<V: StateValue, K: StateKey>(
         &self,
-        state: &mut KeyedState<V>,
+        state: &mut KeyedState<V, K>,
         barrier: &Barrier,
     ) -> Result<StateParts, TaskError> {
         let keyed = if barrier.is_savepoint() { state.snapshot_full_copy() } else { state.snapshot_checkpoint() };
@@ -136,14 +149,16 @@ impl KeyedContext {
     }
 }
 
-/// Running aggregates per key, emitted (key fields + aggregates) on every update.
-pub struct AggregateOperator {
+/// Running aggregates per key, emitted (key fields + aggregates) on every update. Keys are held
+/// as `K`: [`Key`] for one field, [`crate::value::PackedKey`] for several (see
+/// [`KeyedContext::composite`]).
+pub struct AggregateOperator<K = Key> {
     ctx: KeyedContext,
     aggregates: Aggregates,
-    state: KeyedState<AccList>,
+    state: KeyedState<AccList, K>,
 }
 
-impl AggregateOperator {
+impl<K: StateKey> AggregateOperator<K> {
     /// Builds the operator, restoring its state when given.
     pub fn new(
         ctx: KeyedContext,
@@ -156,14 +171,14 @@ impl AggregateOperator {
     }
 }
 
-impl Operator for AggregateOperator {
+impl<K: StateKey> Operator for AggregateOperator<K> {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         out.reserve(batch.len());
         let keys = self.ctx.prefetched_keys(&mut self.state, &batch)?;
         for (r, key) in batch.into_iter().zip(keys) {
             let aggregates = &self.aggregates;
             let mut fields = Fields::with_capacity(self.ctx.key.len() + self.aggregates.len());
-            fields.extend(key.values().iter().cloned());
+            key.push_values(&mut fields);
             let accs = match self.state.update(key, || AccList(aggregates.init())) {
                 Ok(accs) => accs,
                 Err(e) => return Err(self.ctx.state_failed(e)),
@@ -180,13 +195,14 @@ impl Operator for AggregateOperator {
     }
 }
 
-/// Passes the first record of each key, drops the rest.
-pub struct DedupeOperator {
+/// Passes the first record of each key, drops the rest. Keys are held as `K`, as in
+/// [`AggregateOperator`].
+pub struct DedupeOperator<K = Key> {
     ctx: KeyedContext,
-    state: KeyedState<()>,
+    state: KeyedState<(), K>,
 }
 
-impl DedupeOperator {
+impl<K: StateKey> DedupeOperator<K> {
     /// Builds the operator, restoring its state when given.
     pub fn new(ctx: KeyedContext, restore: Option<&KeyedRestore>) -> Result<Self, TaskError> {
         let state = ctx.state(restore)?;
@@ -194,7 +210,7 @@ impl DedupeOperator {
     }
 }
 
-impl Operator for DedupeOperator {
+impl<K: StateKey> Operator for DedupeOperator<K> {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         let keys = self.ctx.prefetched_keys(&mut self.state, &batch)?;
         for (r, key) in batch.into_iter().zip(keys) {
@@ -207,5 +223,138 @@ impl Operator for DedupeOperator {
 
     fn snapshot(&mut self, barrier: &Barrier) -> Result<StateParts, TaskError> {
         self.ctx.snapshot(&mut self.state, barrier)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::SnapshotTarget;
+    use crate::restore::KeyedFile;
+    use crate::value::{PackedKey, Value};
+    use bytes::Bytes;
+    use weir_crds::job::AggregateKind;
+
+    fn ctx(key: Vec<usize>, key_groups: (u32, u32)) -> KeyedContext {
+        KeyedContext {
+            uid: "op".into(),
+            key,
+            max_parallelism: 8,
+            key_groups,
+            incremental: true,
+            full_every: 3,
+            background_full_image_above: u64::MAX,
+            store: None,
+        }
+    }
+
+    const INPUT: [&str; 3] = ["word", "n", "v"];
+
+    fn count_and_sum() -> Vec<AggregateFn> {
+        vec![
+            AggregateFn { function: AggregateKind::Count, field: None, output: "count".into() },
+            AggregateFn { function: AggregateKind::Sum, field: Some("v".into()), output: "sum".into() },
+        ]
+    }
+
+    /// Record `i`: a word of 5 (some longer than a packed key holds inline), a small number,
+    /// and `i` to sum.
+    fn rec(i: i64) -> Record {
+        let word = if i % 7 == 0 { format!("a-word-far-longer-than-inline-{}", i % 5) } else { format!("w{}", i % 5) };
+        Record { time: i, fields: smallvec::smallvec![Value::str(&word), Value::Int(i % 3), Value::Int(i)] }
+    }
+
+    fn restore_of(files: &[Bytes]) -> KeyedRestore {
+        KeyedRestore {
+            files: files.iter().cloned().map(KeyedFile::Memory).collect(),
+            continue_chain: false,
+            chain: vec![],
+            chain_tables: vec![],
+            tables: vec![],
+            operator_docs: vec![],
+        }
+    }
+
+    fn checkpoint(op: &mut dyn Operator, id: u64) -> Bytes {
+        op.snapshot(&Barrier { id, target: SnapshotTarget::Checkpoint }).unwrap().keyed.unwrap().data
+    }
+
+    /// A composite key held packed gives what the same key held as values gives: the same
+    /// running aggregates (key fields first) and the same first records, and state files that
+    /// restore on either (checkpoints taken by one, restored by the other, at another
+    /// parallelism), so that a job keeps its state when a version changes how keys are held.
+    #[test]
+    fn packed_composite_keys_aggregate_dedupe_and_restore_as_value_keys_do() {
+        let input: Vec<String> = INPUT.iter().map(|s| s.to_string()).collect();
+        let batches: Vec<Vec<Record>> = (0..6).map(|b| (b * 50..b * 50 + 50).map(rec).collect()).collect();
+        let key = vec![0, 1];
+        // Aggregates: packed and value keys side by side, checkpoints after batches 1 and 3.
+        let mut packed =
+            AggregateOperator::<PackedKey>::new(ctx(key.clone(), (0, 8)), &count_and_sum(), &input, None).unwrap();
+        let mut values =
+            AggregateOperator::<Key>::new(ctx(key.clone(), (0, 8)), &count_and_sum(), &input, None).unwrap();
+        let (mut packed_files, mut value_files) = (Vec::new(), Vec::new());
+        for (b, batch) in batches.iter().enumerate().take(4) {
+            let (mut a, mut v) = (Vec::new(), Vec::new());
+            packed.process(batch.clone(), &mut a).unwrap();
+            values.process(batch.clone(), &mut v).unwrap();
+            assert_eq!(a, v, "batch {b}");
+            assert_eq!(a[0].fields.len(), 4, "key fields, count, sum");
+            if b == 1 || b == 3 {
+                packed_files.push(checkpoint(&mut packed, b as u64));
+                value_files.push(checkpoint(&mut values, b as u64));
+            }
+        }
+        // Each side's checkpoints restored by the other, split over two subtasks.
+        let mut expected = Vec::new();
+        values.process(batches[4].clone(), &mut expected).unwrap();
+        let mut got = Vec::new();
+        for key_groups in [(0, 3), (3, 8)] {
+            let from_values = restore_of(&value_files);
+            let mut p = AggregateOperator::<PackedKey>::new(
+                ctx(key.clone(), key_groups),
+                &count_and_sum(),
+                &input,
+                Some(&from_values),
+            )
+            .unwrap();
+            let from_packed = restore_of(&packed_files);
+            let mut v = AggregateOperator::<Key>::new(
+                ctx(key.clone(), key_groups),
+                &count_and_sum(),
+                &input,
+                Some(&from_packed),
+            )
+            .unwrap();
+            let mine: Vec<Record> = batches[4]
+                .iter()
+                .filter(|r| (key_groups.0..key_groups.1).contains(&Key::of(r, &key).key_group(8)))
+                .cloned()
+                .collect();
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            p.process(mine.clone(), &mut a).unwrap();
+            v.process(mine, &mut b).unwrap();
+            assert_eq!(a, b);
+            got.extend(a);
+        }
+        let sorted = |mut r: Vec<Record>| {
+            r.sort_by_key(|r| r.time);
+            r
+        };
+        assert_eq!(sorted(got), sorted(expected), "restored at parallelism 2, the counts go on");
+        // Dedupe: the first record of each (word, n), then none after a restore.
+        let mut dedupe = DedupeOperator::<PackedKey>::new(ctx(key.clone(), (0, 8)), None).unwrap();
+        let mut first = Vec::new();
+        dedupe.process(batches[0].clone(), &mut first).unwrap();
+        let distinct: std::collections::BTreeSet<(String, i64)> = batches[0]
+            .iter()
+            .map(|r| (r.fields[0].to_string(), if let Value::Int(n) = r.fields[1] { n } else { unreachable!() }))
+            .collect();
+        assert_eq!(first.len(), distinct.len());
+        let file = checkpoint(&mut dedupe, 1);
+        let mut restored = DedupeOperator::<Key>::new(ctx(key, (0, 8)), Some(&restore_of(&[file]))).unwrap();
+        let mut again = Vec::new();
+        restored.process(batches[0].clone(), &mut again).unwrap();
+        assert!(again.is_empty(), "every key was seen before the checkpoint: {again:?}");
     }
 }

@@ -27,7 +27,7 @@ use weir_checkpoint::local::SyncedWriter;
 
 pub use store::{StateStore, StoreError, StoreSettings};
 
-use crate::value::Key;
+use crate::value::{Key, StateKey};
 
 /// The largest full image the rocksdb backend keeps in memory; larger ones go to local disk.
 pub const FULL_IMAGE_IN_MEMORY: usize = 8 << 20;
@@ -58,13 +58,13 @@ struct Slot<V> {
 }
 
 /// The `rocksdb` backend's store and the bound of the cache in front of it.
-struct Spill {
+struct Spill<K> {
     store: StateStore,
     cache_entries: usize,
     /// Keys the last [`KeyedState::prefetch`] found in neither the cache nor the store: the
     /// batch's updates create them without reading the store again. A key leaves the set when
     /// it is inserted (it may be evicted to the store later in the batch).
-    absent: FxHashSet<Key>,
+    absent: FxHashSet<K>,
     /// Full images larger than this many bytes are written to a file, not held in memory.
     full_image_in_memory: usize,
     /// A restore's entries, loaded into the store by [`KeyedState::after_restore`].
@@ -78,17 +78,17 @@ struct Spill {
 /// Changed keys whose lookups a snapshot runs back to back before encoding their entries.
 const SNAPSHOT_LOOKUP_CHUNK: usize = 64;
 
-/// Keyed state of one operator subtask.
-pub struct KeyedState<V> {
+/// Keyed state of one operator subtask, its keys held as `K` (see [`StateKey`]).
+pub struct KeyedState<V, K = Key> {
     /// Every entry (heap backend), or the cached ones (rocksdb backend).
-    map: griddle::HashMap<Key, Slot<V>, FxBuildHasher>,
+    map: griddle::HashMap<K, Slot<V>, FxBuildHasher>,
     /// Keys changed since the last snapshot. With the heap backend, only while few: once more
     /// than a quarter of the keys changed, the next snapshot scans the dirty flags instead and
     /// the list stops growing. With the rocksdb backend always, and it may repeat keys (an
     /// entry evicted while dirty leaves the map, and so its flag).
-    changed: Vec<Key>,
+    changed: Vec<K>,
     scan: bool,
-    deleted: Vec<(u32, Key)>,
+    deleted: Vec<(u32, K)>,
     max_parallelism: u32,
     incremental: bool,
     full_every: u32,
@@ -97,7 +97,7 @@ pub struct KeyedState<V> {
     background_full_image_above: u64,
     increments_since_full: u32,
     force_full: Arc<AtomicBool>,
-    spill: Option<Spill>,
+    spill: Option<Spill<K>>,
 }
 
 /// A snapshot of keyed state, already encoded as a state file by the task thread (encoding the
@@ -116,7 +116,7 @@ pub struct KeyedSnapshot {
     pub entries: u64,
 }
 
-impl<V: StateValue> KeyedState<V> {
+impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// Empty heap state. `incremental` and `full_every` come from the job's checkpointing
     /// settings.
     pub fn new(max_parallelism: u32, incremental: bool, full_every: u32) -> Self {
@@ -181,13 +181,13 @@ impl<V: StateValue> KeyedState<V> {
 
     /// The key group of a key.
     #[inline]
-    pub fn key_group(&self, key: &Key) -> u32 {
+    pub fn key_group(&self, key: &K) -> u32 {
         key.key_group(self.max_parallelism)
     }
 
     /// Brings a key's entry from the store into the cache when it is only in the store; whether
     /// the key exists. Heap backend: whether it is in the map.
-    fn load(&mut self, key: &Key) -> Result<bool, StoreError> {
+    fn load(&mut self, key: &K) -> Result<bool, StoreError> {
         if self.map.contains_key(key) {
             return Ok(true);
         }
@@ -248,7 +248,7 @@ impl<V: StateValue> KeyedState<V> {
     }
 
     /// The value of a key, for reading.
-    pub fn get(&mut self, key: &Key) -> Result<Option<&V>, StoreError> {
+    pub fn get(&mut self, key: &K) -> Result<Option<&V>, StoreError> {
         if self.spill.is_some() {
             self.load(key)?;
         }
@@ -260,7 +260,7 @@ impl<V: StateValue> KeyedState<V> {
 
     /// Inserts `key` with `value` unless it exists; whether it was inserted. One lookup where
     /// [`Self::get`] then [`Self::update`] would take two (two store reads for a new key).
-    pub fn insert_new(&mut self, key: Key, value: V) -> Result<bool, StoreError> {
+    pub fn insert_new(&mut self, key: K, value: V) -> Result<bool, StoreError> {
         if self.spill.is_none() {
             // Heap backend: one probe of the map finds the key or the slot for it (a lookup
             // and then an insert probed twice; dedupe inserts a new key per record).
@@ -296,7 +296,7 @@ impl<V: StateValue> KeyedState<V> {
     /// returns how many were found. An entry (key and slot) is 72 bytes and so spans two cache
     /// lines: the key's comparison loads the first, the flag the second, and the caller's
     /// update or encoding that follows finds both in cache.
-    fn touch<'k>(&self, keys: impl IntoIterator<Item = &'k Key>) -> usize {
+    fn touch<'k>(&self, keys: impl IntoIterator<Item = &'k K>) -> usize {
         let (found, dirty) = keys
             .into_iter()
             .filter_map(|k| self.map.get(k))
@@ -316,13 +316,13 @@ impl<V: StateValue> KeyedState<V> {
     /// another 10% (three runs of 12M records each way, alternating).
     ///
     /// Rocksdb backend: reads the keys missing from the cache from the store in one call.
-    pub fn prefetch<'k>(&mut self, keys: impl IntoIterator<Item = &'k Key>) -> Result<usize, StoreError> {
+    pub fn prefetch<'k>(&mut self, keys: impl IntoIterator<Item = &'k K>) -> Result<usize, StoreError> {
         if self.spill.is_none() {
             return Ok(self.touch(keys));
         }
         let mut present = 0;
         let mut seen = FxHashSet::default();
-        let mut missing: Vec<(&Key, u32)> = Vec::new();
+        let mut missing: Vec<(&K, u32)> = Vec::new();
         for k in keys {
             if self.map.contains_key(k) {
                 present += 1;
@@ -335,9 +335,9 @@ impl<V: StateValue> KeyedState<V> {
         if missing.is_empty() {
             return Ok(present);
         }
-        let raw: Vec<Vec<u8>> = missing.iter().map(|(k, kg)| StateStore::key_of(*kg, k)).collect();
+        let raw: Vec<Vec<u8>> = missing.iter().map(|(k, kg)| StateStore::key_of(*kg, *k)).collect();
         let found = spill.store.multi_get(&raw)?;
-        let mut loaded: Vec<(Key, u32, V)> = Vec::with_capacity(found.len());
+        let mut loaded: Vec<(K, u32, V)> = Vec::with_capacity(found.len());
         for ((k, kg), v) in missing.into_iter().zip(found) {
             match v {
                 Some(v) => loaded.push((k.clone(), kg, V::decode(&mut Decoder::new(&v))?)),
@@ -356,7 +356,7 @@ impl<V: StateValue> KeyedState<V> {
 
     /// The value of a key for update, created with `init` when absent; marks it changed.
     #[inline]
-    pub fn update(&mut self, key: Key, init: impl FnOnce() -> V) -> Result<&mut V, StoreError> {
+    pub fn update(&mut self, key: K, init: impl FnOnce() -> V) -> Result<&mut V, StoreError> {
         use griddle::hash_map::Entry;
         if self.spill.is_some() && !self.load(&key)? {
             self.make_room(1)?;
@@ -389,7 +389,7 @@ impl<V: StateValue> KeyedState<V> {
     }
 
     /// Like [`Self::update`] for an existing key; `None` when absent.
-    pub fn update_existing(&mut self, key: &Key) -> Result<Option<&mut V>, StoreError> {
+    pub fn update_existing(&mut self, key: &K) -> Result<Option<&mut V>, StoreError> {
         if self.spill.is_some() {
             self.load(key)?;
         }
@@ -408,7 +408,7 @@ impl<V: StateValue> KeyedState<V> {
     }
 
     /// Removes a key.
-    pub fn remove(&mut self, key: &Key) -> Result<Option<V>, StoreError> {
+    pub fn remove(&mut self, key: &K) -> Result<Option<V>, StoreError> {
         if self.spill.is_some() {
             self.load(key)?;
         }
@@ -424,14 +424,14 @@ impl<V: StateValue> KeyedState<V> {
     }
 
     /// Calls `f` with every entry (for rebuilding derived indexes after a restore, and tests).
-    pub fn for_each(&self, mut f: impl FnMut(&Key, &V)) -> Result<(), StoreError> {
+    pub fn for_each(&self, mut f: impl FnMut(&K, &V)) -> Result<(), StoreError> {
         for (k, s) in &self.map {
             f(k, &s.value);
         }
         if let Some(spill) = &self.spill {
             spill.store.scan(|raw_key, raw_value| {
                 let (_, encoded_key) = StateStore::split_key(raw_key)?;
-                let key = Key::decode(&mut Decoder::new(encoded_key))?;
+                let key = K::decode(encoded_key)?;
                 if !self.map.contains_key(&key) {
                     f(&key, &V::decode(&mut Decoder::new(raw_value))?);
                 }
@@ -484,7 +484,7 @@ impl<V: StateValue> KeyedState<V> {
             // loop that also encodes waits for one by one. The increment then lists its
             // entries in bucket order, as a restore fills its map.
             let mask = heap_buckets(self.map.capacity() as u64) - 1;
-            let mut order: Vec<(u64, Key)> =
+            let mut order: Vec<(u64, K)> =
                 self.changed.drain(..).map(|k| (self.map.hasher().hash_one(&k) & mask, k)).collect();
             order.sort_unstable_by_key(|(bucket, _)| *bucket);
             for chunk in order.chunks(SNAPSHOT_LOOKUP_CHUNK) {
@@ -520,7 +520,7 @@ impl<V: StateValue> KeyedState<V> {
         }
         let changed = std::mem::take(&mut self.changed);
         let mut seen = FxHashSet::default();
-        let mut evicted: Vec<&Key> = Vec::new();
+        let mut evicted: Vec<&K> = Vec::new();
         for k in &changed {
             if !seen.insert(k) {
                 continue;
@@ -536,7 +536,7 @@ impl<V: StateValue> KeyedState<V> {
         }
         let spill = self.spill.as_ref().expect("on the rocksdb backend");
         let raw: Vec<Vec<u8>> =
-            evicted.iter().map(|k| StateStore::key_of(k.key_group(self.max_parallelism), k)).collect();
+            evicted.iter().map(|k| StateStore::key_of(k.key_group(self.max_parallelism), *k)).collect();
         for (raw_key, value) in raw.iter().zip(spill.store.multi_get(&raw)?) {
             // Absent: removed after it changed, and the removal is written above.
             if let Some(value) = value {
@@ -648,8 +648,8 @@ impl<V: StateValue> KeyedState<V> {
         // A large body is decoded on a second thread while this one applies the batches:
         // decoding is about half of a restore's CPU time, and the two halves overlap.
         std::thread::scope(|scope| {
-            let (full_tx, full_rx) = crossbeam_channel::bounded::<Vec<Restored<V>>>(RESTORE_BATCHES_IN_FLIGHT);
-            let (empty_tx, empty_rx) = crossbeam_channel::bounded::<Vec<Restored<V>>>(RESTORE_BATCHES_IN_FLIGHT);
+            let (full_tx, full_rx) = crossbeam_channel::bounded::<Vec<Restored<K, V>>>(RESTORE_BATCHES_IN_FLIGHT);
+            let (empty_tx, empty_rx) = crossbeam_channel::bounded::<Vec<Restored<K, V>>>(RESTORE_BATCHES_IN_FLIGHT);
             let decoder = std::thread::Builder::new()
                 .name("restore-decode".into())
                 .spawn_scoped(scope, move || {
@@ -667,7 +667,7 @@ impl<V: StateValue> KeyedState<V> {
         })
     }
 
-    fn apply_restored(&mut self, batch: &mut Vec<Restored<V>>) {
+    fn apply_restored(&mut self, batch: &mut Vec<Restored<K, V>>) {
         std::hint::black_box(self.touch(batch.iter().map(|(_, k, _)| k)));
         for (key_group, key, value) in batch.drain(..) {
             match value {
@@ -748,7 +748,7 @@ pub(crate) fn heap_buckets(entries: u64) -> u64 {
 }
 
 /// A restored entry, decoded: its key group, key, and value (`None`: deleted).
-type Restored<V> = (u32, Key, Option<V>);
+type Restored<K, V> = (u32, K, Option<V>);
 
 /// Restored entries applied together, their lookups run back to back first.
 const RESTORE_BATCH: usize = 256;
@@ -760,14 +760,14 @@ const RESTORE_PIPELINE_MIN_BYTES: usize = 1 << 20;
 const RESTORE_BATCHES_IN_FLIGHT: usize = 64;
 
 /// Decodes a restored entry, or `None` when its key group is outside `key_groups`.
-fn decode_restored<V: StateValue>(
+fn decode_restored<K: StateKey, V: StateValue>(
     entry: weir_checkpoint::format::KeyedEntry<'_>,
     key_groups: (u32, u32),
-) -> Result<Option<Restored<V>>, FormatError> {
+) -> Result<Option<Restored<K, V>>, FormatError> {
     if !owns(key_groups, entry.key_group) {
         return Ok(None);
     }
-    let key = Key::decode(&mut Decoder::new(entry.key))?;
+    let key = K::decode(entry.key)?;
     let value = match entry.value {
         Some(raw) => Some(V::decode(&mut Decoder::new(raw))?),
         None => None,
@@ -778,14 +778,14 @@ fn decode_restored<V: StateValue>(
 /// Decodes the entries of `body` in `key_groups` into batches of [`RESTORE_BATCH`] and hands
 /// each full batch, then the last one, to `take`, which leaves it empty or replaces it; `take`
 /// returns false to stop early.
-fn decode_in_batches<V: StateValue>(
+fn decode_in_batches<K: StateKey, V: StateValue>(
     body: &[u8],
     key_groups: (u32, u32),
-    mut take: impl FnMut(&mut Vec<Restored<V>>) -> bool,
+    mut take: impl FnMut(&mut Vec<Restored<K, V>>) -> bool,
 ) -> Result<(), StoreError> {
     let mut batch = Vec::with_capacity(RESTORE_BATCH);
     for entry in keyed_entries(body) {
-        if let Some(decoded) = decode_restored::<V>(entry?, key_groups)? {
+        if let Some(decoded) = decode_restored::<K, V>(entry?, key_groups)? {
             batch.push(decoded);
             if batch.len() == RESTORE_BATCH && !take(&mut batch) {
                 return Ok(());
@@ -879,9 +879,9 @@ impl std::io::Write for SpillingBuffer {
 }
 
 #[cfg(test)]
-impl<V: StateValue> KeyedState<V> {
+impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// Every entry, cached or stored (tests).
-    pub(crate) fn entries(&self) -> Vec<(Key, V)> {
+    pub(crate) fn entries(&self) -> Vec<(K, V)> {
         let mut out = Vec::new();
         self.for_each(|k, v| out.push((k.clone(), v.clone()))).expect("the store scans");
         out

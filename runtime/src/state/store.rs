@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use weir_checkpoint::format::{Encoder, FormatError};
 
-use crate::value::Key;
+use crate::value::StateKey;
 
 /// Why the state store failed.
 #[derive(Debug, thiserror::Error)]
@@ -102,7 +102,7 @@ pub use rocks::{EngineError, StateStore, StoredValue, WriteBatch};
 
 impl StateStore {
     /// The store key of `key` in `key_group`, appended to `out`.
-    pub fn encode_key(key_group: u32, key: &Key, out: &mut Vec<u8>) {
+    pub fn encode_key<K: StateKey>(key_group: u32, key: &K, out: &mut Vec<u8>) {
         let mut e = Encoder { buf: std::mem::take(out) };
         e.buf.extend_from_slice(&(key_group as u16).to_be_bytes());
         key.encode(&mut e);
@@ -110,7 +110,7 @@ impl StateStore {
     }
 
     /// The store key of `key` in `key_group`.
-    pub fn key_of(key_group: u32, key: &Key) -> Vec<u8> {
+    pub fn key_of<K: StateKey>(key_group: u32, key: &K) -> Vec<u8> {
         let mut raw = Vec::with_capacity(16);
         Self::encode_key(key_group, key, &mut raw);
         raw
