@@ -13,13 +13,13 @@
 //! incremental checkpoint still holds every change since the previous checkpoint.
 
 pub mod bulk;
-pub mod map;
 pub mod store;
 
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxBuildHasher, FxHashSet};
 use weir_checkpoint::format::{
     keyed_entries, Decoder, Encoder, FileKind, FormatError, StateFileStream, StateFileWriter,
 };
@@ -81,7 +81,7 @@ const SNAPSHOT_LOOKUP_CHUNK: usize = 64;
 /// Keyed state of one operator subtask, its keys held as `K` (see [`StateKey`]).
 pub struct KeyedState<V, K = Key> {
     /// Every entry (heap backend), or the cached ones (rocksdb backend).
-    map: map::ShardedMap<K, Slot<V>>,
+    map: griddle::HashMap<K, Slot<V>, FxBuildHasher>,
     /// Keys changed since the last snapshot. With the heap backend, only while few: once more
     /// than a quarter of the keys changed, the next snapshot scans the dirty flags instead and
     /// the list stops growing. With the rocksdb backend always, and it may repeat keys (an
@@ -121,7 +121,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// settings.
     pub fn new(max_parallelism: u32, incremental: bool, full_every: u32) -> Self {
         KeyedState {
-            map: map::ShardedMap::default(),
+            map: griddle::HashMap::default(),
             changed: Vec::new(),
             scan: false,
             deleted: Vec::new(),
@@ -264,7 +264,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         if self.spill.is_none() {
             // Heap backend: one probe of the map finds the key or the slot for it (a lookup
             // and then an insert probed twice; dedupe inserts a new key per record).
-            use map::MapEntry as Entry;
+            use griddle::hash_map::Entry;
             return Ok(match self.map.entry(key) {
                 Entry::Occupied(_) => false,
                 Entry::Vacant(v) => {
@@ -357,7 +357,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// The value of a key for update, created with `init` when absent; marks it changed.
     #[inline]
     pub fn update(&mut self, key: K, init: impl FnOnce() -> V) -> Result<&mut V, StoreError> {
-        use map::MapEntry as Entry;
+        use griddle::hash_map::Entry;
         if self.spill.is_some() && !self.load(&key)? {
             self.make_room(1)?;
         }
@@ -425,7 +425,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// Calls `f` with every entry (for rebuilding derived indexes after a restore, and tests).
     pub fn for_each(&self, mut f: impl FnMut(&K, &V)) -> Result<(), StoreError> {
-        for (k, s) in self.map.iter() {
+        for (k, s) in &self.map {
             f(k, &s.value);
         }
         if let Some(spill) = &self.spill {
@@ -483,8 +483,9 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             // taken in the order they changed cost a TLB and two cache misses each, which a
             // loop that also encodes waits for one by one. The increment then lists its
             // entries in bucket order, as a restore fills its map.
+            let mask = heap_buckets(self.map.capacity() as u64) - 1;
             let mut order: Vec<(u64, K)> =
-                self.changed.drain(..).map(|k| (self.map.order_of(map::hash_of(&k)), k)).collect();
+                self.changed.drain(..).map(|k| (self.map.hasher().hash_one(&k) & mask, k)).collect();
             order.sort_unstable_by_key(|(bucket, _)| *bucket);
             for chunk in order.chunks(SNAPSHOT_LOOKUP_CHUNK) {
                 std::hint::black_box(self.touch(chunk.iter().map(|(_, k)| k)));
