@@ -581,17 +581,43 @@ fn read_entries(
     }
 }
 
-/// The hash the heap backend's map gives an encoded key (its bucket is the hash's low bits).
+/// The hash the heap backend's map gives an encoded key (its bucket is the hash's low bits), as
+/// the operator holds the key: a one-field key as a [`Key`](crate::value::Key), a composite
+/// one packed ([`PackedKey`](crate::value::PackedKey), see `KeyedContext::composite`).
 fn heap_hash(encoded_key: &[u8]) -> Result<u64, StoreError> {
+    use crate::value::{Key, PackedKey, StateKey};
     use std::hash::BuildHasher;
-    let key = crate::value::Key::decode(&mut weir_checkpoint::format::Decoder::new(encoded_key))?;
-    Ok(rustc_hash::FxBuildHasher.hash_one(&key))
+    let key = Key::decode(&mut weir_checkpoint::format::Decoder::new(encoded_key))?;
+    Ok(match key {
+        Key::One(_) => rustc_hash::FxBuildHasher.hash_one(&key),
+        Key::Many(_) => rustc_hash::FxBuildHasher.hash_one(PackedKey::decode(encoded_key)?),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+
+    /// Merged images list entries in the order of the map that restores them, which hashes a
+    /// one-field key as a `Key` and a composite one as a `PackedKey`.
+    #[test]
+    fn merges_order_keys_by_the_hash_of_the_map_that_holds_them() {
+        use crate::value::{Key, PackedKey, Record, StateKey, Value};
+        use std::hash::BuildHasher;
+        let record = Record { time: 0, fields: smallvec::smallvec![Value::str("word"), Value::Int(7)] };
+        for fields in [&[0usize][..], &[0, 1]] {
+            let key = Key::of(&record, fields);
+            let mut e = weir_checkpoint::format::Encoder::default();
+            key.encode(&mut e);
+            let held = if fields.len() == 1 {
+                rustc_hash::FxBuildHasher.hash_one(&key)
+            } else {
+                rustc_hash::FxBuildHasher.hash_one(PackedKey::of(&record, fields))
+            };
+            assert_eq!(heap_hash(&e.buf).unwrap(), held, "{fields:?}");
+        }
+    }
     use weir_checkpoint::format::StateFileWriter;
 
     #[test]
