@@ -585,12 +585,13 @@ fn read_entries(
 /// the operator holds the key: a one-field key as a [`Key`](crate::value::Key), a composite
 /// one packed ([`PackedKey`](crate::value::PackedKey), see `KeyedContext::composite`).
 fn heap_hash(encoded_key: &[u8]) -> Result<u64, StoreError> {
-    use crate::value::{Key, PackedKey, StateKey};
+    use crate::value::{is_packed, Key, PackedKey, StateKey};
     use std::hash::BuildHasher;
-    let key = Key::decode(&mut weir_checkpoint::format::Decoder::new(encoded_key))?;
-    Ok(match key {
-        Key::One(_) => rustc_hash::FxBuildHasher.hash_one(&key),
-        Key::Many(_) => rustc_hash::FxBuildHasher.hash_one(PackedKey::decode(encoded_key)?),
+    let arity = weir_checkpoint::format::Decoder::new(encoded_key).varint()?;
+    Ok(if is_packed(arity as usize) {
+        rustc_hash::FxBuildHasher.hash_one(PackedKey::decode(encoded_key)?)
+    } else {
+        rustc_hash::FxBuildHasher.hash_one(<Key as StateKey>::decode(encoded_key)?)
     })
 }
 
@@ -598,6 +599,7 @@ fn heap_hash(encoded_key: &[u8]) -> Result<u64, StoreError> {
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+    use weir_checkpoint::format::StateFileWriter;
 
     /// Merged images list entries in the order of the map that restores them, which hashes a
     /// one-field key as a `Key` and a composite one as a `PackedKey`.
@@ -618,7 +620,6 @@ mod tests {
             assert_eq!(heap_hash(&e.buf).unwrap(), held, "{fields:?}");
         }
     }
-    use weir_checkpoint::format::StateFileWriter;
 
     #[test]
     fn the_merger_thread_runs_at_a_lower_cpu_priority_than_the_tasks() {

@@ -341,39 +341,25 @@ impl PackedKey {
         out
     }
 
-    /// The encoded values, each passed to `f` as it is read.
-    fn walk(
-        encoded: &[u8],
-        mut f: impl FnMut(&mut Decoder<'_>, u8) -> Result<(), FormatError>,
-    ) -> Result<(), FormatError> {
+    /// The values of an encoded key, each passed to `f` as it is read (strings checked to be
+    /// UTF-8, as [`Value::decode`] does).
+    fn for_each_value(encoded: &[u8], mut f: impl FnMut(Value)) -> Result<(), FormatError> {
         let mut d = Decoder::new(encoded);
-        let n = d.varint()?;
-        for _ in 0..n {
-            let tag = d.u8()?;
-            f(&mut d, tag)?;
+        for _ in 0..d.varint()? {
+            f(Value::decode(&mut d)?);
         }
         if !d.is_empty() {
             return Err(FormatError::Malformed(d.position()));
         }
         Ok(())
     }
+}
 
-    /// [`Key::stable_hash`] read off the encoding (no value is built).
-    fn stable_hash(encoded: &[u8]) -> Result<u64, FormatError> {
-        let mut parts = smallvec::SmallVec::<[u64; 4]>::new();
-        Self::walk(encoded, |d, tag| {
-            parts.push(match tag {
-                0 => 0x51,
-                1 | 2 => 0x52 + u64::from(tag == 2),
-                3 => d.svarint()? as u64,
-                4 => d.f64()?.to_bits() ^ 0x5bd1_e995,
-                5 => fnv1a(d.bytes()?),
-                _ => return Err(FormatError::Malformed(d.position())),
-            });
-            Ok(())
-        })?;
-        Ok(stable_hash_of(parts.into_iter()))
-    }
+/// Whether keyed state holds a key of `arity` fields as a [`PackedKey`] (several fields, or
+/// none) rather than as a [`Key`] (one field). The executor picks the operator's key type by
+/// it, and merges order entries by the hash of that type.
+pub fn is_packed(arity: usize) -> bool {
+    arity != 1
 }
 
 impl StateKey for PackedKey {
@@ -389,8 +375,10 @@ impl StateKey for PackedKey {
     }
 
     fn key_group(&self, max_parallelism: u32) -> u32 {
-        let hash = Self::stable_hash(&self.0).expect("a packed key holds a valid encoding (checked when read)");
-        (hash % u64::from(max_parallelism)) as u32
+        let mut parts = smallvec::SmallVec::<[u64; 4]>::new();
+        Self::for_each_value(&self.0, |v| parts.push(value_hash(&v)))
+            .expect("a packed key holds a valid encoding (checked when read)");
+        (stable_hash_of(parts.into_iter()) % u64::from(max_parallelism)) as u32
     }
 
     fn encode(&self, e: &mut Encoder) {
@@ -398,33 +386,13 @@ impl StateKey for PackedKey {
     }
 
     fn decode(encoded: &[u8]) -> Result<Self, FormatError> {
-        // Every value read through, as `Value::decode` would: a string must be UTF-8.
-        Self::walk(encoded, |d, tag| {
-            match tag {
-                0..=2 => {}
-                3 => {
-                    d.svarint()?;
-                }
-                4 => {
-                    d.f64()?;
-                }
-                5 => {
-                    let at = d.position();
-                    std::str::from_utf8(d.bytes()?).map_err(|_| FormatError::Malformed(at))?;
-                }
-                _ => return Err(FormatError::Malformed(d.position())),
-            }
-            Ok(())
-        })?;
+        Self::for_each_value(encoded, drop)?;
         Ok(PackedKey(smallvec::SmallVec::from_slice(encoded)))
     }
 
     fn push_values(&self, out: &mut Fields) {
-        let mut d = Decoder::new(&self.0);
-        let n = d.varint().expect("a packed key holds a valid encoding (checked when read)");
-        for _ in 0..n {
-            out.push(Value::decode(&mut d).expect("a packed key holds a valid encoding (checked when read)"));
-        }
+        Self::for_each_value(&self.0, |v| out.push(v))
+            .expect("a packed key holds a valid encoding (checked when read)");
     }
 }
 

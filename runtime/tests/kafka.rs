@@ -852,19 +852,14 @@ fn read_committed_skips_aborted_transactions_and_read_uncommitted_does_not() {
 /// first open transaction; stopping there loses the records committed after it.
 #[test]
 fn reading_back_waits_for_a_transaction_open_in_front_of_committed_records() {
-    use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+    use rdkafka::producer::Producer;
     let b = broker();
     let shared = topic("shared");
     b.create_topic(&shared, 1);
-    let transactional = |id: &str| b.open_transaction(&format!("{id}-{shared}"));
-    let send = |p: &ThreadedProducer<DefaultProducerContext>, key: &str| {
-        p.send(BaseRecord::to(&shared).key(key).payload("v")).map_err(|(e, _)| e).unwrap();
-        p.flush(Duration::from_secs(30)).unwrap();
-    };
-    let open = transactional("open");
-    send(&open, "held-open");
-    let other = transactional("other");
-    send(&other, "committed-behind-it");
+    let open = b.open_transaction(&format!("open-{shared}"));
+    b.send(&open, &shared, "held-open", "v");
+    let other = b.open_transaction(&format!("other-{shared}"));
+    b.send(&other, &shared, "committed-behind-it", "v");
     other.commit_transaction(Duration::from_secs(30)).unwrap();
     let committer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_secs(2));
@@ -882,20 +877,18 @@ fn reading_back_waits_for_a_transaction_open_in_front_of_committed_records() {
 /// checkpoints' records a second time.
 #[test]
 fn recovery_reads_markers_behind_another_jobs_open_transaction() {
-    use rdkafka::producer::{BaseRecord, Producer};
+    use rdkafka::producer::Producer;
     use weir_runtime::kafka::{marker_key, read_markers, CommitMarker};
     let b = broker();
     let markers = topic("markers");
     b.create_topic(&markers, 1);
-    let transactional = |id: &str| b.open_transaction(&format!("{id}-{markers}"));
-    let other_job = transactional("other-job");
+    let other_job = b.open_transaction(&format!("other-job-{markers}"));
+    b.send(&other_job, &markers, "weir-other/out/0/1", "{}");
+    let this_job = b.open_transaction(&format!("this-job-{markers}"));
     let key = marker_key("weir-recovery", "out", 0, 4);
-    other_job.send(BaseRecord::to(&markers).key("weir-other/out/0/1").payload("{}")).map_err(|(e, _)| e).unwrap();
-    other_job.flush(Duration::from_secs(30)).unwrap();
-    let this_job = transactional("this-job");
     let marker = CommitMarker { checkpoint: 9, records: 120, committed_by: 4 };
     let payload = serde_json::to_string(&marker).unwrap();
-    this_job.send(BaseRecord::to(&markers).key(&key).payload(&payload)).map_err(|(e, _)| e).unwrap();
+    b.send(&this_job, &markers, &key, &payload);
     this_job.commit_transaction(Duration::from_secs(30)).unwrap();
     let ends = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_secs(2));

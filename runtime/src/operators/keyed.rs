@@ -114,7 +114,7 @@ impl KeyedContext {
     /// Whether the key has several fields: keyed state then holds its keys packed
     /// ([`crate::value::PackedKey`], no allocation per key) rather than as [`Key`]s.
     pub fn composite(&self) -> bool {
-        self.key.len() != 1
+        crate::value::is_packed(self.key.len())
     }
 
     /// The task error for a failure of the state's store.
@@ -275,6 +275,16 @@ mod tests {
         }
     }
 
+    /// A running count and sum on `key`, its keys held as `K`.
+    fn aggregate<K: StateKey>(
+        key: &[usize],
+        key_groups: (u32, u32),
+        restore: Option<&KeyedRestore>,
+    ) -> AggregateOperator<K> {
+        let input: Vec<String> = INPUT.iter().map(|s| s.to_string()).collect();
+        AggregateOperator::<K>::new(ctx(key.to_vec(), key_groups), &count_and_sum(), &input, restore).unwrap()
+    }
+
     fn checkpoint(op: &mut dyn Operator, id: u64) -> Bytes {
         op.snapshot(&Barrier { id, target: SnapshotTarget::Checkpoint }).unwrap().keyed.unwrap().data
     }
@@ -285,14 +295,11 @@ mod tests {
     /// parallelism), so that a job keeps its state when a version changes how keys are held.
     #[test]
     fn packed_composite_keys_aggregate_dedupe_and_restore_as_value_keys_do() {
-        let input: Vec<String> = INPUT.iter().map(|s| s.to_string()).collect();
         let batches: Vec<Vec<Record>> = (0..6).map(|b| (b * 50..b * 50 + 50).map(rec).collect()).collect();
         let key = vec![0, 1];
         // Aggregates: packed and value keys side by side, checkpoints after batches 1 and 3.
-        let mut packed =
-            AggregateOperator::<PackedKey>::new(ctx(key.clone(), (0, 8)), &count_and_sum(), &input, None).unwrap();
-        let mut values =
-            AggregateOperator::<Key>::new(ctx(key.clone(), (0, 8)), &count_and_sum(), &input, None).unwrap();
+        let mut packed = aggregate::<PackedKey>(&key, (0, 8), None);
+        let mut values = aggregate::<Key>(&key, (0, 8), None);
         let (mut packed_files, mut value_files) = (Vec::new(), Vec::new());
         for (b, batch) in batches.iter().enumerate().take(4) {
             let (mut a, mut v) = (Vec::new(), Vec::new());
@@ -310,22 +317,8 @@ mod tests {
         values.process(batches[4].clone(), &mut expected).unwrap();
         let mut got = Vec::new();
         for key_groups in [(0, 3), (3, 8)] {
-            let from_values = restore_of(&value_files);
-            let mut p = AggregateOperator::<PackedKey>::new(
-                ctx(key.clone(), key_groups),
-                &count_and_sum(),
-                &input,
-                Some(&from_values),
-            )
-            .unwrap();
-            let from_packed = restore_of(&packed_files);
-            let mut v = AggregateOperator::<Key>::new(
-                ctx(key.clone(), key_groups),
-                &count_and_sum(),
-                &input,
-                Some(&from_packed),
-            )
-            .unwrap();
+            let mut p = aggregate::<PackedKey>(&key, key_groups, Some(&restore_of(&value_files)));
+            let mut v = aggregate::<Key>(&key, key_groups, Some(&restore_of(&packed_files)));
             let mine: Vec<Record> = batches[4]
                 .iter()
                 .filter(|r| (key_groups.0..key_groups.1).contains(&Key::of(r, &key).key_group(8)))

@@ -245,6 +245,13 @@ impl Client {
         p
     }
 
+    /// Sends one record with `producer` (in its open transaction, if it has one) and waits until
+    /// the broker has it.
+    pub fn send(&self, producer: &ThreadedProducer<DefaultProducerContext>, topic: &str, key: &str, payload: &str) {
+        producer.send(BaseRecord::to(topic).key(key).payload(payload)).map_err(|(e, _)| e).unwrap();
+        producer.flush(Duration::from_secs(30)).unwrap();
+    }
+
     /// Every record of `topic` visible to a `read_committed` consumer now, as (key, value).
     pub fn read_committed(&self, topic: &str) -> Vec<(Option<String>, String)> {
         self.read_committed_records(topic).into_iter().map(|r| (r.key, r.value)).collect()
