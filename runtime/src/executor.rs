@@ -215,6 +215,11 @@ pub fn run_job(
     if let Some(missing) = missing_feature(job) {
         return Err(missing);
     }
+    if job.spec.state_backend == StateBackendKind::Rocksdb {
+        // The on-disk backend bounds the process's memory by the cache it is given: that holds
+        // only if memory freed is given back.
+        crate::malloc::keep_returning_free_memory();
+    }
     let storage = Storage::open(&storage_url(job, opts))?;
     let faults = Faults::new(opts.faults.clone(), metrics.clone());
     let mut exec = Executor {

@@ -9,6 +9,7 @@ pub mod expr;
 pub mod faults;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+pub mod malloc;
 pub mod message;
 pub mod metrics;
 pub mod operator;
