@@ -336,20 +336,31 @@ fn shared_files_ending(chk: &Path, suffix: &str) -> Vec<PathBuf> {
         .collect()
 }
 
-fn corrupt_newest(chk: &Path, round: u64) -> Option<u64> {
+/// Damages the newest checkpoint that is still restorable: its largest file when an older
+/// restorable checkpoint shares none of its files (every other round), else its metadata.
+/// `damaged` holds the files damaged so far (paths from the job root): a checkpoint that lists
+/// one is not restorable, so it is neither a target nor a fallback. Without that, a round could
+/// damage the only chain left after an earlier round had damaged the chain it counted as the
+/// fallback, leaving nothing to restore (a refusal the runtime is right to make).
+fn corrupt_newest(chk: &Path, round: u64, damaged: &mut BTreeSet<String>) -> Option<u64> {
     let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
     let found = weir_runtime::io().block_on(weir_checkpoint::retention::scan(&storage)).ok()?;
-    let complete: Vec<_> = found.iter().filter_map(|c| c.references.as_ref().map(|r| (c.id, r))).collect();
-    let (newest, newest_refs) = complete.iter().max_by_key(|(id, _)| *id)?;
+    let restorable: Vec<_> = found
+        .iter()
+        .filter_map(|c| c.references.as_ref().map(|r| (c.id, r)))
+        .filter(|(_, refs)| refs.is_disjoint(damaged))
+        .collect();
+    let (newest, newest_refs) = restorable.iter().max_by_key(|(id, _)| *id)?;
     let newest = *newest;
-    let independent = complete.iter().any(|(id, refs)| *id != newest && refs.is_disjoint(newest_refs));
-    if complete.len() < 2 {
+    let independent = restorable.iter().any(|(id, refs)| *id != newest && refs.is_disjoint(newest_refs));
+    if restorable.len() < 2 {
         return None;
     }
-    let dir = chk.join(format!("checkpoints/chk-{newest}"));
+    let dir = chk.join(weir_checkpoint::layout::checkpoint_dir(newest));
     let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(dir.join("_metadata")).ok()?).ok()?;
     let target = if round.is_multiple_of(2) && independent {
         let f = meta.files().max_by_key(|f| f.len)?;
+        damaged.insert(weir_checkpoint::layout::resolve(&weir_checkpoint::layout::checkpoint_dir(newest), &f.path));
         PathBuf::from(weir_checkpoint::layout::resolve(dir.to_str().unwrap(), &f.path))
     } else {
         dir.join("_metadata")
@@ -414,6 +425,7 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
     let mut parallelism = 2u32;
     let mut restore_from: Option<String> = None;
     let mut last_corrupted = 0u64;
+    let mut damaged = BTreeSet::new();
     let mut round = 0u64;
     let mut merged_images = BTreeSet::new();
     let mut merged_tables = BTreeSet::new();
@@ -503,7 +515,13 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
                     tally.rescales += 1;
                 } else if let Some(status) = child.try_wait().unwrap() {
                     // It finished while the stop was asked for.
-                    assert!(status.success(), "{}: round {round} failed: {}", shape.name, stderr(&mut child));
+                    assert!(
+                        status.success(),
+                        "{} (seed {}): round {round} failed: {}",
+                        shape.name,
+                        seed(),
+                        stderr(&mut child)
+                    );
                     break;
                 } else {
                     // The stop's savepoint failed (it raced a failing checkpoint): kill instead.
@@ -517,7 +535,7 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
                 child.wait().unwrap();
                 tally.kills += 1;
                 if c.corrupt_every.is_some_and(|n| (r >> 32).is_multiple_of(n)) {
-                    if let Some(id) = corrupt_newest(&chk, round).filter(|id| *id > last_corrupted) {
+                    if let Some(id) = corrupt_newest(&chk, round, &mut damaged).filter(|id| *id > last_corrupted) {
                         last_corrupted = id;
                         tally.corrupted += 1;
                     }
@@ -529,8 +547,9 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
                 let err = stderr(&mut child);
                 assert!(
                     self_abort && err.contains("injected fault: aborting"),
-                    "{}: round {round} failed with {s}: {err}",
-                    shape.name
+                    "{} (seed {}): round {round} failed with {s}: {err}",
+                    shape.name,
+                    seed()
                 );
                 tally.aborts += 1;
             }
