@@ -767,6 +767,7 @@ impl Executor<'_> {
                 staged: Vec::new(),
                 metrics: self.metrics.clone(),
                 store_tables: spec.state_backend == StateBackendKind::Rocksdb,
+                failures_in_a_row: HashMap::new(),
             });
             running.uploaders.push(
                 std::thread::Builder::new()

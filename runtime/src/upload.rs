@@ -66,10 +66,16 @@ const MERGE_AT_INCREMENTS_OF_BASE: f64 = 0.5;
 /// See [`MERGE_AT_INCREMENTS_OF_BASE`].
 const MERGE_ANYWAY_FACTOR: usize = 4;
 
-/// A chain of more than this many times `fullEvery` files, with no merge of it running (they
-/// keep failing), gets a full image from its task (its flag is raised): restores must not
-/// read unbounded chains.
+/// A chain of more than this many times `fullEvery` files whose last
+/// [`MERGE_FAILURES_BEFORE_FULL_IMAGE`] merges failed gets a full image from its task (its
+/// flag is raised): restores must not read unbounded chains. A chain that is only long, because
+/// it was restored so or grew while a slow merge ran, gets another merge: a full image written
+/// by the task stops it for as long as encoding the whole state takes (6.7 s at 32M keys on
+/// rocksdb, 9.5 s at 42M), where a merge runs beside it.
 const CHAIN_LIMIT_FACTOR: usize = 8;
+
+/// See [`CHAIN_LIMIT_FACTOR`].
+const MERGE_FAILURES_BEFORE_FULL_IMAGE: u32 = 2;
 
 /// Background merges of one task's chains (see [`crate::compact`]).
 pub struct Merges {
@@ -84,6 +90,8 @@ pub struct Merges {
     /// Merged images are also written as the rocksdb backend's table files (the job's
     /// backend), so that its restores take them in whole.
     pub store_tables: bool,
+    /// Merges of each operator's chain that failed since its last adopted one.
+    pub failures_in_a_row: HashMap<String, u32>,
 }
 
 /// Runs the uploader of one task until its task drops the sender.
@@ -186,6 +194,7 @@ async fn adopt_merges(
                     continue;
                 }
                 merges.metrics.state_merges_failed.inc();
+                *merges.failures_in_a_row.entry(request.uid.clone()).or_default() += 1;
                 if error.damaged_input() {
                     // A file the newest checkpoints list is missing or not what they say: the
                     // next snapshot is full, so that later checkpoints stop building on it.
@@ -221,6 +230,7 @@ async fn adopt_merges(
             merges.merger.pending().dropped(&layout::resolve(&layout::checkpoint_dir(id), &f.path), id);
         }
         merges.metrics.state_merges.inc();
+        merges.failures_in_a_row.remove(uid.as_str());
         tracing::info!(
             uid = %uid,
             checkpoint = id,
@@ -234,9 +244,8 @@ async fn adopt_merges(
     }
 }
 
-/// Asks for a background merge of every chain longer than `fullEvery` files. A chain that
-/// grew beyond [`CHAIN_LIMIT_FACTOR`] times that (merges keep failing) gets a full image from
-/// its task instead.
+/// Asks for a background merge of every chain that [`chain_step`] says needs one, and raises
+/// the full-image flag of those it says need a full image from their task.
 fn request_merges(
     merges: &mut Merges,
     chains: &HashMap<String, Chain>,
@@ -245,31 +254,76 @@ fn request_merges(
     flags: &[(String, Arc<AtomicBool>)],
 ) {
     for (uid, chain) in chains {
-        let files = chain.files.len();
-        if chain.broken || files <= merges.full_every || merges.merger.in_flight(uid) {
-            continue;
-        }
-        if files > CHAIN_LIMIT_FACTOR * merges.full_every {
-            if let Some((_, flag)) = flags.iter().find(|(u, _)| u == uid) {
-                tracing::warn!(uid = %uid, files, "keyed state: the chain is too long; the task writes a full image");
-                flag.store(true, Ordering::Release);
+        let shape = ChainShape {
+            files: chain.files.len(),
+            base_bytes: chain.files.first().map_or(0, |f| f.len),
+            increment_bytes: chain.files.iter().skip(1).map(|f| f.len).sum(),
+        };
+        let failures = merges.failures_in_a_row.get(uid).copied().unwrap_or(0);
+        let in_flight = merges.merger.in_flight(uid);
+        match chain_step(shape, merges.full_every, chain.broken || in_flight, failures) {
+            ChainStep::Keep => {}
+            ChainStep::FullImageFromTask => {
+                if let Some((_, flag)) = flags.iter().find(|(u, _)| u == uid) {
+                    tracing::warn!(
+                        uid = %uid,
+                        files = shape.files,
+                        failures,
+                        "keyed state: the chain is too long and its merges fail; the task writes a full image"
+                    );
+                    flag.store(true, Ordering::Release);
+                }
             }
-            continue;
+            ChainStep::Merge => {
+                merges.merger.request(MergeRequest {
+                    uid: uid.clone(),
+                    subtask,
+                    checkpoint_id: id,
+                    chain: chain.files.clone(),
+                    store_tables: merges.store_tables,
+                });
+            }
         }
-        let base = chain.files[0].len as f64;
-        let increments: u64 = chain.files[1..].iter().map(|f| f.len).sum();
-        if (increments as f64) < MERGE_AT_INCREMENTS_OF_BASE * base && files <= MERGE_ANYWAY_FACTOR * merges.full_every
-        {
-            continue;
-        }
-        merges.merger.request(MergeRequest {
-            uid: uid.clone(),
-            subtask,
-            checkpoint_id: id,
-            chain: chain.files.clone(),
-            store_tables: merges.store_tables,
-        });
     }
+}
+
+/// The length and bytes of an operator's chain (its first file is the full image).
+#[derive(Clone, Copy, Debug)]
+struct ChainShape {
+    files: usize,
+    base_bytes: u64,
+    increment_bytes: u64,
+}
+
+/// What to do with a chain after a checkpoint.
+#[derive(Debug, PartialEq, Eq)]
+enum ChainStep {
+    /// Nothing yet.
+    Keep,
+    /// Merge it in the background.
+    Merge,
+    /// Have the task write a full image at its next checkpoint.
+    FullImageFromTask,
+}
+
+/// The merge policy: a chain longer than `full_every` files is merged once its increments hold
+/// [`MERGE_AT_INCREMENTS_OF_BASE`] of its base's bytes or it has more than
+/// [`MERGE_ANYWAY_FACTOR`] × `full_every` files; past [`CHAIN_LIMIT_FACTOR`] × `full_every`
+/// files, a chain whose merges keep failing gets a full image from its task instead. `busy`: a
+/// merge of it is running, or it cannot be merged (a broken chain).
+fn chain_step(chain: ChainShape, full_every: usize, busy: bool, failures_in_a_row: u32) -> ChainStep {
+    if busy || chain.files <= full_every {
+        return ChainStep::Keep;
+    }
+    if chain.files > CHAIN_LIMIT_FACTOR * full_every && failures_in_a_row >= MERGE_FAILURES_BEFORE_FULL_IMAGE {
+        return ChainStep::FullImageFromTask;
+    }
+    if (chain.increment_bytes as f64) < MERGE_AT_INCREMENTS_OF_BASE * chain.base_bytes as f64
+        && chain.files <= MERGE_ANYWAY_FACTOR * full_every
+    {
+        return ChainStep::Keep;
+    }
+    ChainStep::Merge
 }
 
 async fn upload(
@@ -397,4 +451,48 @@ async fn upload(
         return Err(reason);
     }
     Ok(ack)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FULL_EVERY: usize = 10;
+
+    /// A chain of `files` files: a 100-byte base and increments of `increment` bytes each.
+    fn chain(files: usize, increment: u64) -> ChainShape {
+        ChainShape { files, base_bytes: 100, increment_bytes: increment * (files as u64 - 1) }
+    }
+
+    #[test]
+    fn a_chain_is_merged_once_its_increments_hold_half_its_base_or_it_is_long() {
+        assert_eq!(
+            chain_step(chain(FULL_EVERY, 50), FULL_EVERY, false, 0),
+            ChainStep::Keep,
+            "not longer than fullEvery"
+        );
+        assert_eq!(chain_step(chain(FULL_EVERY + 1, 1), FULL_EVERY, false, 0), ChainStep::Keep, "increments small");
+        assert_eq!(chain_step(chain(FULL_EVERY + 1, 5), FULL_EVERY, false, 0), ChainStep::Merge, "half the base");
+        let long = MERGE_ANYWAY_FACTOR * FULL_EVERY + 1;
+        assert_eq!(chain_step(chain(long, 0), FULL_EVERY, false, 0), ChainStep::Merge, "long");
+        assert_eq!(chain_step(chain(long, 50), FULL_EVERY, true, 0), ChainStep::Keep, "a merge of it is running");
+    }
+
+    #[test]
+    fn a_chain_past_the_limit_gets_another_merge_until_its_merges_keep_failing() {
+        // Restored this long, or grown while a slow merge ran: merged beside the task, not
+        // stopped for a full image.
+        let too_long = chain(CHAIN_LIMIT_FACTOR * FULL_EVERY + 1, 1);
+        assert_eq!(chain_step(too_long, FULL_EVERY, false, 0), ChainStep::Merge);
+        assert_eq!(chain_step(too_long, FULL_EVERY, false, MERGE_FAILURES_BEFORE_FULL_IMAGE - 1), ChainStep::Merge);
+        assert_eq!(
+            chain_step(too_long, FULL_EVERY, false, MERGE_FAILURES_BEFORE_FULL_IMAGE),
+            ChainStep::FullImageFromTask
+        );
+        // While a merge runs, the chain waits for it whatever its length.
+        assert_eq!(chain_step(too_long, FULL_EVERY, true, MERGE_FAILURES_BEFORE_FULL_IMAGE), ChainStep::Keep);
+        // Failures alone, on a chain within the limit, change nothing.
+        let within = chain(CHAIN_LIMIT_FACTOR * FULL_EVERY, 1);
+        assert_eq!(chain_step(within, FULL_EVERY, false, 5), ChainStep::Merge);
+    }
 }
