@@ -12,9 +12,9 @@ use std::sync::Once;
 use std::time::Duration;
 
 /// How often the trimming thread returns free memory. Measured on the 5M-key count on the
-/// rocksdb backend (`runtime/tests/large_state.rs`): peak resident memory 225 MiB without it,
-/// 177 MiB with it; the 1M-key heap count and the CEL pipeline spent within noise of the same CPU
-/// with it.
+/// rocksdb backend (`runtime/tests/large_state.rs`): peak resident memory 215–228 MiB without
+/// it, 172–201 MiB with it. Tried on heap jobs, it cost the 1M-key count 1–4% more CPU and the
+/// CEL pipeline none (`runtime/BENCHMARKS.md`).
 pub const TRIM_EVERY: Duration = Duration::from_secs(1);
 
 /// Starts, once per process, a thread that returns the free memory of every malloc arena to
