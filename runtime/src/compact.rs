@@ -46,6 +46,7 @@ use weir_checkpoint::retention::PendingFiles;
 use weir_checkpoint::{layout, FileRef, Storage, StorageError};
 
 use crate::state::bulk::BulkLoad;
+use crate::state::map::{hash_of, storage_order, SHARDS};
 use crate::state::{heap_buckets, StateStore, StoreError};
 
 /// How much of a downloaded file is read at once.
@@ -456,7 +457,7 @@ pub fn merge(
     #[cfg(not(feature = "rocksdb"))]
     let with_tables = false;
     let bucket_bytes = if with_tables { 0 } else { 8 };
-    let mask = heap_buckets(chain_entries) - 1;
+    let buckets = heap_buckets(chain_entries.div_ceil(SHARDS as u64));
     let mut load = BulkLoad::with_limits(&scratch.0.join("runs"), RUN_BYTES, MERGE_FAN_IN);
     let mut sort_key = Vec::with_capacity(64);
     for (path, input, len) in &inputs {
@@ -464,7 +465,7 @@ pub fn merge(
         read_entries(input, *len, path, &part_check, |entry| {
             sort_key.clear();
             if !with_tables {
-                let bucket = heap_hash(entry.key)? & mask;
+                let bucket = storage_order(heap_hash(entry.key)?, buckets);
                 sort_key.extend_from_slice(&bucket.to_be_bytes());
             }
             StateStore::encoded_key(entry.key_group, entry.key, &mut sort_key);
@@ -581,17 +582,16 @@ fn read_entries(
     }
 }
 
-/// The hash the heap backend's map gives an encoded key (its bucket is the hash's low bits), as
+/// The hash the heap backend's map gives an encoded key (its shard and bucket come from it), as
 /// the operator holds the key: a one-field key as a [`Key`](crate::value::Key), a composite
 /// one packed ([`PackedKey`](crate::value::PackedKey), see `KeyedContext::composite`).
 fn heap_hash(encoded_key: &[u8]) -> Result<u64, StoreError> {
     use crate::value::{is_packed, Key, PackedKey, StateKey};
-    use std::hash::BuildHasher;
     let arity = weir_checkpoint::format::Decoder::new(encoded_key).varint()?;
     Ok(if is_packed(arity as usize) {
-        rustc_hash::FxBuildHasher.hash_one(PackedKey::decode(encoded_key)?)
+        hash_of(&PackedKey::decode(encoded_key)?)
     } else {
-        rustc_hash::FxBuildHasher.hash_one(<Key as StateKey>::decode(encoded_key)?)
+        hash_of(&<Key as StateKey>::decode(encoded_key)?)
     })
 }
 
@@ -715,14 +715,14 @@ mod tests {
                 let mut merged = BTreeMap::new();
                 // The bucket order of a map sized for every entry of the chain, or with table
                 // files the store keys' order.
-                let mask = heap_buckets(written) - 1;
+                let buckets = heap_buckets(written.div_ceil(SHARDS as u64));
                 let mut last = (0, Vec::new());
                 for e in format::keyed_entries(body) {
                     let e = e.unwrap();
                     let order = if with_tables {
                         (0, StateStore::key_of_encoded(e.key_group, e.key))
                     } else {
-                        (heap_hash(e.key).unwrap() & mask, Vec::new())
+                        (storage_order(heap_hash(e.key).unwrap(), buckets), Vec::new())
                     };
                     assert!(order >= last, "seed {seed}: {order:?} after {last:?}");
                     last = order;

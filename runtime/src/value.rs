@@ -271,7 +271,16 @@ fn value_hash(v: &Value) -> u64 {
 /// [`Key::stable_hash`] from its values' parts, in order.
 #[inline]
 fn stable_hash_of(parts: impl Iterator<Item = u64>) -> u64 {
-    parts.fold(0x9e37_79b9_7f4a_7c15, |h, x| mix64(h ^ mix64(x)))
+    parts.fold(STABLE_HASH_SEED, stable_hash_step)
+}
+
+/// Where [`stable_hash_of`] starts.
+const STABLE_HASH_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// One value's part folded into [`stable_hash_of`].
+#[inline]
+fn stable_hash_step(hash: u64, part: u64) -> u64 {
+    mix64(hash ^ mix64(part))
 }
 
 /// A key as keyed state holds it: hashed and compared in the state's map, and written to state
@@ -353,6 +362,28 @@ impl PackedKey {
         }
         Ok(())
     }
+
+    /// [`Key::stable_hash`] of an encoded key, read from its encoding: each value's
+    /// [`value_hash`] without building the value (no string is copied or checked again; a
+    /// dedupe computes this for every new key).
+    fn stable_hash_of_encoded(encoded: &[u8]) -> Result<u64, FormatError> {
+        let mut d = Decoder::new(encoded);
+        let mut hash = STABLE_HASH_SEED;
+        for _ in 0..d.varint()? {
+            let at = d.position();
+            let part = match d.u8()? {
+                0 => value_hash(&Value::Null),
+                1 => value_hash(&Value::Bool(false)),
+                2 => value_hash(&Value::Bool(true)),
+                3 => value_hash(&Value::Int(d.svarint()?)),
+                4 => value_hash(&Value::Float(d.f64()?)),
+                5 => fnv1a(d.bytes()?),
+                _ => return Err(FormatError::Malformed(at)),
+            };
+            hash = stable_hash_step(hash, part);
+        }
+        Ok(hash)
+    }
 }
 
 /// Whether keyed state holds a key of `arity` fields as a [`PackedKey`] (several fields, or
@@ -375,10 +406,9 @@ impl StateKey for PackedKey {
     }
 
     fn key_group(&self, max_parallelism: u32) -> u32 {
-        let mut parts = smallvec::SmallVec::<[u64; 4]>::new();
-        Self::for_each_value(&self.0, |v| parts.push(value_hash(&v)))
-            .expect("a packed key holds a valid encoding (checked when read)");
-        (stable_hash_of(parts.into_iter()) % u64::from(max_parallelism)) as u32
+        let hash =
+            Self::stable_hash_of_encoded(&self.0).expect("a packed key holds a valid encoding (checked when read)");
+        (hash % u64::from(max_parallelism)) as u32
     }
 
     fn encode(&self, e: &mut Encoder) {

@@ -122,16 +122,16 @@ impl KeyedContext {
         TaskError::State { uid: self.uid.clone(), source }
     }
 
-    /// The keys of a batch's records, prepared for the batch's updates (see
-    /// [`KeyedState::prefetch`]).
+    /// The keys of a batch's records and their hashes in the state's map, prepared for the
+    /// batch's updates (see [`KeyedState::prefetch`]).
     pub fn prefetched_keys<V: StateValue, K: StateKey>(
         &self,
         state: &mut KeyedState<V, K>,
         batch: &[Record],
-    ) -> Result<Vec<K>, TaskError> {
+    ) -> Result<(Vec<K>, Vec<u64>), TaskError> {
         let keys: Vec<K> = batch.iter().map(|r| K::of(r, &self.key)).collect();
-        std::hint::black_box(state.prefetch(&keys).map_err(|e| self.state_failed(e))?);
-        Ok(keys)
+        let hashes = state.prefetch(&keys).map_err(|e| self.state_failed(e))?;
+        Ok((keys, hashes))
     }
 
     /// The snapshot parts of keyed state for a barrier.
@@ -174,12 +174,12 @@ impl<K: StateKey> AggregateOperator<K> {
 impl<K: StateKey> Operator for AggregateOperator<K> {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         out.reserve(batch.len());
-        let keys = self.ctx.prefetched_keys(&mut self.state, &batch)?;
-        for (r, key) in batch.into_iter().zip(keys) {
+        let (keys, hashes) = self.ctx.prefetched_keys(&mut self.state, &batch)?;
+        for ((r, key), hash) in batch.into_iter().zip(keys).zip(hashes) {
             let aggregates = &self.aggregates;
             let mut fields = Fields::with_capacity(self.ctx.key.len() + self.aggregates.len());
             key.push_values(&mut fields);
-            let accs = match self.state.update(key, || AccList(aggregates.init())) {
+            let accs = match self.state.update_hashed(hash, key, || AccList(aggregates.init())) {
                 Ok(accs) => accs,
                 Err(e) => return Err(self.ctx.state_failed(e)),
             };
@@ -212,9 +212,9 @@ impl<K: StateKey> DedupeOperator<K> {
 
 impl<K: StateKey> Operator for DedupeOperator<K> {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
-        let keys = self.ctx.prefetched_keys(&mut self.state, &batch)?;
-        for (r, key) in batch.into_iter().zip(keys) {
-            if self.state.insert_new(key, ()).map_err(|e| self.ctx.state_failed(e))? {
+        let (keys, hashes) = self.ctx.prefetched_keys(&mut self.state, &batch)?;
+        for ((r, key), hash) in batch.into_iter().zip(keys).zip(hashes) {
+            if self.state.insert_new_hashed(hash, key, ()).map_err(|e| self.ctx.state_failed(e))? {
                 out.push(r);
             }
         }

@@ -13,13 +13,13 @@
 //! incremental checkpoint still holds every change since the previous checkpoint.
 
 pub mod bulk;
+pub mod map;
 pub mod store;
 
-use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use rustc_hash::{FxBuildHasher, FxHashSet};
+use rustc_hash::FxHashSet;
 use weir_checkpoint::format::{
     keyed_entries, Decoder, Encoder, FileKind, FormatError, StateFileStream, StateFileWriter,
 };
@@ -81,7 +81,7 @@ const SNAPSHOT_LOOKUP_CHUNK: usize = 64;
 /// Keyed state of one operator subtask, its keys held as `K` (see [`StateKey`]).
 pub struct KeyedState<V, K = Key> {
     /// Every entry (heap backend), or the cached ones (rocksdb backend).
-    map: griddle::HashMap<K, Slot<V>, FxBuildHasher>,
+    map: map::ShardedMap<K, Slot<V>>,
     /// Keys changed since the last snapshot. With the heap backend, only while few: once more
     /// than a quarter of the keys changed, the next snapshot scans the dirty flags instead and
     /// the list stops growing. With the rocksdb backend always, and it may repeat keys (an
@@ -121,7 +121,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// settings.
     pub fn new(max_parallelism: u32, incremental: bool, full_every: u32) -> Self {
         KeyedState {
-            map: griddle::HashMap::default(),
+            map: map::ShardedMap::default(),
             changed: Vec::new(),
             scan: false,
             deleted: Vec::new(),
@@ -261,11 +261,16 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// Inserts `key` with `value` unless it exists; whether it was inserted. One lookup where
     /// [`Self::get`] then [`Self::update`] would take two (two store reads for a new key).
     pub fn insert_new(&mut self, key: K, value: V) -> Result<bool, StoreError> {
+        self.insert_new_hashed(map::hash_of(&key), key, value)
+    }
+
+    /// [`Self::insert_new`] of a key whose hash [`Self::prefetch`] returned.
+    pub fn insert_new_hashed(&mut self, hash: u64, key: K, value: V) -> Result<bool, StoreError> {
         if self.spill.is_none() {
             // Heap backend: one probe of the map finds the key or the slot for it (a lookup
             // and then an insert probed twice; dedupe inserts a new key per record).
-            use griddle::hash_map::Entry;
-            return Ok(match self.map.entry(key) {
+            use map::MapEntry as Entry;
+            return Ok(match self.map.entry_hashed(hash, key) {
                 Entry::Occupied(_) => false,
                 Entry::Vacant(v) => {
                     let key_group = v.key().key_group(self.max_parallelism);
@@ -296,16 +301,18 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// returns how many were found. An entry (key and slot) is 72 bytes and so spans two cache
     /// lines: the key's comparison loads the first, the flag the second, and the caller's
     /// update or encoding that follows finds both in cache.
-    fn touch<'k>(&self, keys: impl IntoIterator<Item = &'k K>) -> usize {
+    fn touch<'k>(&self, keys: impl IntoIterator<Item = (u64, &'k K)>) -> usize {
         let (found, dirty) = keys
             .into_iter()
-            .filter_map(|k| self.map.get(k))
+            .filter_map(|(hash, k)| self.map.get_hashed(hash, k))
             .fold((0usize, 0usize), |(found, dirty), s| (found + 1, dirty + usize::from(s.dirty)));
         std::hint::black_box(dirty);
         found
     }
 
-    /// Prepares a batch's keys before the batch updates them, and returns how many exist.
+    /// Prepares a batch's keys before the batch updates them, and returns their hashes in the
+    /// map, for [`Self::update_hashed`] and [`Self::insert_new_hashed`] (the keys are hashed in
+    /// a pass of their own: see [`map::hashes_of`]).
     ///
     /// Heap backend: brings their entries into the CPU's caches. A lookup's time is mostly two
     /// cache misses (the control bytes, then the entry); in a loop that does nothing else the
@@ -316,24 +323,23 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// another 10% (three runs of 12M records each way, alternating).
     ///
     /// Rocksdb backend: reads the keys missing from the cache from the store in one call.
-    pub fn prefetch<'k>(&mut self, keys: impl IntoIterator<Item = &'k K>) -> Result<usize, StoreError> {
+    pub fn prefetch(&mut self, keys: &[K]) -> Result<Vec<u64>, StoreError> {
+        let hashes = map::hashes_of(keys);
         if self.spill.is_none() {
-            return Ok(self.touch(keys));
+            std::hint::black_box(self.touch(hashes.iter().copied().zip(keys)));
+            return Ok(hashes);
         }
-        let mut present = 0;
         let mut seen = FxHashSet::default();
         let mut missing: Vec<(&K, u32)> = Vec::new();
-        for k in keys {
-            if self.map.contains_key(k) {
-                present += 1;
-            } else if seen.insert(k) {
+        for (&hash, k) in hashes.iter().zip(keys) {
+            if self.map.get_hashed(hash, k).is_none() && seen.insert(k) {
                 missing.push((k, k.key_group(self.max_parallelism)));
             }
         }
         let spill = self.spill.as_mut().expect("checked above");
         spill.absent.clear();
         if missing.is_empty() {
-            return Ok(present);
+            return Ok(hashes);
         }
         let raw: Vec<Vec<u8>> = missing.iter().map(|(k, kg)| StateStore::key_of(*kg, *k)).collect();
         let found = spill.store.multi_get(&raw)?;
@@ -347,23 +353,28 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             }
         }
         self.make_room(loaded.len())?;
-        present += loaded.len();
         for (key, key_group, value) in loaded {
             self.map.insert(key, Slot { value, key_group, dirty: false, touched: true, stored: true });
         }
-        Ok(present)
+        Ok(hashes)
     }
 
     /// The value of a key for update, created with `init` when absent; marks it changed.
     #[inline]
     pub fn update(&mut self, key: K, init: impl FnOnce() -> V) -> Result<&mut V, StoreError> {
-        use griddle::hash_map::Entry;
+        self.update_hashed(map::hash_of(&key), key, init)
+    }
+
+    /// [`Self::update`] of a key whose hash [`Self::prefetch`] returned.
+    #[inline]
+    pub fn update_hashed(&mut self, hash: u64, key: K, init: impl FnOnce() -> V) -> Result<&mut V, StoreError> {
+        use map::MapEntry as Entry;
         if self.spill.is_some() && !self.load(&key)? {
             self.make_room(1)?;
         }
         let len = self.map.len();
         let track_all = self.spill.is_some();
-        match self.map.entry(key) {
+        match self.map.entry_hashed(hash, key) {
             Entry::Occupied(o) => {
                 if !o.get().dirty && !self.scan {
                     self.changed.push(o.key().clone());
@@ -425,7 +436,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// Calls `f` with every entry (for rebuilding derived indexes after a restore, and tests).
     pub fn for_each(&self, mut f: impl FnMut(&K, &V)) -> Result<(), StoreError> {
-        for (k, s) in &self.map {
+        for (k, s) in self.map.iter() {
             f(k, &s.value);
         }
         if let Some(spill) = &self.spill {
@@ -483,14 +494,17 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             // taken in the order they changed cost a TLB and two cache misses each, which a
             // loop that also encodes waits for one by one. The increment then lists its
             // entries in bucket order, as a restore fills its map.
-            let mask = heap_buckets(self.map.capacity() as u64) - 1;
-            let mut order: Vec<(u64, K)> =
-                self.changed.drain(..).map(|k| (self.map.hasher().hash_one(&k) & mask, k)).collect();
-            order.sort_unstable_by_key(|(bucket, _)| *bucket);
+            let hashes = map::hashes_of(&self.changed);
+            let mut order: Vec<(u64, u64, K)> = hashes
+                .into_iter()
+                .zip(self.changed.drain(..))
+                .map(|(hash, k)| (self.map.order_of(hash), hash, k))
+                .collect();
+            order.sort_unstable_by_key(|(bucket, _, _)| *bucket);
             for chunk in order.chunks(SNAPSHOT_LOOKUP_CHUNK) {
-                std::hint::black_box(self.touch(chunk.iter().map(|(_, k)| k)));
-                for (_, k) in chunk {
-                    if let Some(s) = self.map.get_mut(k) {
+                std::hint::black_box(self.touch(chunk.iter().map(|(_, hash, k)| (*hash, k))));
+                for (_, hash, k) in chunk {
+                    if let Some(s) = self.map.get_mut_hashed(*hash, k) {
                         if s.dirty {
                             s.dirty = false;
                             w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
@@ -668,11 +682,18 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     }
 
     fn apply_restored(&mut self, batch: &mut Vec<Restored<K, V>>) {
-        std::hint::black_box(self.touch(batch.iter().map(|(_, k, _)| k)));
-        for (key_group, key, value) in batch.drain(..) {
+        let hashes: Vec<u64> = batch.iter().map(|(_, k, _)| map::hash_of(k)).collect();
+        std::hint::black_box(self.touch(hashes.iter().copied().zip(batch.iter().map(|(_, k, _)| k))));
+        for (hash, (key_group, key, value)) in hashes.into_iter().zip(batch.drain(..)) {
             match value {
                 Some(value) => {
-                    self.map.insert(key, Slot { value, key_group, dirty: false, touched: false, stored: false });
+                    let slot = Slot { value, key_group, dirty: false, touched: false, stored: false };
+                    match self.map.entry_hashed(hash, key) {
+                        map::MapEntry::Occupied(o) => *o.into_mut() = slot,
+                        map::MapEntry::Vacant(v) => {
+                            v.insert(slot);
+                        }
+                    }
                 }
                 None => {
                     self.map.remove(&key);

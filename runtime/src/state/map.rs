@@ -1,0 +1,276 @@
+//! The heap backend's map: [`SHARDS`] hash maps, each key in the one that bits of its hash
+//! choose.
+//!
+//! One map of every entry has to move all of them when it grows: a heap state of 15M entries
+//! stopped its task for 5 s. griddle's map moved a few entries per insert instead, but while it
+//! moved them every lookup of a missing key probed both tables, and a state that keeps growing
+//! (a dedupe keeps an entry per record) was always moving: on the CEL pipeline the map took 11–13%
+//! more CPU than one that grows at once. Shards grow at once, each on its own: a growth moves
+//! 1/64 of the state (15M entries: 230K entries, a few milliseconds).
+
+use std::hash::{BuildHasher, Hash};
+
+use hashbrown::hash_table::{self, HashTable};
+use rustc_hash::FxBuildHasher;
+
+/// Shards of the map: a power of two.
+pub const SHARDS: usize = 64;
+
+/// Where a hash's shard bits start. hashbrown takes a bucket's index from the low bits and its
+/// control byte from the top seven; the shard bits are neither, so keys within a shard still
+/// spread over its buckets and control bytes.
+const SHARD_SHIFT: u32 = 40;
+
+/// The shard of a key's hash.
+#[inline]
+pub fn shard_of(hash: u64) -> usize {
+    (hash >> SHARD_SHIFT) as usize & (SHARDS - 1)
+}
+
+/// The order in which a map whose shards each have `buckets_per_shard` buckets holds a key of
+/// `hash`: shard, then bucket. Entries restored in this order fill each shard front to back.
+#[inline]
+pub fn storage_order(hash: u64, buckets_per_shard: u64) -> u64 {
+    ((shard_of(hash) as u64) << 58) | (hash & (buckets_per_shard - 1))
+}
+
+/// The hash the map gives a key.
+#[inline]
+pub fn hash_of<K: Hash>(key: &K) -> u64 {
+    FxBuildHasher.hash_one(key)
+}
+
+/// The hashes of a batch's keys, in one pass of their own.
+///
+/// A lookup of a key missing from the CPU's caches waits on memory, and the CPU overlaps the
+/// misses of independent lookups only as far as it runs ahead. Hashing a key of variable
+/// length branches on its length, and a mispredicted branch throws away the lookups started
+/// past it: with the hash computed next to the probe, inserting 8M new composite keys took
+/// 550 ns each; hashed first in a loop of their own, 210 ns (hashbrown, this machine).
+pub fn hashes_of<K: Hash>(keys: &[K]) -> Vec<u64> {
+    keys.iter().map(hash_of).collect()
+}
+
+/// A hash map in [`SHARDS`] shards. A key is hashed once per operation: the hash picks the
+/// shard and is the shard's hash too.
+pub struct ShardedMap<K, V> {
+    shards: Box<[HashTable<(K, V)>]>,
+    /// Entries in all shards (counting the shards would visit each).
+    len: usize,
+}
+
+impl<K, V> Default for ShardedMap<K, V> {
+    fn default() -> Self {
+        ShardedMap { shards: (0..SHARDS).map(|_| HashTable::new()).collect(), len: 0 }
+    }
+}
+
+/// A key's place in a [`ShardedMap`]: its entry, or where it would go.
+pub enum MapEntry<'a, K, V> {
+    /// The key is there.
+    Occupied(OccupiedEntry<'a, K, V>),
+    /// It is not.
+    Vacant(VacantEntry<'a, K, V>),
+}
+
+/// A present key's entry in a [`ShardedMap`].
+pub struct OccupiedEntry<'a, K, V> {
+    entry: hash_table::OccupiedEntry<'a, (K, V)>,
+}
+
+impl<'a, K, V> OccupiedEntry<'a, K, V> {
+    /// The key.
+    pub fn key(&self) -> &K {
+        &self.entry.get().0
+    }
+
+    /// The value.
+    pub fn get(&self) -> &V {
+        &self.entry.get().1
+    }
+
+    /// The value, for update, for as long as the map is borrowed.
+    pub fn into_mut(self) -> &'a mut V {
+        &mut self.entry.into_mut().1
+    }
+}
+
+/// A missing key's place in a [`ShardedMap`].
+pub struct VacantEntry<'a, K, V> {
+    entry: hash_table::VacantEntry<'a, (K, V)>,
+    key: K,
+    len: &'a mut usize,
+}
+
+impl<'a, K, V> VacantEntry<'a, K, V> {
+    /// The key.
+    pub fn key(&self) -> &K {
+        &self.key
+    }
+
+    /// Inserts the key with `value`.
+    pub fn insert(self, value: V) -> &'a mut V {
+        *self.len += 1;
+        &mut self.entry.insert((self.key, value)).into_mut().1
+    }
+}
+
+impl<K: Hash + Eq, V> ShardedMap<K, V> {
+    /// Entries.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The value of a key.
+    #[inline]
+    pub fn get(&self, key: &K) -> Option<&V> {
+        self.get_hashed(hash_of(key), key)
+    }
+
+    /// The value of a key whose [`hash_of`] the caller computed.
+    #[inline]
+    pub fn get_hashed(&self, hash: u64, key: &K) -> Option<&V> {
+        self.shards[shard_of(hash)].find(hash, |(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// The value of a key, for update.
+    #[inline]
+    pub fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+        self.get_mut_hashed(hash_of(key), key)
+    }
+
+    /// The value of a key whose [`hash_of`] the caller computed, for update.
+    #[inline]
+    pub fn get_mut_hashed(&mut self, hash: u64, key: &K) -> Option<&mut V> {
+        self.shards[shard_of(hash)].find_mut(hash, |(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// Whether the key is there.
+    #[inline]
+    pub fn contains_key(&self, key: &K) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Inserts or replaces.
+    #[inline]
+    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+        match self.entry(key) {
+            MapEntry::Occupied(o) => Some(std::mem::replace(o.into_mut(), value)),
+            MapEntry::Vacant(v) => {
+                v.insert(value);
+                None
+            }
+        }
+    }
+
+    /// Removes a key.
+    #[inline]
+    pub fn remove(&mut self, key: &K) -> Option<V> {
+        let hash = hash_of(key);
+        let found = self.shards[shard_of(hash)].find_entry(hash, |(k, _)| k == key).ok()?;
+        self.len -= 1;
+        Some(found.remove().0 .1)
+    }
+
+    /// The entry of a key.
+    #[inline]
+    pub fn entry(&mut self, key: K) -> MapEntry<'_, K, V> {
+        self.entry_hashed(hash_of(&key), key)
+    }
+
+    /// The entry of a key whose [`hash_of`] the caller computed.
+    #[inline]
+    pub fn entry_hashed(&mut self, hash: u64, key: K) -> MapEntry<'_, K, V> {
+        debug_assert_eq!(hash, hash_of(&key), "the hash given is the key's");
+        let shard = &mut self.shards[shard_of(hash)];
+        match shard.entry(hash, |(k, _)| *k == key, |(k, _)| hash_of(k)) {
+            hash_table::Entry::Occupied(entry) => MapEntry::Occupied(OccupiedEntry { entry }),
+            hash_table::Entry::Vacant(entry) => MapEntry::Vacant(VacantEntry { entry, key, len: &mut self.len }),
+        }
+    }
+
+    /// Keeps the entries `keep` returns true for, shard after shard.
+    pub fn retain(&mut self, mut keep: impl FnMut(&K, &mut V) -> bool) {
+        for shard in self.shards.iter_mut() {
+            shard.retain(|(k, v)| keep(k, v));
+        }
+        self.len = self.shards.iter().map(HashTable::len).sum();
+    }
+
+    /// Every entry.
+    pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.shards.iter().flat_map(|s| s.iter().map(|(k, v)| (k, v)))
+    }
+
+    /// Every entry, for update.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&K, &mut V)> {
+        self.shards.iter_mut().flat_map(|s| s.iter_mut().map(|(k, v)| (&*k, v)))
+    }
+
+    /// Every value, for update.
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        self.iter_mut().map(|(_, v)| v)
+    }
+
+    /// Makes room for `additional` more entries spread over the shards as hashes spread them
+    /// (with a margin: a shard gets its share plus a sixteenth).
+    pub fn reserve(&mut self, additional: usize) {
+        let share = additional.div_ceil(SHARDS);
+        let share = share + share / 16;
+        for shard in self.shards.iter_mut() {
+            shard.reserve(share, |(k, _)| hash_of(k));
+        }
+    }
+
+    /// Where the map holds a key of `hash` now ([`storage_order`] with the shard's buckets).
+    #[inline]
+    pub fn order_of(&self, hash: u64) -> u64 {
+        let shard = &self.shards[shard_of(hash)];
+        storage_order(hash, super::heap_buckets(shard.capacity() as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shards together behave as one map, and keys spread over every shard.
+    #[test]
+    fn shards_act_as_one_map() {
+        let mut map: ShardedMap<u64, u64> = ShardedMap::default();
+        let mut model = std::collections::BTreeMap::new();
+        for i in 0..20_000u64 {
+            let k = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) % 5_000;
+            match i % 5 {
+                0 => assert_eq!(map.remove(&k), model.remove(&k)),
+                1 => match map.entry(k) {
+                    MapEntry::Occupied(o) => *o.into_mut() += i,
+                    MapEntry::Vacant(v) => {
+                        v.insert(i);
+                    }
+                },
+                _ => assert_eq!(map.insert(k, i), model.insert(k, i)),
+            }
+            if i % 5 == 1 {
+                *model.entry(k).or_insert(0) += i;
+            }
+        }
+        assert_eq!(map.len(), model.len());
+        assert_eq!(map.len(), map.shards.iter().map(HashTable::len).sum::<usize>());
+        let mut all: Vec<(u64, u64)> = map.iter().map(|(k, v)| (*k, *v)).collect();
+        all.sort_unstable();
+        assert_eq!(all, model.iter().map(|(k, v)| (*k, *v)).collect::<Vec<_>>());
+        assert!(map.shards.iter().all(|s| !s.is_empty()), "every shard holds keys");
+        map.retain(|k, _| k % 2 == 0);
+        assert_eq!(map.len(), model.keys().filter(|k| *k % 2 == 0).count());
+        assert!(map.contains_key(&model.keys().copied().find(|k| k % 2 == 0).unwrap()));
+        map.reserve(100_000);
+        assert!(map.shards.iter().all(|s| s.capacity() >= 100_000 / SHARDS), "every shard has its share");
+        assert_eq!(map.iter_mut().count(), map.len());
+    }
+}
