@@ -215,6 +215,16 @@ impl StateValue for AccList {
         }
     }
 
+    /// Two or more accumulators are a heap slice: its first word.
+    #[inline]
+    fn touch_outside(&self) -> usize {
+        match self.0.first() {
+            Some(Acc::Count(n) | Acc::SumInt(n)) if self.0.spilled() => *n as usize,
+            Some(_) if self.0.spilled() => 1,
+            _ => 0,
+        }
+    }
+
     fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
         let n = d.varint()? as usize;
         let mut v = Accs::with_capacity(n.min(64));

@@ -212,12 +212,9 @@ impl<K: StateKey> DedupeOperator<K> {
 
 impl<K: StateKey> Operator for DedupeOperator<K> {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
-        let (keys, hashes) = self.ctx.prefetched_keys(&mut self.state, &batch)?;
-        for ((r, key), hash) in batch.into_iter().zip(keys).zip(hashes) {
-            if self.state.insert_new_hashed(hash, key, ()).map_err(|e| self.ctx.state_failed(e))? {
-                out.push(r);
-            }
-        }
+        let keys: Vec<K> = batch.iter().map(|r| K::of(r, &self.ctx.key)).collect();
+        let inserted = self.state.insert_new_all(keys, ()).map_err(|e| self.ctx.state_failed(e))?;
+        out.extend(batch.into_iter().zip(inserted).filter_map(|(r, new)| new.then_some(r)));
         Ok(())
     }
 

@@ -38,6 +38,13 @@ pub trait StateValue: Clone + Send + 'static {
     fn encode(&self, e: &mut Encoder);
     /// Reads what `encode` wrote.
     fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError>;
+    /// Reads a word of whatever the value keeps outside the map's entry (a heap slice), so that
+    /// [`KeyedState::prefetch`] brings it into the CPU's caches with the entry. Returns the
+    /// word read, for the caller to keep the read from being optimized away.
+    #[inline]
+    fn touch_outside(&self) -> usize {
+        0
+    }
 }
 
 impl StateValue for () {
@@ -297,15 +304,34 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         Ok(true)
     }
 
+    /// [`Self::insert_new`] of every key of a batch, with `value`; whether each was inserted.
+    ///
+    /// Heap backend: the keys are hashed and looked up ([`Self::prefetch`]), then inserted in a
+    /// loop that does nothing else. A new key's entry is written to a bucket missing from the
+    /// CPU's caches; a loop that also moved each record stalled on those writes one by one
+    /// (the CEL pipeline: 2-4% less CPU; hashing alone, without the lookups, measured no
+    /// better).
+    pub fn insert_new_all(&mut self, keys: Vec<K>, value: V) -> Result<Vec<bool>, StoreError> {
+        let hashes = self.prefetch(&keys)?;
+        let mut inserted = Vec::with_capacity(keys.len());
+        for (hash, key) in hashes.into_iter().zip(keys) {
+            inserted.push(self.insert_new_hashed(hash, key, value.clone())?);
+        }
+        Ok(inserted)
+    }
+
     /// Looks up `keys` back to back, reading a flag at the end of each entry found, and
     /// returns how many were found. An entry (key and slot) is 72 bytes and so spans two cache
     /// lines: the key's comparison loads the first, the flag the second, and the caller's
-    /// update or encoding that follows finds both in cache.
+    /// update or encoding that follows finds both in cache. A value that keeps part of itself
+    /// outside the entry has that read too ([`StateValue::touch_outside`]).
     fn touch<'k>(&self, keys: impl IntoIterator<Item = (u64, &'k K)>) -> usize {
-        let (found, dirty) = keys
-            .into_iter()
-            .filter_map(|(hash, k)| self.map.get_hashed(hash, k))
-            .fold((0usize, 0usize), |(found, dirty), s| (found + 1, dirty + usize::from(s.dirty)));
+        let (found, dirty) = keys.into_iter().filter_map(|(hash, k)| self.map.get_hashed(hash, k)).fold(
+            (0usize, 0usize),
+            |(found, dirty), s| {
+                (found + 1, dirty.wrapping_add(usize::from(s.dirty)).wrapping_add(s.value.touch_outside()))
+            },
+        );
         std::hint::black_box(dirty);
         found
     }
