@@ -215,12 +215,18 @@ impl StateValue for AccList {
         }
     }
 
-    /// Two or more accumulators are a heap slice: its first word.
+    /// Two or more accumulators are a heap slice: the first word of its first and of its last
+    /// accumulator (the slice is aligned to 16 bytes, so two may straddle a cache line).
     #[inline]
     fn touch_outside(&self) -> usize {
-        match self.0.first() {
-            Some(Acc::Count(n) | Acc::SumInt(n)) if self.0.spilled() => *n as usize,
-            Some(_) if self.0.spilled() => 1,
+        fn word(acc: &Acc) -> usize {
+            match acc {
+                Acc::Count(n) | Acc::SumInt(n) => *n as usize,
+                _ => 1,
+            }
+        }
+        match (self.0.first(), self.0.last()) {
+            (Some(first), Some(last)) if self.0.spilled() => word(first).wrapping_add(word(last)),
             _ => 0,
         }
     }

@@ -54,6 +54,14 @@ impl Vocabulary {
             None => SmolStr::from(word_text(i)),
         }
     }
+
+    /// Appends word `i` to `line`, without copying it into a value first.
+    fn push_word(&self, i: u64, line: &mut String) {
+        match self.0.get(i as usize) {
+            Some(w) => line.push_str(w),
+            None => line.push_str(&word_text(i)),
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize, Default)]
@@ -147,13 +155,14 @@ impl GeneratorSource {
                 FieldGen::Modulo(m, salt) => Value::Int((mix64(seq ^ salt) % m) as i64),
                 FieldGen::Word(card, salt, vocab) => Value::Str(vocab.word(mix64(seq ^ salt) % card)),
                 FieldGen::Text(words, vocab_size, salt, vocab) => {
-                    let mut line = String::new();
+                    let mut line = String::with_capacity((*words as usize).min(1024) * 12);
                     for j in 0..u64::from(*words) {
                         if j > 0 {
                             line.push(' ');
                         }
-                        line.push_str(
-                            &vocab.word(mix64(seq.wrapping_mul(1_000_003).wrapping_add(j) ^ salt) % vocab_size),
+                        vocab.push_word(
+                            mix64(seq.wrapping_mul(1_000_003).wrapping_add(j) ^ salt) % vocab_size,
+                            &mut line,
                         );
                     }
                     Value::str(&line)
