@@ -46,8 +46,8 @@ use weir_checkpoint::retention::PendingFiles;
 use weir_checkpoint::{layout, FileRef, Storage, StorageError};
 
 use crate::state::bulk::BulkLoad;
-use crate::state::map::{hash_of, storage_order, SHARDS};
-use crate::state::{heap_buckets, StateStore, StoreError};
+use crate::state::map::{hash_of, RestoreOrder};
+use crate::state::{StateStore, StoreError};
 
 /// How much of a downloaded file is read at once.
 const PART_BYTES: usize = 1 << 20;
@@ -457,7 +457,7 @@ pub fn merge(
     #[cfg(not(feature = "rocksdb"))]
     let with_tables = false;
     let bucket_bytes = if with_tables { 0 } else { 8 };
-    let buckets = heap_buckets(chain_entries.div_ceil(SHARDS as u64));
+    let order = RestoreOrder::for_entries(chain_entries);
     let mut load = BulkLoad::with_limits(&scratch.0.join("runs"), RUN_BYTES, MERGE_FAN_IN);
     let mut sort_key = Vec::with_capacity(64);
     for (path, input, len) in &inputs {
@@ -465,7 +465,7 @@ pub fn merge(
         read_entries(input, *len, path, &part_check, |entry| {
             sort_key.clear();
             if !with_tables {
-                let bucket = storage_order(heap_hash(entry.key)?, buckets);
+                let bucket = order.of(heap_hash(entry.key)?);
                 sort_key.extend_from_slice(&bucket.to_be_bytes());
             }
             StateStore::encoded_key(entry.key_group, entry.key, &mut sort_key);
@@ -715,14 +715,14 @@ mod tests {
                 let mut merged = BTreeMap::new();
                 // The bucket order of a map sized for every entry of the chain, or with table
                 // files the store keys' order.
-                let buckets = heap_buckets(written.div_ceil(SHARDS as u64));
+                let restore_order = RestoreOrder::for_entries(written);
                 let mut last = (0, Vec::new());
                 for e in format::keyed_entries(body) {
                     let e = e.unwrap();
                     let order = if with_tables {
                         (0, StateStore::key_of_encoded(e.key_group, e.key))
                     } else {
-                        (storage_order(heap_hash(e.key).unwrap(), buckets), Vec::new())
+                        (restore_order.of(heap_hash(e.key).unwrap()), Vec::new())
                     };
                     assert!(order >= last, "seed {seed}: {order:?} after {last:?}");
                     last = order;

@@ -38,7 +38,7 @@ pub fn shard_of(hash: u64) -> usize {
 /// The order in which a map whose shards each have `buckets_per_shard` buckets holds a key of
 /// `hash`: shard, then bucket. Entries restored in this order fill each shard front to back.
 #[inline]
-pub fn storage_order(hash: u64, buckets_per_shard: u64) -> u64 {
+fn storage_order(hash: u64, buckets_per_shard: u64) -> u64 {
     ((shard_of(hash) as u64) << 58) | (hash & (buckets_per_shard - 1))
 }
 
@@ -47,6 +47,39 @@ pub fn storage_order(hash: u64, buckets_per_shard: u64) -> u64 {
 #[inline]
 pub fn grows_at(index: usize, capacity: usize) -> usize {
     capacity * (3 * SHARDS + index + 1) / (4 * SHARDS)
+}
+
+/// A shard's part of `entries` spread over the shards, with a margin of a sixteenth for the
+/// unevenness of hashes.
+fn share_of(entries: u64) -> u64 {
+    let share = entries.div_ceil(SHARDS as u64);
+    share + share / 16
+}
+
+/// The capacity shard `index` needs to hold `entries` below its growth point ([`grows_at`]).
+fn capacity_for(index: usize, entries: u64) -> u64 {
+    entries * 4 * SHARDS as u64 / (3 * SHARDS + index + 1) as u64 + 1
+}
+
+/// The order in which an empty map that reserved `entries` ([`ShardedMap::reserve`], as a
+/// restore does) holds each key: [`storage_order`] with each shard's buckets. A merged image
+/// lists its entries in this order, so that a restore fills each shard front to back.
+pub struct RestoreOrder {
+    buckets: [u64; SHARDS],
+}
+
+impl RestoreOrder {
+    /// The order of a map that reserved `entries`.
+    pub fn for_entries(entries: u64) -> Self {
+        let share = share_of(entries);
+        RestoreOrder { buckets: std::array::from_fn(|index| super::heap_buckets(capacity_for(index, share))) }
+    }
+
+    /// Where the map holds a key of `hash`.
+    #[inline]
+    pub fn of(&self, hash: u64) -> u64 {
+        storage_order(hash, self.buckets[shard_of(hash)])
+    }
 }
 
 /// The hash the map gives a key.
@@ -174,7 +207,13 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
     /// Inserts or replaces.
     #[inline]
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
-        match self.entry(key) {
+        self.insert_hashed(hash_of(&key), key, value)
+    }
+
+    /// Inserts or replaces a key whose [`hash_of`] the caller computed.
+    #[inline]
+    pub fn insert_hashed(&mut self, hash: u64, key: K, value: V) -> Option<V> {
+        match self.entry_hashed(hash, key) {
             MapEntry::Occupied(o) => Some(std::mem::replace(o.into_mut(), value)),
             MapEntry::Vacant(v) => {
                 v.insert(value);
@@ -242,11 +281,9 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
     /// growth point ([`grows_at`]): a restore that reserved its entries never grows a shard,
     /// and the shards it leaves grow as spread out as the ones of a map that grew by inserts.
     pub fn reserve(&mut self, additional: usize) {
-        let share = additional.div_ceil(SHARDS);
-        let share = share + share / 16;
+        let share = share_of(additional as u64);
         for (index, shard) in self.shards.iter_mut().enumerate() {
-            let entries = shard.len() + share;
-            let capacity = entries * 4 * SHARDS / (3 * SHARDS + index + 1) + 1;
+            let capacity = capacity_for(index, shard.len() as u64 + share) as usize;
             shard.reserve(capacity.saturating_sub(shard.len()), |(k, _)| hash_of(k));
         }
     }
@@ -328,6 +365,13 @@ mod tests {
         for (index, shard) in map.shards.iter().enumerate() {
             let share = shard.len() + 100_000 / SHARDS;
             assert!(grows_at(index, shard.capacity()) >= share, "shard {index} would grow before its share is in");
+        }
+        // A merged image's order is the layout of an empty map that reserved its entries.
+        let mut restored: ShardedMap<u64, u64> = ShardedMap::default();
+        restored.reserve(100_000);
+        let order = RestoreOrder::for_entries(100_000);
+        for (index, shard) in restored.shards.iter().enumerate() {
+            assert_eq!(super::super::heap_buckets(shard.capacity() as u64), order.buckets[index], "shard {index}");
         }
         assert_eq!(map.iter_mut().count(), map.len());
     }

@@ -320,20 +320,17 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         Ok(inserted)
     }
 
-    /// Looks up `keys` back to back, reading a flag at the end of each entry found, and
-    /// returns how many were found. An entry (key and slot) is 72 bytes and so spans two cache
-    /// lines: the key's comparison loads the first, the flag the second, and the caller's
-    /// update or encoding that follows finds both in cache. A value that keeps part of itself
-    /// outside the entry has that read too ([`StateValue::touch_outside`]).
-    fn touch<'k>(&self, keys: impl IntoIterator<Item = (u64, &'k K)>) -> usize {
-        let (found, dirty) = keys.into_iter().filter_map(|(hash, k)| self.map.get_hashed(hash, k)).fold(
-            (0usize, 0usize),
-            |(found, dirty), s| {
-                (found + 1, dirty.wrapping_add(usize::from(s.dirty)).wrapping_add(s.value.touch_outside()))
-            },
-        );
-        std::hint::black_box(dirty);
-        found
+    /// Looks up `keys` back to back, reading a flag at the end of each entry found. An entry
+    /// (key and slot) is 72 bytes and so spans two cache lines: the key's comparison loads the
+    /// first, the flag the second, and the caller's update or encoding that follows finds both
+    /// in cache. A value that keeps part of itself outside the entry has that read too
+    /// ([`StateValue::touch_outside`]).
+    fn touch<'k>(&self, keys: impl IntoIterator<Item = (u64, &'k K)>) {
+        let read = keys
+            .into_iter()
+            .filter_map(|(hash, k)| self.map.get_hashed(hash, k))
+            .fold(0usize, |read, s| read.wrapping_add(usize::from(s.dirty)).wrapping_add(s.value.touch_outside()));
+        std::hint::black_box(read);
     }
 
     /// Prepares a batch's keys before the batch updates them, and returns their hashes in the
@@ -352,7 +349,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     pub fn prefetch(&mut self, keys: &[K]) -> Result<Vec<u64>, StoreError> {
         let hashes = map::hashes_of(keys);
         if self.spill.is_none() {
-            std::hint::black_box(self.touch(hashes.iter().copied().zip(keys)));
+            self.touch(hashes.iter().copied().zip(keys));
             return Ok(hashes);
         }
         let mut seen = FxHashSet::default();
@@ -528,7 +525,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 .collect();
             order.sort_unstable_by_key(|(bucket, _, _)| *bucket);
             for chunk in order.chunks(SNAPSHOT_LOOKUP_CHUNK) {
-                std::hint::black_box(self.touch(chunk.iter().map(|(_, hash, k)| (*hash, k))));
+                self.touch(chunk.iter().map(|(_, hash, k)| (*hash, k)));
                 for (_, hash, k) in chunk {
                     if let Some(s) = self.map.get_mut_hashed(*hash, k) {
                         if s.dirty {
@@ -709,17 +706,12 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     fn apply_restored(&mut self, batch: &mut Vec<Restored<K, V>>) {
         let hashes: Vec<u64> = batch.iter().map(|(_, k, _)| map::hash_of(k)).collect();
-        std::hint::black_box(self.touch(hashes.iter().copied().zip(batch.iter().map(|(_, k, _)| k))));
+        self.touch(hashes.iter().copied().zip(batch.iter().map(|(_, k, _)| k)));
         for (hash, (key_group, key, value)) in hashes.into_iter().zip(batch.drain(..)) {
             match value {
                 Some(value) => {
                     let slot = Slot { value, key_group, dirty: false, touched: false, stored: false };
-                    match self.map.entry_hashed(hash, key) {
-                        map::MapEntry::Occupied(o) => *o.into_mut() = slot,
-                        map::MapEntry::Vacant(v) => {
-                            v.insert(slot);
-                        }
-                    }
+                    self.map.insert_hashed(hash, key, slot);
                 }
                 None => {
                     self.map.remove(&key);
