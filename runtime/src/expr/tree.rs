@@ -216,6 +216,68 @@ fn bin_op(name: &str) -> Option<BinOp> {
 
 type R = Result<V, Fallback>;
 
+/// An operand as an operator reads it: a record field or a literal borrowed where it lies, or a
+/// value computed for it. Comparisons, `size`, `startsWith` and friends read their operands in
+/// place; only a value that ends up in the result is copied (a filter such as
+/// `size(word) > 3 && !word.startsWith('x')` copies nothing).
+enum Arg<'a> {
+    /// A record's field.
+    Field(&'a Value),
+    /// A literal of the expression.
+    Lit(&'a V),
+    /// A computed value.
+    Owned(V),
+}
+
+/// A borrowed look at a value.
+#[derive(Clone, Copy)]
+enum View<'a> {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(&'a str),
+    List(&'a [V]),
+}
+
+impl V {
+    fn view(&self) -> View<'_> {
+        match self {
+            V::Null => View::Null,
+            V::Bool(b) => View::Bool(*b),
+            V::Int(i) => View::Int(*i),
+            V::Float(f) => View::Float(*f),
+            V::Str(s) => View::Str(s),
+            V::List(l) => View::List(l),
+        }
+    }
+}
+
+impl Arg<'_> {
+    fn view(&self) -> View<'_> {
+        match self {
+            Arg::Field(v) => match v {
+                Value::Null => View::Null,
+                Value::Bool(b) => View::Bool(*b),
+                Value::Int(i) => View::Int(*i),
+                Value::Float(f) => View::Float(*f),
+                Value::Str(s) => View::Str(s),
+            },
+            Arg::Lit(v) => v.view(),
+            Arg::Owned(v) => v.view(),
+        }
+    }
+
+    /// The value itself: a field's or literal's copied (strings shared), a computed one moved.
+    fn into_v(self) -> V {
+        match self {
+            Arg::Field(v) => V::of(v),
+            Arg::Lit(v) => v.clone(),
+            Arg::Owned(v) => v,
+        }
+    }
+}
+
 impl Node {
     /// Evaluates over `record`.
     pub fn eval(&self, record: &Record) -> R {
@@ -238,28 +300,34 @@ impl Node {
                 V::Bool(false) => f.eval(record),
                 _ => Err(Fallback),
             },
-            Node::Bin(op, l, r) => binary(*op, l.eval(record)?, r.eval(record)?),
-            Node::Unary(f, x) => unary(*f, x.eval(record)?),
-            Node::StrTest(t, s, arg) => match (s.eval(record)?, arg.eval(record)?) {
-                (V::Str(s), V::Str(a)) => Ok(V::Bool(match t {
-                    StrTest::Contains => s.contains(&*a),
-                    StrTest::StartsWith => s.starts_with(&*a),
-                    StrTest::EndsWith => s.ends_with(&*a),
-                })),
-                _ => Err(Fallback),
-            },
-            Node::Split(s, sep) => match (s.eval(record)?, sep.eval(record)?) {
-                (V::Str(s), V::Str(sep)) if !sep.is_empty() => {
-                    Ok(V::List(s.split(sep.as_str()).map(|p| V::Str(SmolStr::new(p))).collect()))
+            Node::Bin(op, l, r) => binary(*op, l.arg(record)?, r.arg(record)?),
+            Node::Unary(f, x) => unary(*f, x.arg(record)?),
+            Node::StrTest(t, s, arg) => {
+                let (s, arg) = (s.arg(record)?, arg.arg(record)?);
+                match (s.view(), arg.view()) {
+                    (View::Str(s), View::Str(a)) => Ok(V::Bool(match t {
+                        StrTest::Contains => s.contains(a),
+                        StrTest::StartsWith => s.starts_with(a),
+                        StrTest::EndsWith => s.ends_with(a),
+                    })),
+                    _ => Err(Fallback),
                 }
-                _ => Err(Fallback),
-            },
+            }
+            Node::Split(s, sep) => {
+                let (s, sep) = (s.arg(record)?, sep.arg(record)?);
+                match (s.view(), sep.view()) {
+                    (View::Str(s), View::Str(sep)) if !sep.is_empty() => {
+                        Ok(V::List(s.split(sep).map(|p| V::Str(SmolStr::new(p))).collect()))
+                    }
+                    _ => Err(Fallback),
+                }
+            }
             Node::In(x, list) => {
-                let x = x.eval(record)?;
-                match list.eval(record)? {
-                    V::List(items) => {
-                        for item in &items {
-                            if equal(&x, item)? {
+                let (x, list) = (x.arg(record)?, list.arg(record)?);
+                match list.view() {
+                    View::List(items) => {
+                        for item in items {
+                            if equal(x.view(), item.view())? {
                                 return Ok(V::Bool(true));
                             }
                         }
@@ -268,12 +336,27 @@ impl Node {
                     _ => Err(Fallback),
                 }
             }
-            Node::Index(list, i) => match (list.eval(record)?, i.eval(record)?) {
-                (V::List(mut items), V::Int(i)) if i >= 0 && (i as usize) < items.len() => {
-                    Ok(items.swap_remove(i as usize))
+            Node::Index(list, i) => {
+                let (list, i) = (list.arg(record)?, i.arg(record)?);
+                let (View::List(items), View::Int(i)) = (list.view(), i.view()) else { return Err(Fallback) };
+                let i = usize::try_from(i).map_err(|_| Fallback)?;
+                if i >= items.len() {
+                    return Err(Fallback);
                 }
-                _ => Err(Fallback),
-            },
+                match list {
+                    Arg::Owned(V::List(mut items)) => Ok(items.swap_remove(i)),
+                    _ => Ok(items[i].clone()),
+                }
+            }
+        }
+    }
+
+    /// The operand this node gives an operator: fields and literals borrowed, the rest evaluated.
+    fn arg<'a>(&'a self, record: &'a Record) -> Result<Arg<'a>, Fallback> {
+        match self {
+            Node::Field(pos) => Ok(Arg::Field(record.fields.get(*pos).ok_or(Fallback)?)),
+            Node::Lit(v) => Ok(Arg::Lit(v)),
+            other => other.eval(record).map(Arg::Owned),
         }
     }
 }
@@ -286,19 +369,19 @@ fn bool_of(v: V) -> R {
 }
 
 /// Equality of two values of the same type; other mixes are the interpreter's to judge.
-fn equal(a: &V, b: &V) -> Result<bool, Fallback> {
+fn equal(a: View<'_>, b: View<'_>) -> Result<bool, Fallback> {
     Ok(match (a, b) {
-        (V::Null, V::Null) => true,
-        (V::Bool(x), V::Bool(y)) => x == y,
-        (V::Int(x), V::Int(y)) => x == y,
-        (V::Float(x), V::Float(y)) => x == y,
-        (V::Str(x), V::Str(y)) => x == y,
-        (V::List(x), V::List(y)) => {
+        (View::Null, View::Null) => true,
+        (View::Bool(x), View::Bool(y)) => x == y,
+        (View::Int(x), View::Int(y)) => x == y,
+        (View::Float(x), View::Float(y)) => x == y,
+        (View::Str(x), View::Str(y)) => x == y,
+        (View::List(x), View::List(y)) => {
             if x.len() != y.len() {
                 return Ok(false);
             }
             for (x, y) in x.iter().zip(y) {
-                if !equal(x, y)? {
+                if !equal(x.view(), y.view())? {
                     return Ok(false);
                 }
             }
@@ -308,42 +391,45 @@ fn equal(a: &V, b: &V) -> Result<bool, Fallback> {
     })
 }
 
-fn order(a: &V, b: &V) -> Result<std::cmp::Ordering, Fallback> {
+fn order(a: View<'_>, b: View<'_>) -> Result<std::cmp::Ordering, Fallback> {
     match (a, b) {
-        (V::Int(x), V::Int(y)) => Ok(x.cmp(y)),
-        (V::Float(x), V::Float(y)) => x.partial_cmp(y).ok_or(Fallback),
-        (V::Str(x), V::Str(y)) => Ok(x.cmp(y)),
-        (V::Bool(x), V::Bool(y)) => Ok(x.cmp(y)),
+        (View::Int(x), View::Int(y)) => Ok(x.cmp(&y)),
+        (View::Float(x), View::Float(y)) => x.partial_cmp(&y).ok_or(Fallback),
+        (View::Str(x), View::Str(y)) => Ok(x.cmp(y)),
+        (View::Bool(x), View::Bool(y)) => Ok(x.cmp(&y)),
         _ => Err(Fallback),
     }
 }
 
-fn binary(op: BinOp, l: V, r: V) -> R {
+fn binary(op: BinOp, l: Arg<'_>, r: Arg<'_>) -> R {
     use std::cmp::Ordering::{Greater, Less};
     Ok(match op {
-        BinOp::Eq => V::Bool(equal(&l, &r)?),
-        BinOp::Ne => V::Bool(!equal(&l, &r)?),
-        BinOp::Lt => V::Bool(order(&l, &r)? == Less),
-        BinOp::Le => V::Bool(order(&l, &r)? != Greater),
-        BinOp::Gt => V::Bool(order(&l, &r)? == Greater),
-        BinOp::Ge => V::Bool(order(&l, &r)? != Less),
-        BinOp::Add => match (l, r) {
-            (V::Int(x), V::Int(y)) => V::Int(x.checked_add(y).ok_or(Fallback)?),
-            (V::Float(x), V::Float(y)) => V::Float(x + y),
-            (V::Str(x), V::Str(y)) => {
+        BinOp::Eq => V::Bool(equal(l.view(), r.view())?),
+        BinOp::Ne => V::Bool(!equal(l.view(), r.view())?),
+        BinOp::Lt => V::Bool(order(l.view(), r.view())? == Less),
+        BinOp::Le => V::Bool(order(l.view(), r.view())? != Greater),
+        BinOp::Gt => V::Bool(order(l.view(), r.view())? == Greater),
+        BinOp::Ge => V::Bool(order(l.view(), r.view())? != Less),
+        BinOp::Add => match (l.view(), r.view()) {
+            (View::Int(x), View::Int(y)) => V::Int(x.checked_add(y).ok_or(Fallback)?),
+            (View::Float(x), View::Float(y)) => V::Float(x + y),
+            (View::Str(x), View::Str(y)) => {
                 let mut s = String::with_capacity(x.len() + y.len());
-                s.push_str(&x);
-                s.push_str(&y);
+                s.push_str(x);
+                s.push_str(y);
                 V::Str(SmolStr::from(s))
             }
-            (V::List(mut x), V::List(y)) => {
-                x.extend(y);
-                V::List(x)
-            }
+            (View::List(_), View::List(_)) => match (l.into_v(), r.into_v()) {
+                (V::List(mut x), V::List(y)) => {
+                    x.extend(y);
+                    V::List(x)
+                }
+                _ => return Err(Fallback),
+            },
             _ => return Err(Fallback),
         },
-        BinOp::Sub | BinOp::Mul | BinOp::Div | BinOp::Rem => match (l, r) {
-            (V::Int(x), V::Int(y)) => V::Int(
+        BinOp::Sub | BinOp::Mul | BinOp::Div | BinOp::Rem => match (l.view(), r.view()) {
+            (View::Int(x), View::Int(y)) => V::Int(
                 match op {
                     BinOp::Sub => x.checked_sub(y),
                     BinOp::Mul => x.checked_mul(y),
@@ -352,7 +438,7 @@ fn binary(op: BinOp, l: V, r: V) -> R {
                 }
                 .ok_or(Fallback)?,
             ),
-            (V::Float(x), V::Float(y)) => V::Float(match op {
+            (View::Float(x), View::Float(y)) => V::Float(match op {
                 BinOp::Sub => x - y,
                 BinOp::Mul => x * y,
                 BinOp::Div => x / y,
@@ -363,23 +449,23 @@ fn binary(op: BinOp, l: V, r: V) -> R {
     })
 }
 
-fn unary(f: Unary, x: V) -> R {
-    Ok(match (f, x) {
-        (Unary::Not, V::Bool(b)) => V::Bool(!b),
-        (Unary::Neg, V::Int(i)) => V::Int(i.checked_neg().ok_or(Fallback)?),
-        (Unary::Neg, V::Float(v)) => V::Float(-v),
-        (Unary::Size, V::Str(s)) => V::Int(s.chars().count() as i64),
-        (Unary::Size, V::List(l)) => V::Int(l.len() as i64),
-        (Unary::ToInt, V::Int(i)) => V::Int(i),
-        (Unary::ToInt, V::Str(s)) => V::Int(s.parse().map_err(|_| Fallback)?),
-        (Unary::ToDouble, V::Int(i)) => V::Float(i as f64),
-        (Unary::ToDouble, V::Float(v)) => V::Float(v),
-        (Unary::ToString, V::Str(s)) => V::Str(s),
-        (Unary::ToString, V::Int(i)) => V::Str(SmolStr::from(i.to_string())),
-        (Unary::ToString, V::Bool(b)) => V::Str(SmolStr::new_static(if b { "true" } else { "false" })),
-        (Unary::Lower, V::Str(s)) => V::Str(s.to_ascii_lowercase_smolstr()),
-        (Unary::Upper, V::Str(s)) => V::Str(s.to_ascii_uppercase_smolstr()),
-        (Unary::Trim, V::Str(s)) => V::Str(SmolStr::new(s.trim())),
+fn unary(f: Unary, x: Arg<'_>) -> R {
+    Ok(match (f, x.view()) {
+        (Unary::Not, View::Bool(b)) => V::Bool(!b),
+        (Unary::Neg, View::Int(i)) => V::Int(i.checked_neg().ok_or(Fallback)?),
+        (Unary::Neg, View::Float(v)) => V::Float(-v),
+        (Unary::Size, View::Str(s)) => V::Int(s.chars().count() as i64),
+        (Unary::Size, View::List(l)) => V::Int(l.len() as i64),
+        (Unary::ToInt, View::Int(i)) => V::Int(i),
+        (Unary::ToInt, View::Str(s)) => V::Int(s.parse().map_err(|_| Fallback)?),
+        (Unary::ToDouble, View::Int(i)) => V::Float(i as f64),
+        (Unary::ToDouble, View::Float(v)) => V::Float(v),
+        (Unary::ToString, View::Str(_)) => x.into_v(),
+        (Unary::ToString, View::Int(i)) => V::Str(SmolStr::from(i.to_string())),
+        (Unary::ToString, View::Bool(b)) => V::Str(SmolStr::new_static(if b { "true" } else { "false" })),
+        (Unary::Lower, View::Str(s)) => V::Str(s.to_ascii_lowercase_smolstr()),
+        (Unary::Upper, View::Str(s)) => V::Str(s.to_ascii_uppercase_smolstr()),
+        (Unary::Trim, View::Str(s)) => V::Str(SmolStr::new(s.trim())),
         _ => return Err(Fallback),
     })
 }

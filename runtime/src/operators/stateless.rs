@@ -121,18 +121,30 @@ impl Operator for FlatMapOperator {
             }
             FlatMapOperator::Expr { expr, at } => {
                 for r in batch {
-                    for v in expr.eval_list(&r)? {
+                    let mut values = expr.eval_list(&r)?.into_iter();
+                    let Some(mut v) = values.next() else { continue };
+                    // Each element gets a copy of the input's fields but the last, which takes
+                    // them (a line split into words is shared once less per line).
+                    for next in values {
                         let mut fields = r.fields.clone();
-                        match at {
-                            Some(i) => fields[*i] = v,
-                            None => fields.push(v),
-                        }
+                        put(&mut fields, *at, std::mem::replace(&mut v, next));
                         out.push(Record { time: r.time, fields });
                     }
+                    let Record { time, mut fields } = r;
+                    put(&mut fields, *at, v);
+                    out.push(Record { time, fields });
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// Puts a `flatMap` element in its field: replacing field `at`, or appended.
+fn put(fields: &mut Fields, at: Option<usize>, v: Value) {
+    match at {
+        Some(i) => fields[i] = v,
+        None => fields.push(v),
     }
 }
 
@@ -177,5 +189,34 @@ mod tests {
         let mut kept = Vec::new();
         filter.process(out, &mut kept).unwrap();
         assert_eq!(kept.len(), 2);
+    }
+
+    #[test]
+    fn flat_map_expr_emits_each_element_with_the_input_fields_in_order() {
+        let spec = |as_field: &str| FlatMapSpec {
+            split: None,
+            expr: Some("line.split(' ')".into()),
+            as_field: Some(as_field.into()),
+        };
+        let input = || {
+            vec![
+                Record { time: 7, fields: smallvec::smallvec![Value::str("a bb c"), Value::Int(1)] },
+                Record { time: 8, fields: smallvec::smallvec![Value::str("one"), Value::Int(2)] },
+            ]
+        };
+        let mut appended = Vec::new();
+        FlatMapOperator::new(&spec("word"), &s(&["line", "n"])).unwrap().process(input(), &mut appended).unwrap();
+        let rows: Vec<(i64, Vec<Value>)> = appended.into_iter().map(|r| (r.time, r.fields.to_vec())).collect();
+        let row = |t, l: &str, n, w: &str| (t, vec![Value::str(l), Value::Int(n), Value::str(w)]);
+        assert_eq!(
+            rows,
+            [row(7, "a bb c", 1, "a"), row(7, "a bb c", 1, "bb"), row(7, "a bb c", 1, "c"), row(8, "one", 2, "one")]
+        );
+
+        let mut replaced = Vec::new();
+        FlatMapOperator::new(&spec("line"), &s(&["line", "n"])).unwrap().process(input(), &mut replaced).unwrap();
+        let words: Vec<Value> = replaced.iter().map(|r| r.fields[0].clone()).collect();
+        assert_eq!(words, [Value::str("a"), Value::str("bb"), Value::str("c"), Value::str("one")]);
+        assert!(replaced.iter().all(|r| r.fields.len() == 2));
     }
 }
