@@ -122,19 +122,44 @@ async fn a_local_file_is_streamed_to_storage_byte_for_byte() {
 
 #[test]
 fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
+    sigkill_campaign_on_s3("on-s3", false);
+}
+
+/// The rocksdb backend with full images merged in the background: its restores fetch the
+/// merged images' table files from the S3 server several at a time.
+#[test]
+fn rocksdb_state_and_its_table_files_on_s3_survive_sigkill() {
+    let restores_with_tables = sigkill_campaign_on_s3("rocks-on-s3", true);
+    assert!(restores_with_tables > 0, "no restore found a merged image's table files on S3");
+}
+
+/// Runs a job on the S3 server, SIGKILLed at random moments and restarted with `--restore
+/// latest`, and checks its committed output record by record against an undisturbed run's;
+/// returns how many restarts found table files (`.sst`) among the checkpoints' shared files.
+fn sigkill_campaign_on_s3(name: &str, rocksdb: bool) -> u64 {
     let srv = server();
-    let mut p = JobParams::new("on-s3");
+    let mut p = JobParams::new(name);
     p.count = 8_000;
+    p.background_merges = rocksdb;
     let golden = golden_output(&p);
     p.rate = Some(4_000);
-    let out = format!("s3://{BUCKET}/out-killed");
-    let chk = format!("s3://{BUCKET}/jobs/on-s3");
+    let out = format!("s3://{BUCKET}/out-{name}");
+    let chk = format!("s3://{BUCKET}/jobs/{name}");
     let dir = tempfile::tempdir().unwrap();
     let job_file = dir.path().join("job.yaml");
-    std::fs::write(&job_file, job_yaml(&p, std::path::Path::new(&out))).unwrap();
+    let mut yaml = job_yaml(&p, std::path::Path::new(&out));
+    if rocksdb {
+        yaml.push_str("stateBackend: rocksdb\nstateCacheEntries: 100\n");
+    }
+    std::fs::write(&job_file, yaml).unwrap();
     let storage = Storage::open(&chk).unwrap();
+    let restores_with_tables = std::cell::Cell::new(0);
     let report = kill_restart_loop(
-        |_| {
+        |round| {
+            let shared = weir_runtime::io().block_on(storage.list("checkpoints/shared")).unwrap();
+            if round > 0 && shared.iter().any(|f| f.ends_with(".sst")) {
+                restores_with_tables.set(restores_with_tables.get() + 1);
+            }
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_weir-runtime"));
             cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", &chk, "--restore", "latest", "--quiet"])
                 .envs(s3_env(&srv.endpoint));
@@ -147,7 +172,7 @@ fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
     assert_same_output(
         &golden,
         &committed_at(&out, &["counts", "windows", "ids"]),
-        &format!("S3 run with {kills} SIGKILLs"),
+        &format!("{name}: S3 run with {kills} SIGKILLs"),
     );
     let listing = Command::new(env!("CARGO_BIN_EXE_weir-runtime"))
         .args(["checkpoints", &chk])
@@ -156,6 +181,7 @@ fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
         .unwrap();
     let text = String::from_utf8_lossy(&listing.stdout);
     assert!(listing.status.success() && text.contains("yes"), "{text}{}", String::from_utf8_lossy(&listing.stderr));
+    restores_with_tables.get()
 }
 
 #[test]
