@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
 use weir_checkpoint::protocol::{Action, Coordinator, CoordinatorConfig, TaskId, TriggerKind};
@@ -39,6 +39,14 @@ use crate::value::{Key, PackedKey};
 const CHANNEL_CAPACITY: usize = 8;
 /// How often the coordinator wakes up when nothing happens.
 const TICK: Duration = Duration::from_millis(5);
+
+/// A staging file (an object being written, before its rename) that nobody wrote for this long
+/// was left by a writer killed mid-write ([`Storage::discard_abandoned_staging`]).
+const STAGING_IDLE: Duration = Duration::from_secs(120);
+
+/// How often a run looks for such files, in its checkpoint storage and its file sinks' output
+/// directories (with a retention pass; the first pass looks).
+const STAGING_SWEEP_EVERY: Duration = Duration::from_secs(300);
 
 /// What to restore from at start.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -233,6 +241,7 @@ pub fn run_job(
         next_request: 1,
         savepoint_requests: HashMap::new(),
         retention_running: Arc::default(),
+        staging_swept_at: Default::default(),
         known_corrupt: Default::default(),
         pending_files: Default::default(),
         epoch: 0,
@@ -340,6 +349,8 @@ struct Executor<'a> {
     next_request: u64,
     savepoint_requests: HashMap<u64, u64>,
     retention_running: Arc<std::sync::atomic::AtomicBool>,
+    /// When a retention pass last looked for abandoned staging files.
+    staging_swept_at: std::cell::Cell<Option<Instant>>,
     /// Checkpoints a restore of this run found corrupt: retention must not count them.
     known_corrupt: std::cell::RefCell<BTreeSet<u64>>,
     /// Files background merges wrote that no complete checkpoint lists yet: retention leaves
@@ -353,7 +364,24 @@ struct Executor<'a> {
     file_sinks: Vec<FileSinkDir>,
 }
 
-/// A file sink node and its output directory.
+/// Deletes the abandoned staging files under each of `dirs` ([`STAGING_IDLE`]), off the async
+/// threads (a walk of a large output directory takes a while); a failure is logged, and the
+/// next sweep tries again.
+async fn discard_abandoned_staging(dirs: Vec<Storage>) {
+    let swept = tokio::task::spawn_blocking(move || {
+        dirs.iter().map(|d| (d.url().to_string(), d.discard_abandoned_staging(STAGING_IDLE))).collect::<Vec<_>>()
+    })
+    .await;
+    for (dir, result) in swept.unwrap_or_default() {
+        match result {
+            Ok(0) => {}
+            Ok(removed) => tracing::info!(%dir, removed, "deleted staging files that writers killed mid-write left"),
+            Err(e) => tracing::warn!(%dir, error = %e, "looking for abandoned staging files failed; will retry"),
+        }
+    }
+}
+
+/// A file sink node and its output directory./// A file sink node and its output directory.
 struct FileSinkDir {
     node: usize,
     uid: String,
@@ -1031,10 +1059,20 @@ impl Executor<'_> {
     }
 
     /// Deletes old checkpoints in the background (one pass at a time; a skipped pass is
-    /// covered by the next one), only while this run holds the newest epoch.
+    /// covered by the next one), only while this run holds the newest epoch; every
+    /// [`STAGING_SWEEP_EVERY`], the pass also deletes the staging files killed writers left in
+    /// the checkpoint storage and the file sinks' directories (no listing shows them, so
+    /// nothing else ever would).
     fn spawn_retention(&self, in_flight_from: u64) {
         if self.retention_running.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return;
+        }
+        let sweep_due = self.staging_swept_at.get().is_none_or(|at| at.elapsed() >= STAGING_SWEEP_EVERY);
+        let mut sweep: Vec<Storage> = Vec::new();
+        if sweep_due {
+            self.staging_swept_at.set(Some(Instant::now()));
+            sweep.push(self.storage.clone());
+            sweep.extend(self.file_sinks.iter().map(|s| s.storage.clone()));
         }
         let storage = self.storage.clone();
         let retained = self.job.spec.checkpointing.retained as usize;
@@ -1050,8 +1088,12 @@ impl Executor<'_> {
                     .map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
-            if let Err(e) = result {
-                tracing::warn!(error = %e, "checkpoint retention skipped; will retry after the next checkpoint");
+            match result {
+                Ok(()) if !sweep.is_empty() => discard_abandoned_staging(sweep).await,
+                Ok(()) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "checkpoint retention skipped; will retry after the next checkpoint")
+                }
             }
             running.store(false, std::sync::atomic::Ordering::Release);
         });

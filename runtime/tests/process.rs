@@ -35,6 +35,16 @@ fn sigkill_and_restart_with_restore_latest_until_done_is_exactly_once() {
     let (dir, out, chk) = workdir("killed");
     let job_file = dir.path().join("job.yaml");
     std::fs::write(&job_file, job_yaml(&p, &out)).unwrap();
+    // Staging files a writer killed an hour ago left, in the checkpoint storage and in a
+    // sink's output directory (where a reader of the directory takes it for output): the first
+    // retention pass deletes them.
+    let abandoned = [chk.join("checkpoints/shared/counts/0-3-1.kv#4242000001"), out.join("counts/part-0-1#4242000002")];
+    for file in &abandoned {
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        std::fs::write(file, b"half of it").unwrap();
+        let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+        std::fs::File::options().write(true).open(file).unwrap().set_modified(an_hour_ago).unwrap();
+    }
     let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
     let report = kill_restart_loop(
         |round| {
@@ -62,6 +72,9 @@ fn sigkill_and_restart_with_restore_latest_until_done_is_exactly_once() {
     assert!(aborts >= 1, "no run aborted between completion and commit");
     record_faults(kills + aborts);
     assert_same_output(&golden, &committed(&out), &format!("{kills} SIGKILLs and {aborts} aborts"));
+    for file in &abandoned {
+        assert!(!file.exists(), "{} is still there", file.display());
+    }
 
     // The checkpoints command lists what is left and says it is valid.
     let listing = bin().args(["checkpoints", chk.to_str().unwrap()]).output().unwrap();

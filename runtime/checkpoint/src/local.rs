@@ -102,6 +102,62 @@ pub fn file_len_and_crc32c(path: &Path) -> std::io::Result<(u64, u32)> {
     }
 }
 
+/// Whether a file name is a staging file's: `<name>#<digits>`, as [`crate::Storage::put`] and
+/// `object_store`'s local filesystem name a file before renaming it to its object's name. The
+/// rule is `object_store`'s for the files its listings leave out (everything after the first
+/// `#` is digits), so that no file a listing shows as an object is ever taken for one.
+pub fn is_staging_name(name: &str) -> bool {
+    match name.split_once('#') {
+        Some((object, digits)) => {
+            !object.is_empty() && !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
+        }
+        None => false,
+    }
+}
+
+/// Deletes the staging files ([`is_staging_name`]) under `dir`, at any depth, that nobody has
+/// written for `idle`: a writer killed between writing one and renaming it leaves it behind, and
+/// no listing shows it. A staging file written more recently may still be some writer's and is
+/// left. Files that vanish during the walk (retention deletes directories) are skipped. Returns
+/// how many files were deleted.
+pub fn remove_abandoned_staging(dir: &Path, idle: std::time::Duration) -> std::io::Result<usize> {
+    let now = std::time::SystemTime::now();
+    let mut removed = 0;
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        let entries = match std::fs::read_dir(&d) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        for entry in entries {
+            let entry = match entry {
+                Ok(entry) => entry,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            // Not followed through symbolic links: only what lies under `dir`.
+            let Ok(kind) = entry.file_type() else { continue };
+            if kind.is_dir() {
+                dirs.push(entry.path());
+                continue;
+            }
+            if !kind.is_file() || !entry.file_name().to_str().is_some_and(is_staging_name) {
+                continue;
+            }
+            let Ok(modified) = entry.metadata().and_then(|m| m.modified()) else { continue };
+            if now.duration_since(modified).is_ok_and(|age| age >= idle) {
+                match std::fs::remove_file(entry.path()) {
+                    Ok(()) => removed += 1,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+    Ok(removed)
+}
+
 /// A file is synced every this many bytes written.
 pub const SYNC_EVERY_BYTES: usize = 8 << 20;
 

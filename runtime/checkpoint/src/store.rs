@@ -287,6 +287,15 @@ impl Storage {
         self.sync_local(&[rel]).map_err(local_io("fsync", rel))
     }
 
+    /// Deletes the staging files that writers killed mid-write left under this root, unwritten
+    /// for `idle` ([`crate::local::remove_abandoned_staging`]); returns how many. Only a local
+    /// filesystem has them: an object store's writes are atomic and leave nothing.
+    pub fn discard_abandoned_staging(&self, idle: std::time::Duration) -> Result<usize, StorageError> {
+        let Some(root) = &self.local else { return Ok(0) };
+        let dir = if self.prefix.is_empty() { root.clone() } else { root.join(&self.prefix) };
+        crate::local::remove_abandoned_staging(&dir, idle).map_err(local_io("discard staging files", ""))
+    }
+
     /// The file of object `rel` under a local root, its directory created.
     fn local_object(&self, root: &std::path::Path, rel: &str) -> Result<std::path::PathBuf, StorageError> {
         let object = root.join(self.full(rel).as_ref());
@@ -470,6 +479,50 @@ fn decoded(listed: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    /// The staging files a killed writer left (`<name>#<digits>`, at any depth) go once nobody
+    /// has written them for the idle time; objects, recent staging files and other names stay,
+    /// and listings are the same before and after. Another root's files are not touched.
+    #[tokio::test]
+    async fn abandoned_staging_files_are_discarded_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Storage::open(&dir.path().join("job").display().to_string()).unwrap();
+        for rel in ["checkpoints/chk-1/_metadata", "checkpoints/shared/op/0-1.kv", "out#put", "a#1b", "a#1#2"] {
+            s.put(rel, Bytes::from_static(b"object")).await.unwrap();
+        }
+        let job = dir.path().join("job");
+        let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+        let stale =
+            ["checkpoints/chk-1/_metadata#4242000017", "checkpoints/shared/op/0-2.kv#7", "part-0-1-0#123456789"];
+        let recent = "checkpoints/shared/op/0-3.kv#4242000018";
+        for rel in stale.iter().chain([&recent]) {
+            std::fs::write(job.join(rel), b"half of it").unwrap();
+        }
+        for rel in stale {
+            std::fs::File::options().write(true).open(job.join(rel)).unwrap().set_modified(old).unwrap();
+        }
+        let elsewhere = dir.path().join("other#1");
+        std::fs::write(&elsewhere, b"x").unwrap();
+        std::fs::File::options().write(true).open(&elsewhere).unwrap().set_modified(old).unwrap();
+        let listed = s.list("").await.unwrap();
+
+        assert_eq!(s.discard_abandoned_staging(Duration::from_secs(60)).unwrap(), stale.len());
+        for rel in stale {
+            assert!(!job.join(rel).exists(), "{rel} is discarded");
+        }
+        assert!(job.join(recent).exists(), "a staging file written recently may be a writer's");
+        assert!(elsewhere.exists(), "outside the root");
+        assert_eq!(s.list("").await.unwrap(), listed);
+        assert_eq!(s.discard_abandoned_staging(Duration::from_secs(60)).unwrap(), 0);
+        assert_eq!(Storage::open("memory://m").unwrap().discard_abandoned_staging(Duration::ZERO).unwrap(), 0);
+        for name in ["x#1", "x.kv#4242000017"] {
+            assert!(crate::local::is_staging_name(name), "{name}");
+        }
+        for name in ["#1", "x#", "x#1a", "x", "a#1b", "a#1#2"] {
+            assert!(!crate::local::is_staging_name(name), "{name}");
+        }
+    }
 
     /// A local object is linked, not copied, and the link's checksum is the object's; deleting
     /// the local file leaves the object. An in-memory store (as S3 would) is copied.
