@@ -254,6 +254,11 @@ fn request_merges(
     flags: &[(String, Arc<AtomicBool>)],
 ) {
     for (uid, chain) in chains {
+        if chain.files.len() <= 1 {
+            // A full image restarted the chain: the merges that failed on the chain before it
+            // say nothing about this one.
+            merges.failures_in_a_row.remove(uid);
+        }
         let shape = ChainShape {
             files: chain.files.len(),
             base_bytes: chain.files.first().map_or(0, |f| f.len),
@@ -494,5 +499,35 @@ mod tests {
         // Failures alone, on a chain within the limit, change nothing.
         let within = chain(CHAIN_LIMIT_FACTOR * FULL_EVERY, 1);
         assert_eq!(chain_step(within, FULL_EVERY, false, 5), ChainStep::Merge);
+    }
+
+    /// Merge failures counted on a chain that grew past the limit make its task write a full
+    /// image; once that image restarts the chain, the count starts again, so that the new chain
+    /// is merged in the background again before its task is ever asked for another image.
+    #[test]
+    fn a_full_image_restarts_the_count_of_failed_merges() {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = Storage::open("memory://merges").unwrap();
+        let merger = Merger::new("test".into(), storage, PendingFiles::default(), 1, dir.path().to_path_buf());
+        let mut merges = Merges {
+            merger,
+            staged: Vec::new(),
+            metrics: Arc::new(crate::metrics::JobMetrics::new("job", "test")),
+            full_every: FULL_EVERY,
+            store_tables: false,
+            failures_in_a_row: HashMap::from([("op".to_string(), MERGE_FAILURES_BEFORE_FULL_IMAGE)]),
+        };
+        let file = |n: usize| FileRef { path: format!("op-{n}.kv"), len: 100, crc32c: 0 };
+        let flag = Arc::new(AtomicBool::new(false));
+        let flags = [("op".to_string(), flag.clone())];
+        let long = Chain { files: (0..=CHAIN_LIMIT_FACTOR * FULL_EVERY).map(file).collect(), ..Chain::default() };
+        request_merges(&mut merges, &HashMap::from([("op".to_string(), long)]), 7, 0, &flags);
+        assert!(flag.swap(false, Ordering::AcqRel), "the task is asked for a full image");
+        assert_eq!(merges.failures_in_a_row.get("op"), Some(&MERGE_FAILURES_BEFORE_FULL_IMAGE));
+
+        let restarted = Chain { files: vec![file(100)], ..Chain::default() };
+        request_merges(&mut merges, &HashMap::from([("op".to_string(), restarted)]), 8, 0, &flags);
+        assert_eq!(merges.failures_in_a_row.get("op"), None, "the count starts again");
+        assert!(!flag.load(Ordering::Acquire));
     }
 }
