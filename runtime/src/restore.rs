@@ -735,6 +735,15 @@ mod tests {
         assert!(keyed.tables.is_empty(), "a damaged table is not used");
         assert!(keyed.chain_tables.is_empty(), "a continued chain stops listing the damaged tables");
         assert_eq!(copies(), 2, "only the image's and the increment's copies");
+        drop((restored, keyed));
+
+        // A missing table: the checkpoint is still valid, and its image is restored.
+        s.delete(&t9).await.unwrap();
+        assert_eq!(recovery::inspect(&s, &dir).await.unwrap().0, Verdict::Valid);
+        let restored = RestoredState::load(&s, &found, &on_disk).await.unwrap();
+        let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
+        assert_eq!(keyed.files.iter().map(read).collect::<Vec<_>>(), state_files);
+        assert!(keyed.tables.is_empty() && keyed.chain_tables.is_empty());
     }
 
     #[tokio::test]

@@ -150,6 +150,16 @@ impl CheckpointMetadata {
             .flat_map(|s| s.operator_state.iter().chain(s.keyed_state.iter()).chain(s.store_tables.iter()))
     }
 
+    /// The files a restore cannot do without: every file but the table files, which stand for
+    /// a full image the document also lists (a restore that finds one missing or damaged reads
+    /// the image instead).
+    pub fn required_files(&self) -> impl Iterator<Item = &FileRef> {
+        self.operators
+            .values()
+            .flat_map(|op| op.subtasks.iter())
+            .flat_map(|s| s.operator_state.iter().chain(s.keyed_state.iter()))
+    }
+
     /// Total bytes of state referenced.
     pub fn state_bytes(&self) -> u64 {
         self.files().map(|f| f.len).sum()

@@ -46,14 +46,16 @@ pub async fn read_metadata(storage: &Storage, dir: &str) -> Result<Result<Checkp
     Ok(CheckpointMetadata::decode(&bytes).map_err(|e| Verdict::Invalid(e.to_string())))
 }
 
-/// Checks one snapshot directory (relative to `storage`): its metadata, and that every file it
-/// references exists with the recorded length (checksums are the loader's to verify).
+/// Checks one snapshot directory (relative to `storage`): its metadata, and that every file a
+/// restore needs exists with the recorded length (checksums are the loader's to verify). Table
+/// files are not needed ([`CheckpointMetadata::required_files`]): one missing does not make the
+/// checkpoint unusable, and the restore takes the full image it stands for.
 pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<CheckpointMetadata>), StorageError> {
     let metadata = match read_metadata(storage, dir).await? {
         Ok(m) => m,
         Err(verdict) => return Ok((verdict, None)),
     };
-    let files: Vec<_> = metadata.files().cloned().collect();
+    let files: Vec<_> = metadata.required_files().cloned().collect();
     for f in files {
         let path = layout::resolve(dir, &f.path);
         match storage.size(&path).await? {
@@ -158,6 +160,8 @@ mod tests {
         let dir = layout::checkpoint_dir(id);
         let rel = layout::shared_keyed_file("op", 0, id, 0);
         s.put(&layout::resolve(&dir, &rel), Bytes::from(vec![1u8; file_len])).await.unwrap();
+        let table = format!("{rel}.sst");
+        s.put(&layout::resolve(&dir, &table), Bytes::from(vec![2u8; file_len])).await.unwrap();
         let mut operators = BTreeMap::new();
         operators.insert(
             "op".to_string(),
@@ -168,7 +172,7 @@ mod tests {
                     key_groups: (0, 8),
                     operator_state: None,
                     keyed_state: vec![FileRef { path: rel, len: file_len as u64, crc32c: 0 }],
-                    store_tables: vec![],
+                    store_tables: vec![FileRef { path: table, len: file_len as u64, crc32c: 0 }],
                 }],
             },
         );
@@ -207,5 +211,25 @@ mod tests {
         assert!(skipped[1].1.contains("has 2 bytes"), "{:?}", skipped[1]);
         assert!(skipped[2].1.contains("checksum"), "{:?}", skipped[2]);
         assert_eq!(highest_id(&s).await.unwrap(), 4);
+    }
+
+    /// A table file stands for the full image the checkpoint also lists: one missing or cut
+    /// short leaves the checkpoint valid (the loader takes the image), a missing image does not.
+    #[tokio::test]
+    async fn a_missing_table_file_leaves_the_checkpoint_valid_and_a_missing_image_does_not() {
+        let s = Storage::open("memory://").unwrap();
+        write_checkpoint(&s, 1, 4).await;
+        write_checkpoint(&s, 2, 4).await;
+        write_checkpoint(&s, 3, 4).await;
+        s.delete("checkpoints/shared/op/0-3-0.kv.sst").await.unwrap();
+        s.put("checkpoints/shared/op/0-2-0.kv.sst", Bytes::from_static(b"1")).await.unwrap();
+        let (valid, skipped) = restorable_checkpoints(&s).await.unwrap();
+        assert_eq!(valid.iter().map(|r| r.metadata.checkpoint_id).collect::<Vec<_>>(), vec![3, 2, 1]);
+        assert!(skipped.is_empty(), "{skipped:?}");
+
+        s.delete("checkpoints/shared/op/0-3-0.kv").await.unwrap();
+        let (valid, skipped) = restorable_checkpoints(&s).await.unwrap();
+        assert_eq!(valid.iter().map(|r| r.metadata.checkpoint_id).collect::<Vec<_>>(), vec![2, 1]);
+        assert_eq!(skipped, vec![(3, "missing file ../shared/op/0-3-0.kv".to_string())]);
     }
 }
