@@ -189,12 +189,18 @@ mod tests {
         s.put(&format!("{dir}/_metadata"), Bytes::from(m.encode())).await.unwrap();
     }
 
+    /// Checkpoints 1, 2 and 3, each a 4-byte image and its table file.
+    async fn three_checkpoints() -> Storage {
+        let s = Storage::open("memory://").unwrap();
+        for id in 1..=3 {
+            write_checkpoint(&s, id, 4).await;
+        }
+        s
+    }
+
     #[tokio::test]
     async fn falls_back_past_corrupt_and_incomplete_checkpoints() {
-        let s = Storage::open("memory://").unwrap();
-        write_checkpoint(&s, 1, 4).await;
-        write_checkpoint(&s, 2, 4).await;
-        write_checkpoint(&s, 3, 4).await;
+        let s = three_checkpoints().await;
         // 3: a truncated state file; 4: no metadata at all.
         s.put("checkpoints/shared/op/0-3-0.kv", Bytes::from_static(b"12")).await.unwrap();
         s.put("checkpoints/chk-4/op/0.state", Bytes::from_static(b"x")).await.unwrap();
@@ -217,10 +223,7 @@ mod tests {
     /// short leaves the checkpoint valid (the loader takes the image), a missing image does not.
     #[tokio::test]
     async fn a_missing_table_file_leaves_the_checkpoint_valid_and_a_missing_image_does_not() {
-        let s = Storage::open("memory://").unwrap();
-        write_checkpoint(&s, 1, 4).await;
-        write_checkpoint(&s, 2, 4).await;
-        write_checkpoint(&s, 3, 4).await;
+        let s = three_checkpoints().await;
         s.delete("checkpoints/shared/op/0-3-0.kv.sst").await.unwrap();
         s.put("checkpoints/shared/op/0-2-0.kv.sst", Bytes::from_static(b"1")).await.unwrap();
         let (valid, skipped) = restorable_checkpoints(&s).await.unwrap();
