@@ -253,6 +253,19 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         }
     }
 
+    /// Entries the shards' tables have room for without growing.
+    pub fn capacity(&self) -> usize {
+        self.shards.iter().map(HashTable::capacity).sum()
+    }
+
+    /// Keeps the entries of shard `shard` (of [`SHARDS`]) that `keep` returns true for.
+    pub fn retain_shard(&mut self, shard: usize, mut keep: impl FnMut(&K, &mut V) -> bool) {
+        let table = &mut self.shards[shard];
+        let before = table.len();
+        table.retain(|(k, v)| keep(k, v));
+        self.len -= before - table.len();
+    }
+
     /// Keeps the entries `keep` returns true for, shard after shard.
     pub fn retain(&mut self, mut keep: impl FnMut(&K, &mut V) -> bool) {
         for shard in self.shards.iter_mut() {
