@@ -51,10 +51,7 @@ impl StateValue for KeyPanes {
         for _ in 0..n {
             let start = d.svarint()?;
             let m = d.varint()? as usize;
-            let mut accs = Accs::with_capacity(m.min(64));
-            for _ in 0..m {
-                accs.push(Acc::decode(d)?);
-            }
+            let accs: Accs = (0..m).map(|_| Acc::decode(d)).collect::<Result<Vec<_>, _>>()?.into();
             panes.push((start, accs));
         }
         Ok(KeyPanes { next_end, panes })

@@ -958,6 +958,15 @@ mod tests {
         Key::One(Value::Int(i))
     }
 
+    /// A running aggregate's entry of one accumulator under a single-field key is one cache
+    /// line; a dedupe's, under a composite key, half of one.
+    #[test]
+    fn state_entries_are_a_cache_line_or_half_of_one() {
+        use crate::operators::accumulators::AccList;
+        assert_eq!(std::mem::size_of::<(Key, Slot<AccList>)>(), 64);
+        assert_eq!(std::mem::size_of::<(crate::value::PackedKey, Slot<()>)>(), 32);
+    }
+
     /// A cache of 10K entries in front of the store, streamed through by 400K new keys with
     /// a few of them kept hot: the map stays near the size of the cache, whatever shards the
     /// evictions visit, and the hot keys stay cached.
