@@ -90,6 +90,19 @@ pub struct StagedFile {
     pub len: u64,
     /// Its CRC-32C.
     pub crc32c: u32,
+    /// A table file's first store key (see [`FileRef::first_key`]).
+    pub first_key: Option<Vec<u8>>,
+}
+
+impl StagedFile {
+    /// The reference a checkpoint lists for it.
+    pub fn listed(&self) -> FileRef {
+        let file = FileRef::new(self.rel.clone(), self.len, self.crc32c);
+        match &self.first_key {
+            Some(key) => file.with_first_key(key),
+            None => file,
+        }
+    }
 }
 
 /// A merge written to storage, waiting to be adopted.
@@ -497,11 +510,11 @@ pub fn merge(
     .map_err(merge_failed)?;
     #[cfg(feature = "rocksdb")]
     let table_paths = match tables {
-        Some(tables) => tables.finish().map_err(MergeError::Merge)?,
+        Some(tables) => tables.finish_with_first_keys().map_err(MergeError::Merge)?,
         None => Vec::new(),
     };
     #[cfg(not(feature = "rocksdb"))]
-    let table_paths: Vec<PathBuf> = Vec::new();
+    let table_paths: Vec<(PathBuf, Vec<u8>)> = Vec::new();
     let entries = out.entries();
     let (writer, len, crc) = out.finish().map_err(MergeError::WriteImage)?;
     writer.sync_all().map_err(MergeError::WriteImage)?;
@@ -510,9 +523,15 @@ pub fn merge(
     // Under their final names, each protected from retention before it is uploaded. A failure
     // or a stop deletes what was written so far.
     let mut written: Vec<StagedFile> = Vec::with_capacity(table_paths.len() + 1);
-    let mut upload = |local: &Path, rel: String, len: u64, crc32c: u32| -> Result<StagedFile, MergeError> {
+    let mut upload = |local: &Path,
+                      rel: String,
+                      len: u64,
+                      crc32c: u32,
+                      first_key: Option<&Vec<u8>>|
+     -> Result<StagedFile, MergeError> {
         check()?;
-        let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c };
+        let first_key = first_key.cloned();
+        let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c, first_key };
         pending.add(&file.path);
         written.push(file.clone());
         crate::io().block_on(storage.put_file(&file.path, local)).map_err(|e| MergeError::Upload(Box::new(e)))?;
@@ -520,11 +539,12 @@ pub fn merge(
     };
     let mut upload_all = || -> Result<(StagedFile, Vec<StagedFile>), MergeError> {
         let mut tables = Vec::with_capacity(table_paths.len());
-        for (i, table) in table_paths.iter().enumerate() {
+        for (i, (table, first_key)) in table_paths.iter().enumerate() {
             let (len, crc32c) = weir_checkpoint::local::file_len_and_crc32c(table).map_err(MergeError::WriteImage)?;
-            tables.push(upload(table, layout::shared_merged_table(uid, subtask, id, epoch, i), len, crc32c)?);
+            let rel = layout::shared_merged_table(uid, subtask, id, epoch, i);
+            tables.push(upload(table, rel, len, crc32c, Some(first_key))?);
         }
-        let image = upload(&image, layout::shared_merged_file(uid, subtask, id, epoch), len, crc)?;
+        let image = upload(&image, layout::shared_merged_file(uid, subtask, id, epoch), len, crc, None)?;
         Ok((image, tables))
     };
     match upload_all() {
@@ -688,7 +708,7 @@ mod tests {
                 crate::io()
                     .block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(seed * 100 + f), &rel), data))
                     .unwrap();
-                chain.push(FileRef { path: rel, len, crc32c });
+                chain.push(FileRef::new(rel, len, crc32c));
             }
             // With table files for the rocksdb backend (when built with it) and without.
             for with_tables in [false, true] {
@@ -777,7 +797,7 @@ mod tests {
             uid: "op".into(),
             subtask: 0,
             checkpoint_id: 1,
-            chain: vec![FileRef { path: rel, len: data.len() as u64, crc32c }],
+            chain: vec![FileRef::new(rel, data.len() as u64, crc32c)],
             store_tables: false,
         };
         let pending = PendingFiles::default();
@@ -797,7 +817,7 @@ mod tests {
         let rel = layout::shared_keyed_file(uid, 0, 1, 1);
         let len = data.len() as u64;
         crate::io().block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(1), &rel), data)).unwrap();
-        vec![FileRef { path: rel, len, crc32c }]
+        vec![FileRef::new(rel, len, crc32c)]
     }
 
     /// The merged images and table files in storage.
@@ -826,7 +846,7 @@ mod tests {
             let rel = layout::shared_keyed_file("op", 0, id, 1);
             let len = data.len() as u64;
             crate::io().block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(id), &rel), data)).unwrap();
-            chain.push(FileRef { path: rel, len, crc32c });
+            chain.push(FileRef::new(rel, len, crc32c));
         }
         let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 3, chain, store_tables: false };
         let mut stop_at = 1;

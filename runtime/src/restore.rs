@@ -129,6 +129,9 @@ pub struct KeyedRestore {
     /// per restored subtask that had them, its key groups and the verified table files. Each
     /// stands for the first file of that subtask's chain, which `files` then leaves out.
     pub tables: Vec<((u32, u32), Vec<KeyedFile>)>,
+    /// (rocksdb backend) The same, for table files not fetched yet: the store fetches them
+    /// behind the job ([`crate::state::lazy`]).
+    pub lazy_tables: Vec<((u32, u32), Arc<LazyTables>)>,
     /// The operator documents of the snapshot's subtasks whose key groups overlap this
     /// subtask's, with those key groups (keyed operators with per-key-group operator state,
     /// such as a window's watermark, take each key group's value from its previous owner).
@@ -138,9 +141,113 @@ pub struct KeyedRestore {
 impl KeyedRestore {
     /// How many files the restored chains have, those that table files stand for included.
     pub fn chain_len(&self) -> usize {
-        self.files.len() + self.tables.len()
+        self.files.len() + self.tables.len() + self.lazy_tables.len()
     }
 }
+
+/// One restored subtask's table files, fetched when its store asks for them: a restore onto
+/// the rocksdb backend that does not wait for its state (see [`crate::state::lazy`]). Each
+/// table is copied to local disk and verified (length and CRC-32C) when fetched; a table that
+/// fails is replaced by the entries of the full image it stands for, which is fetched then.
+#[derive(Debug)]
+pub struct LazyTables {
+    storage: Storage,
+    found: Restorable,
+    tables: Vec<FileRef>,
+    first_keys: Vec<Vec<u8>>,
+    /// The full image the tables stand for (the chain's first file).
+    image: FileRef,
+    /// Where local copies go.
+    dir: PathBuf,
+    /// The image's local copy, once a table needed it.
+    image_copy: std::sync::Mutex<Option<Arc<LocalCopy>>>,
+}
+
+impl LazyTables {
+    /// The tables of a subtask's snapshot, if they can be restored lazily: each has a valid
+    /// first key and the keys increase (checkpoints written before first keys were recorded
+    /// restore by fetching every table first).
+    fn of(
+        storage: &Storage,
+        found: &Restorable,
+        s: &weir_checkpoint::SubtaskSnapshot,
+        dir: &std::path::Path,
+    ) -> Option<LazyTables> {
+        let image = s.keyed_state.first()?.clone();
+        let first_keys: Vec<Vec<u8>> = s.store_tables.iter().map(FileRef::first_key_bytes).collect::<Option<_>>()?;
+        crate::state::lazy::Ranges::new(first_keys.clone())?;
+        Some(LazyTables {
+            storage: storage.clone(),
+            found: found.clone(),
+            tables: s.store_tables.clone(),
+            first_keys,
+            image,
+            dir: dir.to_path_buf(),
+            image_copy: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// A file copied to local disk and verified, storage errors retried.
+    fn copy(&self, f: &FileRef) -> Result<Arc<LocalCopy>, String> {
+        let what = self.storage.url_of(&self.found.resolve(&f.path));
+        crate::io()
+            .block_on(retrying(&what, || copy_verified(&self.storage, &self.found, f, &self.dir)))
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl crate::state::lazy::TableSource for LazyTables {
+    fn first_keys(&self) -> &[Vec<u8>] {
+        &self.first_keys
+    }
+
+    fn fetch(&self, i: usize) -> Result<crate::state::lazy::Fetched, String> {
+        let copy = self.copy(&self.tables[i])?;
+        Ok(crate::state::lazy::Fetched { path: copy.path.clone(), keep: Box::new(copy) })
+    }
+
+    fn image_entries(
+        &self,
+        start: &[u8],
+        end: Option<&[u8]>,
+        emit: &mut crate::state::lazy::EmitEntry<'_>,
+    ) -> Result<(), String> {
+        let copy = {
+            let mut held = self.image_copy.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            match &*held {
+                Some(copy) => copy.clone(),
+                None => held.insert(self.copy(&self.image)?).clone(),
+            }
+        };
+        let read = std::fs::File::open(&copy.path).map_err(|e| format!("opening {}: {e}", copy.path.display()))?;
+        let mut store_key = Vec::with_capacity(32);
+        weir_checkpoint::format::read_keyed_parts(read, copy.len, IMAGE_PART_BYTES, |body| {
+            for entry in weir_checkpoint::format::keyed_entries(body) {
+                let entry = entry?;
+                store_key.clear();
+                crate::state::StateStore::encoded_key(entry.key_group, entry.key, &mut store_key);
+                let in_range = store_key.as_slice() >= start && end.is_none_or(|end| store_key.as_slice() < end);
+                if let (true, Some(value)) = (in_range, entry.value) {
+                    emit(&store_key, value)?;
+                }
+            }
+            Ok(())
+        })
+        .map(|_| ())
+        .map_err(|e: weir_checkpoint::format::PartsError<crate::state::StoreError>| match e {
+            weir_checkpoint::format::PartsError::Read(e) => format!("reading the full image: {e}"),
+            weir_checkpoint::format::PartsError::Format(e) => format!("the full image: {e}"),
+            weir_checkpoint::format::PartsError::Consume(e) => e.to_string(),
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("{} table files of {}", self.tables.len(), self.storage.url_of(&self.found.dir))
+    }
+}
+
+/// How much of a full image's local copy the fallback of a lazy restore reads at once.
+const IMAGE_PART_BYTES: usize = 8 << 20;
 
 /// One restored subtask's state.
 #[derive(Clone, Debug, Default)]
@@ -156,6 +263,8 @@ pub struct RestoredSubtask {
     pub keyed_refs: Vec<FileRef>,
     /// The chain's first file as table files, verified (only for the rocksdb backend).
     pub store_tables: Vec<KeyedFile>,
+    /// The same, not fetched yet: the store fetches them behind the job.
+    pub lazy_tables: Option<Arc<LazyTables>>,
     /// References of the chain's table files (whether they were read or not).
     pub table_refs: Vec<FileRef>,
 }
@@ -217,7 +326,16 @@ impl RestoredState {
                     sub.operator_doc = Some(doc.to_vec());
                 }
                 let mut image_from_tables = false;
-                if let (KeyedFilesIn::LocalDir(dir), false) = (keyed_in, s.store_tables.is_empty()) {
+                let lazy = match (keyed_in, s.store_tables.is_empty()) {
+                    (KeyedFilesIn::LocalDir(dir), false) => LazyTables::of(storage, found, s, dir),
+                    _ => None,
+                };
+                if let Some(lazy) = lazy {
+                    // Not read here: table files are not required (the image stands for them),
+                    // and each is verified when fetched.
+                    sub.lazy_tables = Some(Arc::new(lazy));
+                    image_from_tables = true;
+                } else if let (KeyedFilesIn::LocalDir(dir), false) = (keyed_in, s.store_tables.is_empty()) {
                     match copy_tables_verified(storage, found, &s.store_tables, dir).await {
                         Ok(tables) => {
                             bytes += s.store_tables.iter().map(|f| f.len).sum::<u64>();
@@ -278,7 +396,7 @@ impl RestoredState {
             .subtasks
             .iter()
             .filter(overlaps)
-            .filter(|s| !s.keyed_files.is_empty() || !s.store_tables.is_empty())
+            .filter(|s| !s.keyed_files.is_empty() || !s.store_tables.is_empty() || s.lazy_tables.is_some())
             .collect();
         let same = op.parallelism == parallelism && overlapping.len() == 1 && overlapping[0].key_groups == key_groups;
         let continue_chain = same && self.kind == SnapshotKind::Checkpoint;
@@ -292,6 +410,7 @@ impl RestoredState {
                 .filter(|s| !s.store_tables.is_empty())
                 .map(|s| (s.key_groups, s.store_tables.clone()))
                 .collect(),
+            lazy_tables: overlapping.iter().filter_map(|s| Some((s.key_groups, s.lazy_tables.clone()?))).collect(),
             operator_docs,
         })
     }
@@ -614,7 +733,7 @@ mod tests {
         let subtask = SubtaskSnapshot {
             subtask: 0,
             key_groups: (0, 8),
-            operator_state: Some(FileRef { path: rel, len, crc32c }),
+            operator_state: Some(FileRef::new(rel, len, crc32c)),
             keyed_state: vec![],
             store_tables: vec![],
         };
@@ -659,7 +778,7 @@ mod tests {
         }
         let (data, crc32c) = w.finish();
         let rel = format!("counts-{id}.wst");
-        let file = FileRef { path: rel.clone(), len: data.len() as u64, crc32c };
+        let file = FileRef::new(rel.clone(), data.len() as u64, crc32c);
         s.put(&layout::resolve(&layout::checkpoint_dir(id), &rel), data).await.unwrap();
         let subtask = SubtaskSnapshot { keyed_state: vec![file.clone()], key_groups: (0, 8), ..Default::default() };
         complete(s, id, "counts", subtask).await;
@@ -680,7 +799,7 @@ mod tests {
             w.put(1, rel.as_bytes(), b"v");
             let data = w.finish().0;
             state_files.push(data.to_vec());
-            chain.push(FileRef { path: rel.into(), len: data.len() as u64, crc32c: crc32c::crc32c(&data) });
+            chain.push(FileRef::new(rel.into(), data.len() as u64, crc32c::crc32c(&data)));
             s.put(&layout::resolve(&dir, rel), data).await.unwrap();
         }
         // More tables than a restore fetches at once: they must come back in their order.
@@ -688,7 +807,7 @@ mod tests {
         for rel in (0..2 * FILES_IN_FLIGHT + 3).map(|i| format!("t{i}.sst")) {
             let data = bytes::Bytes::from(format!("table {rel}"));
             s.put(&layout::resolve(&dir, &rel), data.clone()).await.unwrap();
-            tables.push(FileRef { path: rel, len: data.len() as u64, crc32c: crc32c::crc32c(&data) });
+            tables.push(FileRef::new(rel, data.len() as u64, crc32c::crc32c(&data)));
         }
         // The tables are not table files: only the loading is under test.
         let subtask = SubtaskSnapshot {
@@ -744,6 +863,88 @@ mod tests {
         let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
         assert_eq!(keyed.files.iter().map(read).collect::<Vec<_>>(), state_files);
         assert!(keyed.tables.is_empty() && keyed.chain_tables.is_empty());
+    }
+
+    /// Table files listed with their first keys are not read by the load: the store fetches
+    /// each when it asks, verified like any state file, and a table that fails its fetch is
+    /// stood for by the entries of the image in its range.
+    #[test]
+    fn tables_with_first_keys_are_fetched_when_the_store_asks() {
+        use crate::state::lazy::TableSource;
+        use crate::state::StateStore;
+        let (_, s) = store();
+        let dir = layout::checkpoint_dir(1);
+        let store_key = |k: &str| StateStore::key_of_encoded(1, k.as_bytes());
+        let mut chain = Vec::new();
+        for (rel, kind, keys) in [
+            ("image.kv", FileKind::KeyedFull, &["a", "b", "c", "d", "e", "f"][..]),
+            ("increment.kv", FileKind::KeyedIncrement, &["b"][..]),
+        ] {
+            let mut w = StateFileWriter::new(kind, 16);
+            for k in keys {
+                w.put(1, k.as_bytes(), format!("{rel}:{k}").as_bytes());
+            }
+            let data = w.finish().0;
+            chain.push(FileRef::new(rel.into(), data.len() as u64, crc32c::crc32c(&data)));
+            crate::io().block_on(s.put(&layout::resolve(&dir, rel), data)).unwrap();
+        }
+        let mut tables = Vec::new();
+        for (rel, first) in [("t0.sst", "a"), ("t1.sst", "d")] {
+            let data = bytes::Bytes::from(format!("table {rel}"));
+            crate::io().block_on(s.put(&layout::resolve(&dir, rel), data.clone())).unwrap();
+            tables.push(
+                FileRef::new(rel.into(), data.len() as u64, crc32c::crc32c(&data)).with_first_key(&store_key(first)),
+            );
+        }
+        let subtask = SubtaskSnapshot {
+            key_groups: (0, 8),
+            keyed_state: chain.clone(),
+            store_tables: tables,
+            ..Default::default()
+        };
+        crate::io().block_on(complete(&s, 1, "counts", subtask));
+        let metadata = crate::io().block_on(recovery::read_metadata(&s, &dir)).unwrap().unwrap();
+        let found = Restorable { dir: dir.clone(), metadata };
+        let local = tempfile::tempdir().unwrap();
+        let on_disk = KeyedFilesIn::LocalDir(local.path().to_path_buf());
+        let copies = || std::fs::read_dir(local.path()).unwrap().count();
+
+        let restored = crate::io().block_on(RestoredState::load(&s, &found, &on_disk)).unwrap();
+        let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
+        assert!(keyed.tables.is_empty());
+        let [((0, 8), lazy)] = keyed.lazy_tables.as_slice() else { panic!("lazy tables: {:?}", keyed.lazy_tables) };
+        assert_eq!(keyed.files.len(), 1, "the tables stand for the image, which is not read");
+        assert_eq!(keyed.chain_len(), 2);
+        assert_eq!(copies(), 1, "only the increment is copied before the job starts");
+        assert_eq!(lazy.first_keys(), &[store_key("a"), store_key("d")]);
+
+        let fetched = lazy.fetch(1).unwrap();
+        assert_eq!(std::fs::read(&fetched.path).unwrap(), b"table t1.sst");
+        assert!(fetched.path.starts_with(local.path()));
+        drop(fetched);
+        assert_eq!(copies(), 1, "a fetched copy is deleted once taken in");
+
+        let mut entries = Vec::new();
+        let mut collect = |k: &[u8], v: &[u8]| {
+            entries.push((k.to_vec(), v.to_vec()));
+            Ok(())
+        };
+        lazy.image_entries(&store_key("d"), None, &mut collect).unwrap();
+        lazy.image_entries(&[], Some(&store_key("b")), &mut collect).unwrap();
+        let expected: Vec<(Vec<u8>, Vec<u8>)> =
+            ["d", "e", "f", "a"].iter().map(|k| (store_key(k), format!("image.kv:{k}").into_bytes())).collect();
+        assert_eq!(entries, expected, "the image's entries of each range, and nothing of the increment");
+
+        // Same length, other bytes: only the checksum can tell.
+        crate::io().block_on(s.put(&layout::resolve(&dir, "t0.sst"), bytes::Bytes::from("table t0.ssT"))).unwrap();
+        let damaged = lazy.fetch(0).err().unwrap();
+        assert!(damaged.contains("crc32c"), "{damaged}");
+        crate::io().block_on(s.delete(&layout::resolve(&dir, "t0.sst"))).unwrap();
+        let missing = lazy.fetch(0).err().unwrap();
+        assert!(missing.contains("missing"), "{missing}");
+        assert_eq!(copies(), 2, "the increment's copy and the image's, kept for other ranges");
+        drop((restored, keyed));
+        assert_eq!(copies(), 0, "copies are deleted with the restored state");
     }
 
     #[tokio::test]

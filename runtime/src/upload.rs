@@ -221,7 +221,7 @@ async fn adopt_merges(
         };
         // Listed as written: nothing is renamed. Retention leaves the files alone until a
         // complete checkpoint lists them (they are pending until then).
-        let listed = |f: &crate::compact::StagedFile| FileRef { path: f.rel.clone(), len: f.len, crc32c: f.crc32c };
+        let listed = crate::compact::StagedFile::listed;
         let merged = staged.request.chain.len();
         let replaced: Vec<FileRef> = chain.files.splice(..merged, [listed(&staged.image)]).collect();
         let old_tables = std::mem::replace(&mut chain.tables, staged.tables.iter().map(listed).collect());
@@ -394,7 +394,7 @@ async fn upload(
                     .await
                     .map_err(|e| format!("uploading operator state of `{uid}`: {e}"))?;
                 ack.bytes += len;
-                snap.operator_state = Some(FileRef { path: rel, len, crc32c: crc });
+                snap.operator_state = Some(FileRef::new(rel, len, crc));
             }
             if let Some(keyed) = parts.keyed {
                 let kind = keyed.kind;
@@ -419,7 +419,7 @@ async fn upload(
                 .map_err(|e| format!("uploading keyed state of `{uid}`: {e}"))?;
                 drop(keyed);
                 ack.bytes += len;
-                let file = FileRef { path: rel, len, crc32c: crc };
+                let file = FileRef::new(rel, len, crc);
                 if savepoint_dir.is_some() {
                     snap.keyed_state = vec![file];
                 } else {
@@ -517,7 +517,7 @@ mod tests {
             store_tables: false,
             failures_in_a_row: HashMap::from([("op".to_string(), MERGE_FAILURES_BEFORE_FULL_IMAGE)]),
         };
-        let file = |n: usize| FileRef { path: format!("op-{n}.kv"), len: 100, crc32c: 0 };
+        let file = |n: usize| FileRef::new(format!("op-{n}.kv"), 100, 0);
         let flag = Arc::new(AtomicBool::new(false));
         let flags = [("op".to_string(), flag.clone())];
         let long = Chain { files: (0..=CHAIN_LIMIT_FACTOR * FULL_EVERY).map(file).collect(), ..Chain::default() };

@@ -30,6 +30,34 @@ pub struct FileRef {
     pub len: u64,
     /// CRC-32C of the whole file.
     pub crc32c: u32,
+    /// A table file's first store key, in hex (tables of `store_tables` only). The first keys
+    /// say which table holds a key before any table is fetched, so that a restore onto the
+    /// rocksdb backend can start before its tables are in (checkpoints written before this
+    /// field existed restore by fetching every table first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_key: Option<String>,
+}
+
+impl FileRef {
+    /// A reference to a file of `len` bytes whose CRC-32C is `crc32c`.
+    pub fn new(path: String, len: u64, crc32c: u32) -> Self {
+        FileRef { path, len, crc32c, first_key: None }
+    }
+
+    /// The same reference, for a table file whose first store key is `key`.
+    pub fn with_first_key(mut self, key: &[u8]) -> Self {
+        self.first_key = Some(key.iter().map(|b| format!("{b:02x}")).collect());
+        self
+    }
+
+    /// The table file's first store key, when the reference has one that is valid hex.
+    pub fn first_key_bytes(&self) -> Option<Vec<u8>> {
+        let hex = self.first_key.as_deref()?;
+        if hex.len() % 2 != 0 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok()).collect()
+    }
 }
 
 /// What one subtask of one operator contributed.
@@ -180,12 +208,10 @@ mod tests {
                     subtask: 0,
                     key_groups: (0, 128),
                     operator_state: None,
-                    keyed_state: vec![FileRef { path: "../shared/counts/0-1-0-merged.kv".into(), len: 10, crc32c: 7 }],
-                    store_tables: vec![FileRef {
-                        path: "../shared/counts/0-1-0-merged-0.sst".into(),
-                        len: 4,
-                        crc32c: 9,
-                    }],
+                    keyed_state: vec![FileRef::new("../shared/counts/0-1-0-merged.kv".into(), 10, 7)],
+                    store_tables: vec![
+                        FileRef::new("../shared/counts/0-1-0-merged-0.sst".into(), 4, 9).with_first_key(&[0, 3, 0xab])
+                    ],
                 }],
             },
         );
@@ -216,6 +242,26 @@ mod tests {
         let text = String::from_utf8(m.encode()).unwrap();
         assert!(!text.contains("store_tables"), "an empty list is left out: {text}");
         assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
+    }
+
+    /// A table's first key survives the document; other files and documents written before
+    /// the field existed have none, and a damaged one reads as none (the restore then fetches
+    /// every table first) rather than as another key.
+    #[test]
+    fn table_first_keys_round_trip_and_are_optional() {
+        let m = sample();
+        let table = &m.operators["counts"].subtasks[0].store_tables[0];
+        assert_eq!(table.first_key.as_deref(), Some("0003ab"));
+        assert_eq!(table.first_key_bytes(), Some(vec![0, 3, 0xab]));
+        let text = String::from_utf8(m.encode()).unwrap();
+        assert_eq!(text.matches("first_key").count(), 1, "only the table has one: {text}");
+        let old = r#"{"path":"t.sst","len":4,"crc32c":9}"#;
+        assert_eq!(serde_json::from_str::<FileRef>(old).unwrap(), FileRef::new("t.sst".into(), 4, 9));
+        for bad in ["0", "zz", "0g", "+1"] {
+            let f = FileRef { first_key: Some(bad.into()), ..FileRef::new("t.sst".into(), 4, 9) };
+            assert_eq!(f.first_key_bytes(), None, "{bad}");
+        }
+        assert_eq!(FileRef::new("t.sst".into(), 4, 9).with_first_key(&[]).first_key_bytes(), Some(vec![]));
     }
 
     #[test]

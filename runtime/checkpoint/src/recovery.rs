@@ -171,8 +171,8 @@ mod tests {
                     subtask: 0,
                     key_groups: (0, 8),
                     operator_state: None,
-                    keyed_state: vec![FileRef { path: rel, len: file_len as u64, crc32c: 0 }],
-                    store_tables: vec![FileRef { path: table, len: file_len as u64, crc32c: 0 }],
+                    keyed_state: vec![FileRef::new(rel, file_len as u64, 0)],
+                    store_tables: vec![FileRef::new(table, file_len as u64, 0)],
                 }],
             },
         );

@@ -368,10 +368,8 @@ mod tests {
         let complete = |id: u64, files: Vec<String>| {
             let storage = storage.clone();
             async move {
-                let keyed_state: Vec<crate::FileRef> = files
-                    .iter()
-                    .map(|f| crate::FileRef { path: format!("../shared/op/{f}"), len: 1, crc32c: 0 })
-                    .collect();
+                let keyed_state: Vec<crate::FileRef> =
+                    files.iter().map(|f| crate::FileRef::new(format!("../shared/op/{f}"), 1, 0)).collect();
                 let subtask = crate::SubtaskSnapshot { keyed_state, key_groups: (0, 8), ..Default::default() };
                 let m = CheckpointMetadata {
                     format_version: crate::metadata::FORMAT_VERSION,

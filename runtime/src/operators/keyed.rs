@@ -64,6 +64,14 @@ impl KeyedContext {
                     });
                 }
             }
+            for (source, tables) in &r.lazy_tables {
+                if !state.restore_lazy_tables(tables.clone(), *source, self.key_groups) {
+                    return Err(TaskError::Restore {
+                        uid: self.uid.clone(),
+                        reason: "table files were restored for a backend that cannot take them".into(),
+                    });
+                }
+            }
             for file in &r.files {
                 self.restore_file(&mut state, file)?;
             }
@@ -268,6 +276,7 @@ mod tests {
             chain: vec![],
             chain_tables: vec![],
             tables: vec![],
+            lazy_tables: vec![],
             operator_docs: vec![],
         }
     }

@@ -362,6 +362,7 @@ mod tests {
             chain: vec![],
             chain_tables: vec![],
             tables: vec![],
+            lazy_tables: vec![],
             operator_docs: vec![(w.ctx.key_groups, snap.operator_doc.unwrap())],
         };
         WindowOperator::new(w.ctx.clone(), spec, &["k".to_string(), "v".to_string()], Some(&restore)).unwrap()
@@ -574,6 +575,7 @@ mod tests {
                         chain: vec![],
                         chain_tables: vec![],
                         tables: vec![],
+                        lazy_tables: vec![],
                         operator_docs: overlapping.iter().map(|(r, _, doc)| (*r, doc.clone())).collect(),
                     };
                     let ctx = KeyedContext {

@@ -192,6 +192,39 @@ impl BulkLoad {
         Ok(())
     }
 
+    /// Writes what was added as table files split at `starts` (sorted store keys; see
+    /// [`super::lazy::Ranges`]): the files of range `i` (keys from `starts[i]` up to the next
+    /// start; the first range also holds every key below `starts[0]`) under `dir/<i>/`,
+    /// deletions kept as tombstones, for a store that takes each range's base table first.
+    /// Ranges without entries have no files. This load's own directory is deleted.
+    #[cfg(feature = "rocksdb")]
+    pub fn into_range_tables(self, ranges: &super::lazy::Ranges, dir: &Path) -> Result<Vec<Vec<PathBuf>>, StoreError> {
+        let own_dir = self.dir.clone();
+        let opts = super::store::options();
+        let mut by_range: Vec<Vec<PathBuf>> = vec![Vec::new(); ranges.len().max(1)];
+        let mut open: Option<(usize, TableWriter<'_>)> = None;
+        let merged = self.merge_all(true, |key, value| {
+            let range = ranges.range_of(key);
+            if open.as_ref().is_none_or(|(r, _)| *r != range) {
+                if let Some((r, tables)) = open.take() {
+                    by_range[r] = tables.finish()?;
+                }
+                open = Some((range, TableWriter::new(&dir.join(range.to_string()), &opts)));
+            }
+            let (_, tables) = open.as_mut().expect("opened above");
+            match value {
+                Some(value) => tables.put(key, value),
+                None => tables.delete(key),
+            }
+        });
+        let _ = std::fs::remove_dir_all(own_dir);
+        merged?;
+        if let Some((r, tables)) = open.take() {
+            by_range[r] = tables.finish()?;
+        }
+        Ok(by_range)
+    }
+
     /// Sorts and merges what was added: `emit` gets every live entry (the newest of its key,
     /// deletions applied) once, in the store keys' order. This load's directory is deleted
     /// when it returns.
@@ -460,6 +493,8 @@ pub(crate) struct TableWriter<'o> {
     dir: PathBuf,
     opts: &'o rocksdb::Options,
     files: Vec<PathBuf>,
+    /// Each file's first key.
+    first_keys: Vec<Vec<u8>>,
     writer: Option<SstFileWriter<'o>>,
     /// A file is closed after this many entries.
     max_entries: u64,
@@ -471,7 +506,15 @@ impl<'o> TableWriter<'o> {
     /// Table files named `table-<i>.sst` under `dir` (created when the first entry comes),
     /// written with `opts` (the store's: [`super::store::options`]).
     pub(crate) fn new(dir: &Path, opts: &'o rocksdb::Options) -> Self {
-        TableWriter { dir: dir.to_path_buf(), opts, files: Vec::new(), writer: None, max_entries: u64::MAX, entries: 0 }
+        TableWriter {
+            dir: dir.to_path_buf(),
+            opts,
+            files: Vec::new(),
+            first_keys: Vec::new(),
+            writer: None,
+            max_entries: u64::MAX,
+            entries: 0,
+        }
     }
 
     /// Files of at most `max_entries` entries too. RocksDB holds 8 bytes per key of the file
@@ -482,7 +525,8 @@ impl<'o> TableWriter<'o> {
         self
     }
 
-    fn writer(&mut self) -> Result<&mut SstFileWriter<'o>, StoreError> {
+    /// The file `key` goes into: the open one, or a new one that `key` begins.
+    fn writer(&mut self, key: &[u8]) -> Result<&mut SstFileWriter<'o>, StoreError> {
         if self.writer.is_none() {
             std::fs::create_dir_all(&self.dir).map_err(io_failed)?;
             let path = self.dir.join(format!("table-{}.sst", self.files.len()));
@@ -490,6 +534,7 @@ impl<'o> TableWriter<'o> {
             w.open(&path).map_err(StoreError::WriteTable)?;
             self.writer = Some(w);
             self.files.push(path);
+            self.first_keys.push(key.to_vec());
         }
         Ok(self.writer.as_mut().expect("opened above"))
     }
@@ -506,22 +551,27 @@ impl<'o> TableWriter<'o> {
 
     /// Adds a put; keys must come in increasing order.
     pub(crate) fn put(&mut self, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
-        self.writer()?.put(key, value).map_err(StoreError::WriteTable)?;
+        self.writer(key)?.put(key, value).map_err(StoreError::WriteTable)?;
         self.end_of_entry()
     }
 
     /// Adds a deletion (a tombstone hiding the key in the files below); keys in order.
     pub(crate) fn delete(&mut self, key: &[u8]) -> Result<(), StoreError> {
-        self.writer()?.delete(key).map_err(StoreError::WriteTable)?;
+        self.writer(key)?.delete(key).map_err(StoreError::WriteTable)?;
         self.end_of_entry()
     }
 
     /// Closes the last file; the files written, in key order.
-    pub(crate) fn finish(mut self) -> Result<Vec<PathBuf>, StoreError> {
+    pub(crate) fn finish(self) -> Result<Vec<PathBuf>, StoreError> {
+        Ok(self.finish_with_first_keys()?.into_iter().map(|(path, _)| path).collect())
+    }
+
+    /// [`Self::finish`], with each file's first key.
+    pub(crate) fn finish_with_first_keys(mut self) -> Result<Vec<(PathBuf, Vec<u8>)>, StoreError> {
         if let Some(mut w) = self.writer.take() {
             w.finish().map_err(StoreError::WriteTable)?;
         }
-        Ok(self.files)
+        Ok(self.files.into_iter().zip(self.first_keys).collect())
     }
 }
 

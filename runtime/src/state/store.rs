@@ -66,6 +66,11 @@ pub enum StoreError {
     /// The store refused a restore's table files.
     #[error("loading restored table files into the state store: {0}")]
     Ingest(EngineError),
+    /// A lazy restore could not bring a range of keys into the store (its table file and the
+    /// full image it stands for both failed): the task fails, and the job restarts from a
+    /// restore point.
+    #[error("restoring state in the background: {0}")]
+    LazyRestore(String),
     /// This runtime was built without the `rocksdb` feature (`cargo build
     /// --no-default-features` leaves it out).
     #[error("this runtime was built without the rocksdb state backend; no state store under {dir}")]

@@ -83,6 +83,23 @@ impl StateStore {
         match self.never {}
     }
 
+    /// Whether a lazy restore is still bringing table files in.
+    pub fn loading(&self) -> bool {
+        match self.never {}
+    }
+
+    /// Starts a lazy restore into this store.
+    pub fn load_lazily(
+        &mut self,
+        _source: std::sync::Arc<dyn super::super::lazy::TableSource>,
+        _ranges: super::super::lazy::Ranges,
+        _increments: Option<BulkLoad>,
+        _keep: Option<(u32, u32)>,
+        _loaders: usize,
+    ) -> Result<(), StoreError> {
+        match self.never {}
+    }
+
     /// Deletes every entry outside key groups `[start, end)`.
     pub fn keep_only_key_groups(&self, _key_groups: (u32, u32)) -> Result<(), StoreError> {
         match self.never {}

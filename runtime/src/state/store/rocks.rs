@@ -2,11 +2,13 @@
 //! `.cargo/config.toml`).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use rocksdb::{BlockBasedOptions, Cache, DBCompressionType, Options, WriteOptions, DB};
 
-use super::super::bulk::BulkLoad;
+use super::super::bulk::{BulkLoad, TableWriter};
+use super::super::lazy::{Pending, Ranges, TableSource};
 use super::{remove_stores_of_dead_processes, StoreError};
 
 /// A batch of puts and deletes for [`StateStore::write`].
@@ -20,10 +22,18 @@ pub type EngineError = rocksdb::Error;
 
 /// One subtask's store.
 pub struct StateStore {
-    db: Option<DB>,
+    db: Option<Arc<DB>>,
     dir: PathBuf,
     parent_dir: PathBuf,
     no_wal: WriteOptions,
+    /// A lazy restore's table files still coming in ([`Self::load_lazily`]).
+    lazy: Option<LazyLoad>,
+}
+
+/// The loaders of a lazy restore and what they have loaded.
+struct LazyLoad {
+    pending: Arc<Pending>,
+    loaders: Vec<std::thread::JoinHandle<()>>,
 }
 
 /// Makes store directory names unique within the process.
@@ -59,7 +69,7 @@ impl StateStore {
             DB::open(&options(), &dir).map_err(|source| StoreError::Open { dir: dir.display().to_string(), source })?;
         let mut no_wal = WriteOptions::default();
         no_wal.disable_wal(true);
-        Ok(StateStore { db: Some(db), dir, parent_dir: parent_dir.to_path_buf(), no_wal })
+        Ok(StateStore { db: Some(Arc::new(db)), dir, parent_dir: parent_dir.to_path_buf(), no_wal, lazy: None })
     }
 
     /// The directory the store's own directory is in.
@@ -75,6 +85,78 @@ impl StateStore {
     fn db(&self) -> &DB {
         perf_counters_off();
         self.db.as_ref().expect("the store is open until dropped")
+    }
+
+    /// Waits until the key's range is in the store, during a lazy restore.
+    #[inline]
+    fn wait_for(&self, store_key: &[u8]) -> Result<(), StoreError> {
+        match &self.lazy {
+            Some(lazy) => lazy.pending.wait_for_key(store_key),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether a lazy restore is still bringing table files in.
+    pub fn loading(&self) -> bool {
+        self.lazy.as_ref().is_some_and(|l| !l.pending.all_ready())
+    }
+
+    /// Starts a lazy restore into this store, which holds nothing in `ranges` yet: the restored
+    /// increments are sorted into table files by range ([`BulkLoad::into_range_tables`]), then
+    /// `loaders` threads fetch the source's tables, the ones that reads wait for first, and
+    /// load each range's table and its increments over it. With `keep` (a restore at another
+    /// parallelism), entries of other key groups in each range are deleted after its table
+    /// came in. Until a range is in, reads of it wait ([`super::super::lazy`]).
+    pub fn load_lazily(
+        &mut self,
+        source: Arc<dyn TableSource>,
+        ranges: Ranges,
+        increments: Option<BulkLoad>,
+        keep: Option<(u32, u32)>,
+        loaders: usize,
+    ) -> Result<(), StoreError> {
+        if ranges.is_empty() {
+            // No table: nothing to wait for, and the increments go in now.
+            return match increments {
+                Some(load) => load.into_store(self, true),
+                None => Ok(()),
+            };
+        }
+        let increments = match increments {
+            Some(load) => load.into_range_tables(&ranges, &self.dir.join("increments"))?,
+            None => vec![Vec::new(); ranges.len()],
+        };
+        let pending = Arc::new(Pending::new(ranges));
+        let job = Arc::new(LoaderJob {
+            db: self.db.clone().expect("the store is open until dropped"),
+            dir: self.dir.join("lazy"),
+            source,
+            pending: pending.clone(),
+            increments,
+            keep,
+            started: std::time::Instant::now(),
+            running: AtomicUsize::new(0),
+            from_image: AtomicUsize::new(0),
+        });
+        let loaders = loaders.clamp(1, pending.ranges().len().max(1));
+        let mut handles = Vec::with_capacity(loaders);
+        for n in 0..loaders {
+            job.running.fetch_add(1, Ordering::AcqRel);
+            let loader = job.clone();
+            let spawned = std::thread::Builder::new().name(format!("restore-load-{n}")).spawn(move || loader.run());
+            match spawned {
+                Ok(handle) => handles.push(handle),
+                Err(e) => {
+                    job.running.fetch_sub(1, Ordering::AcqRel);
+                    if handles.is_empty() {
+                        return Err(StoreError::RestoreThread(e));
+                    }
+                    break;
+                }
+            }
+        }
+        self.lazy = Some(LazyLoad { pending, loaders: handles });
+        Ok(())
     }
 
     /// An empty batch for [`Self::write`].
@@ -94,25 +176,7 @@ impl StateStore {
     /// not overlap. Into an empty store they keep sequence number 0, so RocksDB writes nothing
     /// into them (it would write an ingested file's global sequence number in place).
     pub fn take_tables(&self, tables: &[PathBuf]) -> Result<(), StoreError> {
-        let linked_dir = self.dir.join("taken");
-        std::fs::create_dir_all(&linked_dir).map_err(StoreError::TakeTable)?;
-        let mut linked = Vec::with_capacity(tables.len());
-        for (i, table) in tables.iter().enumerate() {
-            let link = linked_dir.join(format!("{i}.sst"));
-            if std::fs::hard_link(table, &link).is_err() {
-                std::fs::copy(table, &link).map_err(StoreError::TakeTable)?;
-            }
-            linked.push(link);
-        }
-        let mut opts = rocksdb::IngestExternalFileOptions::default();
-        opts.set_move_files(true);
-        // A file that would need a sequence number of its own (it overlaps another or the
-        // store is not empty) is refused instead of written into: it may be a hard link to a
-        // checkpoint's file.
-        opts.set_allow_global_seqno(false);
-        self.db().ingest_external_file_opts(&opts, linked).map_err(StoreError::Ingest)?;
-        let _ = std::fs::remove_dir_all(&linked_dir);
-        Ok(())
+        take_tables(self.db(), &self.dir.join("taken"), tables)
     }
 
     /// Deletes every entry outside key groups `[start, end)` (a restore at another parallelism
@@ -127,15 +191,20 @@ impl StateStore {
 
     /// The value stored under a store key.
     pub fn get(&self, store_key: &[u8]) -> Result<Option<StoredValue<'_>>, StoreError> {
+        self.wait_for(store_key)?;
         self.db().get_pinned(store_key).map_err(StoreError::Read)
     }
 
     /// The values stored under several store keys, in their order, in one call.
     pub fn multi_get(&self, store_keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        for key in store_keys {
+            self.wait_for(key)?;
+        }
         self.db().multi_get(store_keys).into_iter().map(|r| r.map_err(StoreError::Read)).collect()
     }
 
-    /// Applies a batch of puts and deletes.
+    /// Applies a batch of puts and deletes. During a lazy restore, only of keys that were read
+    /// first (so their ranges are in): the keyed state reads every key before it writes it.
     pub fn write(&self, batch: WriteBatch) -> Result<(), StoreError> {
         if batch.is_empty() {
             return Ok(());
@@ -149,9 +218,7 @@ impl StateStore {
         if tables.is_empty() {
             return Ok(());
         }
-        let mut opts = rocksdb::IngestExternalFileOptions::default();
-        opts.set_move_files(true);
-        self.db().ingest_external_file_opts(&opts, tables).map_err(StoreError::Ingest)
+        ingest(self.db(), tables)
     }
 
     /// RocksDB's estimate of the number of entries stored (`rocksdb.estimate-num-keys`; it
@@ -162,6 +229,9 @@ impl StateStore {
 
     /// Calls `f` with every entry's store key and value, in key order.
     pub fn scan<E: From<StoreError>>(&self, mut f: impl FnMut(&[u8], &[u8]) -> Result<(), E>) -> Result<(), E> {
+        if let Some(lazy) = &self.lazy {
+            lazy.pending.wait_for_all()?;
+        }
         let mut it = self.db().raw_iterator();
         it.seek_to_first();
         while let (Some(k), Some(v)) = (it.key(), it.value()) {
@@ -172,9 +242,172 @@ impl StateStore {
     }
 }
 
+/// Links table files under `linked_dir` and moves the links into the store (see
+/// [`StateStore::take_tables`]); none may need a sequence number of its own.
+fn take_tables(db: &DB, linked_dir: &Path, tables: &[PathBuf]) -> Result<(), StoreError> {
+    std::fs::create_dir_all(linked_dir).map_err(StoreError::TakeTable)?;
+    let mut linked = Vec::with_capacity(tables.len());
+    for (i, table) in tables.iter().enumerate() {
+        let link = linked_dir.join(format!("{i}.sst"));
+        let _ = std::fs::remove_file(&link);
+        if std::fs::hard_link(table, &link).is_err() {
+            std::fs::copy(table, &link).map_err(StoreError::TakeTable)?;
+        }
+        linked.push(link);
+    }
+    let mut opts = rocksdb::IngestExternalFileOptions::default();
+    opts.set_move_files(true);
+    // A file that would need a sequence number of its own (it overlaps another or the
+    // store is not empty) is refused instead of written into: it may be a hard link to a
+    // checkpoint's file.
+    opts.set_allow_global_seqno(false);
+    let taken = db.ingest_external_file_opts(&opts, linked).map_err(StoreError::Ingest);
+    let _ = std::fs::remove_dir_all(linked_dir);
+    taken
+}
+
+/// Moves table files this process wrote into the store, at the level RocksDB picks.
+fn ingest(db: &DB, tables: Vec<PathBuf>) -> Result<(), StoreError> {
+    if tables.is_empty() {
+        return Ok(());
+    }
+    let mut opts = rocksdb::IngestExternalFileOptions::default();
+    opts.set_move_files(true);
+    db.ingest_external_file_opts(&opts, tables).map_err(StoreError::Ingest)
+}
+
+/// What the loaders of one lazy restore share.
+struct LoaderJob {
+    db: Arc<DB>,
+    /// Scratch space under the store's directory.
+    dir: PathBuf,
+    source: Arc<dyn TableSource>,
+    pending: Arc<Pending>,
+    increments: Vec<Vec<PathBuf>>,
+    keep: Option<(u32, u32)>,
+    started: std::time::Instant,
+    /// Loaders still running: the last one out logs the outcome.
+    running: AtomicUsize,
+    /// Ranges loaded from the full image because their table failed.
+    from_image: AtomicUsize,
+}
+
+impl LoaderJob {
+    /// One loader: ranges until none is left, loading stops, or one fails.
+    fn run(&self) {
+        perf_counters_off();
+        while let Some(i) = self.pending.next_to_load() {
+            // A panic must not leave the range loading forever and its readers waiting.
+            let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.load_range(i)))
+                .unwrap_or_else(|_| Err(format!("loading range {i} panicked")));
+            match loaded {
+                Ok(()) => self.pending.loaded(i),
+                Err(why) => {
+                    tracing::error!(range = i, tables = %self.source.describe(), %why, "a lazy restore failed");
+                    self.pending.fail(why);
+                }
+            }
+        }
+        if self.running.fetch_sub(1, Ordering::AcqRel) == 1 && self.pending.all_ready() {
+            tracing::info!(
+                tables = self.pending.ranges().len(),
+                from_image = self.from_image.load(Ordering::Relaxed),
+                ms = self.started.elapsed().as_millis() as u64,
+                "every table file of the restore is in the state store"
+            );
+        }
+    }
+
+    /// Range `i`: its table (or, when the table fails, the image's entries in the range), the
+    /// other key groups' entries in it deleted when asked, then the increments over it.
+    fn load_range(&self, i: usize) -> Result<(), String> {
+        let scratch = self.dir.join(i.to_string());
+        if let Err(why) = self.take_table(i, &scratch) {
+            tracing::warn!(
+                range = i,
+                tables = %self.source.describe(),
+                %why,
+                "a table file of the restore could not be taken in; its entries come from the full image"
+            );
+            self.load_from_image(i, &scratch)?;
+            self.from_image.fetch_add(1, Ordering::Relaxed);
+        }
+        let (start, end) = self.pending.ranges().bounds(i);
+        if let Some(key_groups) = self.keep {
+            let mut batch = WriteBatch::default();
+            for (from, to) in other_key_groups_within(key_groups, start, end) {
+                batch.delete_range(from, to);
+            }
+            let mut no_wal = WriteOptions::default();
+            no_wal.disable_wal(true);
+            self.db.write_opt(batch, &no_wal).map_err(|e| format!("deleting other key groups: {e}"))?;
+        }
+        ingest(&self.db, self.increments[i].clone())
+            .map_err(|e| format!("loading the increments over table {i}: {e}"))?;
+        let _ = std::fs::remove_dir_all(&scratch);
+        Ok(())
+    }
+
+    /// Fetches table `i` and takes it in: linked, as it is; or, when the store refuses it
+    /// without a sequence number of its own, a copy of it with one.
+    fn take_table(&self, i: usize, scratch: &Path) -> Result<(), String> {
+        let fetched = self.source.fetch(i)?;
+        if let Err(linked) = take_tables(&self.db, &scratch.join("linked"), std::slice::from_ref(&fetched.path)) {
+            std::fs::create_dir_all(scratch).map_err(|e| format!("{linked}; then preparing a copy: {e}"))?;
+            let copy = scratch.join("copy.sst");
+            std::fs::copy(&fetched.path, &copy).map_err(|e| format!("{linked}; then copying it: {e}"))?;
+            ingest(&self.db, vec![copy]).map_err(|e| format!("{linked}; then its copy: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Range `i`'s entries from the full image the tables stand for, written as table files.
+    fn load_from_image(&self, i: usize, scratch: &Path) -> Result<(), String> {
+        let (start, end) = self.pending.ranges().bounds(i);
+        let mut load = BulkLoad::new(&scratch.join("image"));
+        self.source.image_entries(start.unwrap_or(&[]), end, &mut |key, value| load.add(key, Some(value)))?;
+        let opts = options();
+        let mut tables = TableWriter::new(&scratch.join("image-tables"), &opts);
+        load.into_live_entries(|key, value| tables.put(key, value))
+            .map_err(|e| format!("sorting the image's entries: {e}"))?;
+        let files = tables.finish().map_err(|e| format!("writing the image's entries: {e}"))?;
+        ingest(&self.db, files).map_err(|e| format!("loading the image's entries: {e}"))
+    }
+}
+
+/// The parts of `[start, end)` (no bound: `None`) outside key groups `[first, last)`, as
+/// store-key ranges for deletion.
+fn other_key_groups_within(
+    (first, last): (u32, u32),
+    start: Option<&[u8]>,
+    end: Option<&[u8]>,
+) -> Vec<(Vec<u8>, Vec<u8>)> {
+    // Key groups are below 2^15, so no store key begins with two 0xff bytes.
+    let (lowest, beyond) = (vec![0u8, 0], vec![0xffu8, 0xff, 0xff]);
+    let (own_from, own_to) = ((first as u16).to_be_bytes().to_vec(), (last as u16).to_be_bytes().to_vec());
+    let clip = |from: Vec<u8>, to: Vec<u8>| {
+        let from = match start {
+            Some(s) if s > from.as_slice() => s.to_vec(),
+            _ => from,
+        };
+        let to = match end {
+            Some(e) if e < to.as_slice() => e.to_vec(),
+            _ => to,
+        };
+        (from < to).then_some((from, to))
+    };
+    [clip(lowest, own_from), clip(own_to, beyond)].into_iter().flatten().collect()
+}
+
 impl Drop for StateStore {
     fn drop(&mut self) {
         // A working copy: checkpoints hold the state, so nothing here is anyone's data.
+        if let Some(lazy) = self.lazy.take() {
+            lazy.pending.cancel();
+            for loader in lazy.loaders {
+                let _ = loader.join();
+            }
+        }
         drop(self.db.take());
         if let Err(e) = std::fs::remove_dir_all(&self.dir) {
             tracing::warn!(dir = %self.dir.display(), error = %e, "could not delete a state store directory");
