@@ -165,12 +165,19 @@ pub const SYNC_EVERY_BYTES: usize = 8 << 20;
 pub struct SyncedWriter {
     out: BufWriter<File>,
     unsynced: usize,
+    sync_every: usize,
 }
 
 impl SyncedWriter {
     /// Creates (or truncates) the file at `path`.
     pub fn create(path: &Path) -> std::io::Result<Self> {
-        Ok(SyncedWriter { out: BufWriter::with_capacity(1 << 20, File::create(path)?), unsynced: 0 })
+        Self::with_limits(path, 1 << 20, SYNC_EVERY_BYTES)
+    }
+
+    /// [`Self::create`] with a buffer of `buffer` bytes, syncing every `sync_every` bytes: for
+    /// many files written at once, whose buffers and unsynced pages add up.
+    pub fn with_limits(path: &Path, buffer: usize, sync_every: usize) -> std::io::Result<Self> {
+        Ok(SyncedWriter { out: BufWriter::with_capacity(buffer, File::create(path)?), unsynced: 0, sync_every })
     }
 
     /// Flushes the buffer and syncs the whole file (data and metadata).
@@ -184,7 +191,7 @@ impl Write for SyncedWriter {
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
         self.out.write_all(bytes)?;
         self.unsynced += bytes.len();
-        if self.unsynced >= SYNC_EVERY_BYTES {
+        if self.unsynced >= self.sync_every {
             self.out.flush()?;
             self.out.get_ref().sync_data()?;
             self.unsynced = 0;

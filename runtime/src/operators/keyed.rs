@@ -65,7 +65,10 @@ impl KeyedContext {
                 }
             }
             for (source, tables) in &r.lazy_tables {
-                if !state.restore_lazy_tables(tables.clone(), *source, self.key_groups) {
+                let taken = state
+                    .restore_lazy_tables(tables.clone(), *source, self.key_groups)
+                    .map_err(|e| self.state_failed(e))?;
+                if !taken {
                     return Err(TaskError::Restore {
                         uid: self.uid.clone(),
                         reason: "table files were restored for a backend that cannot take them".into(),

@@ -15,6 +15,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 #[cfg(feature = "rocksdb")]
 use rocksdb::SstFileWriter;
@@ -295,6 +296,118 @@ impl BulkLoad {
     }
 }
 
+/// A lazy restore's increments, routed to groups of key ranges as they are read, unsorted and
+/// in their order: sorting them and writing their table files is left to the loaders, a group
+/// at a time, when the first range of the group is needed ([`RangeGroups::take_range`]). So
+/// the job waits only for the increments to be read, not sorted.
+pub struct RangeGroups {
+    dir: PathBuf,
+    ranges: usize,
+    groups: Vec<Mutex<Group>>,
+}
+
+/// One group of ranges' increments.
+#[cfg_attr(not(feature = "rocksdb"), allow(dead_code))] // Only a store splits them.
+enum Group {
+    /// Being written: the file, and its writer once an entry came.
+    Writing(PathBuf, Option<RunWriter>),
+    /// Written, not split yet (the file, if any entry came).
+    Unsplit(Option<PathBuf>),
+    /// Split into table files, by range (each taken once).
+    Split(Vec<Vec<PathBuf>>),
+}
+
+/// Groups of ranges a lazy restore's increments are routed to: each is a file being written
+/// (a 256 KiB buffer), and a loader splits a whole group when one of its ranges is needed.
+/// Tests use 3, so that their few ranges share groups.
+const RANGE_GROUPS: usize = if cfg!(test) { 3 } else { 16 };
+
+impl RangeGroups {
+    /// Groups for `ranges` ranges, their files under `dir`.
+    pub fn new(dir: &Path, ranges: usize) -> Self {
+        let groups = RANGE_GROUPS.min(ranges.max(1));
+        RangeGroups {
+            dir: dir.to_path_buf(),
+            ranges,
+            groups: (0..groups).map(|g| Mutex::new(Group::Writing(dir.join(format!("group-{g}")), None))).collect(),
+        }
+    }
+
+    fn group_of(&self, range: usize) -> usize {
+        range * self.groups.len() / self.ranges.max(1)
+    }
+
+    fn lock(&self, group: usize) -> std::sync::MutexGuard<'_, Group> {
+        self.groups[group].lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Appends an entry of range `range` (`None`: a deletion); later entries win.
+    pub fn add(&mut self, range: usize, store_key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {
+        let group = self.group_of(range);
+        let g = self.groups[group].get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Group::Writing(path, writer) = g else { unreachable!("entries are added before finish") };
+        if writer.is_none() {
+            std::fs::create_dir_all(&self.dir).map_err(io_failed)?;
+            *writer = Some(RunWriter::small(path)?);
+        }
+        writer.as_mut().expect("created above").write(store_key, value)
+    }
+
+    /// Closes the files: every entry is added.
+    pub fn finish(&mut self) -> Result<(), StoreError> {
+        for group in 0..self.groups.len() {
+            let mut g = self.lock(group);
+            if let Group::Writing(path, writer) = &mut *g {
+                let written = match writer.take() {
+                    Some(w) => {
+                        w.finish()?;
+                        Some(path.clone())
+                    }
+                    None => None,
+                };
+                *g = Group::Unsplit(written);
+            }
+        }
+        Ok(())
+    }
+
+    /// The table files of range `range`'s increments (sorted, newest entry of each key,
+    /// deletions kept as tombstones), under `dir`. The first range of a group taken splits
+    /// the whole group (sorted runs of `run_bytes`, merged `fan_in` at a time); the others
+    /// of the group wait for that.
+    #[cfg(feature = "rocksdb")]
+    pub fn take_range(
+        &self,
+        range: usize,
+        ranges: &super::lazy::Ranges,
+        run_bytes: usize,
+        fan_in: usize,
+    ) -> Result<Vec<PathBuf>, StoreError> {
+        let group = self.group_of(range);
+        let mut g = self.lock(group);
+        if let Group::Unsplit(file) = &mut *g {
+            let split = match file.take() {
+                Some(path) => {
+                    let dir = self.dir.join(format!("split-{group}"));
+                    let mut load = BulkLoad::with_limits(&dir.join("runs"), run_bytes, fan_in);
+                    let mut reader = RunReader::open(&path)?;
+                    while reader.advance()? {
+                        load.add(reader.key(), reader.value())?;
+                    }
+                    let _ = std::fs::remove_file(&path);
+                    load.into_range_tables(ranges, &dir)?
+                }
+                None => Vec::new(),
+            };
+            *g = Group::Split(split);
+        }
+        match &mut *g {
+            Group::Split(by_range) => Ok(by_range.get_mut(range).map(std::mem::take).unwrap_or_default()),
+            _ => unreachable!("finished before ranges are taken"),
+        }
+    }
+}
+
 /// The store key's first 8 bytes as a big-endian number, zero-padded: ordering by it first and
 /// by the whole key next is the keys' byte order.
 fn prefix_of(key: &[u8]) -> u64 {
@@ -378,6 +491,11 @@ struct RunWriter {
 impl RunWriter {
     fn create(path: &Path) -> Result<Self, StoreError> {
         Ok(RunWriter { out: SyncedWriter::create(path).map_err(io_failed)? })
+    }
+
+    /// A writer with a 256 KiB buffer, synced every 2 MiB (one of many written at once).
+    fn small(path: &Path) -> Result<Self, StoreError> {
+        Ok(RunWriter { out: SyncedWriter::with_limits(path, 256 << 10, 2 << 20).map_err(io_failed)? })
     }
 
     fn write(&mut self, key: &[u8], value: Option<&[u8]>) -> Result<(), StoreError> {

@@ -83,8 +83,44 @@ struct Spill<K> {
     restoring_key_groups: Option<(u32, u32)>,
     /// A restore's table files to bring in behind the job ([`KeyedState::restore_lazy_tables`]).
     restoring_lazily: Vec<Arc<dyn lazy::TableSource>>,
+    /// Those tables as one source, their ranges, and the increments routed to the ranges (from
+    /// the first restored file on).
+    lazy_restore: Option<LazyRestore>,
     /// The shard the next eviction pass starts at ([`KeyedState::make_room`]'s clock hand).
     evict_from: usize,
+}
+
+/// A lazy restore in the making: its tables as one source, their key ranges, and the
+/// increments routed to the ranges as they are read.
+struct LazyRestore {
+    source: Arc<dyn lazy::TableSource>,
+    ranges: lazy::Ranges,
+    increments: bulk::RangeGroups,
+}
+
+impl<K> Spill<K> {
+    /// The lazy restore the registered table sources make, built once; `None` when there are
+    /// none (or none has a table: an empty image).
+    fn lazy_restore(&mut self) -> Result<Option<&mut LazyRestore>, StoreError> {
+        if self.lazy_restore.is_none() {
+            let sources: Vec<_> =
+                std::mem::take(&mut self.restoring_lazily).into_iter().filter(|t| !t.first_keys().is_empty()).collect();
+            if sources.is_empty() {
+                return Ok(None);
+            }
+            let source: Arc<dyn lazy::TableSource> = if sources.len() == 1 {
+                sources.into_iter().next().expect("one")
+            } else {
+                Arc::new(lazy::Combined::new(sources))
+            };
+            let Some(ranges) = lazy::Ranges::new(source.first_keys().to_vec()) else {
+                return Err(StoreError::LazyRestore(format!("the first keys of {} overlap", source.describe())));
+            };
+            let increments = bulk::RangeGroups::new(&self.store.dir().join("increments"), ranges.len());
+            self.lazy_restore = Some(LazyRestore { source, ranges, increments });
+        }
+        Ok(self.lazy_restore.as_mut())
+    }
 }
 
 /// Changed keys whose lookups a snapshot runs back to back before encoding their entries.
@@ -160,6 +196,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             restoring_tables: Vec::new(),
             restoring_key_groups: None,
             restoring_lazily: Vec::new(),
+            lazy_restore: None,
             evict_from: 0,
         });
         self
@@ -681,9 +718,21 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// [`Self::restore_tables`] if any.
     pub fn restore_file(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), StoreError> {
         if let Some(spill) = &mut self.spill {
+            let mut raw = Vec::with_capacity(32);
+            if let Some(lazy) = spill.lazy_restore()? {
+                // Routed to their ranges unsorted: the loaders sort them.
+                for entry in keyed_entries(body) {
+                    let entry = entry?;
+                    if owns(key_groups, entry.key_group) {
+                        raw.clear();
+                        StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
+                        lazy.increments.add(lazy.ranges.range_of(&raw), &raw, entry.value)?;
+                    }
+                }
+                return Ok(());
+            }
             let restoring =
                 spill.restoring.get_or_insert_with(|| bulk::BulkLoad::new(&spill.store.dir().join("restore")));
-            let mut raw = Vec::with_capacity(32);
             for entry in keyed_entries(body) {
                 let entry = entry?;
                 if !owns(key_groups, entry.key_group) {
@@ -762,19 +811,27 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// (rocksdb backend) Restores a full image from table files that are fetched after the job
     /// started (see [`lazy`]): the increments restored with [`Self::restore_file`] go over
     /// each table as it comes in, and reads wait for the table of their key. `source` and
-    /// `key_groups` as for [`Self::restore_tables`]. Whether the backend takes table files.
+    /// `key_groups` as for [`Self::restore_tables`]. Every source's tables come before the
+    /// first restored file (whose entries are routed to the tables' ranges). Whether the
+    /// backend takes table files.
     pub fn restore_lazy_tables(
         &mut self,
         tables: Arc<dyn lazy::TableSource>,
         source: (u32, u32),
         key_groups: (u32, u32),
-    ) -> bool {
-        let Some(spill) = &mut self.spill else { return false };
+    ) -> Result<bool, StoreError> {
+        let Some(spill) = &mut self.spill else { return Ok(false) };
+        if spill.lazy_restore.is_some() {
+            return Err(StoreError::LazyRestore(format!(
+                "{} were given after the restored files that go over them",
+                tables.describe()
+            )));
+        }
         spill.restoring_lazily.push(tables);
         if source.0 < key_groups.0 || source.1 > key_groups.1 {
             spill.restoring_key_groups = Some(key_groups);
         }
-        true
+        Ok(true)
     }
 
     /// After a restore: continue the restored incremental chain of `chain_len` files (same key
@@ -790,7 +847,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         self.force_full.store(!continue_chain, Ordering::Release);
         if let Some(spill) = &mut self.spill {
             let tables = std::mem::take(&mut spill.restoring_tables);
-            let lazily = std::mem::take(&mut spill.restoring_lazily);
+            spill.lazy_restore()?;
+            let lazily = spill.lazy_restore.take();
             let keep = spill.restoring_key_groups.take();
             let over_tables = !tables.is_empty();
             let started = std::time::Instant::now();
@@ -801,24 +859,14 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 }
             }
             let tables_ms = started.elapsed().as_millis() as u64;
-            // Sources without tables (an empty image) leave nothing to wait for.
-            let lazily: Vec<_> = lazily.into_iter().filter(|t| !t.first_keys().is_empty()).collect();
-            if !lazily.is_empty() {
-                let source: Arc<dyn lazy::TableSource> = if lazily.len() == 1 {
-                    lazily.into_iter().next().expect("one")
-                } else {
-                    Arc::new(lazy::Combined::new(lazily))
-                };
-                let Some(ranges) = lazy::Ranges::new(source.first_keys().to_vec()) else {
-                    return Err(StoreError::LazyRestore(format!("the first keys of {} overlap", source.describe())));
-                };
+            if let Some(LazyRestore { source, ranges, mut increments }) = lazily {
+                increments.finish()?;
                 let tables = ranges.len();
-                spill.store.load_lazily(source, ranges, spill.restoring.take(), keep, LAZY_RESTORE_LOADERS)?;
+                spill.store.load_lazily(source, ranges, increments, keep, LAZY_RESTORE_LOADERS)?;
                 tracing::debug!(
                     tables,
                     tables_ms,
-                    increments_ms = started.elapsed().as_millis() as u64 - tables_ms,
-                    "restoring into the state store; the tables come in behind the job"
+                    "restoring into the state store; the tables and increments come in behind the job"
                 );
                 return Ok(());
             }
@@ -1337,24 +1385,33 @@ mod model_tests {
                 // A rocksdb backend with an even cache size takes a chain's full image as table
                 // files (as a checkpoint's merged image offers them), the others its entries.
                 let tables_dir = tempfile::tempdir().unwrap();
+                // As the engine does: every source's tables first, then the files.
+                #[cfg_attr(not(feature = "rocksdb"), allow(unused_mut))]
+                let mut image_as_tables = Vec::new();
+                for (source, chain) in &overlapping {
+                    let as_tables = backend.is_some_and(|c| c % 2 == 0);
+                    let image = chain.first().filter(|f| open(f).unwrap().0 == FileKind::KeyedFull);
+                    #[cfg(feature = "rocksdb")]
+                    if let (true, Some(f)) = (as_tables, image) {
+                        let dir = tables_dir.path().join(format!("{}", source.0));
+                        // A cache of 2 takes them lazily (several small tables, the second
+                        // damaged), one of 4 before the first record.
+                        if backend == Some(2) {
+                            let tables = Arc::new(TestTables::of(f, 3, Some(1)));
+                            assert!(state.restore_lazy_tables(tables, *source, range).unwrap());
+                        } else {
+                            assert!(state.restore_tables(&tables_of(f, &dir), *source, range));
+                        }
+                        image_as_tables.push(*source);
+                    }
+                    let _ = (as_tables, image, source, &tables_dir);
+                }
                 for (source, chain) in &overlapping {
                     for (i, f) in chain.iter().enumerate() {
                         files.push(f.clone());
-                        let as_tables = i == 0 && backend.is_some_and(|c| c % 2 == 0);
-                        #[cfg(feature = "rocksdb")]
-                        if as_tables && open(f).unwrap().0 == FileKind::KeyedFull {
-                            let dir = tables_dir.path().join(format!("{}", source.0));
-                            // A cache of 2 takes them lazily (several small tables, the
-                            // second damaged), one of 4 before the first record.
-                            if backend == Some(2) {
-                                let tables = Arc::new(TestTables::of(f, 3, Some(1)));
-                                assert!(state.restore_lazy_tables(tables, *source, range));
-                            } else {
-                                assert!(state.restore_tables(&tables_of(f, &dir), *source, range));
-                            }
+                        if i == 0 && image_as_tables.contains(source) {
                             continue;
                         }
-                        let _ = (as_tables, source, &tables_dir);
                         if backend.is_none() {
                             let (_, body) = open(f).expect("a file written by a snapshot verifies");
                             state.restore_file(body, range).unwrap();
@@ -1408,7 +1465,7 @@ mod model_tests {
         let last_start = probe.first_keys[last].clone();
         let tables = Arc::new(probe.holding(last));
         let mut restored = empty(10, Some(1000));
-        assert!(restored.restore_lazy_tables(tables.clone(), all, all));
+        assert!(restored.restore_lazy_tables(tables.clone(), all, all).unwrap());
         restored.restore_file(open(&increment).unwrap().1, all).unwrap();
         restored.after_restore(true, 2).unwrap();
 

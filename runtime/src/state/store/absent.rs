@@ -93,7 +93,7 @@ impl StateStore {
         &mut self,
         _source: std::sync::Arc<dyn super::super::lazy::TableSource>,
         _ranges: super::super::lazy::Ranges,
-        _increments: Option<BulkLoad>,
+        _increments: super::super::bulk::RangeGroups,
         _keep: Option<(u32, u32)>,
         _loaders: usize,
     ) -> Result<(), StoreError> {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use rocksdb::{BlockBasedOptions, Cache, DBCompressionType, Options, WriteOptions, DB};
 
-use super::super::bulk::{BulkLoad, TableWriter};
+use super::super::bulk::{BulkLoad, RangeGroups, TableWriter};
 use super::super::lazy::{Pending, Ranges, TableSource};
 use super::{remove_stores_of_dead_processes, StoreError};
 
@@ -101,31 +101,23 @@ impl StateStore {
         self.lazy.as_ref().is_some_and(|l| !l.pending.all_ready())
     }
 
-    /// Starts a lazy restore into this store, which holds nothing in `ranges` yet: the restored
-    /// increments are sorted into table files by range ([`BulkLoad::into_range_tables`]), then
-    /// `loaders` threads fetch the source's tables, the ones that reads wait for first, and
-    /// load each range's table and its increments over it. With `keep` (a restore at another
+    /// Starts a lazy restore into this store, which holds nothing in `ranges` yet: `loaders`
+    /// threads fetch the source's tables, the ones that reads wait for first, and load each
+    /// range's table, then its restored increments over it (sorted by the loaders, a group
+    /// of ranges at a time: [`RangeGroups::take_range`]). With `keep` (a restore at another
     /// parallelism), entries of other key groups in each range are deleted after its table
     /// came in. Until a range is in, reads of it wait ([`super::super::lazy`]).
     pub fn load_lazily(
         &mut self,
         source: Arc<dyn TableSource>,
         ranges: Ranges,
-        increments: Option<BulkLoad>,
+        increments: RangeGroups,
         keep: Option<(u32, u32)>,
         loaders: usize,
     ) -> Result<(), StoreError> {
         if ranges.is_empty() {
-            // No table: nothing to wait for, and the increments go in now.
-            return match increments {
-                Some(load) => load.into_store(self, true),
-                None => Ok(()),
-            };
+            return Err(StoreError::LazyRestore(format!("{} has no tables", source.describe())));
         }
-        let increments = match increments {
-            Some(load) => load.into_range_tables(&ranges, &self.dir.join("increments"))?,
-            None => vec![Vec::new(); ranges.len()],
-        };
         let pending = Arc::new(Pending::new(ranges));
         let job = Arc::new(LoaderJob {
             db: self.db.clone().expect("the store is open until dropped"),
@@ -276,6 +268,11 @@ fn ingest(db: &DB, tables: Vec<PathBuf>) -> Result<(), StoreError> {
     db.ingest_external_file_opts(&opts, tables).map_err(StoreError::Ingest)
 }
 
+/// Sorted runs of a loader that reads a range from the full image or sorts a group of ranges'
+/// increments: 4 MiB in memory, and 16 merged at once (a 256 KiB buffer each).
+const IMAGE_RUN_BYTES: usize = 4 << 20;
+const IMAGE_MERGE_FAN_IN: usize = 16;
+
 /// What the loaders of one lazy restore share.
 struct LoaderJob {
     db: Arc<DB>,
@@ -283,7 +280,7 @@ struct LoaderJob {
     dir: PathBuf,
     source: Arc<dyn TableSource>,
     pending: Arc<Pending>,
-    increments: Vec<Vec<PathBuf>>,
+    increments: RangeGroups,
     keep: Option<(u32, u32)>,
     started: std::time::Instant,
     /// Loaders still running: the last one out logs the outcome.
@@ -342,8 +339,11 @@ impl LoaderJob {
             no_wal.disable_wal(true);
             self.db.write_opt(batch, &no_wal).map_err(|e| format!("deleting other key groups: {e}"))?;
         }
-        ingest(&self.db, self.increments[i].clone())
-            .map_err(|e| format!("loading the increments over table {i}: {e}"))?;
+        let increments = self
+            .increments
+            .take_range(i, self.pending.ranges(), IMAGE_RUN_BYTES, IMAGE_MERGE_FAN_IN)
+            .map_err(|e| format!("sorting the increments over table {i}: {e}"))?;
+        ingest(&self.db, increments).map_err(|e| format!("loading the increments over table {i}: {e}"))?;
         let _ = std::fs::remove_dir_all(&scratch);
         Ok(())
     }
@@ -364,7 +364,9 @@ impl LoaderJob {
     /// Range `i`'s entries from the full image the tables stand for, written as table files.
     fn load_from_image(&self, i: usize, scratch: &Path) -> Result<(), String> {
         let (start, end) = self.pending.ranges().bounds(i);
-        let mut load = BulkLoad::new(&scratch.join("image"));
+        // Beside the job and up to seven other loaders, in the same memory limit: smaller runs
+        // than a restore's own.
+        let mut load = BulkLoad::with_limits(&scratch.join("image"), IMAGE_RUN_BYTES, IMAGE_MERGE_FAN_IN);
         self.source.image_entries(start.unwrap_or(&[]), end, &mut |key, value| load.add(key, Some(value)))?;
         let opts = options();
         let mut tables = TableWriter::new(&scratch.join("image-tables"), &opts);
