@@ -245,6 +245,25 @@ fn baseline(records: u64) -> (f64, usize) {
     (rate, std::hint::black_box(map.len()))
 }
 
+/// The keyed count's `counts` state restored from `keyed` as its operator does: on the heap, or
+/// on rocksdb with its stores under `stores` and a cache of 1M entries.
+fn restored_counts(
+    keyed: &weir_runtime::restore::KeyedRestore,
+    stores: Option<std::path::PathBuf>,
+) -> weir_runtime::state::KeyedState<weir_runtime::operators::accumulators::AccList> {
+    let ctx = weir_runtime::operators::keyed::KeyedContext {
+        uid: "counts".into(),
+        key: vec![0],
+        max_parallelism: 128,
+        key_groups: (0, 128),
+        incremental: true,
+        full_every: 10,
+        background_full_image_above: u64::MAX,
+        store: stores.map(|parent_dir| weir_runtime::state::StoreSettings { parent_dir, cache_entries: 1_000_000 }),
+    };
+    ctx.state(Some(keyed)).unwrap()
+}
+
 fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize, rocksdb: bool) -> (f64, u64) {
     let storage = weir_checkpoint::Storage::open(&dir.display().to_string()).unwrap();
     let (valid, _) = weir_runtime::io().block_on(weir_checkpoint::recovery::restorable_checkpoints(&storage)).unwrap();
@@ -259,19 +278,7 @@ fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize, rocksdb:
     let restored =
         weir_runtime::io().block_on(weir_runtime::restore::RestoredState::load(&storage, newest, &keyed_in)).unwrap();
     let keyed = restored.keyed_for("counts", (0, 128), 1).expect("counts state");
-    let ctx = weir_runtime::operators::keyed::KeyedContext {
-        uid: "counts".into(),
-        key: vec![0],
-        max_parallelism: 128,
-        key_groups: (0, 128),
-        incremental: true,
-        full_every: 10,
-        background_full_image_above: u64::MAX,
-        store: rocksdb
-            .then(|| weir_runtime::state::StoreSettings { parent_dir: dir.join("stores"), cache_entries: 1_000_000 }),
-    };
-    let state: weir_runtime::state::KeyedState<weir_runtime::operators::accumulators::AccList> =
-        ctx.state(Some(&keyed)).unwrap();
+    let state = restored_counts(&keyed, rocksdb.then(|| dir.join("stores")));
     let secs = t0.elapsed().as_secs_f64();
     if rocksdb {
         let mut keys = 0;
@@ -281,6 +288,79 @@ fn restore_seconds_per_gib(dir: &std::path::Path, expected_keys: usize, rocksdb:
         assert_eq!(state.cached_len(), expected_keys, "every key restored");
     }
     (secs / (restored.bytes as f64 / (1u64 << 30) as f64), restored.bytes)
+}
+
+/// A rocksdb job whose every record is a new key and whose full images are merged in the
+/// background every second checkpoint: its checkpoints list merged images as table files.
+/// `rate` (records per second) makes a small job last the few seconds a merge needs.
+fn rocksdb_merged_job(keys: u64, rate: Option<u64>) -> String {
+    let rate = rate.map(|r| format!("ratePerSecond: {r}, ")).unwrap_or_default();
+    backend_lines(Some(1_000_000))
+        + &keyed_count_job(keys, true)
+            .replace("modulo: 1000000", "sequence: {}")
+            .replace(&format!("count: {keys}, "), &format!("count: {keys}, {rate}"))
+            .replace("fullEvery: 10 }", "fullEvery: 2, backgroundFullImageAbove: 0 }")
+}
+
+/// A rocksdb restore of the newest checkpoint under `dir` that lists table files: seconds until
+/// the state is ready for records (what `KeyedContext::state` waits for), then until every
+/// entry is in the store (a scan waits for that), and the checkpoint's bytes. `lazy`: as the
+/// engine restores (the tables come in behind the job); otherwise the same checkpoint with
+/// the tables' first keys left out, which makes the restore take every table in first.
+/// `None` when the checkpoint lists no table files (no merge was adopted before the job ended).
+fn rocksdb_restore_seconds(dir: &std::path::Path, expected_keys: usize, lazy: bool) -> Option<(f64, f64, u64)> {
+    let storage = weir_checkpoint::Storage::open(&dir.display().to_string()).unwrap();
+    let (valid, _) = weir_runtime::io().block_on(weir_checkpoint::recovery::restorable_checkpoints(&storage)).unwrap();
+    let mut newest = valid.into_iter().next().expect("a checkpoint to restore");
+    let subtasks = newest.metadata.operators.values_mut().flat_map(|o| &mut o.subtasks);
+    let tables: Vec<&mut weir_checkpoint::FileRef> = subtasks.flat_map(|s| &mut s.store_tables).collect();
+    if tables.is_empty() {
+        return None;
+    }
+    for table in tables {
+        assert!(table.first_key.is_some(), "merged tables carry their first keys");
+        if !lazy {
+            table.first_key = None;
+        }
+    }
+    let bytes = newest.metadata.files().map(|f| f.len).sum();
+    let stores = dir.join(if lazy { "stores-lazy" } else { "stores-eager" });
+    let t0 = Instant::now();
+    let keyed_in = weir_runtime::restore::KeyedFilesIn::LocalDir(stores.clone());
+    let restored =
+        weir_runtime::io().block_on(weir_runtime::restore::RestoredState::load(&storage, &newest, &keyed_in)).unwrap();
+    let keyed = restored.keyed_for("counts", (0, 128), 1).expect("counts state");
+    assert_eq!(keyed.lazy_tables.is_empty(), !lazy);
+    let state = restored_counts(&keyed, Some(stores));
+    let ready = t0.elapsed().as_secs_f64();
+    let mut keys = 0;
+    state.for_each(|_, _| keys += 1).unwrap();
+    let all_in = t0.elapsed().as_secs_f64();
+    assert_eq!(keys, expected_keys, "every key restored into the store");
+    Some((ready, all_in, bytes))
+}
+
+/// The rocksdb restore figures: medians of the lazy and the eager restores of one checkpoint.
+fn print_rocksdb_restores(lazy: &[(f64, f64, u64)], eager: &[(f64, f64, u64)], keys: u64, merges: u64) {
+    let median = |v: &[(f64, f64, u64)], pick: fn(&(f64, f64, u64)) -> f64| {
+        let mut x: Vec<f64> = v.iter().map(pick).collect();
+        x.sort_by(f64::total_cmp);
+        x[x.len() / 2]
+    };
+    let (eager_ready, lazy_ready) = (median(eager, |r| r.0), median(lazy, |r| r.0));
+    let (eager_all, lazy_all) = (median(eager, |r| r.1), median(lazy, |r| r.1));
+    println!(
+        "rocksdb restore of a merged image in table files ({keys} keys, {} MiB checkpoint, {} merges): \
+         ready for records after {:.0} ms, every table in after {:.0} ms; taking every table in first: ready \
+         after {:.0} ms ({:.2}× the time to ready), all in after {:.0} ms",
+        lazy[0].2 >> 20,
+        merges,
+        lazy_ready * 1e3,
+        lazy_all * 1e3,
+        eager_ready * 1e3,
+        eager_ready / lazy_ready,
+        eager_all * 1e3
+    );
 }
 
 /// Wall seconds per GiB of checkpoint files of the keyed count (`records` records, as it ran
@@ -379,6 +459,20 @@ fn main() {
     // tenth of them, so that most updates miss the cache and read the store.
     // A quarter of the records: each key is still updated three times on average.
     let rocksdb_records = count_records / 4;
+    // A rocksdb restore whose merged image is in table files: as the engine does it (the
+    // tables come in behind the job) and, on the same checkpoint, taking every table in first.
+    let merged_keys = (4_000_000.0 * scale) as u64;
+    let merged_dir = tmp.path().join("rocksdb-merged");
+    let merged_rate = smoke.then_some(merged_keys / 4);
+    let merged_job = run(&rocksdb_merged_job(merged_keys, merged_rate), &merged_dir);
+    let (mut lazy_restores, mut eager_restores) = (Vec::new(), Vec::new());
+    for _ in 0..repeats {
+        eager_restores.extend(rocksdb_restore_seconds(&merged_dir, merged_keys as usize, false));
+        lazy_restores.extend(rocksdb_restore_seconds(&merged_dir, merged_keys as usize, true));
+    }
+    // A smoke run's job may end before its first merge is adopted (a loaded machine); the
+    // bench's own job (4M keys, tens of checkpoints) never does.
+    assert!(smoke || !lazy_restores.is_empty(), "the merged job's newest checkpoint lists table files");
     let mut rocksdb_rows = Vec::new();
     for cache in [1_000_000u64, 100_000] {
         for checkpoints in [false, true] {
@@ -485,6 +579,11 @@ fn main() {
         restore_rocksdb_s_per_gib
     );
     let image_keys = (2_000_000.0 * scale).max(10_000.0) as u64;
+    if lazy_restores.is_empty() {
+        println!("rocksdb restore of a merged image in table files: no merge was adopted in this smoke run");
+    } else {
+        print_rocksdb_restores(&lazy_restores, &eager_restores, merged_keys, merged_job.merges);
+    }
     let image_sync = rocksdb_full_image_ms(image_keys, &tmp.path().join("image"));
     println!("rocksdb full image of {image_keys} keys (1,000 cached): {image_sync:.1} ms on the task thread");
     // Restores through the engine: the keyed count's checkpoint at parallelism 1, and the same
