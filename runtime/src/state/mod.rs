@@ -88,7 +88,41 @@ struct Spill<K> {
     lazy_restore: Option<LazyRestore>,
     /// The shard the next eviction pass starts at ([`KeyedState::make_room`]'s clock hand).
     evict_from: usize,
+    /// Entries evicted while changed since the last snapshot, as the store got them, in
+    /// eviction order: the next increment takes them from here instead of reading them back
+    /// from the store.
+    evicted_changes: EvictedChanges<K>,
 }
+
+/// Entries evicted while changed (see [`Spill::evicted_changes`]).
+struct EvictedChanges<K> {
+    /// Key group, key, and the value's place in `values`.
+    entries: Vec<(u32, K, std::ops::Range<usize>)>,
+    values: Vec<u8>,
+    /// More were evicted than are kept ([`EVICTED_CHANGES_MAX_BYTES`]): the next increment
+    /// reads every evicted change back from the store, as if none were kept.
+    overflowed: bool,
+}
+
+impl<K> Default for EvictedChanges<K> {
+    fn default() -> Self {
+        EvictedChanges { entries: Vec::new(), values: Vec::new(), overflowed: false }
+    }
+}
+
+impl<K> EvictedChanges<K> {
+    fn clear(&mut self) {
+        self.entries.clear();
+        self.values.clear();
+        self.overflowed = false;
+    }
+}
+
+/// Bytes of evicted changes kept for the next increment (values, plus 64 per entry); beyond
+/// them the increment reads evicted changes back from the store. Without checkpoints nothing
+/// takes them, so this is also all they ever hold. Tests keep a few, so that both ways are
+/// taken.
+const EVICTED_CHANGES_MAX_BYTES: usize = if cfg!(test) { 256 } else { 16 << 20 };
 
 /// A lazy restore in the making: its tables as one source, their key ranges, and the
 /// increments routed to the ranges as they are read.
@@ -198,6 +232,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             restoring_lazily: Vec::new(),
             lazy_restore: None,
             evict_from: 0,
+            evicted_changes: EvictedChanges::default(),
         });
         self
     }
@@ -281,6 +316,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let mut batch = spill.store.batch();
         let mut raw_key = Vec::with_capacity(32);
         let mut value = Encoder::default();
+        let evicted_changes = &mut spill.evicted_changes;
+        let keep_changes = self.incremental;
         for second_chance in [true, false] {
             let mut visited = 0;
             while excess > 0 && visited < map::SHARDS {
@@ -301,6 +338,17 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                         value.buf.clear();
                         s.value.encode(&mut value);
                         batch.put(&raw_key, &value.buf);
+                        if s.dirty && keep_changes && !evicted_changes.overflowed {
+                            let kept = evicted_changes.values.len() + evicted_changes.entries.len() * 64;
+                            if kept + value.buf.len() > EVICTED_CHANGES_MAX_BYTES {
+                                // Their memory too: without checkpoints, nothing would.
+                                *evicted_changes = EvictedChanges { overflowed: true, ..EvictedChanges::default() };
+                            } else {
+                                let at = evicted_changes.values.len();
+                                evicted_changes.values.extend_from_slice(&value.buf);
+                                evicted_changes.entries.push((s.key_group, k.clone(), at..at + value.buf.len()));
+                            }
+                        }
                     }
                     excess -= 1;
                     false
@@ -597,6 +645,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// [`Self::snapshot_checkpoint`] on the rocksdb backend.
     fn snapshot_checkpoint_on_store(&mut self, full: bool) -> Result<KeyedSnapshot, StoreError> {
+        let evicted_changes = std::mem::take(&mut self.spill.as_mut().expect("on the rocksdb backend").evicted_changes);
         if full {
             self.increments_since_full = 0;
             self.changed.clear();
@@ -608,8 +657,23 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.changed.len() * 16 + self.deleted.len() * 12);
-        for (kg, k) in self.deleted.drain(..) {
-            w.delete_encoded(kg, |e| k.encode(e));
+        // Deletions first (see `snapshot_checkpoint`), then the changes evicted since (in the
+        // order the store got them), then the cached changes: each later entry of a key is
+        // its newer value.
+        let deleted = std::mem::take(&mut self.deleted);
+        for (kg, k) in &deleted {
+            w.delete_encoded(*kg, |e| k.encode(e));
+        }
+        let deleted: FxHashSet<&K> = deleted.iter().map(|(_, k)| k).collect();
+        // An evicted change whose key is cached again is written from the cache below (it is
+        // among the changed keys). One whose key was removed since is read back from the
+        // store instead: the removal comes first in the file, and the store knows whether the
+        // key came back after it.
+        let overflowed = evicted_changes.overflowed;
+        for (kg, k, at) in &evicted_changes.entries {
+            if !self.map.contains_key(k) && !deleted.contains(k) {
+                w.put_encoded(*kg, |e| k.encode(e), |e| e.buf.extend_from_slice(&evicted_changes.values[at.clone()]));
+            }
         }
         let changed = std::mem::take(&mut self.changed);
         let mut seen = FxHashSet::default();
@@ -624,10 +688,15 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                     s.dirty = false;
                     w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
                 }
-                None => evicted.push(k),
+                None if overflowed || deleted.contains(k) => evicted.push(k),
+                // Written from the evicted changes above.
+                None => {}
             }
         }
-        let spill = self.spill.as_ref().expect("on the rocksdb backend");
+        let spill = self.spill.as_mut().expect("on the rocksdb backend");
+        let mut reuse = evicted_changes;
+        reuse.clear();
+        spill.evicted_changes = reuse;
         let raw: Vec<Vec<u8>> =
             evicted.iter().map(|k| StateStore::key_of(k.key_group(self.max_parallelism), *k)).collect();
         for (raw_key, value) in raw.iter().zip(spill.store.multi_get(&raw)?) {
@@ -846,6 +915,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         self.increments_since_full = if continue_chain { chain_len.saturating_sub(1) as u32 } else { 0 };
         self.force_full.store(!continue_chain, Ordering::Release);
         if let Some(spill) = &mut self.spill {
+            spill.evicted_changes.clear();
             let tables = std::mem::take(&mut spill.restoring_tables);
             spill.lazy_restore()?;
             let lazily = spill.lazy_restore.take();
