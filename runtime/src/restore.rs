@@ -175,7 +175,9 @@ impl LazyTables {
     ) -> Option<LazyTables> {
         let image = s.keyed_state.first()?.clone();
         let first_keys: Vec<Vec<u8>> = s.store_tables.iter().map(FileRef::first_key_bytes).collect::<Option<_>>()?;
-        crate::state::lazy::Ranges::new(first_keys.clone())?;
+        if !crate::state::lazy::Ranges::increasing(&first_keys) {
+            return None;
+        }
         Some(LazyTables {
             storage: storage.clone(),
             found: found.clone(),
@@ -221,7 +223,7 @@ impl crate::state::lazy::TableSource for LazyTables {
         };
         let read = std::fs::File::open(&copy.path).map_err(|e| format!("opening {}: {e}", copy.path.display()))?;
         let mut store_key = Vec::with_capacity(32);
-        weir_checkpoint::format::read_keyed_parts(read, copy.len, IMAGE_PART_BYTES, |body| {
+        weir_checkpoint::format::read_keyed_parts(read, copy.len, LOCAL_COPY_PART_BYTES, |body| {
             for entry in weir_checkpoint::format::keyed_entries(body) {
                 let entry = entry?;
                 store_key.clear();
@@ -246,8 +248,9 @@ impl crate::state::lazy::TableSource for LazyTables {
     }
 }
 
-/// How much of a full image's local copy the fallback of a lazy restore reads at once.
-const IMAGE_PART_BYTES: usize = 8 << 20;
+/// How much of a state file's local copy a restore reads at once (so that a state larger than
+/// memory restores within it).
+pub const LOCAL_COPY_PART_BYTES: usize = 8 << 20;
 
 /// One restored subtask's state.
 #[derive(Clone, Debug, Default)]
@@ -326,33 +329,31 @@ impl RestoredState {
                     sub.operator_doc = Some(doc.to_vec());
                 }
                 let mut image_from_tables = false;
-                let lazy = match (keyed_in, s.store_tables.is_empty()) {
-                    (KeyedFilesIn::LocalDir(dir), false) => LazyTables::of(storage, found, s, dir),
-                    _ => None,
-                };
-                if let Some(lazy) = lazy {
-                    // Not read here: table files are not required (the image stands for them),
-                    // and each is verified when fetched.
-                    sub.lazy_tables = Some(Arc::new(lazy));
-                    image_from_tables = true;
-                } else if let (KeyedFilesIn::LocalDir(dir), false) = (keyed_in, s.store_tables.is_empty()) {
-                    match copy_tables_verified(storage, found, &s.store_tables, dir).await {
-                        Ok(tables) => {
-                            bytes += s.store_tables.iter().map(|f| f.len).sum::<u64>();
-                            sub.store_tables = tables;
-                            image_from_tables = true;
+                if let (KeyedFilesIn::LocalDir(dir), false) = (keyed_in, s.store_tables.is_empty()) {
+                    if let Some(lazy) = LazyTables::of(storage, found, s, dir) {
+                        // Not read here: table files are not required (the image stands for
+                        // them), and each is verified when fetched.
+                        sub.lazy_tables = Some(Arc::new(lazy));
+                        image_from_tables = true;
+                    } else {
+                        match copy_tables_verified(storage, found, &s.store_tables, dir).await {
+                            Ok(tables) => {
+                                bytes += s.store_tables.iter().map(|f| f.len).sum::<u64>();
+                                sub.store_tables = tables;
+                                image_from_tables = true;
+                            }
+                            // The image they stand for is still there: restore from it, and a
+                            // continued chain stops listing the damaged tables.
+                            Err(RestoreError::CorruptFile { path, reason }) => {
+                                tracing::warn!(
+                                    %path,
+                                    %reason,
+                                    "a checkpoint's table file is damaged; its full image is restored instead"
+                                );
+                                sub.table_refs.clear();
+                            }
+                            Err(e) => return Err(e),
                         }
-                        // The image they stand for is still there: restore from it, and a
-                        // continued chain stops listing the damaged tables.
-                        Err(RestoreError::CorruptFile { path, reason }) => {
-                            tracing::warn!(
-                                %path,
-                                %reason,
-                                "a checkpoint's table file is damaged; its full image is restored instead"
-                            );
-                            sub.table_refs.clear();
-                        }
-                        Err(e) => return Err(e),
                     }
                 }
                 let chain = &s.keyed_state[usize::from(image_from_tables).min(s.keyed_state.len())..];

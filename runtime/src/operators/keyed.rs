@@ -5,10 +5,7 @@ use weir_crds::job::AggregateFn;
 use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
 use crate::operators::accumulators::{AccList, Aggregates};
-use crate::restore::{KeyedFile, KeyedRestore};
-
-/// How much of a state file's local copy a restore reads at once.
-const RESTORE_PART_BYTES: usize = 8 << 20;
+use crate::restore::{KeyedFile, KeyedRestore, LOCAL_COPY_PART_BYTES};
 use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings};
 use crate::value::{Fields, Key, Record, StateKey};
 
@@ -107,7 +104,7 @@ impl KeyedContext {
             KeyedFile::Local(copy) => {
                 let read = std::fs::File::open(&copy.path)
                     .map_err(|e| failed(format!("opening the local copy {}: {e}", copy.path.display())))?;
-                let parts = weir_checkpoint::format::read_keyed_parts(read, copy.len, RESTORE_PART_BYTES, |body| {
+                let parts = weir_checkpoint::format::read_keyed_parts(read, copy.len, LOCAL_COPY_PART_BYTES, |body| {
                     state.restore_file(body, self.key_groups)
                 });
                 match parts {

@@ -1,6 +1,7 @@
 //! A restore onto the rocksdb backend that does not wait for its table files: the job starts
-//! as soon as the increments after the merged image are sorted, and the image's table files
-//! come in behind it, the ones that a read waits for first.
+//! as soon as the increments after the merged image are read (routed, unsorted, to the
+//! ranges below), and the image's table files come in behind it, the ones that a read waits
+//! for first.
 //!
 //! The key space is cut at the tables' first keys into ranges, one per table
 //! ([`Ranges`]). A range is *ready* once its table is in the store and the restored
@@ -70,8 +71,7 @@ impl Combined {
 
     /// The part holding a key (the one whose table's range it falls in).
     fn part_of(&self, key: &[u8]) -> usize {
-        let i = self.first_keys.partition_point(|s| s.as_slice() <= key).saturating_sub(1);
-        self.tables.get(i).map_or(0, |(p, _)| *p)
+        self.tables.get(start_at_or_below(&self.first_keys, key)).map_or(0, |(p, _)| *p)
     }
 }
 
@@ -111,11 +111,21 @@ pub struct Ranges {
     starts: Vec<Vec<u8>>,
 }
 
+/// The index of the last of sorted `starts` at or below `key`; 0 when every start is above it.
+fn start_at_or_below(starts: &[Vec<u8>], key: &[u8]) -> usize {
+    starts.partition_point(|s| s.as_slice() <= key).saturating_sub(1)
+}
+
 impl Ranges {
     /// Ranges beginning at `starts`, which must be strictly increasing; `None` when they are
     /// not (the tables would overlap, or a first key was damaged).
     pub fn new(starts: Vec<Vec<u8>>) -> Option<Self> {
-        starts.windows(2).all(|w| w[0] < w[1]).then_some(Ranges { starts })
+        Self::increasing(&starts).then_some(Ranges { starts })
+    }
+
+    /// Whether `starts` are strictly increasing, as [`Self::new`] requires.
+    pub fn increasing(starts: &[Vec<u8>]) -> bool {
+        starts.windows(2).all(|w| w[0] < w[1])
     }
 
     /// How many ranges (one per start).
@@ -130,9 +140,7 @@ impl Ranges {
 
     /// The range holding `key`.
     pub fn range_of(&self, key: &[u8]) -> usize {
-        // The number of starts at or below the key, less one; keys below the first start are
-        // in range 0.
-        self.starts.partition_point(|s| s.as_slice() <= key).saturating_sub(1)
+        start_at_or_below(&self.starts, key)
     }
 
     /// Range `i`'s bounds `[start, end)`: `start` `None` for range 0 (no lower bound), `end`
@@ -299,6 +307,7 @@ impl Pending {
     }
 
     /// How many ranges are ready.
+    #[cfg(test)]
     pub fn ready(&self) -> usize {
         self.lock().ready
     }

@@ -133,6 +133,14 @@ struct LazyRestore {
 }
 
 impl<K> Spill<K> {
+    /// Tables of a subtask that owned key groups `source` are restored into a store that owns
+    /// `key_groups`: when the source owned more, the others are deleted after they come in.
+    fn keep_key_groups_of(&mut self, source: (u32, u32), key_groups: (u32, u32)) {
+        if source.0 < key_groups.0 || source.1 > key_groups.1 {
+            self.restoring_key_groups = Some(key_groups);
+        }
+    }
+
     /// The lazy restore the registered table sources make, built once; `None` when there are
     /// none (or none has a table: an empty image).
     fn lazy_restore(&mut self) -> Result<Option<&mut LazyRestore>, StoreError> {
@@ -871,9 +879,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     ) -> bool {
         let Some(spill) = &mut self.spill else { return false };
         spill.restoring_tables.extend(tables.iter().cloned());
-        if source.0 < key_groups.0 || source.1 > key_groups.1 {
-            spill.restoring_key_groups = Some(key_groups);
-        }
+        spill.keep_key_groups_of(source, key_groups);
         true
     }
 
@@ -897,9 +903,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             )));
         }
         spill.restoring_lazily.push(tables);
-        if source.0 < key_groups.0 || source.1 > key_groups.1 {
-            spill.restoring_key_groups = Some(key_groups);
-        }
+        spill.keep_key_groups_of(source, key_groups);
         Ok(true)
     }
 

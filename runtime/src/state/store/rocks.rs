@@ -173,11 +173,11 @@ impl StateStore {
 
     /// Deletes every entry outside key groups `[start, end)` (a restore at another parallelism
     /// took in table files of a subtask that owned more).
-    pub fn keep_only_key_groups(&self, (start, end): (u32, u32)) -> Result<(), StoreError> {
+    pub fn keep_only_key_groups(&self, key_groups: (u32, u32)) -> Result<(), StoreError> {
         let mut batch = WriteBatch::default();
-        batch.delete_range([0u8, 0].as_slice(), (start as u16).to_be_bytes().as_slice());
-        // Key groups are below 2^15, so no store key begins with two 0xff bytes.
-        batch.delete_range((end as u16).to_be_bytes().as_slice(), [0xffu8, 0xff, 0xff].as_slice());
+        for (from, to) in other_key_groups_within(key_groups, None, None) {
+            batch.delete_range(from, to);
+        }
         self.write(batch)
     }
 
@@ -270,8 +270,8 @@ fn ingest(db: &DB, tables: Vec<PathBuf>) -> Result<(), StoreError> {
 
 /// Sorted runs of a loader that reads a range from the full image or sorts a group of ranges'
 /// increments: 4 MiB in memory, and 16 merged at once (a 256 KiB buffer each).
-const IMAGE_RUN_BYTES: usize = 4 << 20;
-const IMAGE_MERGE_FAN_IN: usize = 16;
+const LOADER_RUN_BYTES: usize = 4 << 20;
+const LOADER_MERGE_FAN_IN: usize = 16;
 
 /// What the loaders of one lazy restore share.
 struct LoaderJob {
@@ -341,7 +341,7 @@ impl LoaderJob {
         }
         let increments = self
             .increments
-            .take_range(i, self.pending.ranges(), IMAGE_RUN_BYTES, IMAGE_MERGE_FAN_IN)
+            .take_range(i, self.pending.ranges(), LOADER_RUN_BYTES, LOADER_MERGE_FAN_IN)
             .map_err(|e| format!("sorting the increments over table {i}: {e}"))?;
         ingest(&self.db, increments).map_err(|e| format!("loading the increments over table {i}: {e}"))?;
         let _ = std::fs::remove_dir_all(&scratch);
@@ -366,7 +366,7 @@ impl LoaderJob {
         let (start, end) = self.pending.ranges().bounds(i);
         // Beside the job and up to seven other loaders, in the same memory limit: smaller runs
         // than a restore's own.
-        let mut load = BulkLoad::with_limits(&scratch.join("image"), IMAGE_RUN_BYTES, IMAGE_MERGE_FAN_IN);
+        let mut load = BulkLoad::with_limits(&scratch.join("image"), LOADER_RUN_BYTES, LOADER_MERGE_FAN_IN);
         self.source.image_entries(start.unwrap_or(&[]), end, &mut |key, value| load.add(key, Some(value)))?;
         let opts = options();
         let mut tables = TableWriter::new(&scratch.join("image-tables"), &opts);
