@@ -3,12 +3,19 @@
 //! ```text
 //! file    := magic "WST1" | kind u8 | body | crc32c u32-le (of everything before it)
 //! kind    := 0 keyed full image | 1 keyed increment | 2 operator state
+//!          | 3 keyed increment by key group
 //! keyed   := entry*           entry := key_group varint | key bytes | op u8 (0 delete, 1 put) [| value bytes]
+//! by key group := index_len u32-le | index | entry*   (entries ordered by key group)
+//! index   := (key_group_step varint | entries_len varint)*   (key groups increasing)
 //! operator:= bytes            (an opaque document owned by the operator)
 //! bytes   := len varint | raw
 //! ```
 //! Keyed entries carry their key group, so a restore at another parallelism reads only what
-//! falls into its range.
+//! falls into its range. An increment ordered by key group (kind 3, written by the rocksdb
+//! backend) reads like any other ([`open`] and [`read_keyed_parts`] skip its index; it opens as
+//! [`FileKind::KeyedIncrement`]), and its index ([`read_increment_index`]) says where each key
+//! group's entries are, so that a restore can read a range of key groups without the rest.
+//! The entries of one key group keep the order they were written in.
 
 use bytes::Bytes;
 
@@ -40,6 +47,9 @@ pub enum FormatError {
     /// Unknown kind byte.
     #[error("unknown state file kind {0}")]
     UnknownKind(u8),
+    /// An increment's key-group index does not match its entries.
+    #[error("state file key-group index malformed: {0}")]
+    BadIndex(&'static str),
     /// The body ended in the middle of an entry.
     #[error("state file body malformed at byte {0}")]
     Malformed(usize),
@@ -171,12 +181,21 @@ impl<'a> Decoder<'a> {
     }
 }
 
+/// The kind byte of an increment ordered by key group.
+const KIND_INCREMENT_BY_KEY_GROUP: u8 = 3;
+
+/// Bytes before the entries of a file: magic and kind.
+const HEADER_LEN: usize = MAGIC.len() + 1;
+
 /// Builds one state file.
 #[derive(Debug)]
 pub struct StateFileWriter {
     enc: Encoder,
     scratch: Encoder,
     entries: u64,
+    /// For an increment ordered by key group: each entry's key group and length, in the
+    /// order written (the file is ordered when finished).
+    by_key_group: Option<Vec<(u32, u32)>>,
 }
 
 impl StateFileWriter {
@@ -185,26 +204,47 @@ impl StateFileWriter {
         let mut enc = Encoder::with_capacity(capacity + 16);
         enc.buf.extend_from_slice(MAGIC);
         enc.u8(kind as u8);
-        StateFileWriter { enc, scratch: Encoder::with_capacity(64), entries: 0 }
+        StateFileWriter { enc, scratch: Encoder::with_capacity(64), entries: 0, by_key_group: None }
+    }
+
+    /// Starts an increment ordered by key group, with an index of where each key group's
+    /// entries are (see the module's documentation). Entries may come in any order; those of
+    /// one key group keep theirs.
+    pub fn increment_by_key_group(capacity: usize) -> Self {
+        let mut w = Self::new(FileKind::KeyedIncrement, capacity);
+        w.enc.buf[HEADER_LEN - 1] = KIND_INCREMENT_BY_KEY_GROUP;
+        w.by_key_group = Some(Vec::with_capacity(capacity / 24));
+        w
+    }
+
+    /// Records the entry that starts at `at` (for an increment ordered by key group).
+    #[inline]
+    fn entry_written(&mut self, key_group: u32, at: usize) {
+        self.entries += 1;
+        if let Some(entries) = &mut self.by_key_group {
+            entries.push((key_group, (self.enc.buf.len() - at) as u32));
+        }
     }
 
     /// Adds a keyed put.
     #[inline]
     pub fn put(&mut self, key_group: u32, key: &[u8], value: &[u8]) {
+        let at = self.enc.buf.len();
         self.enc.varint(u64::from(key_group));
         self.enc.bytes(key);
         self.enc.u8(1);
         self.enc.bytes(value);
-        self.entries += 1;
+        self.entry_written(key_group, at);
     }
 
     /// Adds a keyed deletion.
     #[inline]
     pub fn delete(&mut self, key_group: u32, key: &[u8]) {
+        let at = self.enc.buf.len();
         self.enc.varint(u64::from(key_group));
         self.enc.bytes(key);
         self.enc.u8(0);
-        self.entries += 1;
+        self.entry_written(key_group, at);
     }
 
     /// Adds a keyed put whose value is encoded in place by `value`.
@@ -215,20 +255,22 @@ impl StateFileWriter {
     /// Adds a keyed put whose key and value are encoded in place (no intermediate buffers).
     #[inline]
     pub fn put_encoded(&mut self, key_group: u32, key: impl FnOnce(&mut Encoder), value: impl FnOnce(&mut Encoder)) {
+        let at = self.enc.buf.len();
         self.enc.varint(u64::from(key_group));
         self.length_prefixed(key);
         self.enc.u8(1);
         self.length_prefixed(value);
-        self.entries += 1;
+        self.entry_written(key_group, at);
     }
 
     /// Adds a keyed deletion whose key is encoded in place.
     #[inline]
     pub fn delete_encoded(&mut self, key_group: u32, key: impl FnOnce(&mut Encoder)) {
+        let at = self.enc.buf.len();
         self.enc.varint(u64::from(key_group));
         self.length_prefixed(key);
         self.enc.u8(0);
-        self.entries += 1;
+        self.entry_written(key_group, at);
     }
 
     /// Writes what `write` encodes behind its exact length, as [`Encoder::bytes`] would. The
@@ -259,19 +301,157 @@ impl StateFileWriter {
         self.entries
     }
 
-    /// The keyed entries written, without the file's header, and their number: for appending
-    /// to a [`StateFileStream`] with [`StateFileStream::put_entries`].
+    /// The keyed entries written, in the order written, without the file's header, and their
+    /// number: for appending to a [`StateFileStream`] with [`StateFileStream::put_entries`].
     pub fn into_entries(self) -> (Vec<u8>, u64) {
         let mut buf = self.enc.buf;
-        buf.drain(..MAGIC.len() + 1);
+        buf.drain(..HEADER_LEN);
         (buf, self.entries)
     }
 
     /// Seals the file with its checksum; returns the bytes and their CRC-32C.
     pub fn finish(mut self) -> (Bytes, u32) {
+        if let Some(entries) = self.by_key_group.take() {
+            self.enc.buf = ordered_by_key_group(&self.enc.buf, &entries);
+        }
         let crc = crc32c::crc32c(&self.enc.buf);
         self.enc.buf.extend_from_slice(&crc.to_le_bytes());
         (Bytes::from(self.enc.buf), crc32c::crc32c_append(crc, &crc.to_le_bytes()))
+    }
+}
+
+/// The file `written` (header, then entries of the given key groups and lengths, in that
+/// order) as an increment ordered by key group: header, index, then the entries moved to their
+/// key group's place (a counting sort: one pass to count, one to move).
+fn ordered_by_key_group(written: &[u8], entries: &[(u32, u32)]) -> Vec<u8> {
+    let (lowest, highest) =
+        entries.iter().fold((u32::MAX, 0), |(lo, hi), &(key_group, _)| (lo.min(key_group), hi.max(key_group)));
+    let mut bytes_of: Vec<u64> = vec![0; if entries.is_empty() { 0 } else { (highest - lowest) as usize + 1 }];
+    for &(key_group, len) in entries {
+        bytes_of[(key_group - lowest) as usize] += u64::from(len);
+    }
+    let mut index = Encoder::with_capacity(bytes_of.len() * 4);
+    let mut previous = 0u32;
+    for (i, &bytes) in bytes_of.iter().enumerate().filter(|(_, &bytes)| bytes > 0) {
+        let key_group = lowest + i as u32;
+        index.varint(u64::from(key_group - previous));
+        index.varint(bytes);
+        previous = key_group;
+    }
+    let entries_at = HEADER_LEN + 4 + index.buf.len();
+    let mut out = vec![0u8; written.len() + 4 + index.buf.len()];
+    out[..HEADER_LEN].copy_from_slice(&written[..HEADER_LEN]);
+    out[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(index.buf.len() as u32).to_le_bytes());
+    out[HEADER_LEN + 4..entries_at].copy_from_slice(&index.buf);
+    // Where the next entry of each key group goes.
+    let mut next_at = Vec::with_capacity(bytes_of.len());
+    let mut at = entries_at;
+    for bytes in &bytes_of {
+        next_at.push(at);
+        at += *bytes as usize;
+    }
+    let mut from = HEADER_LEN;
+    for &(key_group, len) in entries {
+        let len = len as usize;
+        let to = &mut next_at[(key_group - lowest) as usize];
+        out[*to..*to + len].copy_from_slice(&written[from..from + len]);
+        *to += len;
+        from += len;
+    }
+    out
+}
+
+/// Where one key group's entries are in an increment ordered by key group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyGroupEntries {
+    /// The key group.
+    pub key_group: u32,
+    /// Offset of its first entry from the start of the file.
+    pub offset: u64,
+    /// Length of its entries in bytes.
+    pub len: u64,
+}
+
+/// The index of an increment ordered by key group: where each key group's entries are.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IncrementIndex {
+    /// Key groups that have entries, increasing; their entries follow each other.
+    pub key_groups: Vec<KeyGroupEntries>,
+}
+
+impl IncrementIndex {
+    /// The bytes holding the entries of key groups `[first, last)`: one stretch of the file,
+    /// as an offset and a length (length 0 when none of them has entries).
+    pub fn stretch_of(&self, (first, last): (u32, u32)) -> (u64, u64) {
+        let from = self.key_groups.partition_point(|k| k.key_group < first);
+        let to = self.key_groups.partition_point(|k| k.key_group < last);
+        match (self.key_groups.get(from), to > from) {
+            (Some(start), true) => {
+                let end = &self.key_groups[to - 1];
+                (start.offset, end.offset + end.len - start.offset)
+            }
+            _ => (0, 0),
+        }
+    }
+}
+
+/// Reads the index of an increment ordered by key group from the start of `file` (its length
+/// `len`): `None` for a file of another kind. Only the header and the index are read; the
+/// file must be verified to trust what the index says (as a restore does while downloading).
+pub fn read_increment_index(
+    mut file: impl std::io::Read,
+    len: u64,
+) -> Result<Option<IncrementIndex>, PartsError<std::convert::Infallible>> {
+    let Some(index_len) = read_header(&mut file, len)?.1 else { return Ok(None) };
+    let mut raw = vec![0u8; index_len as usize];
+    file.read_exact(&mut raw)?;
+    let entries_at = (HEADER_LEN + 4) as u64 + index_len;
+    let entries_len = len - entries_at - 4;
+    let mut dec = Decoder::new(&raw);
+    let (mut key_groups, mut key_group, mut offset) = (Vec::new(), 0u64, entries_at);
+    while !dec.is_empty() {
+        let step = dec.varint().map_err(PartsError::Format)?;
+        let bytes = dec.varint().map_err(PartsError::Format)?;
+        key_group = key_group.saturating_add(step);
+        if key_group > u64::from(u32::MAX) || (step == 0 && !key_groups.is_empty()) {
+            return Err(PartsError::Format(FormatError::BadIndex("key groups not increasing")));
+        }
+        if bytes == 0 {
+            return Err(PartsError::Format(FormatError::BadIndex("a key group without entries")));
+        }
+        key_groups.push(KeyGroupEntries { key_group: key_group as u32, offset, len: bytes });
+        offset = offset.checked_add(bytes).ok_or(PartsError::Format(FormatError::BadIndex("too long")))?;
+    }
+    if offset - entries_at != entries_len {
+        return Err(PartsError::Format(FormatError::BadIndex("its lengths do not add up to the entries'")));
+    }
+    Ok(Some(IncrementIndex { key_groups }))
+}
+
+/// Reads a keyed file's header from `file` (its length `len`): its kind, and for an increment
+/// ordered by key group the length of its index.
+fn read_header<E>(file: &mut impl std::io::Read, len: u64) -> Result<(FileKind, Option<u64>), PartsError<E>> {
+    if len < (HEADER_LEN + 4) as u64 {
+        return Err(PartsError::Format(FormatError::Truncated(len as usize)));
+    }
+    let mut header = [0u8; HEADER_LEN];
+    file.read_exact(&mut header)?;
+    if &header[..4] != MAGIC {
+        return Err(PartsError::Format(FormatError::BadMagic));
+    }
+    match header[4] {
+        0 => Ok((FileKind::KeyedFull, None)),
+        1 => Ok((FileKind::KeyedIncrement, None)),
+        KIND_INCREMENT_BY_KEY_GROUP => {
+            let mut index_len = [0u8; 4];
+            file.read_exact(&mut index_len)?;
+            let index_len = u64::from(u32::from_le_bytes(index_len));
+            if len < (HEADER_LEN + 4 + 4) as u64 + index_len {
+                return Err(PartsError::Format(FormatError::Truncated(len as usize)));
+            }
+            Ok((FileKind::KeyedIncrement, Some(index_len)))
+        }
+        k => Err(PartsError::Format(FormatError::UnknownKind(k))),
     }
 }
 
@@ -372,9 +552,16 @@ pub fn open(file: &[u8]) -> Result<(FileKind, &[u8]), FormatError> {
         0 => FileKind::KeyedFull,
         1 => FileKind::KeyedIncrement,
         2 => FileKind::OperatorState,
+        KIND_INCREMENT_BY_KEY_GROUP => {
+            let rest = &content[HEADER_LEN..];
+            let index_len = rest.get(..4).ok_or(FormatError::Truncated(file.len()))?;
+            let index_len = u32::from_le_bytes(index_len.try_into().expect("four bytes")) as usize;
+            let entries = rest.get(4 + index_len..).ok_or(FormatError::Truncated(file.len()))?;
+            return Ok((FileKind::KeyedIncrement, entries));
+        }
         k => return Err(FormatError::UnknownKind(k)),
     };
-    Ok((kind, &content[5..]))
+    Ok((kind, &content[HEADER_LEN..]))
 }
 
 /// Iterates the keyed entries of a verified body.
@@ -445,30 +632,38 @@ pub fn read_keyed_parts<E>(
     mut file: impl std::io::Read,
     len: u64,
     part: usize,
-    mut consume: impl FnMut(&[u8]) -> Result<(), E>,
+    consume: impl FnMut(&[u8]) -> Result<(), E>,
 ) -> Result<FileKind, PartsError<E>> {
-    if len < (MAGIC.len() + 1 + 4) as u64 {
-        return Err(PartsError::Format(FormatError::Truncated(len as usize)));
+    let (kind, index_len) = read_header(&mut file, len)?;
+    let mut entries_at = HEADER_LEN as u64;
+    if let Some(index_len) = index_len {
+        // A few bytes per key group.
+        let mut index = vec![0u8; index_len as usize];
+        file.read_exact(&mut index)?;
+        entries_at += 4 + index_len;
     }
-    let mut header = [0u8; 5];
-    file.read_exact(&mut header)?;
-    if &header[..4] != MAGIC {
-        return Err(PartsError::Format(FormatError::BadMagic));
-    }
-    let kind = match header[4] {
-        0 => FileKind::KeyedFull,
-        1 => FileKind::KeyedIncrement,
-        k => return Err(PartsError::Format(FormatError::UnknownKind(k))),
-    };
+    read_entry_parts(file, len - entries_at - 4, part, consume)?;
+    Ok(kind)
+}
+
+/// Reads `len` bytes of whole keyed entries from `entries` in parts of about `part` bytes, as
+/// [`read_keyed_parts`] does with a file's: for one stretch of an increment ordered by key
+/// group ([`IncrementIndex::stretch_of`]).
+pub fn read_entry_parts<E>(
+    mut entries: impl std::io::Read,
+    len: u64,
+    part: usize,
+    mut consume: impl FnMut(&[u8]) -> Result<(), E>,
+) -> Result<(), PartsError<E>> {
     let part = part.max(1);
-    let mut remaining = len - (MAGIC.len() + 1 + 4) as u64;
+    let mut remaining = len;
     let mut buf: Vec<u8> = Vec::with_capacity(part.min(remaining as usize));
     let mut want = part;
-    loop {
+    while remaining > 0 {
         let take = (want.saturating_sub(buf.len()) as u64).min(remaining) as usize;
         let start = buf.len();
         buf.resize(start + take, 0);
-        file.read_exact(&mut buf[start..])?;
+        entries.read_exact(&mut buf[start..])?;
         remaining -= take as u64;
         let whole = if remaining == 0 { buf.len() } else { whole_entries_len(&buf) };
         if whole == 0 && remaining > 0 {
@@ -479,10 +674,8 @@ pub fn read_keyed_parts<E>(
         consume(&buf[..whole]).map_err(PartsError::Consume)?;
         buf.drain(..whole);
         want = part;
-        if remaining == 0 {
-            return Ok(kind);
-        }
     }
+    Ok(())
 }
 
 /// Reads the document of a verified operator-state body.
@@ -595,6 +788,95 @@ mod tests {
         // Shorter than its stated length: a read error, not a silent end.
         let (keyed, _) = StateFileWriter::new(FileKind::KeyedFull, 8).finish();
         assert!(matches!(read_keyed_parts(&keyed[..], keyed.len() as u64 + 10, 64, none), Err(PartsError::Read(_))));
+    }
+
+    /// A keyed entry read back, owned: key group, key, value (`None`: deleted).
+    type Owned = (u32, Vec<u8>, Option<Vec<u8>>);
+
+    /// Entries of scattered key groups (deletions, and values long enough to move their bytes
+    /// for a longer length), written to an increment ordered by key group.
+    fn scattered_increment() -> (Bytes, Vec<Owned>) {
+        let mut w = StateFileWriter::increment_by_key_group(64);
+        let mut written = Vec::new();
+        for i in 0..400u32 {
+            let key_group = (i * 37 + i / 50) % 23 + 5;
+            let key = format!("key-{}", i % 150).into_bytes();
+            if i % 9 == 0 {
+                w.delete_encoded(key_group, |e| e.buf.extend_from_slice(&key));
+                written.push((key_group, key, None));
+            } else {
+                let value = vec![i as u8; if i % 31 == 0 { 300 } else { (i % 5) as usize }];
+                w.put_encoded(key_group, |e| e.buf.extend_from_slice(&key), |e| e.buf.extend_from_slice(&value));
+                written.push((key_group, key, Some(value)));
+            }
+        }
+        assert_eq!(w.entries(), 400);
+        (w.finish().0, written)
+    }
+
+    fn read_all(body: &[u8]) -> Vec<Owned> {
+        keyed_entries(body)
+            .map(|e| e.map(|e| (e.key_group, e.key.to_vec(), e.value.map(<[u8]>::to_vec))))
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    #[test]
+    fn an_increment_by_key_group_reads_as_its_entries_ordered_by_key_group_and_its_index_finds_each() {
+        let (bytes, written) = scattered_increment();
+        let mut ordered = written.clone();
+        // Stable: the entries of a key group keep the order they were written in.
+        ordered.sort_by_key(|(key_group, _, _)| *key_group);
+        let (kind, body) = open(&bytes).unwrap();
+        assert_eq!(kind, FileKind::KeyedIncrement);
+        assert_eq!(read_all(body), ordered);
+        let mut parts = Vec::new();
+        let kind = read_keyed_parts(&bytes[..], bytes.len() as u64, 100, |body| {
+            parts.extend(read_all(body));
+            Ok::<_, FormatError>(())
+        })
+        .unwrap();
+        assert_eq!((kind, &parts), (FileKind::KeyedIncrement, &ordered));
+
+        let index = read_increment_index(&bytes[..], bytes.len() as u64).unwrap().unwrap();
+        assert_eq!(index.key_groups.len(), 23);
+        for (first, last) in [(0, 5), (5, 6), (7, 8), (5, 28), (10, 20), (27, 100), (28, 100), (12, 12)] {
+            let (offset, len) = index.stretch_of((first, last));
+            let mut read = Vec::new();
+            read_entry_parts(&bytes[offset as usize..], len, 64, |body| {
+                read.extend(read_all(body));
+                Ok::<_, FormatError>(())
+            })
+            .unwrap();
+            let expected: Vec<_> = ordered.iter().filter(|(kg, _, _)| (first..last).contains(kg)).cloned().collect();
+            assert_eq!(read, expected, "key groups {first}..{last}");
+        }
+        // Other kinds have no index.
+        let (full, _) = StateFileWriter::new(FileKind::KeyedFull, 8).finish();
+        assert_eq!(read_increment_index(&full[..], full.len() as u64).unwrap(), None);
+        // An empty increment has an empty index.
+        let (empty, _) = StateFileWriter::increment_by_key_group(8).finish();
+        let index = read_increment_index(&empty[..], empty.len() as u64).unwrap().unwrap();
+        assert_eq!((index.stretch_of((0, 10)), open(&empty).unwrap().1.len()), ((0, 0), 0));
+    }
+
+    #[test]
+    fn an_increment_by_key_group_with_any_flipped_bit_or_a_wrong_index_is_refused() {
+        let (bytes, _) = scattered_increment();
+        for i in 0..bytes.len() {
+            let mut bad = bytes.to_vec();
+            bad[i] ^= 1;
+            assert!(open(&bad).is_err(), "flip at {i} undetected");
+        }
+        // The index's lengths must add up to the entries' (read without the checksum).
+        let mut bad = bytes.to_vec();
+        let index_at = HEADER_LEN + 4;
+        bad[index_at + 1] ^= 1;
+        assert!(matches!(
+            read_increment_index(&bad[..], bad.len() as u64),
+            Err(PartsError::Format(FormatError::BadIndex(_) | FormatError::Malformed(_)))
+        ));
+        assert!(matches!(read_increment_index(&bytes[..8], 8), Err(PartsError::Format(FormatError::Truncated(8)))));
     }
 
     #[test]

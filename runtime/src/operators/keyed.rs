@@ -102,8 +102,32 @@ impl KeyedContext {
                 state.restore_file(body, self.key_groups).map_err(store_failed)
             }
             KeyedFile::Local(copy) => {
-                let read = std::fs::File::open(&copy.path)
-                    .map_err(|e| failed(format!("opening the local copy {}: {e}", copy.path.display())))?;
+                let open = || {
+                    std::fs::File::open(&copy.path)
+                        .map_err(|e| failed(format!("opening the local copy {}: {e}", copy.path.display())))
+                };
+                // An increment ordered by key group stays where it is when the store restores
+                // lazily: its loaders read each range's stretch of it.
+                let index = match weir_checkpoint::format::read_increment_index(open()?, copy.len) {
+                    Ok(index) => index,
+                    Err(PartsError::Read(e)) => {
+                        return Err(failed(format!("reading the local copy {}: {e}", copy.path.display())))
+                    }
+                    Err(PartsError::Format(e)) => return Err(failed(e.to_string())),
+                    Err(PartsError::Consume(never)) => match never {},
+                };
+                if let Some(index) = index {
+                    let increment = crate::state::bulk::IncrementByKeyGroup {
+                        path: copy.path.clone(),
+                        index,
+                        key_groups: self.key_groups,
+                        keep: Box::new(copy.clone()),
+                    };
+                    if state.restore_increment_by_key_group(increment).map_err(store_failed)? {
+                        return Ok(());
+                    }
+                }
+                let read = open()?;
                 let parts = weir_checkpoint::format::read_keyed_parts(read, copy.len, LOCAL_COPY_PART_BYTES, |body| {
                     state.restore_file(body, self.key_groups)
                 });

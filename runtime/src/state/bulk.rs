@@ -193,6 +193,23 @@ impl BulkLoad {
         Ok(())
     }
 
+    /// Writes what was added as table files under `dir` (sorted, the newest entry of each key,
+    /// deletions kept as tombstones), for a store that holds older entries of these keys. This
+    /// load's own directory is deleted.
+    #[cfg(feature = "rocksdb")]
+    pub fn into_tables(self, dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
+        let own_dir = self.dir.clone();
+        let opts = super::store::options();
+        let mut tables = TableWriter::new(dir, &opts);
+        let merged = self.merge_all(true, |key, value| match value {
+            Some(value) => tables.put(key, value),
+            None => tables.delete(key),
+        });
+        let _ = std::fs::remove_dir_all(own_dir);
+        merged?;
+        tables.finish()
+    }
+
     /// Writes what was added as table files split at `starts` (sorted store keys; see
     /// [`super::lazy::Ranges`]): the files of range `i` (keys from `starts[i]` up to the next
     /// start; the first range also holds every key below `starts[0]`) under `dir/<i>/`,
@@ -296,15 +313,35 @@ impl BulkLoad {
     }
 }
 
-/// A lazy restore's increments, routed to groups of key ranges as they are read, unsorted and
-/// in their order: sorting them and writing their table files is left to the loaders, a group
-/// at a time, when the first range of the group is needed ([`RangeGroups::take_range`]). So
-/// the job waits only for the increments to be read, not sorted.
+/// A lazy restore's increments. Those ordered by key group (as the rocksdb backend writes
+/// them) stay in their local copies: each range's loader reads the stretch of its key groups
+/// of each ([`RangeGroups::take_range_by_key_group`]), so the job waits for none of their
+/// entries. Others are routed to groups of key ranges as they are read, unsorted and in their
+/// order: sorting them and writing their table files is left to the loaders, a group at a time,
+/// when the first range of the group is needed ([`RangeGroups::take_range`]). So the job waits
+/// for them to be read, not sorted.
 pub struct RangeGroups {
     dir: PathBuf,
     ranges: usize,
     groups: Vec<Mutex<Group>>,
+    /// Increments ordered by key group, in chain order, all newer than the routed entries.
+    by_key_group: Vec<IncrementByKeyGroup>,
 }
+
+/// A restored increment ordered by key group, in a local file read in stretches.
+pub struct IncrementByKeyGroup {
+    /// The local copy (verified).
+    pub path: PathBuf,
+    /// Where each key group's entries are in it.
+    pub index: weir_checkpoint::format::IncrementIndex,
+    /// The key groups the restoring subtask owns: entries of others are left out.
+    pub key_groups: (u32, u32),
+    /// Whatever keeps the file until the restore is done with it (a restore's local copy).
+    pub keep: Box<dyn std::any::Any + Send + Sync>,
+}
+
+/// Bytes of an increment's stretch a loader reads at once.
+const STRETCH_PART_BYTES: usize = 1 << 20;
 
 /// One group of ranges' increments.
 #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))] // Only a store splits them.
@@ -330,7 +367,86 @@ impl RangeGroups {
             dir: dir.to_path_buf(),
             ranges,
             groups: (0..groups).map(|g| Mutex::new(Group::Writing(dir.join(format!("group-{g}")), None))).collect(),
+            by_key_group: Vec::new(),
         }
+    }
+
+    /// Adds an increment ordered by key group, newer than everything added before.
+    pub fn add_by_key_group(&mut self, increment: IncrementByKeyGroup) {
+        self.by_key_group.push(increment);
+    }
+
+    /// Routes the entries of the increments ordered by key group added so far, as [`Self::add`]
+    /// does: before entries of an older kind of increment that is newer than them are added.
+    pub fn route_increments_by_key_group(&mut self, ranges: &super::lazy::Ranges) -> Result<(), StoreError> {
+        let mut raw = Vec::with_capacity(32);
+        for increment in std::mem::take(&mut self.by_key_group) {
+            let file = File::open(&increment.path).map_err(io_failed)?;
+            let len = file.metadata().map_err(io_failed)?.len();
+            let parts = weir_checkpoint::format::read_keyed_parts(file, len, STRETCH_PART_BYTES, |body| {
+                for entry in weir_checkpoint::format::keyed_entries(body) {
+                    let entry = entry?;
+                    if (increment.key_groups.0..increment.key_groups.1).contains(&entry.key_group) {
+                        raw.clear();
+                        super::store::StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
+                        self.add(ranges.range_of(&raw), &raw, entry.value)?;
+                    }
+                }
+                Ok(())
+            });
+            parts.map_err(from_parts)?;
+        }
+        Ok(())
+    }
+
+    /// The table files of range `range`'s entries in the increments ordered by key group (the
+    /// newest entry of each key, deletions kept as tombstones), under `dir`: to take in after
+    /// [`Self::take_range`]'s. Reads only the stretch of each increment that holds the range's
+    /// key groups.
+    #[cfg(feature = "rocksdb")]
+    pub fn take_range_by_key_group(
+        &self,
+        range: usize,
+        ranges: &super::lazy::Ranges,
+        dir: &Path,
+        run_bytes: usize,
+        fan_in: usize,
+    ) -> Result<Vec<PathBuf>, StoreError> {
+        use std::io::{Seek, SeekFrom};
+        if self.by_key_group.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (start, end) = ranges.bounds(range);
+        let in_range = |key: &[u8]| start.is_none_or(|s| key >= s) && end.is_none_or(|e| key < e);
+        let range_key_groups = ranges.key_groups_of(range);
+        let mut load = BulkLoad::with_limits(&dir.join("runs"), run_bytes, fan_in);
+        let mut raw = Vec::with_capacity(32);
+        for increment in &self.by_key_group {
+            let key_groups =
+                (range_key_groups.0.max(increment.key_groups.0), range_key_groups.1.min(increment.key_groups.1));
+            if key_groups.0 >= key_groups.1 {
+                continue;
+            }
+            let (offset, len) = increment.index.stretch_of(key_groups);
+            if len == 0 {
+                continue;
+            }
+            let mut file = File::open(&increment.path).map_err(io_failed)?;
+            file.seek(SeekFrom::Start(offset)).map_err(io_failed)?;
+            let parts = weir_checkpoint::format::read_entry_parts(file.take(len), len, STRETCH_PART_BYTES, |body| {
+                for entry in weir_checkpoint::format::keyed_entries(body) {
+                    let entry = entry?;
+                    raw.clear();
+                    super::store::StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
+                    if (key_groups.0..key_groups.1).contains(&entry.key_group) && in_range(&raw) {
+                        load.add(&raw, entry.value)?;
+                    }
+                }
+                Ok(())
+            });
+            parts.map_err(from_parts)?;
+        }
+        load.into_tables(dir)
     }
 
     fn group_of(&self, range: usize) -> usize {
@@ -405,6 +521,15 @@ impl RangeGroups {
             Group::Split(by_range) => Ok(by_range.get_mut(range).map(std::mem::take).unwrap_or_default()),
             _ => unreachable!("finished before ranges are taken"),
         }
+    }
+}
+
+/// A failed read of a state file's parts as the store's error.
+fn from_parts(e: weir_checkpoint::format::PartsError<StoreError>) -> StoreError {
+    match e {
+        weir_checkpoint::format::PartsError::Read(e) => StoreError::BulkLoad(e),
+        weir_checkpoint::format::PartsError::Format(e) => StoreError::Decode(e),
+        weir_checkpoint::format::PartsError::Consume(e) => e,
     }
 }
 

@@ -1,7 +1,9 @@
 //! A restore onto the rocksdb backend that does not wait for its table files: the job starts
-//! as soon as the increments after the merged image are read (routed, unsorted, to the
-//! ranges below), and the image's table files come in behind it, the ones that a read waits
-//! for first.
+//! as soon as the increments after the merged image are copied and verified, and the image's
+//! table files come in behind it, the ones that a read waits for first. Increments ordered by
+//! key group (as the rocksdb backend writes them) are not read before the job starts: the
+//! loader of each range reads the stretch of its key groups of each. Others are read and
+//! routed, unsorted, to the ranges below.
 //!
 //! The key space is cut at the tables' first keys into ranges, one per table
 //! ([`Ranges`]). A range is *ready* once its table is in the store and the restored
@@ -148,6 +150,19 @@ impl Ranges {
     pub fn bounds(&self, i: usize) -> (Option<&[u8]>, Option<&[u8]>) {
         let start = (i > 0).then(|| self.starts[i].as_slice());
         (start, self.starts.get(i + 1).map(Vec::as_slice))
+    }
+
+    /// The key groups `[first, last)` that range `i`'s store keys can belong to (a store key
+    /// begins with its key group, two bytes big-endian).
+    pub fn key_groups_of(&self, i: usize) -> (u32, u32) {
+        let key_group = |key: &[u8]| {
+            u32::from(u16::from_be_bytes([key.first().copied().unwrap_or(0), key.get(1).copied().unwrap_or(0)]))
+        };
+        let (start, end) = self.bounds(i);
+        let first = start.map_or(0, key_group);
+        // A range ending at a key group's first key does not reach into that key group.
+        let last = end.map_or(u32::MAX, |e| key_group(e) + u32::from(e.len() > 2));
+        (first, last)
     }
 }
 
@@ -339,6 +354,21 @@ mod tests {
 
     /// Loaders take ranges in order, except that a range a reader waits for goes first; a
     /// reader returns once its range is loaded, and everyone learns of a failure.
+    #[test]
+    fn a_range_names_every_key_group_its_keys_can_be_in() {
+        let r = ranges(&[&[0, 3, 9], &[0, 5], &[0, 5, 0], &[1, 0, 7]]);
+        assert_eq!(r.key_groups_of(0), (0, 5), "below [0 5]: no key of key group 5 is");
+        assert_eq!(r.key_groups_of(1), (5, 5 + 1), "[0 5] up to [0 5 0]");
+        assert_eq!(r.key_groups_of(2), (5, 257), "up to a key of key group 256");
+        assert_eq!(r.key_groups_of(3), (256, u32::MAX));
+        let key_group = |key: &[u8]| u32::from(u16::from_be_bytes([key[0], key[1]]));
+        for key in [&[0u8, 0][..], &[0, 4, 255], &[0, 5], &[0, 5, 0], &[0, 5, 0, 1], &[0, 255, 1], &[1, 0, 7], &[9, 9]]
+        {
+            let (first, last) = r.key_groups_of(r.range_of(key));
+            assert!((first..last).contains(&key_group(key)), "{key:?}");
+        }
+    }
+
     #[test]
     fn a_wanted_range_is_loaded_first_and_readers_wake_when_it_is_ready() {
         let pending = Arc::new(Pending::new(ranges(&[b"a", b"c", b"e", b"g"])));

@@ -664,7 +664,9 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             return self.full_image();
         }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
-        let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.changed.len() * 16 + self.deleted.len() * 12);
+        // Ordered by key group when finished, so that a lazy restore reads a range's part of it
+        // without the rest (`bulk::RangeGroups::take_range_by_key_group`).
+        let mut w = StateFileWriter::increment_by_key_group(self.changed.len() * 16 + self.deleted.len() * 12);
         // Deletions first (see `snapshot_checkpoint`), then the changes evicted since (in the
         // order the store got them), then the cached changes: each later entry of a key is
         // its newer value.
@@ -797,6 +799,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         if let Some(spill) = &mut self.spill {
             let mut raw = Vec::with_capacity(32);
             if let Some(lazy) = spill.lazy_restore()? {
+                // Newer than the increments ordered by key group before it: those go first.
+                lazy.increments.route_increments_by_key_group(&lazy.ranges)?;
                 // Routed to their ranges unsorted: the loaders sort them.
                 for entry in keyed_entries(body) {
                     let entry = entry?;
@@ -863,6 +867,17 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 }
             }
         }
+    }
+
+    /// (rocksdb backend, restoring lazily: [`Self::restore_lazy_tables`]) Restores the next
+    /// file of the chain, an increment ordered by key group, from its local copy without
+    /// reading it: each range's loader reads the stretch of it that holds the range's key
+    /// groups. Whether the state took it; when not, restore it with [`Self::restore_file`].
+    pub fn restore_increment_by_key_group(&mut self, increment: bulk::IncrementByKeyGroup) -> Result<bool, StoreError> {
+        let Some(spill) = &mut self.spill else { return Ok(false) };
+        let Some(lazy) = spill.lazy_restore()? else { return Ok(false) };
+        lazy.increments.add_by_key_group(increment);
+        Ok(true)
     }
 
     /// (rocksdb backend) Restores a full image from its table files (a checkpoint's
@@ -1480,11 +1495,28 @@ mod model_tests {
                     }
                     let _ = (as_tables, image, source, &tables_dir);
                 }
+                // Increments ordered by key group stay in local files for the loaders (most of
+                // them: the others are read, after the ones before them).
+                #[cfg(feature = "rocksdb")]
+                let increments_dir = Arc::new(tempfile::tempdir().unwrap());
                 for (source, chain) in &overlapping {
                     for (i, f) in chain.iter().enumerate() {
                         files.push(f.clone());
                         if i == 0 && image_as_tables.contains(source) {
                             continue;
+                        }
+                        #[cfg(feature = "rocksdb")]
+                        if backend == Some(2) && i % 3 != 2 {
+                            let index = weir_checkpoint::format::read_increment_index(&f[..], f.len() as u64).unwrap();
+                            if let Some(index) = index {
+                                let path = increments_dir.path().join(format!("{}-{i}", source.0));
+                                std::fs::write(&path, f).unwrap();
+                                let keep = Box::new(increments_dir.clone());
+                                let increment = bulk::IncrementByKeyGroup { path, index, key_groups: range, keep };
+                                if state.restore_increment_by_key_group(increment).unwrap() {
+                                    continue;
+                                }
+                            }
                         }
                         if backend.is_none() {
                             let (_, body) = open(f).expect("a file written by a snapshot verifies");
@@ -1540,7 +1572,15 @@ mod model_tests {
         let tables = Arc::new(probe.holding(last));
         let mut restored = empty(10, Some(1000));
         assert!(restored.restore_lazy_tables(tables.clone(), all, all).unwrap());
-        restored.restore_file(open(&increment).unwrap().1, all).unwrap();
+        // The increment stays in its file: each range's loader reads its key groups of it.
+        let increment_dir = tempfile::tempdir().unwrap();
+        let path = increment_dir.path().join("increment");
+        std::fs::write(&path, &increment).unwrap();
+        let index = weir_checkpoint::format::read_increment_index(&increment[..], increment.len() as u64)
+            .unwrap()
+            .expect("the rocksdb backend's increments are ordered by key group");
+        let increment = bulk::IncrementByKeyGroup { path, index, key_groups: all, keep: Box::new(()) };
+        assert!(restored.restore_increment_by_key_group(increment).unwrap());
         restored.after_restore(true, 2).unwrap();
 
         let in_held_range = |k: i64| StateStore::key_of(key(k).key_group(MAX_PARALLELISM), &key(k)) >= last_start;

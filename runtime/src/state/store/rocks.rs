@@ -104,7 +104,8 @@ impl StateStore {
     /// Starts a lazy restore into this store, which holds nothing in `ranges` yet: `loaders`
     /// threads fetch the source's tables, the ones that reads wait for first, and load each
     /// range's table, then its restored increments over it (sorted by the loaders, a group
-    /// of ranges at a time: [`RangeGroups::take_range`]). With `keep` (a restore at another
+    /// of ranges at a time: [`RangeGroups::take_range`]; then those ordered by key group, read
+    /// a range at a time: [`RangeGroups::take_range_by_key_group`]). With `keep` (a restore at another
     /// parallelism), entries of other key groups in each range are deleted after its table
     /// came in. Until a range is in, reads of it wait ([`super::super::lazy`]).
     pub fn load_lazily(
@@ -344,6 +345,17 @@ impl LoaderJob {
             .take_range(i, self.pending.ranges(), LOADER_RUN_BYTES, LOADER_MERGE_FAN_IN)
             .map_err(|e| format!("sorting the increments over table {i}: {e}"))?;
         ingest(&self.db, increments).map_err(|e| format!("loading the increments over table {i}: {e}"))?;
+        let by_key_group = self
+            .increments
+            .take_range_by_key_group(
+                i,
+                self.pending.ranges(),
+                &scratch.join("by-key-group"),
+                LOADER_RUN_BYTES,
+                LOADER_MERGE_FAN_IN,
+            )
+            .map_err(|e| format!("reading the increments over table {i}: {e}"))?;
+        ingest(&self.db, by_key_group).map_err(|e| format!("loading the increments over table {i}: {e}"))?;
         let _ = std::fs::remove_dir_all(&scratch);
         Ok(())
     }
