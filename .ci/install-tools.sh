@@ -16,6 +16,10 @@ set -euo pipefail
 cache="${WEIR_CACHE:-$HOME/.cache/weir}"
 tools="$cache/tools"
 mkdir -p "$tools"
+# One install at a time (two clones' CI, or a shell beside it, would build the same tools into
+# the same places). The Kubernetes build below takes a lock of its own.
+exec 8>"$tools/.install.lock"
+flock 8
 # s3s-fs 0.14.1 is the newest release that builds with Rust 1.95 (0.17 needs 1.96).
 S3S_VERSION=0.14.1
 if [ ! -x "$tools/bin/s3s-fs" ] || ! grep -q "$S3S_VERSION" "$tools/.s3s-version" 2>/dev/null; then

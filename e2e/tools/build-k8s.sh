@@ -55,6 +55,12 @@ root="$CACHE/k8s/$K8S_VERSION"
 bin="$root/bin"
 mod="$root/mod"
 
+# One build at a time: two at once (two clones' CI, or a shell beside it) wrote the same
+# temporary binaries, and one of them failed on the other's rename.
+mkdir -p "$root"
+exec 9>"$root/.build.lock"
+flock 9
+
 missing=()
 for b in "${want[@]}"; do [[ -x "$bin/$b" ]] || missing+=("$b"); done
 if [[ ${#missing[@]} -eq 0 ]]; then
