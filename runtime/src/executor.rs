@@ -1223,7 +1223,8 @@ impl OperatorFactory<'_> {
             key: node.key.clone(),
             max_parallelism: job.spec.max_parallelism,
             key_groups,
-            incremental: job.spec.checkpointing.incremental,
+            // Without checkpoints nothing takes increments, and the state tracks no changes.
+            incremental: job.spec.checkpointing.incremental && job.spec.checkpointing.enabled,
             full_every: job.spec.checkpointing.full_every,
             background_full_image_above: job.spec.checkpointing.background_full_image_above,
             store: (job.spec.state_backend == StateBackendKind::Rocksdb).then(|| StoreSettings {

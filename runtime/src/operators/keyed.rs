@@ -20,7 +20,8 @@ pub struct KeyedContext {
     pub max_parallelism: u32,
     /// This subtask's key groups.
     pub key_groups: (u32, u32),
-    /// Incremental checkpoints on.
+    /// Incremental checkpoints on (and checkpoints at all: without them the state tracks no
+    /// changes).
     pub incremental: bool,
     /// Full image every N checkpoints.
     pub full_every: u32,

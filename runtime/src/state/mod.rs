@@ -165,6 +165,10 @@ impl<K> Spill<K> {
     }
 }
 
+/// Tracked changes below which [`KeyedState::check_tracking`] does not look (and the entries
+/// it counts at least). Tests look early.
+const TRACKED_CHANGES_CHECK: usize = if cfg!(test) { 64 } else { 1 << 20 };
+
 /// Changed keys whose lookups a snapshot runs back to back before encoding their entries.
 const SNAPSHOT_LOOKUP_CHUNK: usize = 64;
 
@@ -179,6 +183,13 @@ pub struct KeyedState<V, K = Key> {
     changed: Vec<K>,
     scan: bool,
     deleted: Vec<(u32, K)>,
+    /// Nothing is tracked until the next snapshot, a full image: without incremental
+    /// checkpoints always (before, a job without checkpoints grew its lists without bound),
+    /// and after more keys changed or were removed since the last snapshot than twice the
+    /// entries (a full image is then no larger than the increment would have been).
+    untracked: bool,
+    /// The tracked changes' count at which [`Self::check_tracking`] looks again.
+    next_tracking_check: usize,
     max_parallelism: u32,
     incremental: bool,
     full_every: u32,
@@ -213,8 +224,11 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         KeyedState {
             map: map::ShardedMap::default(),
             changed: Vec::new(),
-            scan: false,
+            // Without incremental checkpoints every snapshot is a full image: nothing to track.
+            scan: !incremental,
             deleted: Vec::new(),
+            untracked: !incremental,
+            next_tracking_check: TRACKED_CHANGES_CHECK,
             max_parallelism,
             incremental,
             full_every: full_every.max(1),
@@ -256,6 +270,46 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// Entries in the state: exact on the heap backend; on the rocksdb backend the cached ones
     /// plus the store's estimate.
+    /// Called when [`Self::next_tracking_check`] changes are tracked: stops tracking (see
+    /// [`Self::untracked`]) when they are more than twice the entries, or looks again at
+    /// twice as many.
+    #[cold]
+    fn check_tracking(&mut self) {
+        let tracked = self.changed.len() + self.deleted.len();
+        let entries = self.estimated_entries().max(TRACKED_CHANGES_CHECK as u64);
+        if tracked as u64 > entries.saturating_mul(2) {
+            tracing::debug!(
+                tracked,
+                entries,
+                "more changes than entries since the last snapshot: the next is a full image"
+            );
+            self.untracked = true;
+            self.scan = true;
+            self.changed = Vec::new();
+            self.deleted = Vec::new();
+        } else {
+            self.next_tracking_check = tracked.saturating_mul(2);
+        }
+    }
+
+    /// Checks the tracked changes when due (see [`Self::check_tracking`]).
+    #[inline]
+    fn track_within_bounds(&mut self) {
+        if self.changed.len() + self.deleted.len() >= self.next_tracking_check {
+            self.check_tracking();
+        }
+    }
+
+    /// After a full image: every change is in it, and tracking starts again (when increments
+    /// are taken at all).
+    fn tracking_restarts(&mut self) {
+        self.changed.clear();
+        self.deleted.clear();
+        self.untracked = !self.incremental;
+        self.scan = self.untracked;
+        self.next_tracking_check = TRACKED_CHANGES_CHECK;
+    }
+
     fn estimated_entries(&self) -> u64 {
         match &self.spill {
             None => self.map.len() as u64,
@@ -385,6 +439,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// [`Self::insert_new`] of a key whose hash [`Self::prefetch`] returned.
     pub fn insert_new_hashed(&mut self, hash: u64, key: K, value: V) -> Result<bool, StoreError> {
+        self.track_within_bounds();
         if self.spill.is_none() {
             // Heap backend: one probe of the map finds the key or the slot for it (a lookup
             // and then an insert probed twice; dedupe inserts a new key per record).
@@ -504,6 +559,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     #[inline]
     pub fn update_hashed(&mut self, hash: u64, key: K, init: impl FnOnce() -> V) -> Result<&mut V, StoreError> {
         use map::MapEntry as Entry;
+        self.track_within_bounds();
         if self.spill.is_some() && !self.load(&key)? {
             self.make_room(1)?;
         }
@@ -536,6 +592,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// Like [`Self::update`] for an existing key; `None` when absent.
     pub fn update_existing(&mut self, key: &K) -> Result<Option<&mut V>, StoreError> {
+        self.track_within_bounds();
         if self.spill.is_some() {
             self.load(key)?;
         }
@@ -555,6 +612,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// Removes a key.
     pub fn remove(&mut self, key: &K) -> Result<Option<V>, StoreError> {
+        self.track_within_bounds();
         if self.spill.is_some() {
             self.load(key)?;
         }
@@ -565,7 +623,9 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             batch.delete(&raw);
             spill.store.write(batch)?;
         }
-        self.deleted.push((slot.key_group, key.clone()));
+        if !self.untracked {
+            self.deleted.push((slot.key_group, key.clone()));
+        }
         Ok(Some(slot.value))
     }
 
@@ -594,15 +654,14 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     pub fn snapshot_checkpoint(&mut self) -> Result<KeyedSnapshot, StoreError> {
         let periodic = self.increments_since_full + 1 >= self.full_every
             && self.estimated_entries() <= self.background_full_image_above;
-        let full = !self.incremental || self.force_full.swap(false, Ordering::AcqRel) || periodic;
+        let full = !self.incremental || self.force_full.swap(false, Ordering::AcqRel) || periodic || self.untracked;
         if self.spill.is_some() {
             return self.snapshot_checkpoint_on_store(full);
         }
         let scan = std::mem::take(&mut self.scan) || self.changed.len() * 4 > self.map.len();
         if full {
             self.increments_since_full = 0;
-            self.changed.clear();
-            self.deleted.clear();
+            self.tracking_restarts();
             let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
             for (k, s) in self.map.iter_mut() {
                 s.dirty = false;
@@ -656,8 +715,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let evicted_changes = std::mem::take(&mut self.spill.as_mut().expect("on the rocksdb backend").evicted_changes);
         if full {
             self.increments_since_full = 0;
-            self.changed.clear();
-            self.deleted.clear();
+            self.tracking_restarts();
             for s in self.map.values_mut() {
                 s.dirty = false;
             }
@@ -928,9 +986,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// rocksdb backend this loads the restored entries into the store: table files first, then
     /// the other entries over them.
     pub fn after_restore(&mut self, continue_chain: bool, chain_len: usize) -> Result<(), StoreError> {
-        self.changed.clear();
-        self.scan = false;
-        self.deleted.clear();
+        self.tracking_restarts();
         self.increments_since_full = if continue_chain { chain_len.saturating_sub(1) as u32 } else { 0 };
         self.force_full.store(!continue_chain, Ordering::Release);
         if let Some(spill) = &mut self.spill {
@@ -1535,6 +1591,68 @@ mod model_tests {
                 parts.push((state, range, if continue_chain { files } else { Vec::new() }));
             }
             Subtasks { parts }
+        }
+    }
+
+    /// State keeps no more than about twice its entries in change lists: beyond that nothing
+    /// is tracked, and the next snapshot is a full image that restores exactly; then tracking
+    /// starts again. Without incremental checkpoints (a job without checkpoints) nothing is
+    /// ever tracked: the rocksdb backend's list grew by every update of an evicted key, forever.
+    #[test]
+    fn changes_beyond_twice_the_entries_stop_being_tracked_until_a_full_image() {
+        // (incremental, backend): the rocksdb backend's entry count is RocksDB's estimate,
+        // which counts every write since the last flush, so only the heap's is exact enough to
+        // cross twice the entries here.
+        #[cfg(feature = "rocksdb")]
+        let cases = [(true, None), (false, None), (false, Some(10))];
+        #[cfg(not(feature = "rocksdb"))]
+        let cases = [(true, None), (false, None)];
+        for (incremental, backend) in cases {
+            let backend_name = format!("incremental {incremental}, backend {backend:?}");
+            let state = KeyedState::new(MAX_PARALLELISM, incremental, 1000);
+            let mut state = match backend {
+                None => state,
+                Some(cache) => state.on_test_store(cache),
+            };
+            let mut model = BTreeMap::new();
+            assert_eq!(state.snapshot_checkpoint().unwrap().kind, FileKind::KeyedFull);
+            for round in 0..40i64 {
+                for k in 0..100 {
+                    *state.update(key(k), || 0).unwrap() += round;
+                    *model.entry(k).or_insert(0) += round;
+                }
+                // Removals: every one is listed while tracked.
+                for k in (round..100).step_by(7) {
+                    state.remove(&key(k)).unwrap();
+                    model.remove(&k);
+                }
+                let tracked = state.changed.len() + state.deleted.len();
+                let bound = if incremental { 2 * TRACKED_CHANGES_CHECK.max(100) + 150 } else { 0 };
+                assert!(tracked <= bound, "{backend_name}: {tracked} tracked");
+            }
+            assert!(state.untracked, "{backend_name}: 40 rounds changed every key");
+            let image = state.snapshot_checkpoint().unwrap();
+            assert_eq!(image.kind, FileKind::KeyedFull, "{backend_name}");
+            assert_eq!(state.untracked, !incremental);
+            *state.update(key(1), || 0).unwrap() += 1;
+            *model.entry(1).or_insert(0) += 1;
+            let next = state.snapshot_checkpoint().unwrap();
+            let expected = if incremental { FileKind::KeyedIncrement } else { FileKind::KeyedFull };
+            assert_eq!(next.kind, expected, "{backend_name}: tracked again when incremental");
+            let mut restored = empty(1000, None);
+            for file in [image.bytes(), next.bytes()] {
+                restored.restore_file(open(&file).unwrap().1, (0, MAX_PARALLELISM)).unwrap();
+            }
+            restored.after_restore(true, 2).unwrap();
+            let got: BTreeMap<i64, i64> = restored
+                .entries()
+                .into_iter()
+                .map(|(k, v)| match k {
+                    Key::One(Value::Int(i)) => (i, v),
+                    k => panic!("{k:?}"),
+                })
+                .collect();
+            assert_eq!(got, model, "{backend_name}");
         }
     }
 
