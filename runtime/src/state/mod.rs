@@ -1441,6 +1441,18 @@ mod model_tests {
         Key::One(Value::Int(i))
     }
 
+    /// The entries of state keyed by single integers, as a map.
+    fn int_contents(state: &KeyedState<i64>) -> BTreeMap<i64, i64> {
+        state
+            .entries()
+            .into_iter()
+            .map(|(k, v)| match k {
+                Key::One(Value::Int(i)) => (i, v),
+                k => panic!("{k:?}"),
+            })
+            .collect()
+    }
+
     /// The subtasks of one operator: each with its key groups and its current chain.
     struct Subtasks {
         parts: Vec<(KeyedState<i64>, KeyGroups, Chain)>,
@@ -1644,15 +1656,7 @@ mod model_tests {
                 restored.restore_file(open(&file).unwrap().1, (0, MAX_PARALLELISM)).unwrap();
             }
             restored.after_restore(true, 2).unwrap();
-            let got: BTreeMap<i64, i64> = restored
-                .entries()
-                .into_iter()
-                .map(|(k, v)| match k {
-                    Key::One(Value::Int(i)) => (i, v),
-                    k => panic!("{k:?}"),
-                })
-                .collect();
-            assert_eq!(got, model, "{backend_name}");
+            assert_eq!(int_contents(&restored), model, "{backend_name}");
         }
     }
 
@@ -1713,15 +1717,7 @@ mod model_tests {
         tables.release();
         let held_key = (0..300).find(|k| in_held_range(*k) && model.contains_key(k)).unwrap();
         assert_eq!(restored.get(&key(held_key)).unwrap().copied(), model.get(&held_key).copied());
-        let got: BTreeMap<i64, i64> = restored
-            .entries()
-            .into_iter()
-            .map(|(k, v)| match k {
-                Key::One(Value::Int(i)) => (i, v),
-                k => panic!("{k:?}"),
-            })
-            .collect();
-        assert_eq!(got, model);
+        assert_eq!(int_contents(&restored), model);
         assert!(!restored.spill.as_ref().unwrap().store.loading());
     }
 
