@@ -1236,7 +1236,11 @@ impl OperatorFactory<'_> {
         let composite_key = keyed().composite();
         if let Some(k) = &keyed_restore {
             if k.continue_chain {
-                let chain = crate::upload::RestoredChain { files: k.chain.clone(), tables: k.chain_tables.clone() };
+                let chain = crate::upload::RestoredChain {
+                    files: k.chain.clone(),
+                    tables: k.chain_tables.clone(),
+                    tables_fell_back: k.lazy_tables.first().map(|(_, t)| t.fell_back_flag()),
+                };
                 chains.insert(uid.clone(), chain);
             }
         }

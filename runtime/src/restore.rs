@@ -161,6 +161,8 @@ pub struct LazyTables {
     dir: PathBuf,
     /// The image's local copy, once a table needed it.
     image_copy: std::sync::Mutex<Option<Arc<LocalCopy>>>,
+    /// Raised when a table could not be taken in ([`Self::fell_back_flag`]).
+    fell_back: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl LazyTables {
@@ -186,7 +188,15 @@ impl LazyTables {
             image,
             dir: dir.to_path_buf(),
             image_copy: std::sync::Mutex::new(None),
+            fell_back: Arc::default(),
         })
+    }
+
+    /// Raised once a table of these could not be taken in and its range came from the image:
+    /// the uploader of a continued chain then stops listing the tables
+    /// ([`crate::upload::RestoredChain::tables_fell_back`]).
+    pub fn fell_back_flag(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.fell_back.clone()
     }
 
     /// A file copied to local disk and verified, storage errors retried.
@@ -245,6 +255,10 @@ impl crate::state::lazy::TableSource for LazyTables {
 
     fn describe(&self) -> String {
         format!("{} table files of {}", self.tables.len(), self.storage.url_of(&self.found.dir))
+    }
+
+    fn fell_back(&self, _: usize) {
+        self.fell_back.store(true, Ordering::Release);
     }
 }
 

@@ -45,7 +45,26 @@ struct Chain {
     /// The first file's entries as the rocksdb backend's table files (see
     /// [`SubtaskSnapshot::store_tables`]); empty when it has none.
     tables: Vec<FileRef>,
+    /// See [`RestoredChain::tables_fell_back`].
+    tables_fell_back: Option<Arc<AtomicBool>>,
     broken: bool,
+}
+
+impl Chain {
+    /// The table files to list with the chain: none from the moment a restore could not take
+    /// one of them in (damaged, missing or refused), so that no later restore tries them again
+    /// (it reads the full image they stand for instead).
+    fn listed_tables(&mut self) -> Vec<FileRef> {
+        if self.tables_fell_back.as_ref().is_some_and(|f| f.load(Ordering::Acquire)) {
+            tracing::warn!(
+                tables = self.tables.len(),
+                "a restore could not take a table file of its chain in; the chain stops listing its table files"
+            );
+            self.tables.clear();
+            self.tables_fell_back = None;
+        }
+        self.tables.clone()
+    }
 }
 
 /// A restored keyed-state chain that a task's uploader continues.
@@ -55,6 +74,9 @@ pub struct RestoredChain {
     pub files: Vec<FileRef>,
     /// The full image's table files, if it has them.
     pub tables: Vec<FileRef>,
+    /// Raised when the restore could not take one of `tables` in and read its range from the
+    /// image: from the next checkpoint on, the chain lists no table files.
+    pub tables_fell_back: Option<Arc<AtomicBool>>,
 }
 
 /// A chain of more than `fullEvery` files is merged once its increments hold at least this
@@ -106,7 +128,10 @@ pub fn run(
 ) {
     let mut chains: HashMap<String, Chain> = restored_chains
         .into_iter()
-        .map(|(uid, c)| (uid, Chain { files: c.files, tables: c.tables, broken: false }))
+        .map(|(uid, c)| {
+            let chain = Chain { files: c.files, tables: c.tables, tables_fell_back: c.tables_fell_back, broken: false };
+            (uid, chain)
+        })
         .collect();
     let mut unstaged: Vec<StagedWrite> = Vec::new();
     for job in jobs {
@@ -225,6 +250,7 @@ async fn adopt_merges(
         let merged = staged.request.chain.len();
         let replaced: Vec<FileRef> = chain.files.splice(..merged, [listed(&staged.image)]).collect();
         let old_tables = std::mem::replace(&mut chain.tables, staged.tables.iter().map(listed).collect());
+        chain.tables_fell_back = None;
         // An earlier merge replaced here may never have been listed by a complete checkpoint.
         for f in replaced.iter().chain(&old_tables) {
             merges.merger.pending().dropped(&layout::resolve(&layout::checkpoint_dir(id), &f.path), id);
@@ -433,11 +459,12 @@ async fn upload(
                         }
                         chain.files.clear();
                         chain.tables.clear();
+                        chain.tables_fell_back = None;
                         chain.broken = false;
                     }
                     chain.files.push(file);
                     snap.keyed_state = chain.files.clone();
-                    snap.store_tables = chain.tables.clone();
+                    snap.store_tables = chain.listed_tables();
                 }
             }
             ack.operators.push(OperatorAck { uid, parallelism: job.parallelism, snapshot: snap });
@@ -529,5 +556,25 @@ mod tests {
         request_merges(&mut merges, &HashMap::from([("op".to_string(), restarted)]), 8, 0, &flags);
         assert_eq!(merges.failures_in_a_row.get("op"), None, "the count starts again");
         assert!(!flag.load(Ordering::Acquire));
+    }
+
+    /// A continued chain lists its restored table files until its restore could not take one
+    /// in; from then on it lists none, even once the flag is down again.
+    #[test]
+    fn a_chain_stops_listing_its_tables_once_a_restore_fell_back_from_one() {
+        let fell_back = Arc::new(AtomicBool::new(false));
+        let tables = vec![FileRef::new("t0.sst".into(), 10, 0), FileRef::new("t1.sst".into(), 10, 0)];
+        let mut chain = Chain {
+            files: vec![FileRef::new("image.kv".into(), 100, 0)],
+            tables: tables.clone(),
+            tables_fell_back: Some(fell_back.clone()),
+            broken: false,
+        };
+        assert_eq!(chain.listed_tables(), tables);
+        fell_back.store(true, Ordering::Release);
+        assert_eq!(chain.listed_tables(), Vec::<FileRef>::new());
+        fell_back.store(false, Ordering::Release);
+        assert_eq!(chain.listed_tables(), Vec::<FileRef>::new());
+        assert_eq!(chain.files.len(), 1, "the image they stood for stays");
     }
 }

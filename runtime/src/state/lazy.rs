@@ -42,6 +42,11 @@ pub trait TableSource: Send + Sync + std::fmt::Debug {
 
     /// For logs: where the tables are.
     fn describe(&self) -> String;
+
+    /// Table `i` could not be taken in (damaged, missing or refused), and its range came from
+    /// the full image instead: the source tells whoever lists the tables again (a continued
+    /// chain stops listing them, so that no later restore tries them).
+    fn fell_back(&self, i: usize);
 }
 
 /// The tables of several sources (a restore at a lower parallelism, whose subtask takes the
@@ -91,6 +96,11 @@ impl TableSource for Combined {
         // A range ends where the next table (of this part or the next) begins, so only the
         // part of its first table has entries in it.
         self.parts[self.part_of(start)].image_entries(start, end, emit)
+    }
+
+    fn fell_back(&self, i: usize) {
+        let (p, t) = self.tables[i];
+        self.parts[p].fell_back(t);
     }
 
     fn describe(&self) -> String {

@@ -1660,18 +1660,42 @@ mod model_tests {
         }
     }
 
-    /// A lazy restore serves the keys of the tables already in while the fetch of another is
-    /// held: the first records flow before all state is read. The increments after the image
-    /// (updates, a removal, a new key) are over every table once it is in.
+    /// Rocksdb-backed state (cache 1,000) of keys 0..300, each counting its own number, and
+    /// its model.
     #[cfg(feature = "rocksdb")]
-    #[test]
-    fn a_lazy_restore_serves_reads_before_every_table_is_in() {
+    fn rocksdb_state_of_300_keys() -> (KeyedState<i64>, BTreeMap<i64, i64>) {
         let mut state = empty(10, Some(1000));
         let mut model = BTreeMap::new();
         for k in 0..300 {
             *state.update(key(k), || 0).unwrap() += k;
             model.insert(k, k);
         }
+        (state, model)
+    }
+
+    /// A table that cannot be fetched is replaced by the image's entries of its range, and the
+    /// store tells the source (a continued chain then stops listing the tables: `upload`).
+    #[cfg(feature = "rocksdb")]
+    #[test]
+    fn a_lazy_restore_replaces_a_damaged_table_by_the_image_and_says_so() {
+        let (mut state, model) = rocksdb_state_of_300_keys();
+        let image = state.snapshot_checkpoint().unwrap().bytes();
+        let all = (0, MAX_PARALLELISM);
+        let tables = Arc::new(TestTables::of(&image, 50, Some(2)));
+        let mut restored = empty(10, Some(1000));
+        assert!(restored.restore_lazy_tables(tables.clone(), all, all).unwrap());
+        restored.after_restore(true, 1).unwrap();
+        assert_eq!(int_contents(&restored), model, "every key, those of the damaged table's range included");
+        assert_eq!(*tables.fell_back.lock().unwrap(), vec![2]);
+    }
+
+    /// A lazy restore serves the keys of the tables already in while the fetch of another is
+    /// held: the first records flow before all state is read. The increments after the image
+    /// (updates, a removal, a new key) are over every table once it is in.
+    #[cfg(feature = "rocksdb")]
+    #[test]
+    fn a_lazy_restore_serves_reads_before_every_table_is_in() {
+        let (mut state, mut model) = rocksdb_state_of_300_keys();
         let image = state.snapshot_checkpoint().unwrap().bytes();
         for k in (0..300).step_by(7) {
             *state.update(key(k), || 0).unwrap() += 1000;
@@ -1734,6 +1758,8 @@ mod model_tests {
         /// The table whose fetch waits, and whether it may go on.
         held: Option<(usize, std::sync::Mutex<bool>, std::sync::Condvar)>,
         fetched: std::sync::Mutex<Vec<usize>>,
+        /// Tables the store reported it could not take in.
+        fell_back: std::sync::Mutex<Vec<usize>>,
         /// Holds the tables and the fetched copies for as long as the store may fetch.
         dir: tempfile::TempDir,
     }
@@ -1755,7 +1781,16 @@ mod model_tests {
                 w.put(k, v).unwrap();
             }
             let (paths, first_keys) = w.finish_with_first_keys().unwrap().into_iter().unzip();
-            TestTables { paths, first_keys, image, damaged, held: None, fetched: Default::default(), dir }
+            TestTables {
+                paths,
+                first_keys,
+                image,
+                damaged,
+                held: None,
+                fetched: Default::default(),
+                fell_back: Default::default(),
+                dir,
+            }
         }
 
         /// Fetches of table `i` wait for [`Self::release`].
@@ -1814,6 +1849,10 @@ mod model_tests {
 
         fn describe(&self) -> String {
             format!("{} test tables", self.paths.len())
+        }
+
+        fn fell_back(&self, i: usize) {
+            self.fell_back.lock().unwrap().push(i);
         }
     }
 

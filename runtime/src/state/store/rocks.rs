@@ -329,6 +329,7 @@ impl LoaderJob {
             );
             self.load_from_image(i, &scratch)?;
             self.from_image.fetch_add(1, Ordering::Relaxed);
+            self.source.fell_back(i);
         }
         let (start, end) = self.pending.ranges().bounds(i);
         if let Some(key_groups) = self.keep {
