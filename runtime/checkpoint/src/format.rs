@@ -428,7 +428,7 @@ pub fn read_increment_index(
     Ok(Some(IncrementIndex { key_groups }))
 }
 
-/// Reads a keyed file's header from `file` (its length `len`): its kind, and for an increment
+/// Reads a state file's header from `file` (its length `len`): its kind, and for an increment
 /// ordered by key group the length of its index.
 fn read_header<E>(file: &mut impl std::io::Read, len: u64) -> Result<(FileKind, Option<u64>), PartsError<E>> {
     if len < (HEADER_LEN + 4) as u64 {
@@ -442,6 +442,7 @@ fn read_header<E>(file: &mut impl std::io::Read, len: u64) -> Result<(FileKind, 
     match header[4] {
         0 => Ok((FileKind::KeyedFull, None)),
         1 => Ok((FileKind::KeyedIncrement, None)),
+        2 => Ok((FileKind::OperatorState, None)),
         KIND_INCREMENT_BY_KEY_GROUP => {
             let mut index_len = [0u8; 4];
             file.read_exact(&mut index_len)?;
@@ -545,23 +546,14 @@ pub fn open(file: &[u8]) -> Result<(FileKind, &[u8]), FormatError> {
     if crc32c::crc32c(content).to_le_bytes() != crc {
         return Err(FormatError::ChecksumMismatch);
     }
-    if &content[..4] != MAGIC {
-        return Err(FormatError::BadMagic);
-    }
-    let kind = match content[4] {
-        0 => FileKind::KeyedFull,
-        1 => FileKind::KeyedIncrement,
-        2 => FileKind::OperatorState,
-        KIND_INCREMENT_BY_KEY_GROUP => {
-            let rest = &content[HEADER_LEN..];
-            let index_len = rest.get(..4).ok_or(FormatError::Truncated(file.len()))?;
-            let index_len = u32::from_le_bytes(index_len.try_into().expect("four bytes")) as usize;
-            let entries = rest.get(4 + index_len..).ok_or(FormatError::Truncated(file.len()))?;
-            return Ok((FileKind::KeyedIncrement, entries));
-        }
-        k => return Err(FormatError::UnknownKind(k)),
-    };
-    Ok((kind, &content[HEADER_LEN..]))
+    let (kind, index_len) =
+        read_header::<std::convert::Infallible>(&mut &content[..], file.len() as u64).map_err(|e| match e {
+            PartsError::Format(e) => e,
+            // Shorter than its header says.
+            PartsError::Read(_) => FormatError::Truncated(file.len()),
+            PartsError::Consume(never) => match never {},
+        })?;
+    Ok((kind, &content[HEADER_LEN + index_len.map_or(0, |len| 4 + len as usize)..]))
 }
 
 /// Iterates the keyed entries of a verified body.
@@ -635,6 +627,9 @@ pub fn read_keyed_parts<E>(
     consume: impl FnMut(&[u8]) -> Result<(), E>,
 ) -> Result<FileKind, PartsError<E>> {
     let (kind, index_len) = read_header(&mut file, len)?;
+    if kind == FileKind::OperatorState {
+        return Err(PartsError::Format(FormatError::UnknownKind(FileKind::OperatorState as u8)));
+    }
     let mut entries_at = HEADER_LEN as u64;
     if let Some(index_len) = index_len {
         // A few bytes per key group.

@@ -180,28 +180,22 @@ impl BulkLoad {
     /// they hide the entries below them.
     #[cfg(feature = "rocksdb")]
     pub fn into_store(self, store: &StateStore, over_existing: bool) -> Result<(), StoreError> {
-        let dir = self.dir.clone();
-        let opts = super::store::options();
-        // The tables are written into this load's directory: it is deleted after the ingest.
-        let mut tables = TableWriter::new(&self.dir, &opts);
-        self.merge_all(over_existing, |key, value| match value {
-            Some(value) => tables.put(key, value),
-            None => tables.delete(key),
-        })?;
-        store.ingest(tables.finish()?)?;
+        // Beside this load's directory, which is deleted before they are written out.
+        let dir = self.dir.with_extension("tables");
+        store.ingest(self.into_tables(&dir, over_existing)?)?;
         let _ = std::fs::remove_dir_all(dir);
         Ok(())
     }
 
-    /// Writes what was added as table files under `dir` (sorted, the newest entry of each key,
-    /// deletions kept as tombstones), for a store that holds older entries of these keys. This
-    /// load's own directory is deleted.
+    /// Writes what was added as table files under `dir` (sorted, the newest entry of each key;
+    /// deletions kept as tombstones when `keep_deletions`, for a store that holds older entries
+    /// of these keys). This load's own directory is deleted.
     #[cfg(feature = "rocksdb")]
-    pub fn into_tables(self, dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
+    pub fn into_tables(self, dir: &Path, keep_deletions: bool) -> Result<Vec<PathBuf>, StoreError> {
         let own_dir = self.dir.clone();
         let opts = super::store::options();
         let mut tables = TableWriter::new(dir, &opts);
-        let merged = self.merge_all(true, |key, value| match value {
+        let merged = self.merge_all(keep_deletions, |key, value| match value {
             Some(value) => tables.put(key, value),
             None => tables.delete(key),
         });
@@ -436,9 +430,12 @@ impl RangeGroups {
             let parts = weir_checkpoint::format::read_entry_parts(file.take(len), len, STRETCH_PART_BYTES, |body| {
                 for entry in weir_checkpoint::format::keyed_entries(body) {
                     let entry = entry?;
+                    if !(key_groups.0..key_groups.1).contains(&entry.key_group) {
+                        continue;
+                    }
                     raw.clear();
                     super::store::StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
-                    if (key_groups.0..key_groups.1).contains(&entry.key_group) && in_range(&raw) {
+                    if in_range(&raw) {
                         load.add(&raw, entry.value)?;
                     }
                 }
@@ -446,7 +443,7 @@ impl RangeGroups {
             });
             parts.map_err(from_parts)?;
         }
-        load.into_tables(dir)
+        load.into_tables(dir, true)
     }
 
     fn group_of(&self, range: usize) -> usize {
