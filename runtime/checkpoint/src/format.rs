@@ -3,10 +3,12 @@
 //! ```text
 //! file    := magic "WST1" | kind u8 | body | crc32c u32-le (of everything before it)
 //! kind    := 0 keyed full image | 1 keyed increment | 2 operator state
-//!          | 3 keyed increment by key group
+//!          | 3 keyed increment by key group (unchecked index, read only)
+//!          | 4 keyed increment by key group
 //! keyed   := entry*           entry := key_group varint | key bytes | op u8 (0 delete, 1 put) [| value bytes]
 //! by key group := index_len u32-le | index | entry*   (entries ordered by key group)
-//! index   := (key_group_step varint | entries_len varint)*   (key groups increasing)
+//! index   := (key_group_step varint | entries_len varint | entries_crc32c u32-le)* | index_crc32c u32-le
+//! index (kind 3) := (key_group_step varint | entries_len varint)*
 //! operator:= bytes            (an opaque document owned by the operator)
 //! bytes   := len varint | raw
 //! ```
@@ -15,7 +17,11 @@
 //! backend) reads like any other ([`open`] and [`read_keyed_parts`] skip its index; it opens as
 //! [`FileKind::KeyedIncrement`]), and its index ([`read_increment_index`]) says where each key
 //! group's entries are, so that a restore can read a range of key groups without the rest.
-//! The entries of one key group keep the order they were written in.
+//! The entries of one key group keep the order they were written in. Each key group's entries
+//! carry their own CRC-32C in the index, and the index one of its own (over the file's bytes
+//! before it), so that a stretch of key groups read alone from object storage is verified
+//! without the rest of the file ([`IncrementIndex::verify`]). Kind 3, the first such
+//! increments, had neither: they are still read, but only whole.
 
 use bytes::Bytes;
 
@@ -47,6 +53,9 @@ pub enum FormatError {
     /// Unknown kind byte.
     #[error("unknown state file kind {0}")]
     UnknownKind(u8),
+    /// The entries of a key group of an increment do not match their checksum.
+    #[error("state file checksum mismatch in the entries of key group {0}: corrupt")]
+    KeyGroupChecksumMismatch(u32),
     /// An increment's key-group index does not match its entries.
     #[error("state file key-group index malformed: {0}")]
     BadIndex(&'static str),
@@ -170,6 +179,15 @@ impl<'a> Decoder<'a> {
         Ok(f64::from_le_bytes(raw.try_into().expect("8 bytes")))
     }
 
+    /// Four bytes, little-endian.
+    #[inline]
+    pub fn u32_le(&mut self) -> Result<u32, FormatError> {
+        let end = self.pos + 4;
+        let raw = self.data.get(self.pos..end).ok_or(FormatError::Malformed(self.pos))?;
+        self.pos = end;
+        Ok(u32::from_le_bytes(raw.try_into().expect("4 bytes")))
+    }
+
     /// Length-prefixed bytes.
     #[inline]
     pub fn bytes(&mut self) -> Result<&'a [u8], FormatError> {
@@ -181,8 +199,12 @@ impl<'a> Decoder<'a> {
     }
 }
 
+/// The kind byte of the first increments ordered by key group, without checksums in their
+/// index (read, no longer written).
+const KIND_INCREMENT_BY_KEY_GROUP_UNCHECKED: u8 = 3;
+
 /// The kind byte of an increment ordered by key group.
-const KIND_INCREMENT_BY_KEY_GROUP: u8 = 3;
+const KIND_INCREMENT_BY_KEY_GROUP: u8 = 4;
 
 /// Bytes before the entries of a file: magic and kind.
 const HEADER_LEN: usize = MAGIC.len() + 1;
@@ -312,7 +334,7 @@ impl StateFileWriter {
     /// Seals the file with its checksum; returns the bytes and their CRC-32C.
     pub fn finish(mut self) -> (Bytes, u32) {
         if let Some(entries) = self.by_key_group.take() {
-            self.enc.buf = ordered_by_key_group(&self.enc.buf, &entries);
+            self.enc.buf = ordered_by_key_group(&self.enc.buf, &entries, true);
         }
         let crc = crc32c::crc32c(&self.enc.buf);
         self.enc.buf.extend_from_slice(&crc.to_le_bytes());
@@ -322,27 +344,40 @@ impl StateFileWriter {
 
 /// The file `written` (header, then entries of the given key groups and lengths, in that
 /// order) as an increment ordered by key group: header, index, then the entries moved to their
-/// key group's place (a counting sort: one pass to count, one to move).
-fn ordered_by_key_group(written: &[u8], entries: &[(u32, u32)]) -> Vec<u8> {
+/// key group's place (a counting sort: one pass to count, one to move). With `checked` (kind 4)
+/// the index holds each key group's checksum and its own; without (kind 3, for tests of
+/// reading old files) neither.
+fn ordered_by_key_group(written: &[u8], entries: &[(u32, u32)], checked: bool) -> Vec<u8> {
     let (lowest, highest) =
         entries.iter().fold((u32::MAX, 0), |(lo, hi), &(key_group, _)| (lo.min(key_group), hi.max(key_group)));
     let mut bytes_of: Vec<u64> = vec![0; if entries.is_empty() { 0 } else { (highest - lowest) as usize + 1 }];
     for &(key_group, len) in entries {
         bytes_of[(key_group - lowest) as usize] += u64::from(len);
     }
-    let mut index = Encoder::with_capacity(bytes_of.len() * 4);
+    let mut index = Encoder::with_capacity(bytes_of.len() * 8 + 4);
+    // Where each key group's checksum goes in the index, patched once its entries are in place.
+    let mut crc_at = Vec::with_capacity(bytes_of.len());
     let mut previous = 0u32;
     for (i, &bytes) in bytes_of.iter().enumerate().filter(|(_, &bytes)| bytes > 0) {
         let key_group = lowest + i as u32;
         index.varint(u64::from(key_group - previous));
         index.varint(bytes);
+        if checked {
+            crc_at.push(index.buf.len());
+            index.buf.extend_from_slice(&[0; 4]);
+        }
         previous = key_group;
     }
-    let entries_at = HEADER_LEN + 4 + index.buf.len();
+    if checked {
+        index.buf.extend_from_slice(&[0; 4]);
+    }
+    let index_at = HEADER_LEN + 4;
+    let entries_at = index_at + index.buf.len();
     let mut out = vec![0u8; written.len() + 4 + index.buf.len()];
     out[..HEADER_LEN].copy_from_slice(&written[..HEADER_LEN]);
-    out[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(index.buf.len() as u32).to_le_bytes());
-    out[HEADER_LEN + 4..entries_at].copy_from_slice(&index.buf);
+    out[HEADER_LEN - 1] = if checked { KIND_INCREMENT_BY_KEY_GROUP } else { KIND_INCREMENT_BY_KEY_GROUP_UNCHECKED };
+    out[HEADER_LEN..index_at].copy_from_slice(&(index.buf.len() as u32).to_le_bytes());
+    out[index_at..entries_at].copy_from_slice(&index.buf);
     // Where the next entry of each key group goes.
     let mut next_at = Vec::with_capacity(bytes_of.len());
     let mut at = entries_at;
@@ -358,6 +393,16 @@ fn ordered_by_key_group(written: &[u8], entries: &[(u32, u32)]) -> Vec<u8> {
         *to += len;
         from += len;
     }
+    if checked {
+        let mut at = entries_at;
+        for (&bytes, &slot) in bytes_of.iter().filter(|&&bytes| bytes > 0).zip(&crc_at) {
+            let crc = crc32c::crc32c(&out[at..at + bytes as usize]);
+            out[index_at + slot..index_at + slot + 4].copy_from_slice(&crc.to_le_bytes());
+            at += bytes as usize;
+        }
+        let crc = crc32c::crc32c(&out[..entries_at - 4]);
+        out[entries_at - 4..entries_at].copy_from_slice(&crc.to_le_bytes());
+    }
     out
 }
 
@@ -370,6 +415,8 @@ pub struct KeyGroupEntries {
     pub offset: u64,
     /// Length of its entries in bytes.
     pub len: u64,
+    /// The CRC-32C of its entries (`None` in the unchecked increments of kind 3).
+    pub crc32c: Option<u32>,
 }
 
 /// The index of an increment ordered by key group: where each key group's entries are.
@@ -377,41 +424,124 @@ pub struct KeyGroupEntries {
 pub struct IncrementIndex {
     /// Key groups that have entries, increasing; their entries follow each other.
     pub key_groups: Vec<KeyGroupEntries>,
+    /// Whether each key group's entries carry their checksum (kind 4), so that a stretch can
+    /// be read and verified alone.
+    pub checked: bool,
 }
 
 impl IncrementIndex {
-    /// The bytes holding the entries of key groups `[first, last)`: one stretch of the file,
-    /// as an offset and a length (length 0 when none of them has entries).
-    pub fn stretch_of(&self, (first, last): (u32, u32)) -> (u64, u64) {
+    /// The key groups of `[first, last)` that have entries, as indices into `key_groups`.
+    fn within(&self, (first, last): (u32, u32)) -> std::ops::Range<usize> {
         let from = self.key_groups.partition_point(|k| k.key_group < first);
         let to = self.key_groups.partition_point(|k| k.key_group < last);
-        match (self.key_groups.get(from), to > from) {
+        from..to.max(from)
+    }
+
+    /// The bytes holding the entries of key groups `[first, last)`: one stretch of the file,
+    /// as an offset and a length (length 0 when none of them has entries).
+    pub fn stretch_of(&self, key_groups: (u32, u32)) -> (u64, u64) {
+        let within = self.within(key_groups);
+        match (self.key_groups.get(within.start), within.end > within.start) {
             (Some(start), true) => {
-                let end = &self.key_groups[to - 1];
+                let end = &self.key_groups[within.end - 1];
                 (start.offset, end.offset + end.len - start.offset)
             }
             _ => (0, 0),
         }
     }
+
+    /// The stretch of key groups `[first, last)` cut at key groups into pieces of at most
+    /// `bytes` (a key group longer than that is a piece of its own), as offsets and lengths
+    /// in file order: for reading a stretch from object storage a piece at a time.
+    pub fn pieces_of(&self, key_groups: (u32, u32), bytes: u64) -> Vec<(u64, u64)> {
+        let mut pieces: Vec<(u64, u64)> = Vec::new();
+        for k in &self.key_groups[self.within(key_groups)] {
+            match pieces.last_mut() {
+                Some((offset, len)) if *offset + *len == k.offset && *len + k.len <= bytes => *len += k.len,
+                _ => pieces.push((k.offset, k.len)),
+            }
+        }
+        pieces
+    }
+
+    /// Verifies `data`, the bytes of the file from `offset` on, against the checksums of the
+    /// key groups they hold: they must begin and end where key groups do, and each key
+    /// group's entries must match their checksum.
+    pub fn verify(&self, offset: u64, data: &[u8]) -> Result<(), FormatError> {
+        if !self.checked {
+            return Err(FormatError::BadIndex("no checksums of key groups in this increment"));
+        }
+        let first = self.key_groups.partition_point(|k| k.offset < offset);
+        let mut at = offset;
+        let end = offset + data.len() as u64;
+        for k in self.key_groups[first..].iter().take_while(|k| k.offset < end) {
+            if k.offset != at || k.offset + k.len > end {
+                break;
+            }
+            let bytes = &data[(k.offset - offset) as usize..(k.offset - offset + k.len) as usize];
+            if Some(crc32c::crc32c(bytes)) != k.crc32c {
+                return Err(FormatError::KeyGroupChecksumMismatch(k.key_group));
+            }
+            at += k.len;
+        }
+        if at != end {
+            return Err(FormatError::BadIndex("a stretch that does not cover whole key groups"));
+        }
+        Ok(())
+    }
 }
 
+/// The bytes at the start of a state file of `len` bytes that hold its header and, for an
+/// increment ordered by key group, its index, read from `head` (at least
+/// [`HEAD_BYTES`] of them, or the whole file if shorter): what to read before
+/// [`read_increment_index`] when only the start of the file is fetched.
+pub fn head_len(head: &[u8], len: u64) -> Result<u64, FormatError> {
+    match read_header::<std::convert::Infallible>(&mut &head[..], len) {
+        Ok((_, index_len)) => Ok((HEADER_LEN + 4) as u64 + index_len.unwrap_or(0)),
+        Err(PartsError::Format(e)) => Err(e),
+        Err(_) => Err(FormatError::Truncated(head.len())),
+    }
+}
+
+/// Bytes to fetch first from the start of a state file to read its header and index length.
+pub const HEAD_BYTES: u64 = (HEADER_LEN + 4) as u64;
+
 /// Reads the index of an increment ordered by key group from the start of `file` (its length
-/// `len`): `None` for a file of another kind. Only the header and the index are read; the
-/// file must be verified to trust what the index says (as a restore does while downloading).
+/// `len`): `None` for a file of another kind. Only the header and the index are read. The
+/// index's own checksum is verified (kind 4); the kind 3 index is trusted only once the whole
+/// file is verified (as a restore does while downloading it).
 pub fn read_increment_index(
     mut file: impl std::io::Read,
     len: u64,
 ) -> Result<Option<IncrementIndex>, PartsError<std::convert::Infallible>> {
-    let Some(index_len) = read_header(&mut file, len)?.1 else { return Ok(None) };
+    if len < HEAD_BYTES {
+        return Err(PartsError::Format(FormatError::Truncated(len as usize)));
+    }
+    let mut head = [0u8; HEAD_BYTES as usize];
+    file.read_exact(&mut head)?;
+    let (_, Some(index_len)) = read_header(&mut &head[..], len)? else {
+        return Ok(None);
+    };
+    let checked = head[HEADER_LEN - 1] == KIND_INCREMENT_BY_KEY_GROUP;
     let mut raw = vec![0u8; index_len as usize];
     file.read_exact(&mut raw)?;
     let entries_at = (HEADER_LEN + 4) as u64 + index_len;
     let entries_len = len - entries_at - 4;
+    if checked {
+        let bad = || PartsError::Format(FormatError::BadIndex("its checksum does not match"));
+        let (index, crc) = raw.split_at(raw.len().checked_sub(4).ok_or_else(bad)?);
+        let covered = crc32c::crc32c_append(crc32c::crc32c(&head), index);
+        if covered.to_le_bytes() != crc {
+            return Err(bad());
+        }
+        raw.truncate(index.len());
+    }
     let mut dec = Decoder::new(&raw);
     let (mut key_groups, mut key_group, mut offset) = (Vec::new(), 0u64, entries_at);
     while !dec.is_empty() {
         let step = dec.varint().map_err(PartsError::Format)?;
         let bytes = dec.varint().map_err(PartsError::Format)?;
+        let crc32c = if checked { Some(dec.u32_le().map_err(PartsError::Format)?) } else { None };
         key_group = key_group.saturating_add(step);
         if key_group > u64::from(u32::MAX) || (step == 0 && !key_groups.is_empty()) {
             return Err(PartsError::Format(FormatError::BadIndex("key groups not increasing")));
@@ -419,13 +549,13 @@ pub fn read_increment_index(
         if bytes == 0 {
             return Err(PartsError::Format(FormatError::BadIndex("a key group without entries")));
         }
-        key_groups.push(KeyGroupEntries { key_group: key_group as u32, offset, len: bytes });
+        key_groups.push(KeyGroupEntries { key_group: key_group as u32, offset, len: bytes, crc32c });
         offset = offset.checked_add(bytes).ok_or(PartsError::Format(FormatError::BadIndex("too long")))?;
     }
     if offset - entries_at != entries_len {
         return Err(PartsError::Format(FormatError::BadIndex("its lengths do not add up to the entries'")));
     }
-    Ok(Some(IncrementIndex { key_groups }))
+    Ok(Some(IncrementIndex { key_groups, checked }))
 }
 
 /// Reads a state file's header from `file` (its length `len`): its kind, and for an increment
@@ -443,7 +573,7 @@ fn read_header<E>(file: &mut impl std::io::Read, len: u64) -> Result<(FileKind, 
         0 => Ok((FileKind::KeyedFull, None)),
         1 => Ok((FileKind::KeyedIncrement, None)),
         2 => Ok((FileKind::OperatorState, None)),
-        KIND_INCREMENT_BY_KEY_GROUP => {
+        KIND_INCREMENT_BY_KEY_GROUP | KIND_INCREMENT_BY_KEY_GROUP_UNCHECKED => {
             let mut index_len = [0u8; 4];
             file.read_exact(&mut index_len)?;
             let index_len = u64::from(u32::from_le_bytes(index_len));
@@ -788,25 +918,51 @@ mod tests {
     /// A keyed entry read back, owned: key group, key, value (`None`: deleted).
     type Owned = (u32, Vec<u8>, Option<Vec<u8>>);
 
-    /// Entries of scattered key groups (deletions, and values long enough to move their bytes
-    /// for a longer length), written to an increment ordered by key group.
+    /// [`scattered_entries`] written to an increment ordered by key group.
     fn scattered_increment() -> (Bytes, Vec<Owned>) {
         let mut w = StateFileWriter::increment_by_key_group(64);
-        let mut written = Vec::new();
-        for i in 0..400u32 {
-            let key_group = (i * 37 + i / 50) % 23 + 5;
-            let key = format!("key-{}", i % 150).into_bytes();
-            if i % 9 == 0 {
-                w.delete_encoded(key_group, |e| e.buf.extend_from_slice(&key));
-                written.push((key_group, key, None));
-            } else {
-                let value = vec![i as u8; if i % 31 == 0 { 300 } else { (i % 5) as usize }];
-                w.put_encoded(key_group, |e| e.buf.extend_from_slice(&key), |e| e.buf.extend_from_slice(&value));
-                written.push((key_group, key, Some(value)));
+        let written = scattered_entries();
+        for (key_group, key, value) in &written {
+            match value {
+                None => w.delete_encoded(*key_group, |e| e.buf.extend_from_slice(key)),
+                Some(value) => {
+                    w.put_encoded(*key_group, |e| e.buf.extend_from_slice(key), |e| e.buf.extend_from_slice(value))
+                }
             }
         }
         assert_eq!(w.entries(), 400);
         (w.finish().0, written)
+    }
+
+    /// The same entries as an increment of kind 3 (no checksums in its index), as the
+    /// runtimes before kind 4 wrote them.
+    fn scattered_unchecked_increment() -> (Bytes, Vec<Owned>) {
+        let mut w = StateFileWriter::increment_by_key_group(64);
+        let written = scattered_entries();
+        for (key_group, key, value) in &written {
+            match value {
+                Some(value) => w.put(*key_group, key, value),
+                None => w.delete(*key_group, key),
+            }
+        }
+        let entries = w.by_key_group.take().unwrap();
+        let mut unchecked = ordered_by_key_group(&w.enc.buf, &entries, false);
+        let crc = crc32c::crc32c(&unchecked);
+        unchecked.extend_from_slice(&crc.to_le_bytes());
+        (Bytes::from(unchecked), written)
+    }
+
+    /// Entries of scattered key groups: deletions, and values long enough to move their bytes
+    /// for a longer length.
+    fn scattered_entries() -> Vec<Owned> {
+        (0..400u32)
+            .map(|i| {
+                let key_group = (i * 37 + i / 50) % 23 + 5;
+                let key = format!("key-{}", i % 150).into_bytes();
+                let value = (i % 9 != 0).then(|| vec![i as u8; if i % 31 == 0 { 300 } else { (i % 5) as usize }]);
+                (key_group, key, value)
+            })
+            .collect()
     }
 
     fn read_all(body: &[u8]) -> Vec<Owned> {
@@ -819,10 +975,19 @@ mod tests {
     #[test]
     fn an_increment_by_key_group_reads_as_its_entries_ordered_by_key_group_and_its_index_finds_each() {
         let (bytes, written) = scattered_increment();
+        assert_eq!(bytes[HEADER_LEN - 1], KIND_INCREMENT_BY_KEY_GROUP);
+        reads_as_entries_ordered_by_key_group(&bytes, written);
+        // An increment of kind 3, from before its index had checksums, reads the same.
+        let (bytes, written) = scattered_unchecked_increment();
+        assert_eq!(bytes[HEADER_LEN - 1], KIND_INCREMENT_BY_KEY_GROUP_UNCHECKED);
+        reads_as_entries_ordered_by_key_group(&bytes, written);
+    }
+
+    fn reads_as_entries_ordered_by_key_group(bytes: &Bytes, written: Vec<Owned>) {
         let mut ordered = written.clone();
         // Stable: the entries of a key group keep the order they were written in.
         ordered.sort_by_key(|(key_group, _, _)| *key_group);
-        let (kind, body) = open(&bytes).unwrap();
+        let (kind, body) = open(bytes).unwrap();
         assert_eq!(kind, FileKind::KeyedIncrement);
         assert_eq!(read_all(body), ordered);
         let mut parts = Vec::new();
@@ -845,6 +1010,15 @@ mod tests {
             .unwrap();
             let expected: Vec<_> = ordered.iter().filter(|(kg, _, _)| (first..last).contains(kg)).cloned().collect();
             assert_eq!(read, expected, "key groups {first}..{last}");
+        }
+        // A stretch read alone is verified by the index's checksums, and refused when it is not
+        // one (kind 3 has none).
+        let checked = index.checked;
+        assert_eq!(checked, bytes[HEADER_LEN - 1] == KIND_INCREMENT_BY_KEY_GROUP);
+        for (first, last) in [(5, 6), (5, 28), (10, 20), (27, 100)] {
+            let (offset, len) = index.stretch_of((first, last));
+            let stretch = &bytes[offset as usize..(offset + len) as usize];
+            assert_eq!(index.verify(offset, stretch).is_ok(), checked, "key groups {first}..{last}");
         }
         // Other kinds have no index.
         let (full, _) = StateFileWriter::new(FileKind::KeyedFull, 8).finish();
@@ -872,6 +1046,50 @@ mod tests {
             Err(PartsError::Format(FormatError::BadIndex(_) | FormatError::Malformed(_)))
         ));
         assert!(matches!(read_increment_index(&bytes[..8], 8), Err(PartsError::Format(FormatError::Truncated(8)))));
+    }
+
+    #[test]
+    fn a_stretch_of_an_increment_read_alone_is_verified_piece_by_piece_and_any_flipped_bit_is_named() {
+        let (bytes, _) = scattered_increment();
+        let len = bytes.len() as u64;
+        // Only the head is needed to know how much of the file the index takes.
+        let head = head_len(&bytes[..HEAD_BYTES as usize], len).unwrap();
+        let index = read_increment_index(&bytes[..head as usize], len).unwrap().unwrap();
+        assert!(index.checked);
+        assert_eq!(open(&bytes).unwrap().1.len() as u64, len - head - 4);
+        let (offset, stretch_len) = index.stretch_of((8, 20));
+        // Pieces cut at key groups, in order, covering the stretch; none longer than asked
+        // unless one key group is.
+        for max in [1, 40, 200, 1 << 20] {
+            let pieces = index.pieces_of((8, 20), max);
+            assert_eq!(pieces.first().unwrap().0, offset);
+            assert_eq!(pieces.iter().map(|p| p.1).sum::<u64>(), stretch_len);
+            assert!(pieces.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
+            for &(at, piece) in &pieces {
+                let one_key_group = index.key_groups.iter().any(|k| k.offset == at && k.len == piece);
+                assert!(piece <= max || one_key_group, "piece of {piece} bytes at {at} for {max}");
+                index.verify(at, &bytes[at as usize..(at + piece) as usize]).unwrap();
+            }
+        }
+        assert_eq!(index.pieces_of((1000, 2000), 64), vec![]);
+        // Any flipped bit of the stretch names its key group.
+        let stretch = &bytes[offset as usize..(offset + stretch_len) as usize];
+        for i in 0..stretch.len() {
+            let mut bad = stretch.to_vec();
+            bad[i] ^= 0x10;
+            let at = offset + i as u64;
+            let key_group = index.key_groups.iter().find(|k| (k.offset..k.offset + k.len).contains(&at)).unwrap();
+            assert_eq!(index.verify(offset, &bad), Err(FormatError::KeyGroupChecksumMismatch(key_group.key_group)));
+        }
+        // A stretch that does not begin or end where key groups do is not one.
+        assert!(matches!(index.verify(offset + 1, &stretch[1..]), Err(FormatError::BadIndex(_))));
+        assert!(matches!(index.verify(offset, &stretch[..stretch.len() - 1]), Err(FormatError::BadIndex(_))));
+        // Any flipped bit of the head is refused by the index's checksum (or its shape).
+        for i in 0..head as usize {
+            let mut bad = bytes[..head as usize].to_vec();
+            bad[i] ^= 0x04;
+            assert!(read_increment_index(&bad[..], len).map_or(true, |index| index.is_none()), "flip at {i}");
+        }
     }
 
     #[test]

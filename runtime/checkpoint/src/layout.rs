@@ -31,6 +31,16 @@ pub const CHECKPOINTS: &str = "checkpoints";
 pub const SHARED: &str = "shared";
 /// Directory of savepoints under the job root.
 pub const SAVEPOINTS: &str = "savepoints";
+/// Directory of damage records under a storage root: a restore that found a state file
+/// damaged after it had started (a stretch of an increment read alone) records it here, at
+/// the file's own path, so that no later restore picks a snapshot that needs the file.
+/// Nothing deletes them.
+pub const DAMAGED: &str = "_damaged";
+
+/// The damage record of the state file at `path` (relative to the storage root).
+pub fn damage_record(path: &str) -> String {
+    format!("{DAMAGED}/{path}")
+}
 
 /// Directory of checkpoint `id`, relative to the job root.
 pub fn checkpoint_dir(id: u64) -> String {

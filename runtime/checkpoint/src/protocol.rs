@@ -12,7 +12,11 @@
 //! - a pending checkpoint older than `timeout`, or declined by a task, is aborted;
 //! - more than `tolerable_failures` consecutive failed checkpoints fail the job (failed
 //!   savepoints are reported to their requester and do not count);
-//! - completing N aborts (subsumes) every pending checkpoint older than N.
+//! - completing N aborts (subsumes) every pending checkpoint older than N;
+//! - while checkpoints are held (a restore is still bringing in state it has not read and
+//!   verified yet), neither periodic nor final checkpoints start: a checkpoint must not
+//!   complete, and sinks commit, on state that may turn out damaged. Savepoints still start
+//!   (a full image waits for the whole state in the task).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -119,6 +123,8 @@ pub struct Coordinator<A> {
     last_trigger_ms: Option<u64>,
     last_end_ms: Option<u64>,
     consecutive_failures: u32,
+    /// Periodic and final checkpoints wait ([`Self::hold_checkpoints`]).
+    held: bool,
     queued_savepoints: VecDeque<TriggerKind>,
     sources_finished: bool,
     stopping: bool,
@@ -137,6 +143,7 @@ impl<A> Coordinator<A> {
             last_trigger_ms: Some(now_ms),
             last_end_ms: None,
             consecutive_failures: 0,
+            held: false,
             queued_savepoints: VecDeque::new(),
             sources_finished: false,
             stopping: false,
@@ -162,6 +169,11 @@ impl<A> Coordinator<A> {
     /// Queues a savepoint; it is triggered on the next [`Self::poll`].
     pub fn request_savepoint(&mut self, request: u64, stop: bool, drain: bool) {
         self.queued_savepoints.push_back(TriggerKind::Savepoint { request, stop, drain });
+    }
+
+    /// Holds periodic and final checkpoints while `held` (see the module's rules).
+    pub fn hold_checkpoints(&mut self, held: bool) {
+        self.held = held;
     }
 
     /// Records that every source has read all its input.
@@ -194,6 +206,9 @@ impl<A> Coordinator<A> {
                 actions.push(self.trigger(kind, now_ms));
                 return actions;
             }
+        }
+        if self.held {
+            return actions;
         }
         if self.sources_finished {
             // The final checkpoint: at once, once nothing else is in flight.
@@ -346,6 +361,21 @@ mod tests {
         assert!(matches!(done.as_slice(), [Action::Complete { id: 1, .. }]));
         c.completed(1, 2600);
         assert_eq!(triggers(&c.poll(2600)), vec![2]);
+    }
+
+    #[test]
+    fn held_checkpoints_wait_but_savepoints_do_not() {
+        let mut c = Coordinator::<()>::new(config(), [0], 1, 0);
+        c.hold_checkpoints(true);
+        assert!(triggers(&c.poll(5000)).is_empty());
+        c.request_savepoint(7, false, false);
+        assert_eq!(triggers(&c.poll(5001)), vec![1], "a savepoint starts");
+        complete_all(&mut c, 1, &[0]);
+        c.completed(1, 5002);
+        c.sources_finished();
+        assert!(triggers(&c.poll(9000)).is_empty(), "nor the final checkpoint");
+        c.hold_checkpoints(false);
+        assert_eq!(triggers(&c.poll(9001)), vec![2], "the final checkpoint once released");
     }
 
     #[test]

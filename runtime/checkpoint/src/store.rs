@@ -367,6 +367,21 @@ impl Storage {
         res.bytes().await.map_err(io("read", rel))
     }
 
+    /// Reads bytes `range` of an object.
+    pub async fn get_range(&self, rel: &str, range: std::ops::Range<u64>) -> Result<Bytes, StorageError> {
+        self.store.get_range(&self.full(rel), range).await.map_err(io("get", rel))
+    }
+
+    /// Reads the first `len` bytes of an object (all of it when it is shorter) and returns
+    /// them with the object's size.
+    pub async fn get_head(&self, rel: &str, len: u64) -> Result<(Bytes, u64), StorageError> {
+        let options =
+            object_store::GetOptions { range: Some(object_store::GetRange::Bounded(0..len)), ..Default::default() };
+        let res = self.store.get_opts(&self.full(rel), options).await.map_err(io("get", rel))?;
+        let size = res.meta.size;
+        Ok((res.bytes().await.map_err(io("read", rel))?, size))
+    }
+
     /// Copies an object into the local file `local` (created or truncated), streamed: the
     /// object may be larger than memory. Returns its length and CRC-32C, computed on the way.
     ///
