@@ -259,7 +259,11 @@ fn restored_counts(
         incremental: true,
         full_every: 10,
         background_full_image_above: u64::MAX,
-        store: stores.map(|parent_dir| weir_runtime::state::StoreSettings { parent_dir, cache_entries: 1_000_000 }),
+        store: stores.map(|parent_dir| weir_runtime::state::StoreSettings {
+            parent_dir,
+            cache_entries: 1_000_000,
+            restores_loading: Default::default(),
+        }),
     };
     ctx.state(Some(keyed)).unwrap()
 }

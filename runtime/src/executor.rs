@@ -171,6 +171,9 @@ struct Running {
     uploaders: Vec<JoinHandle<()>>,
     controls: Vec<Sender<TaskControl>>,
     source_tasks: Vec<TaskId>,
+    /// State stores of this attempt still bringing in a lazy restore's state: checkpoints
+    /// wait until it is all in and verified ([`Coordinator::hold_checkpoints`]).
+    restores_loading: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Running {
@@ -495,10 +498,23 @@ impl Executor<'_> {
     }
 
     /// After a failure in this process: the newest valid restore point at or above the one
-    /// the run started from (or that one itself, when it lives outside the job's root).
+    /// the run started from (or that one itself, when it lives outside the job's root). When
+    /// the run took the newest valid one (`--restore latest`) and a lazy restore has since found
+    /// that one damaged, the newest valid one below it, as a new process would take.
     fn failover_restore(&self, initial: Option<&RestoredState>) -> Result<(Option<RestoredState>, String), JobError> {
         let floor = initial.map_or(0, |r| r.checkpoint_id);
-        let selection = crate::io().block_on(newest_valid(&self.storage, floor, &self.keyed_files_in()))?;
+        let keyed_in = self.keyed_files_in();
+        let selection = match crate::io().block_on(newest_valid(&self.storage, floor, &keyed_in)) {
+            Err(RestoreError::NoValidRestorePoint { defects, .. })
+                if floor > 0 && matches!(self.opts.restore, Some(RestoreRequest::Latest)) =>
+            {
+                for defect in &defects {
+                    tracing::warn!(%defect, "the run's restore point is damaged; looking for an older one");
+                }
+                crate::io().block_on(newest_valid(&self.storage, 0, &keyed_in))?
+            }
+            selection => selection?,
+        };
         self.known_corrupt.borrow_mut().extend(selection.skipped.iter().map(|s| s.id));
         let reason = selection.reason();
         match selection.restored {
@@ -697,8 +713,13 @@ impl Executor<'_> {
         let (senders, receivers): (Vec<_>, Vec<_>) = wiring.channels.iter().map(|_| bounded(CHANNEL_CAPACITY)).unzip();
         let mut senders: Vec<Option<Sender<crate::message::Message>>> = senders.into_iter().map(Some).collect();
         let mut receivers: Vec<Option<Receiver<crate::message::Message>>> = receivers.into_iter().map(Some).collect();
-        let mut running =
-            Running { tasks: Vec::new(), uploaders: Vec::new(), controls: Vec::new(), source_tasks: Vec::new() };
+        let mut running = Running {
+            tasks: Vec::new(),
+            uploaders: Vec::new(),
+            controls: Vec::new(),
+            source_tasks: Vec::new(),
+            restores_loading: Arc::default(),
+        };
         let factory = OperatorFactory {
             job,
             metrics: &self.metrics,
@@ -708,6 +729,7 @@ impl Executor<'_> {
             storage: &self.storage,
             file_sinks: &self.file_sinks,
             epoch: self.epoch,
+            restores_loading: &running.restores_loading,
         };
         let mut chains_built = factory.build_chains(&vertices, restored).into_iter();
         let mut built = Vec::new();
@@ -868,6 +890,8 @@ impl Executor<'_> {
                     }
                 }
             }
+            let loading = running.restores_loading.load(std::sync::atomic::Ordering::Acquire) > 0;
+            coord.hold_checkpoints(loading);
             let mut actions = coord.poll(now_ms());
             match events.recv_timeout(TICK) {
                 Ok(Event::Ack { id, task, ack }) => actions.extend(coord.ack(id, task, ack)),
@@ -1151,6 +1175,8 @@ struct OperatorFactory<'a> {
     storage: &'a Storage,
     file_sinks: &'a [FileSinkDir],
     epoch: u64,
+    /// Counts the attempt's state stores that are restoring lazily.
+    restores_loading: &'a Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// A task's chained operators, and the keyed-state chains its uploader continues (by uid).
@@ -1230,6 +1256,7 @@ impl OperatorFactory<'_> {
             store: (job.spec.state_backend == StateBackendKind::Rocksdb).then(|| StoreSettings {
                 parent_dir: local_state_dir(),
                 cache_entries: job.spec.state_cache_entries.try_into().unwrap_or(usize::MAX),
+                restores_loading: self.restores_loading.clone(),
             }),
         };
         let keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));

@@ -81,6 +81,121 @@ pub enum KeyedFile {
     Memory(Bytes),
     /// Copied to a local file (shared by the clones of a [`RestoredState`]).
     Local(Arc<LocalCopy>),
+    /// (rocksdb backend, restoring lazily) An increment ordered by key group left where the
+    /// snapshot keeps it: its length and index were verified, and each range's loader fetches
+    /// and verifies its stretch of it ([`crate::state::bulk::StoredIncrement`]).
+    Stored(Arc<StoredIncrementFile>),
+}
+
+/// An increment ordered by key group in a snapshot's storage, read by stretches.
+#[derive(Debug)]
+pub struct StoredIncrementFile {
+    storage: Storage,
+    found: Restorable,
+    file: FileRef,
+    /// Its index, verified by its own checksum.
+    pub index: weir_checkpoint::format::IncrementIndex,
+    /// Where a whole copy goes if a backend needs one.
+    dir: PathBuf,
+}
+
+/// Bytes of a stored increment's start fetched to read its index: enough for the index of
+/// thousands of key groups; a longer one is fetched with a second request.
+const STORED_HEAD_BYTES: u64 = 16 << 10;
+
+impl StoredIncrementFile {
+    /// `f` as a stored increment when it is an increment ordered by key group whose index has
+    /// checksums (`None` for other files, which are copied whole). Fetches its start only, and
+    /// refuses a file of another length than its metadata's or with a damaged index.
+    async fn of(
+        storage: &Storage,
+        found: &Restorable,
+        f: &FileRef,
+        dir: &std::path::Path,
+    ) -> Result<Option<StoredIncrementFile>, RestoreError> {
+        use weir_checkpoint::format::{head_len, read_increment_index, PartsError};
+        let path = found.resolve(&f.path);
+        let (mut head, len) = match storage.get_head(&path, STORED_HEAD_BYTES.min(f.len.max(1))).await {
+            Ok(got) => got,
+            Err(StorageError::NotFound(_)) => return Err(corrupt(storage, found, f, "missing")),
+            Err(e) => return Err(e.into()),
+        };
+        if len != f.len {
+            return Err(corrupt(storage, found, f, format!("{len} bytes, metadata says {}", f.len)));
+        }
+        let needed = head_len(&head, len).map_err(|e| corrupt(storage, found, f, e))?;
+        if needed > head.len() as u64 {
+            head = storage.get_range(&path, 0..needed).await?;
+        }
+        let index = match read_increment_index(&head[..], len) {
+            Ok(Some(index)) if index.checked => index,
+            Ok(_) => return Ok(None),
+            Err(PartsError::Format(e)) => return Err(corrupt(storage, found, f, e)),
+            Err(PartsError::Read(e)) => return Err(corrupt(storage, found, f, e)),
+            Err(PartsError::Consume(never)) => match never {},
+        };
+        Ok(Some(StoredIncrementFile {
+            storage: storage.clone(),
+            found: found.clone(),
+            file: f.clone(),
+            index,
+            dir: dir.to_path_buf(),
+        }))
+    }
+
+    /// The whole file copied to local disk and verified, for a store that does not restore
+    /// lazily after all. Blocks.
+    pub fn copy_whole(&self) -> Result<Arc<LocalCopy>, String> {
+        let what = self.storage.url_of(&self.found.resolve(&self.file.path));
+        crate::io()
+            .block_on(retrying(&what, || copy_verified(&self.storage, &self.found, &self.file, &self.dir)))
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl crate::state::bulk::StoredIncrement for StoredIncrementFile {
+    fn fetch(&self, offset: u64, len: u64) -> futures::future::BoxFuture<'_, Result<Bytes, String>> {
+        Box::pin(async move {
+            let path = self.found.resolve(&self.file.path);
+            let what = self.storage.url_of(&path);
+            let got =
+                retrying(&what, || async { Ok(self.storage.get_range(&path, offset..offset + len).await?) }).await;
+            match got {
+                Ok(bytes) if bytes.len() as u64 == len => Ok(bytes),
+                Ok(bytes) => {
+                    let why = format!("bytes {offset}..{}: {} came", offset + len, bytes.len());
+                    self.damaged(&why).await;
+                    Err(format!("{what}: {why}"))
+                }
+                Err(RestoreError::Storage(StorageError::NotFound(_))) => {
+                    self.damaged("missing").await;
+                    Err(format!("{what}: missing"))
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        })
+    }
+
+    fn damaged<'a>(&'a self, why: &'a str) -> futures::future::BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let path = self.found.resolve(&self.file.path);
+            let record = weir_checkpoint::layout::damage_record(&path);
+            tracing::error!(
+                file = %self.storage.url_of(&path),
+                %why,
+                "a state file of the restore is damaged; no later restore will pick a snapshot that needs it"
+            );
+            let put =
+                retrying(&record, || async { Ok(self.storage.put(&record, Bytes::from(why.to_string())).await?) });
+            if let Err(e) = put.await {
+                tracing::error!(record = %self.storage.url_of(&record), error = %e, "recording the damage failed");
+            }
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.storage.url_of(&self.found.resolve(&self.file.path))
+    }
 }
 
 /// A local copy of a state file, deleted when the last reference goes. A killed process's
@@ -323,11 +438,18 @@ impl RestoredState {
         keyed_in: &KeyedFilesIn,
     ) -> Result<RestoredState, RestoreError> {
         let m = &found.metadata;
+        let damaged = damaged_files(storage).await?;
         let mut operators = BTreeMap::new();
         let mut bytes = 0;
         for (uid, op) in &m.operators {
             let mut subtasks = Vec::new();
             for s in &op.subtasks {
+                if let Some(f) = s.keyed_state.iter().find(|f| damaged.contains(&found.resolve(&f.path))) {
+                    let record = weir_checkpoint::layout::damage_record(&found.resolve(&f.path));
+                    let why = storage.get(&record).await.map(|b| String::from_utf8_lossy(&b).into_owned());
+                    let why = why.unwrap_or_else(|e| format!("its record could not be read: {e}"));
+                    return Err(corrupt(storage, found, f, format!("an earlier restore found it damaged ({why})")));
+                }
                 let mut sub = RestoredSubtask {
                     key_groups: s.key_groups,
                     keyed_refs: s.keyed_state.clone(),
@@ -371,12 +493,19 @@ impl RestoredState {
                     }
                 }
                 let chain = &s.keyed_state[usize::from(image_from_tables).min(s.keyed_state.len())..];
-                sub.keyed_files =
-                    futures::stream::iter(chain.iter().map(|f| load_keyed_file(storage, found, keyed_in, f)))
-                        .buffered(FILES_IN_FLIGHT)
-                        .try_collect()
-                        .await?;
-                bytes += chain.iter().map(|f| f.len).sum::<u64>();
+                // A lazy restore leaves increments that can be read by stretches where they are.
+                let stored_in = match (keyed_in, &sub.lazy_tables) {
+                    (KeyedFilesIn::LocalDir(dir), Some(_)) => Some(dir),
+                    _ => None,
+                };
+                let loaded: Vec<(KeyedFile, u64)> = futures::stream::iter(
+                    chain.iter().map(|f| load_keyed_file(storage, found, keyed_in, stored_in, f)),
+                )
+                .buffered(FILES_IN_FLIGHT)
+                .try_collect()
+                .await?;
+                bytes += loaded.iter().map(|(_, read)| read).sum::<u64>();
+                sub.keyed_files = loaded.into_iter().map(|(file, _)| file).collect();
                 subtasks.push(sub);
             }
             subtasks.sort_by_key(|s| s.key_groups.0);
@@ -460,6 +589,16 @@ async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Re
     Ok(data)
 }
 
+/// The state files (paths from the storage root) that restores found damaged after they had
+/// started ([`weir_checkpoint::layout::DAMAGED`]).
+async fn damaged_files(storage: &Storage) -> Result<std::collections::BTreeSet<String>, RestoreError> {
+    let records =
+        retrying("listing damage records", || async { Ok(storage.list(weir_checkpoint::layout::DAMAGED).await?) })
+            .await?;
+    let prefix = format!("{}/", weir_checkpoint::layout::DAMAGED);
+    Ok(records.iter().filter_map(|r| r.strip_prefix(&prefix)).map(str::to_string).collect())
+}
+
 /// Files a restore fetches at once. One download at a time left the link idle between a
 /// file's last byte and the next one's first, and a server (or a disk) that answers several
 /// requests at once waiting: from the S3 server of the tests, a rocksdb checkpoint of 284 MB
@@ -467,20 +606,28 @@ async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Re
 /// time.
 const FILES_IN_FLIGHT: usize = 8;
 
-/// A keyed state file where `keyed_in` keeps it, verified like [`read_verified`].
+/// A keyed state file where `keyed_in` keeps it, verified like [`read_verified`], and the bytes
+/// read. With `stored_in` (a lazy restore's local directory), an increment that can be read by
+/// stretches stays where it is ([`KeyedFile::Stored`]): only its start is read.
 async fn load_keyed_file(
     storage: &Storage,
     found: &Restorable,
     keyed_in: &KeyedFilesIn,
+    stored_in: Option<&PathBuf>,
     f: &FileRef,
-) -> Result<KeyedFile, RestoreError> {
+) -> Result<(KeyedFile, u64), RestoreError> {
+    if let Some(dir) = stored_in {
+        if let Some(stored) = StoredIncrementFile::of(storage, found, f, dir).await? {
+            return Ok((KeyedFile::Stored(Arc::new(stored)), 0));
+        }
+    }
     Ok(match keyed_in {
         KeyedFilesIn::Memory => {
             let data = read_verified(storage, found, f).await?;
             weir_checkpoint::format::open(&data).map_err(|e| corrupt(storage, found, f, e))?;
-            KeyedFile::Memory(data)
+            (KeyedFile::Memory(data), f.len)
         }
-        KeyedFilesIn::LocalDir(dir) => KeyedFile::Local(copy_verified(storage, found, f, dir).await?),
+        KeyedFilesIn::LocalDir(dir) => (KeyedFile::Local(copy_verified(storage, found, f, dir).await?), f.len),
     })
 }
 
@@ -800,6 +947,28 @@ mod tests {
         file
     }
 
+    /// Completes checkpoint `id` of `counts` with `chain` and table files named with their
+    /// first keys (key group 1) standing for its first file; returns it as found.
+    fn complete_with_tables(s: &Storage, id: u64, chain: &[FileRef], tables: &[(&str, &str)]) -> Restorable {
+        let dir = layout::checkpoint_dir(id);
+        let mut refs = Vec::new();
+        for (rel, first) in tables {
+            let data = bytes::Bytes::from(format!("table {rel}"));
+            crate::io().block_on(s.put(&layout::resolve(&dir, rel), data.clone())).unwrap();
+            let first = crate::state::StateStore::key_of_encoded(1, first.as_bytes());
+            refs.push(FileRef::new(rel.to_string(), data.len() as u64, crc32c::crc32c(&data)).with_first_key(&first));
+        }
+        let subtask = SubtaskSnapshot {
+            key_groups: (0, 8),
+            keyed_state: chain.to_vec(),
+            store_tables: refs,
+            ..Default::default()
+        };
+        crate::io().block_on(complete(s, id, "counts", subtask));
+        let metadata = crate::io().block_on(recovery::read_metadata(s, &dir)).unwrap().unwrap();
+        Restorable { dir, metadata }
+    }
+
     /// A checkpoint whose chain (a full image and an increment) has the image as two table
     /// files too: a restore to local disk takes the tables instead of the image, one to memory
     /// the image; a damaged table makes the restore take the image, not an older checkpoint.
@@ -839,6 +1008,7 @@ mod tests {
         let read = |f: &KeyedFile| match f {
             KeyedFile::Local(c) => std::fs::read(&c.path).unwrap(),
             KeyedFile::Memory(b) => b.to_vec(),
+            KeyedFile::Stored(f) => panic!("{f:?} is not read here"),
         };
 
         let copies = || std::fs::read_dir(local.path()).unwrap().count();
@@ -903,23 +1073,7 @@ mod tests {
             chain.push(FileRef::new(rel.into(), data.len() as u64, crc32c::crc32c(&data)));
             crate::io().block_on(s.put(&layout::resolve(&dir, rel), data)).unwrap();
         }
-        let mut tables = Vec::new();
-        for (rel, first) in [("t0.sst", "a"), ("t1.sst", "d")] {
-            let data = bytes::Bytes::from(format!("table {rel}"));
-            crate::io().block_on(s.put(&layout::resolve(&dir, rel), data.clone())).unwrap();
-            tables.push(
-                FileRef::new(rel.into(), data.len() as u64, crc32c::crc32c(&data)).with_first_key(&store_key(first)),
-            );
-        }
-        let subtask = SubtaskSnapshot {
-            key_groups: (0, 8),
-            keyed_state: chain.clone(),
-            store_tables: tables,
-            ..Default::default()
-        };
-        crate::io().block_on(complete(&s, 1, "counts", subtask));
-        let metadata = crate::io().block_on(recovery::read_metadata(&s, &dir)).unwrap().unwrap();
-        let found = Restorable { dir: dir.clone(), metadata };
+        let found = complete_with_tables(&s, 1, &chain, &[("t0.sst", "a"), ("t1.sst", "d")]);
         let local = tempfile::tempdir().unwrap();
         let on_disk = KeyedFilesIn::LocalDir(local.path().to_path_buf());
         let copies = || std::fs::read_dir(local.path()).unwrap().count();
@@ -959,6 +1113,81 @@ mod tests {
         assert!(missing.contains("missing"), "{missing}");
         assert_eq!(copies(), 2, "the increment's copy and the image's, kept for other ranges");
         drop((restored, keyed));
+        assert_eq!(copies(), 0, "copies are deleted with the restored state");
+    }
+
+    /// A lazy restore leaves increments ordered by key group in storage (reading only their
+    /// start), and copies others. A stretch is fetched when asked; a damaged or missing one is
+    /// recorded, and from then on no restore picks a checkpoint that needs the file: the next
+    /// one falls back to an older checkpoint, naming the damage.
+    #[test]
+    fn increments_by_key_group_stay_in_storage_and_a_recorded_damage_refuses_their_checkpoints() {
+        use crate::state::bulk::StoredIncrement;
+        let (_, s) = store();
+        let older = crate::io().block_on(keyed_checkpoint(&s, 1, 4));
+        let dir = layout::checkpoint_dir(2);
+        let mut chain = Vec::new();
+        let mut by_key_group = StateFileWriter::increment_by_key_group(16);
+        for (key_group, k) in [(5, "x"), (1, "b"), (3, "y"), (1, "c")] {
+            by_key_group.put(key_group, k.as_bytes(), b"new");
+        }
+        let mut older_kind = StateFileWriter::new(FileKind::KeyedIncrement, 16);
+        older_kind.put(1, b"a", b"newest");
+        let mut image = StateFileWriter::new(FileKind::KeyedFull, 16);
+        image.put(1, b"a", b"old");
+        for (rel, w) in [("image.kv", image), ("increment.kv", by_key_group), ("older-kind.kv", older_kind)] {
+            let data = w.finish().0;
+            chain.push(FileRef::new(rel.into(), data.len() as u64, crc32c::crc32c(&data)));
+            crate::io().block_on(s.put(&layout::resolve(&dir, rel), data)).unwrap();
+        }
+        let found = complete_with_tables(&s, 2, &chain, &[("t0.sst", "a")]);
+        let local = tempfile::tempdir().unwrap();
+        let on_disk = KeyedFilesIn::LocalDir(local.path().to_path_buf());
+        let copies = || std::fs::read_dir(local.path()).unwrap().count();
+
+        let restored = crate::io().block_on(RestoredState::load(&s, &found, &on_disk)).unwrap();
+        assert_eq!(restored.bytes, chain[2].len, "only the increment of the older kind is read whole");
+        let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
+        let [KeyedFile::Stored(stored), KeyedFile::Local(_)] = keyed.files.as_slice() else {
+            panic!("{:?}", keyed.files)
+        };
+        assert_eq!(copies(), 1, "the increment by key group is not copied");
+        assert!(stored.index.checked);
+        let (offset, len) = stored.index.stretch_of((1, 2));
+        let stretch = crate::io().block_on(stored.fetch(offset, len)).unwrap();
+        stored.index.verify(offset, &stretch).unwrap();
+        let keys: Vec<_> = weir_checkpoint::format::keyed_entries(&stretch).map(|e| e.unwrap().key.to_vec()).collect();
+        assert_eq!(keys, [b"b".to_vec(), b"c".to_vec()]);
+        // On a memory backend nothing restores lazily: every file is read whole.
+        let in_memory = crate::io().block_on(RestoredState::load(&s, &found, &KeyedFilesIn::Memory)).unwrap();
+        assert!(in_memory
+            .keyed_for("counts", (0, 8), 1)
+            .unwrap()
+            .files
+            .iter()
+            .all(|f| matches!(f, KeyedFile::Memory(_))));
+
+        // A loader found a stretch damaged: recorded where every later restore looks.
+        crate::io().block_on(stored.damaged("bytes 9..20: key group 1 does not match its checksum"));
+        let refused = crate::io().block_on(RestoredState::load(&s, &found, &on_disk)).unwrap_err().to_string();
+        assert!(
+            refused.contains("increment.kv") && refused.contains("an earlier restore found it damaged (bytes 9..20"),
+            "{refused}"
+        );
+        let selection = crate::io().block_on(newest_valid(&s, 0, &on_disk)).unwrap();
+        assert_eq!(selection.restored.as_ref().map(|r| r.checkpoint_id), Some(1));
+        assert!(selection.reason().contains("an earlier restore found it damaged"), "{}", selection.reason());
+        assert!(crate::io().block_on(s.get(&layout::resolve(&layout::checkpoint_dir(1), &older.path))).is_ok());
+
+        // A stretch whose file went missing is recorded too.
+        let gone = layout::resolve(&dir, "older-kind.kv");
+        crate::io().block_on(s.delete(&layout::resolve(&dir, "increment.kv"))).unwrap();
+        let missing = crate::io().block_on(stored.fetch(offset, len)).unwrap_err();
+        assert!(missing.contains("missing"), "{missing}");
+        let records = crate::io().block_on(s.list(layout::DAMAGED)).unwrap();
+        assert_eq!(records, [layout::damage_record(&layout::resolve(&dir, "increment.kv"))]);
+        assert!(crate::io().block_on(s.get(&gone)).is_ok(), "nothing else is touched");
+        drop((restored, keyed, in_memory, selection));
         assert_eq!(copies(), 0, "copies are deleted with the restored state");
     }
 

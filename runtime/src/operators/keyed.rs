@@ -42,7 +42,8 @@ impl KeyedContext {
             .with_background_full_image_above(self.background_full_image_above);
         if let Some(settings) = &self.store {
             let label = format!("{}-kg{}", self.uid, self.key_groups.0);
-            let store = StateStore::open(&settings.parent_dir, &label).map_err(|e| self.state_failed(e))?;
+            let mut store = StateStore::open(&settings.parent_dir, &label).map_err(|e| self.state_failed(e))?;
+            store.count_lazy_restores_in(settings.restores_loading.clone());
             state = state.on_store(store, settings.cache_entries);
         }
         if let Some(r) = restore {
@@ -51,7 +52,7 @@ impl KeyedContext {
                     .iter()
                     .filter_map(|t| match t {
                         KeyedFile::Local(copy) => Some(copy.path.clone()),
-                        KeyedFile::Memory(_) => None,
+                        KeyedFile::Memory(_) | KeyedFile::Stored(_) => None,
                     })
                     .collect();
                 if paths.len() != tables.len() || !state.restore_tables(&paths, *source, self.key_groups) {
@@ -102,6 +103,20 @@ impl KeyedContext {
                 }
                 state.restore_file(body, self.key_groups).map_err(store_failed)
             }
+            KeyedFile::Stored(stored) => {
+                let increment = crate::state::bulk::IncrementByKeyGroup {
+                    file: crate::state::bulk::IncrementFile::Stored(stored.clone()),
+                    index: stored.index.clone(),
+                    key_groups: self.key_groups,
+                    keep: Box::new(()),
+                };
+                if state.restore_increment_by_key_group(increment).map_err(store_failed)? {
+                    return Ok(());
+                }
+                // Not restoring lazily after all: the whole file, then as any local copy.
+                let copy = stored.copy_whole().map_err(failed)?;
+                self.restore_file(state, &KeyedFile::Local(copy))
+            }
             KeyedFile::Local(copy) => {
                 let open = || {
                     std::fs::File::open(&copy.path)
@@ -119,7 +134,7 @@ impl KeyedContext {
                 };
                 if let Some(index) = index {
                     let increment = crate::state::bulk::IncrementByKeyGroup {
-                        path: copy.path.clone(),
+                        file: crate::state::bulk::IncrementFile::Local(copy.path.clone()),
                         index,
                         key_groups: self.key_groups,
                         keep: Box::new(copy.clone()),

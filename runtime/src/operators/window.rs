@@ -651,6 +651,7 @@ mod tests {
                 let store = cache.map(|cache_entries| StoreSettings {
                     parent_dir: std::env::temp_dir().join("weir-state-tests"),
                     cache_entries,
+                    restores_loading: Default::default(),
                 });
                 let mut windows = Windows::start(&spec, 2, &[], &store);
                 let mut snapshot = Vec::new();

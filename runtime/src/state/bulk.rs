@@ -322,10 +322,10 @@ pub struct RangeGroups {
     by_key_group: Vec<IncrementByKeyGroup>,
 }
 
-/// A restored increment ordered by key group, in a local file read in stretches.
+/// A restored increment ordered by key group, read a stretch at a time.
 pub struct IncrementByKeyGroup {
-    /// The local copy (verified).
-    pub path: PathBuf,
+    /// Where it is read from.
+    pub file: IncrementFile,
     /// Where each key group's entries are in it.
     pub index: weir_checkpoint::format::IncrementIndex,
     /// The key groups the restoring subtask owns: entries of others are left out.
@@ -334,8 +334,37 @@ pub struct IncrementByKeyGroup {
     pub keep: Box<dyn std::any::Any + Send + Sync>,
 }
 
+/// Where an increment ordered by key group is read from.
+pub enum IncrementFile {
+    /// A local copy, verified whole.
+    Local(PathBuf),
+    /// Left where the checkpoint keeps it: each stretch is fetched when its range is loaded
+    /// and verified against the index's checksums of its key groups.
+    Stored(std::sync::Arc<dyn StoredIncrement>),
+}
+
+/// An increment ordered by key group in a checkpoint's storage (`crate::restore`).
+pub trait StoredIncrement: Send + Sync {
+    /// Fetches bytes `[offset, offset + len)` of the increment (storage errors retried).
+    fn fetch(&self, offset: u64, len: u64) -> futures::future::BoxFuture<'_, Result<bytes::Bytes, String>>;
+
+    /// The increment was found damaged (`why`): the source records it, so that no later
+    /// restore picks a checkpoint that needs it.
+    fn damaged<'a>(&'a self, why: &'a str) -> futures::future::BoxFuture<'a, ()>;
+
+    /// For errors and logs: where it is.
+    fn describe(&self) -> String;
+}
+
 /// Bytes of an increment's stretch a loader reads at once.
 const STRETCH_PART_BYTES: usize = 1 << 20;
+
+/// A stored increment's stretch is fetched in pieces of whole key groups of about this many
+/// bytes (a larger key group is one piece), [`PIECES_IN_FLIGHT`] at a time across the
+/// increments of a range: a range's first record waits for as many round trips as it has
+/// pieces divided by that, not one per increment.
+const STORED_PIECE_BYTES: u64 = 1 << 20;
+const PIECES_IN_FLIGHT: usize = 8;
 
 /// One group of ranges' increments.
 #[cfg_attr(not(feature = "rocksdb"), allow(dead_code))] // Only a store splits them.
@@ -374,8 +403,36 @@ impl RangeGroups {
     /// does: before entries of an older kind of increment that is newer than them are added.
     pub fn route_increments_by_key_group(&mut self, ranges: &super::lazy::Ranges) -> Result<(), StoreError> {
         let mut raw = Vec::with_capacity(32);
-        for increment in std::mem::take(&mut self.by_key_group) {
-            let file = File::open(&increment.path).map_err(io_failed)?;
+        let increments = std::mem::take(&mut self.by_key_group);
+        for (n, increment) in increments.iter().enumerate() {
+            let path = match &increment.file {
+                IncrementFile::Local(path) => path,
+                IncrementFile::Stored(_) => {
+                    let pieces = increment.index.pieces_of(increment.key_groups, STORED_PIECE_BYTES);
+                    let pieces = pieces
+                        .into_iter()
+                        .map(|(offset, len)| StoredPiece {
+                            increment: n,
+                            key_groups: increment.key_groups,
+                            offset,
+                            len,
+                        })
+                        .collect();
+                    take_stored_pieces(&increments, pieces, &mut |key_groups, body| {
+                        for entry in weir_checkpoint::format::keyed_entries(body) {
+                            let entry = entry?;
+                            if (key_groups.0..key_groups.1).contains(&entry.key_group) {
+                                raw.clear();
+                                super::store::StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
+                                self.add(ranges.range_of(&raw), &raw, entry.value)?;
+                            }
+                        }
+                        Ok(())
+                    })?;
+                    continue;
+                }
+            };
+            let file = File::open(path).map_err(io_failed)?;
             let len = file.metadata().map_err(io_failed)?.len();
             let parts = weir_checkpoint::format::read_keyed_parts(file, len, STRETCH_PART_BYTES, |body| {
                 for entry in weir_checkpoint::format::keyed_entries(body) {
@@ -415,34 +472,53 @@ impl RangeGroups {
         let range_key_groups = ranges.key_groups_of(range);
         let mut load = BulkLoad::with_limits(&dir.join("runs"), run_bytes, fan_in);
         let mut raw = Vec::with_capacity(32);
-        for increment in &self.by_key_group {
+        let mut take = |key_groups: (u32, u32), body: &[u8]| -> Result<(), StoreError> {
+            for entry in weir_checkpoint::format::keyed_entries(body) {
+                let entry = entry?;
+                if !(key_groups.0..key_groups.1).contains(&entry.key_group) {
+                    continue;
+                }
+                raw.clear();
+                super::store::StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
+                if in_range(&raw) {
+                    load.add(&raw, entry.value)?;
+                }
+            }
+            Ok(())
+        };
+        // The range's key groups of each increment, in chain order.
+        let mut stored_pieces = Vec::new();
+        for (n, increment) in self.by_key_group.iter().enumerate() {
             let key_groups =
                 (range_key_groups.0.max(increment.key_groups.0), range_key_groups.1.min(increment.key_groups.1));
             if key_groups.0 >= key_groups.1 {
                 continue;
             }
-            let (offset, len) = increment.index.stretch_of(key_groups);
-            if len == 0 {
-                continue;
-            }
-            let mut file = File::open(&increment.path).map_err(io_failed)?;
-            file.seek(SeekFrom::Start(offset)).map_err(io_failed)?;
-            let parts = weir_checkpoint::format::read_entry_parts(file.take(len), len, STRETCH_PART_BYTES, |body| {
-                for entry in weir_checkpoint::format::keyed_entries(body) {
-                    let entry = entry?;
-                    if !(key_groups.0..key_groups.1).contains(&entry.key_group) {
+            match &increment.file {
+                IncrementFile::Stored(_) => stored_pieces.extend(
+                    increment
+                        .index
+                        .pieces_of(key_groups, STORED_PIECE_BYTES)
+                        .into_iter()
+                        .map(|(offset, len)| StoredPiece { increment: n, key_groups, offset, len }),
+                ),
+                IncrementFile::Local(path) => {
+                    // Stored increments before it first, in order.
+                    take_stored_pieces(&self.by_key_group, std::mem::take(&mut stored_pieces), &mut take)?;
+                    let (offset, len) = increment.index.stretch_of(key_groups);
+                    if len == 0 {
                         continue;
                     }
-                    raw.clear();
-                    super::store::StateStore::encoded_key(entry.key_group, entry.key, &mut raw);
-                    if in_range(&raw) {
-                        load.add(&raw, entry.value)?;
-                    }
+                    let mut file = File::open(path).map_err(io_failed)?;
+                    file.seek(SeekFrom::Start(offset)).map_err(io_failed)?;
+                    weir_checkpoint::format::read_entry_parts(file.take(len), len, STRETCH_PART_BYTES, |body| {
+                        take(key_groups, body)
+                    })
+                    .map_err(from_parts)?;
                 }
-                Ok(())
-            });
-            parts.map_err(from_parts)?;
+            }
         }
+        take_stored_pieces(&self.by_key_group, stored_pieces, &mut take)?;
         load.into_tables(dir, true)
     }
 
@@ -813,6 +889,54 @@ impl<'o> TableWriter<'o> {
         }
         Ok(self.files.into_iter().zip(self.first_keys).collect())
     }
+}
+
+/// A piece of a stored increment to fetch: whole key groups of it.
+struct StoredPiece {
+    /// Which increment (an index into the restore's increments ordered by key group).
+    increment: usize,
+    /// The key groups whose entries to take.
+    key_groups: (u32, u32),
+    /// Where the piece is in the increment.
+    offset: u64,
+    len: u64,
+}
+
+/// Takes the entries of the given key groups from whole entries of an increment.
+type TakeEntries<'a> = dyn FnMut((u32, u32), &[u8]) -> Result<(), StoreError> + 'a;
+
+/// Fetches pieces of stored increments,
+/// [`PIECES_IN_FLIGHT`] at a time, verifies each and hands it to `take` in order. A piece
+/// that does not match its checksums is reported to its increment's source.
+fn take_stored_pieces(
+    increments: &[IncrementByKeyGroup],
+    pieces: Vec<StoredPiece>,
+    take: &mut TakeEntries<'_>,
+) -> Result<(), StoreError> {
+    use futures::{StreamExt, TryStreamExt};
+    if pieces.is_empty() {
+        return Ok(());
+    }
+    let fetches = pieces.into_iter().map(|StoredPiece { increment, key_groups, offset, len }| {
+        let increment = &increments[increment];
+        async move {
+            let IncrementFile::Stored(stored) = &increment.file else {
+                return Err(StoreError::LazyRestore("a local increment among stored pieces".into()));
+            };
+            let bytes = stored.fetch(offset, len).await.map_err(StoreError::LazyRestore)?;
+            if let Err(e) = increment.index.verify(offset, &bytes) {
+                let why = format!("bytes {offset}..{}: {e}", offset + len);
+                stored.damaged(&why).await;
+                return Err(StoreError::LazyRestore(format!("{}: {why}", stored.describe())));
+            }
+            Ok((key_groups, bytes))
+        }
+    });
+    crate::io().block_on(
+        futures::stream::iter(fetches)
+            .buffered(PIECES_IN_FLIGHT)
+            .try_for_each(|(key_groups, bytes)| std::future::ready(take(key_groups, &bytes))),
+    )
 }
 
 #[cfg(all(test, feature = "rocksdb"))]

@@ -1580,7 +1580,12 @@ mod model_tests {
                                 let path = increments_dir.path().join(format!("{}-{i}", source.0));
                                 std::fs::write(&path, f).unwrap();
                                 let keep = Box::new(increments_dir.clone());
-                                let increment = bulk::IncrementByKeyGroup { path, index, key_groups: range, keep };
+                                let increment = bulk::IncrementByKeyGroup {
+                                    file: bulk::IncrementFile::Local(path),
+                                    index,
+                                    key_groups: range,
+                                    keep,
+                                };
                                 if state.restore_increment_by_key_group(increment).unwrap() {
                                     continue;
                                 }
@@ -1725,7 +1730,12 @@ mod model_tests {
         let index = weir_checkpoint::format::read_increment_index(&increment[..], increment.len() as u64)
             .unwrap()
             .expect("the rocksdb backend's increments are ordered by key group");
-        let increment = bulk::IncrementByKeyGroup { path, index, key_groups: all, keep: Box::new(()) };
+        let increment = bulk::IncrementByKeyGroup {
+            file: bulk::IncrementFile::Local(path),
+            index,
+            key_groups: all,
+            keep: Box::new(()),
+        };
         assert!(restored.restore_increment_by_key_group(increment).unwrap());
         restored.after_restore(true, 2).unwrap();
 
@@ -1743,6 +1753,128 @@ mod model_tests {
         assert_eq!(restored.get(&key(held_key)).unwrap().copied(), model.get(&held_key).copied());
         assert_eq!(int_contents(&restored), model);
         assert!(!restored.spill.as_ref().unwrap().store.loading());
+    }
+
+    /// An increment ordered by key group in "storage" (memory here): the stretches fetched,
+    /// and the damage reported.
+    #[cfg(feature = "rocksdb")]
+    struct MemoryIncrement {
+        bytes: Bytes,
+        fetched: std::sync::Mutex<Vec<(u64, u64)>>,
+        damaged: std::sync::Mutex<Vec<String>>,
+    }
+
+    #[cfg(feature = "rocksdb")]
+    impl bulk::StoredIncrement for MemoryIncrement {
+        fn fetch(&self, offset: u64, len: u64) -> futures::future::BoxFuture<'_, Result<Bytes, String>> {
+            self.fetched.lock().unwrap().push((offset, len));
+            let bytes = self.bytes.slice(offset as usize..(offset + len) as usize);
+            Box::pin(async move { Ok(bytes) })
+        }
+
+        fn damaged<'a>(&'a self, why: &'a str) -> futures::future::BoxFuture<'a, ()> {
+            self.damaged.lock().unwrap().push(why.to_string());
+            Box::pin(async {})
+        }
+
+        fn describe(&self) -> String {
+            "the increment in memory".into()
+        }
+    }
+
+    /// A lazy restore whose increments stay in storage: each range's loader fetches its key
+    /// groups' stretch of each (verified by the index's checksums), and the state is the
+    /// model's. A flipped bit fails the restore (reads say which key group), and the damage is
+    /// reported to the source, which records it so that no later restore picks the checkpoint
+    /// (`crate::restore`).
+    #[cfg(feature = "rocksdb")]
+    #[test]
+    fn a_lazy_restore_reads_stored_increments_by_stretches_and_reports_a_damaged_one() {
+        let (mut state, mut model) = rocksdb_state_of_300_keys();
+        let image = state.snapshot_checkpoint().unwrap().bytes();
+        let mut increments = Vec::new();
+        for round in 0..2 {
+            for k in (round..300).step_by(5) {
+                *state.update(key(k), || 0).unwrap() += 1000;
+                *model.get_mut(&k).unwrap() += 1000;
+            }
+            state.remove(&key(10 + round)).unwrap();
+            model.remove(&(10 + round));
+            increments.push(state.snapshot_checkpoint().unwrap().bytes());
+        }
+        let all = (0, MAX_PARALLELISM);
+        let restore = |damage_at: Option<usize>| {
+            let tables = Arc::new(TestTables::of(&image, 50, None));
+            let mut restored = empty(10, Some(1000));
+            assert!(restored.restore_lazy_tables(tables.clone(), all, all).unwrap());
+            let mut stored = Vec::new();
+            for (n, increment) in increments.iter().enumerate() {
+                let index = weir_checkpoint::format::read_increment_index(&increment[..], increment.len() as u64)
+                    .unwrap()
+                    .unwrap();
+                assert!(index.checked);
+                let mut bytes = increment.to_vec();
+                if let (1, Some(at)) = (n, damage_at) {
+                    bytes[at] ^= 0x20;
+                }
+                let memory = Arc::new(MemoryIncrement {
+                    bytes: Bytes::from(bytes),
+                    fetched: Default::default(),
+                    damaged: Default::default(),
+                });
+                stored.push((memory.clone(), index.clone()));
+                let file = bulk::IncrementFile::Stored(memory);
+                let increment = bulk::IncrementByKeyGroup { file, index, key_groups: all, keep: Box::new(()) };
+                assert!(restored.restore_increment_by_key_group(increment).unwrap());
+            }
+            restored.after_restore(true, 3).unwrap();
+            (restored, tables, stored)
+        };
+
+        let (restored, tables, stored) = restore(None);
+        assert_eq!(int_contents(&restored), model);
+        for (memory, index) in &stored {
+            let mut fetched = memory.fetched.lock().unwrap().clone();
+            fetched.sort();
+            assert!(fetched.len() >= tables.first_keys.len().min(index.key_groups.len()), "{fetched:?}");
+            // Every byte of the entries fetched, whole key groups at a time (one that two
+            // ranges share, a table starting inside it, is fetched by both), and never the
+            // whole file at once.
+            let mut at = index.key_groups[0].offset;
+            for &(offset, len) in &fetched {
+                assert!(offset <= at, "bytes {at}..{offset} not fetched");
+                assert!(index.key_groups.iter().any(|k| k.offset == offset), "{offset} starts no key group");
+                at = at.max(offset + len);
+            }
+            assert_eq!(at, memory.bytes.len() as u64 - 4);
+            assert!(fetched.iter().all(|&(_, len)| len < at - index.key_groups[0].offset), "{fetched:?}");
+            assert!(memory.damaged.lock().unwrap().is_empty());
+        }
+
+        // A bit flipped in the second increment's entries.
+        let index = &stored[1].1;
+        let damaged = index.key_groups[index.key_groups.len() / 2];
+        let (mut restored, _, stored) = restore(Some((damaged.offset + damaged.len / 2) as usize));
+        let (mut served, mut refused) = (0, 0);
+        for k in 0..300 {
+            match restored.get(&key(k)) {
+                Ok(v) => {
+                    assert_eq!(v.copied(), model.get(&k).copied(), "key {k}");
+                    served += 1;
+                }
+                Err(e) => {
+                    let named = format!("checksum mismatch in the entries of key group {}", damaged.key_group);
+                    assert!(e.to_string().contains(&named), "{e}");
+                    refused += 1;
+                }
+            }
+        }
+        // Once a range fails the restore has failed: what was served before is right, and
+        // every read after says why (the task fails on it).
+        assert!(refused > 0, "{served} served, {refused} refused");
+        let reported = stored[1].0.damaged.lock().unwrap().clone();
+        assert_eq!(reported.len(), 1, "{reported:?}");
+        assert!(stored[0].0.damaged.lock().unwrap().is_empty());
     }
 
     /// A lazy restore's tables, on local disk: each fetch is a copy (the store moves what it

@@ -91,6 +91,9 @@ pub struct StoreSettings {
     pub parent_dir: PathBuf,
     /// How many entries the in-memory cache in front of the store holds.
     pub cache_entries: usize,
+    /// Counts the job's stores while a lazy restore loads into them (the job holds its
+    /// checkpoints until none does).
+    pub restores_loading: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[cfg(not(feature = "rocksdb"))]

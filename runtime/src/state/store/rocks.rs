@@ -28,6 +28,8 @@ pub struct StateStore {
     no_wal: WriteOptions,
     /// A lazy restore's table files still coming in ([`Self::load_lazily`]).
     lazy: Option<LazyLoad>,
+    /// Counts this store while a lazy restore loads into it ([`Self::count_lazy_restores_in`]).
+    restores_loading: Option<Arc<AtomicUsize>>,
 }
 
 /// The loaders of a lazy restore and what they have loaded.
@@ -69,7 +71,14 @@ impl StateStore {
             DB::open(&options(), &dir).map_err(|source| StoreError::Open { dir: dir.display().to_string(), source })?;
         let mut no_wal = WriteOptions::default();
         no_wal.disable_wal(true);
-        Ok(StateStore { db: Some(Arc::new(db)), dir, parent_dir: parent_dir.to_path_buf(), no_wal, lazy: None })
+        Ok(StateStore {
+            db: Some(Arc::new(db)),
+            dir,
+            parent_dir: parent_dir.to_path_buf(),
+            no_wal,
+            lazy: None,
+            restores_loading: None,
+        })
     }
 
     /// The directory the store's own directory is in.
@@ -94,6 +103,12 @@ impl StateStore {
             Some(lazy) => lazy.pending.wait_for_key(store_key),
             None => Ok(()),
         }
+    }
+
+    /// Counts this store in `counter` for as long as a lazy restore loads into it (its job
+    /// holds checkpoints until then).
+    pub fn count_lazy_restores_in(&mut self, counter: Arc<AtomicUsize>) {
+        self.restores_loading = Some(counter);
     }
 
     /// Whether a lazy restore is still bringing table files in.
@@ -130,6 +145,9 @@ impl StateStore {
             started: std::time::Instant::now(),
             running: AtomicUsize::new(0),
             from_image: AtomicUsize::new(0),
+            counted: self.restores_loading.clone().inspect(|c| {
+                c.fetch_add(1, Ordering::AcqRel);
+            }),
         });
         let loaders = loaders.clamp(1, pending.ranges().len().max(1));
         let mut handles = Vec::with_capacity(loaders);
@@ -288,6 +306,16 @@ struct LoaderJob {
     running: AtomicUsize,
     /// Ranges loaded from the full image because their table failed.
     from_image: AtomicUsize,
+    /// Counted while the loaders run, released when the last one is done (the job is dropped).
+    counted: Option<Arc<AtomicUsize>>,
+}
+
+impl Drop for LoaderJob {
+    fn drop(&mut self) {
+        if let Some(counter) = &self.counted {
+            counter.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 impl LoaderJob {
