@@ -1,9 +1,11 @@
-//! A restore onto the rocksdb backend that does not wait for its table files: the job starts
-//! as soon as the increments after the merged image are copied and verified, and the image's
-//! table files come in behind it, the ones that a read waits for first. Increments ordered by
-//! key group (as the rocksdb backend writes them) are not read before the job starts: the
-//! loader of each range reads the stretch of its key groups of each. Others are read and
-//! routed, unsorted, to the ranges below.
+//! A restore onto the rocksdb backend that does not wait for its state: the job starts once
+//! the increments after the merged image are found (only the start of each is read), and the
+//! image's table files come in behind it, the ones that a read waits for first. Increments
+//! ordered by key group (as the rocksdb backend writes them) are not read before the job
+//! starts: the loader of each range reads the stretch of its key groups of each, from
+//! checkpoint storage when the index has checksums (`bulk::StoredIncrement`). Others are
+//! copied, read and routed, unsorted, to the ranges below. The job holds its checkpoints
+//! until every range is in (`Coordinator::hold_checkpoints`).
 //!
 //! The key space is cut at the tables' first keys into ranges, one per table
 //! ([`Ranges`]). A range is *ready* once its table is in the store and the restored

@@ -928,9 +928,9 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     }
 
     /// (rocksdb backend, restoring lazily: [`Self::restore_lazy_tables`]) Restores the next
-    /// file of the chain, an increment ordered by key group, from its local copy without
-    /// reading it: each range's loader reads the stretch of it that holds the range's key
-    /// groups. Whether the state took it; when not, restore it with [`Self::restore_file`].
+    /// file of the chain, an increment ordered by key group, without reading it (from a local
+    /// copy or from checkpoint storage): each range's loader reads the stretch of it that
+    /// holds the range's key groups. Whether the state took it; when not, restore it with [`Self::restore_file`].
     pub fn restore_increment_by_key_group(&mut self, increment: bulk::IncrementByKeyGroup) -> Result<bool, StoreError> {
         let Some(spill) = &mut self.spill else { return Ok(false) };
         let Some(lazy) = spill.lazy_restore()? else { return Ok(false) };
@@ -1803,9 +1803,11 @@ mod model_tests {
             increments.push(state.snapshot_checkpoint().unwrap().bytes());
         }
         let all = (0, MAX_PARALLELISM);
+        let loading = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let restore = |damage_at: Option<usize>| {
             let tables = Arc::new(TestTables::of(&image, 50, None));
             let mut restored = empty(10, Some(1000));
+            restored.spill.as_mut().unwrap().store.count_lazy_restores_in(loading.clone());
             assert!(restored.restore_lazy_tables(tables.clone(), all, all).unwrap());
             let mut stored = Vec::new();
             for (n, increment) in increments.iter().enumerate() {
@@ -1831,8 +1833,18 @@ mod model_tests {
             (restored, tables, stored)
         };
 
+        // The job holds its checkpoints while the store loads, and no longer once all is in.
+        let loading_now = || loading.load(std::sync::atomic::Ordering::Acquire);
+        let released = || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while loading_now() > 0 && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            loading_now() == 0
+        };
         let (restored, tables, stored) = restore(None);
         assert_eq!(int_contents(&restored), model);
+        assert!(released(), "the hold is released once every range is in");
         for (memory, index) in &stored {
             let mut fetched = memory.fetched.lock().unwrap().clone();
             fetched.sort();
@@ -1872,6 +1884,8 @@ mod model_tests {
         // Once a range fails the restore has failed: what was served before is right, and
         // every read after says why (the task fails on it).
         assert!(refused > 0, "{served} served, {refused} refused");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(loading_now(), 1, "a failed restore keeps holding its attempt's checkpoints");
         let reported = stored[1].0.damaged.lock().unwrap().clone();
         assert_eq!(reported.len(), 1, "{reported:?}");
         assert!(stored[0].0.damaged.lock().unwrap().is_empty());

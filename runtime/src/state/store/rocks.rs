@@ -306,13 +306,15 @@ struct LoaderJob {
     running: AtomicUsize,
     /// Ranges loaded from the full image because their table failed.
     from_image: AtomicUsize,
-    /// Counted while the loaders run, released when the last one is done (the job is dropped).
+    /// Counted while the loaders run, released when the last one is done (the job is dropped)
+    /// and every range is in. A restore that failed or stopped keeps it: its attempt is over,
+    /// and no checkpoint may complete on its state in the meantime.
     counted: Option<Arc<AtomicUsize>>,
 }
 
 impl Drop for LoaderJob {
     fn drop(&mut self) {
-        if let Some(counter) = &self.counted {
+        if let (Some(counter), true) = (&self.counted, self.pending.all_ready()) {
             counter.fetch_sub(1, Ordering::AcqRel);
         }
     }
