@@ -95,8 +95,11 @@ pub struct StoredIncrementFile {
     file: FileRef,
     /// Its index, verified by its own checksum.
     pub index: weir_checkpoint::format::IncrementIndex,
-    /// Where a whole copy goes if a backend needs one.
+    /// Where a whole copy goes.
     dir: PathBuf,
+    /// The whole file copied to local disk and verified, once the restore's background copy
+    /// has it ([`copy_stored_in_background`]): stretches are then read from it.
+    copied: std::sync::OnceLock<(Arc<LocalCopy>, std::fs::File)>,
 }
 
 /// Bytes of a stored increment's start fetched to read its index: enough for the index of
@@ -140,22 +143,70 @@ impl StoredIncrementFile {
             file: f.clone(),
             index,
             dir: dir.to_path_buf(),
+            copied: std::sync::OnceLock::new(),
         }))
     }
 
     /// The whole file copied to local disk and verified, for a store that does not restore
     /// lazily after all. Blocks.
     pub fn copy_whole(&self) -> Result<Arc<LocalCopy>, String> {
-        let what = self.storage.url_of(&self.found.resolve(&self.file.path));
-        crate::io()
-            .block_on(retrying(&what, || copy_verified(&self.storage, &self.found, &self.file, &self.dir)))
-            .map_err(|e| e.to_string())
+        if let Some((copy, _)) = self.copied.get() {
+            return Ok(copy.clone());
+        }
+        crate::io().block_on(self.copy()).map_err(|e| e.to_string())
     }
+
+    async fn copy(&self) -> Result<Arc<LocalCopy>, RestoreError> {
+        let what = self.storage.url_of(&self.found.resolve(&self.file.path));
+        retrying(&what, || copy_verified(&self.storage, &self.found, &self.file, &self.dir)).await
+    }
+}
+
+/// Copies a restore's stored increments whole to local disk behind the job, a few at a time and
+/// in chain order, verified like any copy: stretches fetched before an increment's copy is
+/// there are read from storage, later ones from the copy. So a restore needs one request per
+/// increment and per range it loads early, not one per increment and per range; and the first
+/// ranges do not wait for the copies.
+fn copy_stored_in_background(files: Vec<Arc<StoredIncrementFile>>) {
+    if files.is_empty() {
+        return;
+    }
+    crate::io().spawn(async move {
+        futures::stream::iter(files.into_iter().map(|f| async move {
+            let copied = f.copy().await.and_then(|copy| {
+                let file = std::fs::File::open(&copy.path)
+                    .map_err(|e| RestoreError::LocalCopy { dir: f.dir.display().to_string(), source: e })?;
+                Ok((copy, file))
+            });
+            match copied {
+                Ok(copied) => {
+                    let _ = f.copied.set(copied);
+                }
+                // Its stretches are fetched from storage and verified one by one instead.
+                Err(e) => tracing::warn!(
+                    file = %crate::state::bulk::StoredIncrement::describe(&*f),
+                    error = %e,
+                    "a stored increment was not copied whole"
+                ),
+            }
+        }))
+        .buffered(FILES_IN_FLIGHT)
+        .collect::<()>()
+        .await
+    });
 }
 
 impl crate::state::bulk::StoredIncrement for StoredIncrementFile {
     fn fetch(&self, offset: u64, len: u64) -> futures::future::BoxFuture<'_, Result<Bytes, String>> {
         Box::pin(async move {
+            if let Some((copy, file)) = self.copied.get() {
+                use std::os::unix::fs::FileExt;
+                let mut bytes = vec![0; len as usize];
+                return match file.read_exact_at(&mut bytes, offset) {
+                    Ok(()) => Ok(Bytes::from(bytes)),
+                    Err(e) => Err(format!("reading the local copy {}: {e}", copy.path.display())),
+                };
+            }
             let path = self.found.resolve(&self.file.path);
             let what = self.storage.url_of(&path);
             let got =
@@ -440,6 +491,7 @@ impl RestoredState {
         let m = &found.metadata;
         let damaged = damaged_files(storage).await?;
         let mut operators = BTreeMap::new();
+        let mut stored = Vec::new();
         let mut bytes = 0;
         for (uid, op) in &m.operators {
             let mut subtasks = Vec::new();
@@ -506,11 +558,17 @@ impl RestoredState {
                 .await?;
                 bytes += loaded.iter().map(|(_, read)| read).sum::<u64>();
                 sub.keyed_files = loaded.into_iter().map(|(file, _)| file).collect();
+                stored.extend(sub.keyed_files.iter().filter_map(|f| match f {
+                    KeyedFile::Stored(stored) => Some(stored.clone()),
+                    _ => None,
+                }));
                 subtasks.push(sub);
             }
             subtasks.sort_by_key(|s| s.key_groups.0);
             operators.insert(uid.clone(), RestoredOperator { parallelism: op.parallelism, subtasks });
         }
+        // Only once the whole snapshot loaded: a restore point passed over copies nothing.
+        copy_stored_in_background(stored);
         Ok(RestoredState {
             checkpoint_id: m.checkpoint_id,
             kind: m.kind,
@@ -1117,7 +1175,8 @@ mod tests {
     }
 
     /// A lazy restore leaves increments ordered by key group in storage (reading only their
-    /// start), and copies others. A stretch is fetched when asked; a damaged or missing one is
+    /// start) and copies them whole behind the job; others are copied before it. A stretch is
+    /// fetched when asked, from the copy once it is there; a damaged or missing one is
     /// recorded, and from then on no restore picks a checkpoint that needs the file: the next
     /// one falls back to an older checkpoint, naming the damage.
     #[test]
@@ -1151,7 +1210,12 @@ mod tests {
         let [KeyedFile::Stored(stored), KeyedFile::Local(_)] = keyed.files.as_slice() else {
             panic!("{:?}", keyed.files)
         };
-        assert_eq!(copies(), 1, "the increment by key group is not copied");
+        // Not before the job starts: the increment by key group is copied behind it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while copies() < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(copies(), 2, "the increment by key group is copied whole in the background");
         assert!(stored.index.checked);
         let (offset, len) = stored.index.stretch_of((1, 2));
         let stretch = crate::io().block_on(stored.fetch(offset, len)).unwrap();
@@ -1179,11 +1243,16 @@ mod tests {
         assert!(selection.reason().contains("an earlier restore found it damaged"), "{}", selection.reason());
         assert!(crate::io().block_on(s.get(&layout::resolve(&layout::checkpoint_dir(1), &older.path))).is_ok());
 
-        // A stretch whose file went missing is recorded too.
+        // Before its copy is there, a stretch is read from storage; one whose file went missing
+        // is recorded too. Once copied, stretches are read from the copy.
+        let uncopied =
+            crate::io().block_on(StoredIncrementFile::of(&s, &found, &chain[1], local.path())).unwrap().unwrap();
+        assert_eq!(crate::io().block_on(uncopied.fetch(offset, len)).unwrap(), stretch);
         let gone = layout::resolve(&dir, "older-kind.kv");
         crate::io().block_on(s.delete(&layout::resolve(&dir, "increment.kv"))).unwrap();
-        let missing = crate::io().block_on(stored.fetch(offset, len)).unwrap_err();
+        let missing = crate::io().block_on(uncopied.fetch(offset, len)).unwrap_err();
         assert!(missing.contains("missing"), "{missing}");
+        assert_eq!(crate::io().block_on(stored.fetch(offset, len)).unwrap(), stretch, "from the copy");
         let records = crate::io().block_on(s.list(layout::DAMAGED)).unwrap();
         assert_eq!(records, [layout::damage_record(&layout::resolve(&dir, "increment.kv"))]);
         assert!(crate::io().block_on(s.get(&gone)).is_ok(), "nothing else is touched");

@@ -13,7 +13,7 @@
 //! bytes   := len varint | raw
 //! ```
 //! Keyed entries carry their key group, so a restore at another parallelism reads only what
-//! falls into its range. An increment ordered by key group (kind 3, written by the rocksdb
+//! falls into its range. An increment ordered by key group (kind 4, written by the rocksdb
 //! backend) reads like any other ([`open`] and [`read_keyed_parts`] skip its index; it opens as
 //! [`FileKind::KeyedIncrement`]), and its index ([`read_increment_index`]) says where each key
 //! group's entries are, so that a restore can read a range of key groups without the rest.
