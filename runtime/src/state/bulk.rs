@@ -310,10 +310,10 @@ impl BulkLoad {
 /// A lazy restore's increments. Those ordered by key group (as the rocksdb backend writes
 /// them) stay where they are, in checkpoint storage or in local copies: each range's loader
 /// reads the stretch of its key groups of each ([`RangeGroups::take_range_by_key_group`]), so
-/// the job waits for none of their entries. Others are routed to groups of key ranges as they are read, unsorted and in their
-/// order: sorting them and writing their table files is left to the loaders, a group at a time,
-/// when the first range of the group is needed ([`RangeGroups::take_range`]). So the job waits
-/// for them to be read, not sorted.
+/// the job waits for none of their entries. Others are routed to groups of key ranges as they
+/// are read, unsorted and in their order: sorting them and writing their table files is left
+/// to the loaders, a group at a time, when the first range of the group is needed
+/// ([`RangeGroups::take_range`]). So the job waits for them to be read, not sorted.
 pub struct RangeGroups {
     dir: PathBuf,
     ranges: usize,
