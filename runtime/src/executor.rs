@@ -872,6 +872,8 @@ impl Executor<'_> {
         let mut sources_finished = BTreeSet::new();
         let mut finished = 0u32;
         let mut outcome: Option<JobOutcome> = None;
+        // Checkpoints held while a lazy restore loads ([`Running::restores_loading`]).
+        let mut held = false;
         loop {
             while let Ok(req) = self.requests.try_recv() {
                 match req {
@@ -890,8 +892,19 @@ impl Executor<'_> {
                     }
                 }
             }
-            let loading = running.restores_loading.load(std::sync::atomic::Ordering::Acquire) > 0;
-            coord.hold_checkpoints(loading);
+            let loading = running.restores_loading.load(std::sync::atomic::Ordering::Acquire);
+            if (loading > 0) != held {
+                held = loading > 0;
+                if held {
+                    tracing::info!(
+                        stores = loading,
+                        "checkpoints wait until the restore has brought in and verified its state"
+                    );
+                } else {
+                    tracing::info!("the restored state is all in; checkpoints resume");
+                }
+            }
+            coord.hold_checkpoints(held);
             let mut actions = coord.poll(now_ms());
             match events.recv_timeout(TICK) {
                 Ok(Event::Ack { id, task, ack }) => actions.extend(coord.ack(id, task, ack)),
