@@ -157,8 +157,7 @@ impl StoredIncrementFile {
     }
 
     async fn copy(&self) -> Result<Arc<LocalCopy>, RestoreError> {
-        let what = self.storage.url_of(&self.found.resolve(&self.file.path));
-        retrying(&what, || copy_verified(&self.storage, &self.found, &self.file, &self.dir)).await
+        copy_verified_retrying(&self.storage, &self.found, &self.file, &self.dir).await
     }
 }
 
@@ -367,9 +366,8 @@ impl LazyTables {
 
     /// A file copied to local disk and verified, storage errors retried.
     fn copy(&self, f: &FileRef) -> Result<Arc<LocalCopy>, String> {
-        let what = self.storage.url_of(&self.found.resolve(&f.path));
         crate::io()
-            .block_on(retrying(&what, || copy_verified(&self.storage, &self.found, f, &self.dir)))
+            .block_on(copy_verified_retrying(&self.storage, &self.found, f, &self.dir))
             .map_err(|e| e.to_string())
     }
 }
@@ -705,6 +703,18 @@ async fn copy_tables_verified(
     .buffered(FILES_IN_FLIGHT)
     .try_collect()
     .await
+}
+
+/// [`copy_verified`], storage errors retried: for the copies a restore makes after it started,
+/// which no restore-point selection retries.
+async fn copy_verified_retrying(
+    storage: &Storage,
+    found: &Restorable,
+    f: &FileRef,
+    dir: &std::path::Path,
+) -> Result<Arc<LocalCopy>, RestoreError> {
+    let what = storage.url_of(&found.resolve(&f.path));
+    retrying(&what, || copy_verified(storage, found, f, dir)).await
 }
 
 /// Copies a state file to a new local file under `dir`, verified like [`read_verified`].
