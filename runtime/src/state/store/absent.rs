@@ -130,6 +130,11 @@ impl StateStore {
         match self.never {}
     }
 
+    /// The estimated bytes of the entries stored.
+    pub fn estimated_bytes(&self) -> u64 {
+        match self.never {}
+    }
+
     /// Calls `f` with every entry's store key and value.
     pub fn scan<E: From<StoreError>>(&self, _f: impl FnMut(&[u8], &[u8]) -> Result<(), E>) -> Result<(), E> {
         match self.never {}

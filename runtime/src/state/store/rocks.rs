@@ -41,11 +41,20 @@ struct LazyLoad {
 /// Makes store directory names unique within the process.
 static NEXT_STORE: AtomicU64 = AtomicU64::new(0);
 
-/// RocksDB's own memory per store: two 8 MiB memtables and a 16 MiB block cache (about 32 MiB),
-/// so that a process's memory is mostly the cache of decoded entries, which the job sizes
-/// (`stateCacheEntries`).
+/// RocksDB's own memory per store: up to four 8 MiB memtables and a 16 MiB block cache (about
+/// 48 MiB), so that a process's memory is mostly the cache of decoded entries, which the job
+/// sizes (`stateCacheEntries`). Four memtables rather than two: with two, writes stopped while
+/// the one being flushed waited for a flush thread busy behind compactions.
 const WRITE_BUFFER_BYTES: usize = 8 << 20;
+const WRITE_BUFFERS: i32 = 4;
 const BLOCK_CACHE_BYTES: usize = 16 << 20;
+
+/// Level-0 files at which writes slow down, and stop (see [`options`]).
+const LEVEL0_SLOWDOWN_FILES: i32 = 48;
+const LEVEL0_STOP_FILES: i32 = 80;
+/// Background flushes and compactions per store, and threads one compaction may split over.
+const BACKGROUND_JOBS: i32 = 4;
+const SUBCOMPACTIONS: u32 = 2;
 
 /// The size of the table files compactions write. RocksDB builds a file's bloom filter from
 /// the hashes of all of its keys, held in memory until the file is finished: with its default
@@ -236,6 +245,19 @@ impl StateStore {
     /// counts overwritten and deleted keys until compactions drop them). 0 when unavailable.
     pub fn estimated_entries(&self) -> u64 {
         self.db().property_int_value("rocksdb.estimate-num-keys").ok().flatten().unwrap_or(0)
+    }
+
+    /// RocksDB's estimate of the bytes the store's live entries take in its table files
+    /// (`rocksdb.estimate-live-data-size`, compressed); the memtables (at most 32 MiB) are not
+    /// counted. 0 when unavailable.
+    pub fn estimated_bytes(&self) -> u64 {
+        self.db().property_int_value("rocksdb.estimate-live-data-size").ok().flatten().unwrap_or(0)
+    }
+
+    /// Writes the memtables out to table files (tests).
+    #[cfg(test)]
+    pub(crate) fn flush(&self) {
+        self.db().flush().expect("the store flushes");
     }
 
     /// Calls `f` with every entry's store key and value, in key order.
@@ -486,7 +508,7 @@ pub(crate) fn options() -> Options {
     opts.create_if_missing(true);
     opts.set_compression_type(DBCompressionType::Lz4);
     opts.set_write_buffer_size(WRITE_BUFFER_BYTES);
-    opts.set_max_write_buffer_number(2);
+    opts.set_max_write_buffer_number(WRITE_BUFFERS);
     opts.set_target_file_size_base(TARGET_FILE_BYTES);
     let mut table = BlockBasedOptions::default();
     match Cache::new_lru_cache(BLOCK_CACHE_BYTES) {
@@ -501,5 +523,18 @@ pub(crate) fn options() -> Options {
     // took a third of the process's CPU time on a keyed count whose state was 10× the cache.
     opts.set_memtable_whole_key_filtering(true);
     opts.set_memtable_prefix_bloom_ratio(0.1);
+    // Keys arrive in random order (the store is ordered by key group, a hash, then key): each
+    // level-0 file overlaps all of level 1, so every L0→L1 compaction rewrites level 1 whole.
+    // Letting level 0 hold more files before writes slow down makes each of those compactions
+    // take in more new data per byte of level 1 rewritten; and with more background jobs and
+    // two subcompactions, the L0→L1 compaction (of which only one runs at a time) splits over
+    // two threads. On a state of 630-byte entries growing to 6 GiB in 4 minutes (BENCHMARKS.md,
+    // "Write stalls"), RocksDB's defaults (20 and 36 files, 2 jobs, no subcompactions) stalled
+    // writes 89 times in 3 minutes, and a barrier queued behind the throttled task took up to
+    // 5.8 s; with these, none by level 0 and the state grew twice as fast.
+    opts.set_level_zero_slowdown_writes_trigger(LEVEL0_SLOWDOWN_FILES);
+    opts.set_level_zero_stop_writes_trigger(LEVEL0_STOP_FILES);
+    opts.set_max_background_jobs(BACKGROUND_JOBS);
+    opts.set_max_subcompactions(SUBCOMPACTIONS);
     opts
 }
