@@ -538,3 +538,31 @@ pub(crate) fn options() -> Options {
     opts.set_max_subcompactions(SUBCOMPACTIONS);
     opts
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The settings for keys in random order (see [`options`]) are those a store opens with,
+    /// as RocksDB writes them to the store's OPTIONS file.
+    #[test]
+    fn a_store_opens_with_the_settings_for_random_keys() {
+        let store = StateStore::open(&std::env::temp_dir().join("weir-state-tests"), "options").unwrap();
+        let options_file = std::fs::read_dir(store.dir())
+            .unwrap()
+            .flatten()
+            .find(|e| e.file_name().to_string_lossy().starts_with("OPTIONS-"))
+            .expect("RocksDB writes an OPTIONS file");
+        let text = std::fs::read_to_string(options_file.path()).unwrap();
+        for setting in [
+            format!("level0_slowdown_writes_trigger={LEVEL0_SLOWDOWN_FILES}"),
+            format!("level0_stop_writes_trigger={LEVEL0_STOP_FILES}"),
+            format!("max_background_jobs={BACKGROUND_JOBS}"),
+            format!("max_subcompactions={SUBCOMPACTIONS}"),
+            format!("max_write_buffer_number={WRITE_BUFFERS}"),
+            format!("write_buffer_size={WRITE_BUFFER_BYTES}"),
+        ] {
+            assert!(text.lines().any(|l| l.trim() == setting), "{setting} not in {}", options_file.path().display());
+        }
+    }
+}
