@@ -25,8 +25,9 @@ pub struct KeyedContext {
     pub incremental: bool,
     /// Full image every N checkpoints.
     pub full_every: u32,
-    /// Above this many entries, periodic full images are merged by the uploader in the
-    /// background instead of written by the task.
+    /// Above this many entries (on the rocksdb backend counting stored bytes too, 14 bytes an
+    /// entry), periodic full images are merged by the uploader in the background instead of
+    /// written by the task.
     pub background_full_image_above: u64,
     /// The rocksdb backend's settings; `None` for the heap backend.
     pub store: Option<StoreSettings>,

@@ -263,8 +263,9 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         self
     }
 
-    /// Periodic full images of a state with more than `entries` entries are not written by
-    /// the task: its checkpoints stay increments, and the uploader merges the chain it has
+    /// Periodic full images of a state with more than `entries` entries (on the rocksdb
+    /// backend, counting stored bytes too: [`Self::full_image_cost_in_entries`]) are not
+    /// written by the task: its checkpoints stay increments, and the uploader merges the chain it has
     /// uploaded into a new full image in the background (`crate::compact`). Forced full images
     /// (the first of a run, after a failed upload) are still written here. Default: never.
     pub fn with_background_full_image_above(mut self, entries: u64) -> Self {
@@ -328,8 +329,10 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// (about 45 ns each on the keyed count). On the rocksdb backend the task also reads and
     /// copies every stored byte, at about 3.3 ns a byte (a 578 MB image of 630-byte entries
     /// held the task for 1.83 s, 1,016 MB for 3.6 s): its entries count once more for every
-    /// [`STORED_BYTES_PER_ENTRY_OF_WORK`] bytes, so that large values do not keep the image on
-    /// the task (`backgroundFullImageAbove` is in these entries).
+    /// [`STORED_BYTES_PER_ENTRY_OF_WORK`] bytes of its table files, so that large values do
+    /// not keep the image on the task (`backgroundFullImageAbove` is in these entries). Those
+    /// files are compressed (fewer bytes than the image) but also hold keys' older versions,
+    /// which a scan reads and skips: a rough estimate, which is all the choice needs.
     fn full_image_cost_in_entries(&self) -> u64 {
         match &self.spill {
             Some(spill) if !spill.store.loading() => {

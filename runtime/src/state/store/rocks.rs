@@ -42,9 +42,11 @@ struct LazyLoad {
 static NEXT_STORE: AtomicU64 = AtomicU64::new(0);
 
 /// RocksDB's own memory per store: up to four 8 MiB memtables and a 16 MiB block cache (about
-/// 48 MiB), so that a process's memory is mostly the cache of decoded entries, which the job
-/// sizes (`stateCacheEntries`). Four memtables rather than two: with two, writes stopped while
-/// the one being flushed waited for a flush thread busy behind compactions.
+/// 48 MiB, plus the table files' indexes and bloom filters, which grow with the keys), so that
+/// a process's memory is mostly the cache of decoded entries, which the job sizes
+/// (`stateCacheEntries`). Four memtables rather than two: with two, writes stopped whenever a
+/// flush (slowed by compactions sharing the cores) had not finished before the next memtable
+/// filled.
 const WRITE_BUFFER_BYTES: usize = 8 << 20;
 const WRITE_BUFFERS: i32 = 4;
 const BLOCK_CACHE_BYTES: usize = 16 << 20;
@@ -52,7 +54,9 @@ const BLOCK_CACHE_BYTES: usize = 16 << 20;
 /// Level-0 files at which writes slow down, and stop (see [`options`]).
 const LEVEL0_SLOWDOWN_FILES: i32 = 48;
 const LEVEL0_STOP_FILES: i32 = 80;
-/// Background flushes and compactions per store, and threads one compaction may split over.
+/// Background jobs: RocksDB sizes the process's shared thread pools by the largest any store
+/// asks for (4: one flush thread and three compaction threads, against one and one by
+/// default). And the threads one L0→L1 compaction may split over.
 const BACKGROUND_JOBS: i32 = 4;
 const SUBCOMPACTIONS: u32 = 2;
 
@@ -247,11 +251,13 @@ impl StateStore {
         self.db().property_int_value("rocksdb.estimate-num-keys").ok().flatten().unwrap_or(0)
     }
 
-    /// RocksDB's estimate of the bytes the store's live entries take in its table files
-    /// (`rocksdb.estimate-live-data-size`, compressed); the memtables (at most 32 MiB) are not
-    /// counted. 0 when unavailable.
+    /// The bytes of the store's table files (`rocksdb.live-sst-files-size`: compressed, and
+    /// with the older versions of keys that compactions have not dropped yet, all of which a
+    /// scan reads). RocksDB's `estimate-live-data-size` counts only the lowest file of each key
+    /// range, which with keys in random order misses most of level 0 and the upper levels.
+    /// The memtables (at most 32 MiB) are not counted. 0 when unavailable.
     pub fn estimated_bytes(&self) -> u64 {
-        self.db().property_int_value("rocksdb.estimate-live-data-size").ok().flatten().unwrap_or(0)
+        self.db().property_int_value("rocksdb.live-sst-files-size").ok().flatten().unwrap_or(0)
     }
 
     /// Writes the memtables out to table files (tests).
@@ -526,12 +532,13 @@ pub(crate) fn options() -> Options {
     // Keys arrive in random order (the store is ordered by key group, a hash, then key): each
     // level-0 file overlaps all of level 1, so every L0→L1 compaction rewrites level 1 whole.
     // Letting level 0 hold more files before writes slow down makes each of those compactions
-    // take in more new data per byte of level 1 rewritten; and with more background jobs and
-    // two subcompactions, the L0→L1 compaction (of which only one runs at a time) splits over
-    // two threads. On a state of 630-byte entries growing to 6 GiB in 4 minutes (BENCHMARKS.md,
-    // "Write stalls"), RocksDB's defaults (20 and 36 files, 2 jobs, no subcompactions) stalled
-    // writes 89 times in 3 minutes, and a barrier queued behind the throttled task took up to
-    // 5.8 s; with these, none by level 0 and the state grew twice as fast.
+    // take in more new data per byte of level 1 rewritten; and with three compaction threads
+    // and two subcompactions, the L0→L1 compaction (of which only one runs at a time) splits
+    // over two threads while another level's compaction runs. On a state of 630-byte entries
+    // growing to 6 GiB in 4 minutes (BENCHMARKS.md, "Write stalls"), RocksDB's defaults (20
+    // and 36 files, 2 jobs, no subcompactions) stalled writes 89 times in 3 minutes, and a
+    // barrier queued behind the throttled task took up to 5.8 s; with these, none by level 0
+    // and the state grew twice as fast.
     opts.set_level_zero_slowdown_writes_trigger(LEVEL0_SLOWDOWN_FILES);
     opts.set_level_zero_stop_writes_trigger(LEVEL0_STOP_FILES);
     opts.set_max_background_jobs(BACKGROUND_JOBS);
