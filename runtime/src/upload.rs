@@ -443,7 +443,8 @@ async fn upload(
                     None => storage.put(&target, keyed.data.clone()).await,
                 }
                 .map_err(|e| format!("uploading keyed state of `{uid}`: {e}"))?;
-                drop(keyed);
+                // Its memory serves the next checkpoint's file (`weir_checkpoint::spare`).
+                weir_checkpoint::spare::give_back_bytes(keyed.data);
                 ack.bytes += len;
                 let file = FileRef::new(rel, len, crc);
                 if savepoint_dir.is_some() {

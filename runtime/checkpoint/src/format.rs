@@ -223,7 +223,11 @@ pub struct StateFileWriter {
 impl StateFileWriter {
     /// Starts a file of `kind`.
     pub fn new(kind: FileKind, capacity: usize) -> Self {
-        let mut enc = Encoder::with_capacity(capacity + 16);
+        // Increments are written at every checkpoint: into memory an earlier one gave back.
+        let mut enc = match kind {
+            FileKind::KeyedIncrement => Encoder { buf: crate::spare::take(capacity + 16) },
+            _ => Encoder::with_capacity(capacity + 16),
+        };
         enc.buf.extend_from_slice(MAGIC);
         enc.u8(kind as u8);
         StateFileWriter { enc, scratch: Encoder::with_capacity(64), entries: 0, by_key_group: None }
@@ -334,7 +338,8 @@ impl StateFileWriter {
     /// Seals the file with its checksum; returns the bytes and their CRC-32C.
     pub fn finish(mut self) -> (Bytes, u32) {
         if let Some(entries) = self.by_key_group.take() {
-            self.enc.buf = ordered_by_key_group(&self.enc.buf, &entries, true);
+            let ordered = ordered_by_key_group(&self.enc.buf, &entries, true);
+            crate::spare::give_back(std::mem::replace(&mut self.enc.buf, ordered));
         }
         let crc = crc32c::crc32c(&self.enc.buf);
         self.enc.buf.extend_from_slice(&crc.to_le_bytes());
@@ -373,7 +378,8 @@ fn ordered_by_key_group(written: &[u8], entries: &[(u32, u32)], checked: bool) -
     }
     let index_at = HEADER_LEN + 4;
     let entries_at = index_at + index.buf.len();
-    let mut out = vec![0u8; written.len() + 4 + index.buf.len()];
+    let mut out = crate::spare::take(written.len() + 4 + index.buf.len() + 4);
+    out.resize(written.len() + 4 + index.buf.len(), 0);
     out[..HEADER_LEN].copy_from_slice(&written[..HEADER_LEN]);
     out[HEADER_LEN - 1] = if checked { KIND_INCREMENT_BY_KEY_GROUP } else { KIND_INCREMENT_BY_KEY_GROUP_UNCHECKED };
     out[HEADER_LEN..index_at].copy_from_slice(&(index.buf.len() as u32).to_le_bytes());

@@ -12,6 +12,7 @@ pub mod metadata;
 pub mod protocol;
 pub mod recovery;
 pub mod retention;
+pub mod spare;
 pub mod store;
 
 pub use metadata::{CheckpointMetadata, FileRef, OperatorSnapshot, SnapshotKind, SubtaskSnapshot};

@@ -201,6 +201,10 @@ pub struct KeyedState<V, K = Key> {
     /// merge (see [`KeyedState::with_background_full_image_above`]).
     background_full_image_above: u64,
     increments_since_full: u32,
+    /// Bytes per entry of the last increment: the next one's buffer is sized by it, so that
+    /// it is taken whole from the spare buffers (`weir_checkpoint::spare`) instead of grown
+    /// one doubling at a time into fresh memory.
+    increment_entry_bytes: usize,
     force_full: Arc<AtomicBool>,
     spill: Option<Spill<K>>,
 }
@@ -238,6 +242,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             full_every: full_every.max(1),
             background_full_image_above: u64::MAX,
             increments_since_full: 0,
+            increment_entry_bytes: 16,
             // The first checkpoint of a run is always a full image.
             force_full: Arc::new(AtomicBool::new(true)),
             spill: None,
@@ -692,7 +697,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             return Ok(finish(FileKind::KeyedFull, w));
         }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
-        let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.changed.len() * 16 + self.deleted.len() * 12);
+        let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.increment_capacity(0));
         // Deletions first: a key removed and inserted again since the previous snapshot is in
         // both lists, and a restore applies entries in file order, so its put must come last.
         for (kg, k) in self.deleted.drain(..) {
@@ -729,7 +734,21 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 }
             }
         }
-        Ok(finish(FileKind::KeyedIncrement, w))
+        Ok(self.increment_written(finish(FileKind::KeyedIncrement, w)))
+    }
+
+    /// The bytes the next increment will likely take: its changes at the last one's bytes per
+    /// entry, plus `evicted_bytes` of evicted changes' values.
+    fn increment_capacity(&self, evicted_bytes: usize) -> usize {
+        (self.changed.len() + self.deleted.len()) * self.increment_entry_bytes + evicted_bytes
+    }
+
+    /// Learns the bytes per entry of an increment just written ([`Self::increment_capacity`]).
+    fn increment_written(&mut self, snapshot: KeyedSnapshot) -> KeyedSnapshot {
+        if let Some(per_entry) = (snapshot.data.len() as u64).checked_div(snapshot.entries) {
+            self.increment_entry_bytes = (per_entry as usize).clamp(8, 1 << 20);
+        }
+        snapshot
     }
 
     /// [`Self::snapshot_checkpoint`] on the rocksdb backend.
@@ -746,7 +765,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         self.increments_since_full = self.increments_since_full.saturating_add(1);
         // Ordered by key group when finished, so that a lazy restore reads a range's part of it
         // without the rest (`bulk::RangeGroups::take_range_by_key_group`).
-        let mut w = StateFileWriter::increment_by_key_group(self.changed.len() * 16 + self.deleted.len() * 12);
+        let mut w = StateFileWriter::increment_by_key_group(self.increment_capacity(evicted_changes.values.len()));
         // Deletions first (see `snapshot_checkpoint`), then the changes evicted since (in the
         // order the store got them), then the cached changes: each later entry of a key is
         // its newer value.
@@ -796,7 +815,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 w.put_encoded(key_group, |e| e.buf.extend_from_slice(encoded_key), |e| e.buf.extend_from_slice(&value));
             }
         }
-        Ok(finish(FileKind::KeyedIncrement, w))
+        Ok(self.increment_written(finish(FileKind::KeyedIncrement, w)))
     }
 
     /// Every entry, cached or stored, as a full image.
