@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path;
@@ -113,6 +113,13 @@ fn local_io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(std::io::Error) 
 }
 
 /// Makes the names of local staging files unique within the process.
+/// Parts of a file written by [`Storage::put_file`]: S3 takes at most 10,000 parts, so a file
+/// of up to 80 GB.
+const FILE_PART_BYTES: usize = 8 << 20;
+
+/// Parts of one file uploading at once.
+const FILE_PARTS_IN_FLIGHT: usize = 4;
+
 static NEXT_STAGING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A job's storage root.
@@ -318,18 +325,38 @@ impl Storage {
             }
         }
         let mut file = std::fs::File::open(local).map_err(local_io("open", rel))?;
-        let upload = self.store.put_multipart(&self.full(rel)).await.map_err(io("put", rel))?;
-        let mut writer = object_store::WriteMultipart::new_with_chunk_size(upload, 8 << 20);
-        let mut chunk = vec![0u8; 1 << 20];
-        loop {
-            let n = file.read(&mut chunk).map_err(local_io("read", rel))?;
-            if n == 0 {
-                break;
+        let mut upload = self.store.put_multipart(&self.full(rel)).await.map_err(io("put", rel))?;
+        let sent: Result<(), StorageError> = async {
+            let mut in_flight: futures::stream::FuturesUnordered<object_store::UploadPart> =
+                futures::stream::FuturesUnordered::new();
+            loop {
+                let mut part = Vec::with_capacity(FILE_PART_BYTES);
+                (&mut file).take(FILE_PART_BYTES as u64).read_to_end(&mut part).map_err(local_io("read", rel))?;
+                if part.is_empty() {
+                    break;
+                }
+                while in_flight.len() >= FILE_PARTS_IN_FLIGHT {
+                    in_flight.next().await.expect("parts in flight").map_err(io("put part of", rel))?;
+                }
+                in_flight.push(upload.put_part(PutPayload::from(part)));
             }
-            writer.wait_for_capacity(4).await.map_err(io("put", rel))?;
-            writer.write(&chunk[..n]);
+            while let Some(sent) = in_flight.next().await {
+                sent.map_err(io("put part of", rel))?;
+            }
+            upload.complete().await.map_err(io("complete the upload of", rel))?;
+            Ok(())
         }
-        writer.finish().await.map_err(io("put", rel))?;
+        .await;
+        if let Err(failed) = sent {
+            // The abort is best effort (parts left behind are the bucket's lifecycle rule's
+            // to remove), and the error returned is the one that failed the upload:
+            // object_store's own writer returns the abort's instead when the abort fails too,
+            // as a server that already dropped the upload answers, which hid why a merged
+            // image's upload had failed (`runtime/BENCHMARKS.md`, "Increments into spare
+            // buffers").
+            let _ = upload.abort().await;
+            return Err(failed);
+        }
         self.sync_local(&[rel]).map_err(local_io("fsync", rel))
     }
 
@@ -595,6 +622,26 @@ mod tests {
         s.delete_dir("a").await.unwrap();
         assert!(s.list("a").await.unwrap().is_empty());
         assert!(!dir.path().join("a").exists(), "emptied directories are removed too");
+    }
+
+    /// A file of several parts goes up whole and in order through an object store's multipart
+    /// upload (parts in flight at once, the last one short), and an empty file as one empty
+    /// object.
+    #[tokio::test]
+    async fn a_file_of_many_parts_is_one_object_with_its_bytes_in_order() {
+        let work = tempfile::tempdir().unwrap();
+        let s = Storage::open("memory:///").unwrap();
+        let len = FILE_PART_BYTES * (FILE_PARTS_IN_FLIGHT + 2) + 12_345;
+        let data: Vec<u8> = (0..len).map(|i| (i / 4096 % 251) as u8 ^ (i % 7) as u8).collect();
+        let local = work.path().join("image");
+        std::fs::write(&local, &data).unwrap();
+        s.put_file("shared/op/merged.kv", &local).await.unwrap();
+        let got = s.get("shared/op/merged.kv").await.unwrap();
+        assert_eq!(got.len(), len);
+        assert!(got[..] == data[..], "the object's bytes differ from the file's");
+        std::fs::write(&local, b"").unwrap();
+        s.put_file("shared/op/empty.kv", &local).await.unwrap();
+        assert_eq!(s.size("shared/op/empty.kv").await.unwrap(), Some(0));
     }
 
     /// Names with characters object_store percent-encodes (`%`, `~`, `#`, spaces) are the
