@@ -112,14 +112,14 @@ fn local_io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(std::io::Error) 
     }
 }
 
-/// Makes the names of local staging files unique within the process.
 /// Parts of a file written by [`Storage::put_file`]: S3 takes at most 10,000 parts, so a file
-/// of up to 80 GB.
+/// of up to about 80 GiB.
 const FILE_PART_BYTES: usize = 8 << 20;
 
 /// Parts of one file uploading at once.
 const FILE_PARTS_IN_FLIGHT: usize = 4;
 
+/// Makes the names of local staging files unique within the process.
 static NEXT_STAGING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A job's storage root.

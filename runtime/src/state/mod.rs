@@ -738,9 +738,16 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     }
 
     /// The bytes the next increment will likely take: its changes at the last one's bytes per
-    /// entry, plus `evicted_bytes` of evicted changes' values.
+    /// entry, plus `evicted_bytes` of evicted changes' values; at most the largest spare
+    /// buffer (`weir_checkpoint::spare::MAX_SPARE_BYTES`), beyond which a guess gains nothing
+    /// and a wrong one (a few huge entries last time, many small ones now) could ask for more
+    /// memory than the machine has.
     fn increment_capacity(&self, evicted_bytes: usize) -> usize {
-        (self.changed.len() + self.deleted.len()) * self.increment_entry_bytes + evicted_bytes
+        let changes = self.changed.len() + self.deleted.len();
+        changes
+            .saturating_mul(self.increment_entry_bytes)
+            .saturating_add(evicted_bytes)
+            .min(weir_checkpoint::spare::MAX_SPARE_BYTES)
     }
 
     /// Learns the bytes per entry of an increment just written ([`Self::increment_capacity`]).
