@@ -335,8 +335,10 @@ impl Storage {
                 if part.is_empty() {
                     break;
                 }
-                while in_flight.len() >= FILE_PARTS_IN_FLIGHT {
-                    in_flight.next().await.expect("parts in flight").map_err(io("put part of", rel))?;
+                if in_flight.len() >= FILE_PARTS_IN_FLIGHT {
+                    if let Some(sent) = in_flight.next().await {
+                        sent.map_err(io("put part of", rel))?;
+                    }
                 }
                 in_flight.push(upload.put_part(PutPayload::from(part)));
             }

@@ -710,22 +710,14 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             }
             self.changed.clear();
         } else {
-            // In the order of the map's buckets, in chunks whose lookups run back to back
-            // first (as in [`Self::prefetch`]). In a map larger than the CPU's caches, keys
-            // taken in the order they changed cost a TLB and two cache misses each, which a
-            // loop that also encodes waits for one by one. The increment then lists its
-            // entries in bucket order, as a restore fills its map.
-            let hashes = map::hashes_of(&self.changed);
-            let mut order: Vec<(u64, u64, K)> = hashes
-                .into_iter()
-                .zip(self.changed.drain(..))
-                .map(|(hash, k)| (self.map.order_of(hash), hash, k))
-                .collect();
-            order.sort_unstable_by_key(|(bucket, _, _)| *bucket);
+            // The increment then lists its entries in bucket order, as a restore fills its map.
+            let mut changed = std::mem::take(&mut self.changed);
+            let order = self.in_bucket_order(&changed);
             for chunk in order.chunks(SNAPSHOT_LOOKUP_CHUNK) {
-                self.touch(chunk.iter().map(|(_, hash, k)| (*hash, k)));
-                for (_, hash, k) in chunk {
-                    if let Some(s) = self.map.get_mut_hashed(*hash, k) {
+                self.touch(chunk.iter().map(|&(_, hash, i)| (hash, &changed[i])));
+                for &(_, hash, i) in chunk {
+                    let k = &changed[i];
+                    if let Some(s) = self.map.get_mut_hashed(hash, k) {
                         if s.dirty {
                             s.dirty = false;
                             w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
@@ -733,8 +725,24 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                     }
                 }
             }
+            // The list's memory serves the next interval's changes.
+            changed.clear();
+            self.changed = changed;
         }
         Ok(self.increment_written(finish(FileKind::KeyedIncrement, w)))
+    }
+
+    /// `keys` in the order of the map's buckets, as (bucket order, hash, index into `keys`):
+    /// looked up in this order, in chunks whose entries [`Self::touch`] brings into the CPU's
+    /// caches first (as [`Self::prefetch`] does), their lookups run back to back. In a map
+    /// larger than the CPU's caches, keys taken in the order they changed cost a TLB and two
+    /// cache misses each, which a loop that also encodes waits for one by one. Equal keys
+    /// come out side by side (equal hashes).
+    fn in_bucket_order(&self, keys: &[K]) -> Vec<(u64, u64, usize)> {
+        let mut order: Vec<(u64, u64, usize)> =
+            map::hashes_of(keys).into_iter().enumerate().map(|(i, hash)| (self.map.order_of(hash), hash, i)).collect();
+        order.sort_unstable();
+        order
     }
 
     /// The bytes the next increment will likely take: its changes at the last one's bytes per
@@ -793,15 +801,9 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         }
         let changed = std::mem::take(&mut self.changed);
         let mut evicted: Vec<&K> = Vec::new();
-        // The changed keys in the order of the cache's buckets, in chunks whose lookups run
-        // back to back first, as the heap backend's increments take them (see
-        // `snapshot_checkpoint`): in the order they changed, the keys of a cache larger than
-        // the CPU's caches cost two cache misses each, one after the other. The order also
-        // brings a key's repeats together (equal keys have equal hashes).
-        let hashes = map::hashes_of(&changed);
-        let mut order: Vec<(u64, u64, usize)> =
-            hashes.iter().enumerate().map(|(i, &hash)| (self.map.order_of(hash), hash, i)).collect();
-        order.sort_unstable();
+        // In the order of the cache's buckets, as the heap backend's increments take them;
+        // the order also brings a key's repeats together.
+        let order = self.in_bucket_order(&changed);
         // Where the keys of the current hash begin in `order`.
         let mut same_hash_from = 0;
         for (chunk_at, chunk) in order.chunks(SNAPSHOT_LOOKUP_CHUNK).enumerate() {
