@@ -20,6 +20,7 @@ use crate::faults::{Fault, FaultPlan, Faults};
 use crate::message::{Barrier, Event, SnapshotTarget, TaskAck, TaskControl};
 use crate::metrics::JobMetrics;
 use crate::operator::{ChainedOperator, Operator, TaskError};
+use crate::operators::accumulators::AccPair;
 use crate::operators::keyed::{AggregateOperator, DedupeOperator, KeyedContext};
 use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
 use crate::operators::window::WindowOperator;
@@ -1292,14 +1293,20 @@ impl OperatorFactory<'_> {
                 WindowOperator::new(keyed(), w, input_schema, keyed_restore.as_ref())?
                     .counting_late_records_in(self.metrics.late_records.clone()),
             ),
-            NodeKind::Aggregate(a) if composite_key => Box::new(AggregateOperator::<PackedKey>::new(
-                keyed(),
-                &a.aggregates,
-                input_schema,
-                keyed_restore.as_ref(),
-            )?),
             NodeKind::Aggregate(a) => {
-                Box::new(AggregateOperator::<Key>::new(keyed(), &a.aggregates, input_schema, keyed_restore.as_ref())?)
+                let (specs, restore) = (&a.aggregates, keyed_restore.as_ref());
+                match (composite_key, AccPair::holds(specs)) {
+                    (true, true) => {
+                        Box::new(AggregateOperator::<PackedKey, AccPair>::new(keyed(), specs, input_schema, restore)?)
+                    }
+                    (true, false) => {
+                        Box::new(AggregateOperator::<PackedKey>::new(keyed(), specs, input_schema, restore)?)
+                    }
+                    (false, true) => {
+                        Box::new(AggregateOperator::<Key, AccPair>::new(keyed(), specs, input_schema, restore)?)
+                    }
+                    (false, false) => Box::new(AggregateOperator::<Key>::new(keyed(), specs, input_schema, restore)?),
+                }
             }
             NodeKind::Dedupe if composite_key => {
                 Box::new(DedupeOperator::<PackedKey>::new(keyed(), keyed_restore.as_ref())?)

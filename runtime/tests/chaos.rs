@@ -134,7 +134,8 @@ sinks:
 }
 
 /// The file source (positions are byte offsets per file), CEL parsing, a dedupe and a running
-/// count (a running sum would depend on how the parallel readers interleave). The file source
+/// count and sum (held inline, `AccPair`). The sum is of a value fixed per key: a running sum of
+/// the quantities would depend on how the parallel readers interleave. The file source
 /// has no rate limit: its input is large enough to be killed mid-way.
 fn file_source(input: PathBuf) -> Shape {
     Shape {
@@ -148,9 +149,12 @@ maxParallelism: 32
   - {{ name: lines, uid: lines, file: {{ path: {input} }} }}
 operators:
   - name: parsed
-    map: {{ fields: {{ user: "line.split(' ')[0]", item: "line.split(' ')[1]", qty: "int(line.split(' ')[2])" }} }}
+    map: {{ fields: {{ user: "line.split(' ')[0]", item: "line.split(' ')[1]", qty: "int(line.split(' ')[2])",
+                      width: "size(line.split(' ')[0])" }} }}
   - {{ name: by-user, keyBy: {{ fields: [user] }} }}
-  - {{ name: totals, uid: totals, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+  - name: totals
+    uid: totals
+    aggregate: {{ aggregates: [ {{ fn: count, as: n }}, {{ fn: sum, field: width, as: widths }} ] }}
   - {{ name: pairs, input: parsed, map: {{ fields: {{ user: user, item: item }} }} }}
   - {{ name: by-pair, keyBy: {{ fields: [user, item] }} }}
   - {{ name: first, uid: first, dedupe: {{}} }}

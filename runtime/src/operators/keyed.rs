@@ -4,7 +4,7 @@ use weir_crds::job::AggregateFn;
 
 use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
-use crate::operators::accumulators::{AccList, Aggregates};
+use crate::operators::accumulators::{AccList, AccState, Aggregates};
 use crate::restore::{KeyedFile, KeyedRestore, LOCAL_COPY_PART_BYTES};
 use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings};
 use crate::value::{Fields, Key, Record, StateKey};
@@ -200,14 +200,15 @@ impl KeyedContext {
 
 /// Running aggregates per key, emitted (key fields + aggregates) on every update. Keys are held
 /// as `K`: [`Key`] for one field, [`crate::value::PackedKey`] for several (see
-/// [`KeyedContext::composite`]).
-pub struct AggregateOperator<K = Key> {
+/// [`KeyedContext::composite`]); accumulators as `V`: an [`AccList`] of any aggregates, or an
+/// [`crate::operators::accumulators::AccPair`] of two counts or sums.
+pub struct AggregateOperator<K = Key, V = AccList> {
     ctx: KeyedContext,
     aggregates: Aggregates,
-    state: KeyedState<AccList, K>,
+    state: KeyedState<V, K>,
 }
 
-impl<K: StateKey> AggregateOperator<K> {
+impl<K: StateKey, V: AccState> AggregateOperator<K, V> {
     /// Builds the operator, restoring its state when given.
     pub fn new(
         ctx: KeyedContext,
@@ -220,7 +221,7 @@ impl<K: StateKey> AggregateOperator<K> {
     }
 }
 
-impl<K: StateKey> Operator for AggregateOperator<K> {
+impl<K: StateKey, V: AccState> Operator for AggregateOperator<K, V> {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         out.reserve(batch.len());
         let (keys, hashes) = self.ctx.prefetched_keys(&mut self.state, &batch)?;
@@ -228,12 +229,12 @@ impl<K: StateKey> Operator for AggregateOperator<K> {
             let aggregates = &self.aggregates;
             let mut fields = Fields::with_capacity(self.ctx.key.len() + self.aggregates.len());
             key.push_values(&mut fields);
-            let accs = match self.state.update_hashed(hash, key, || AccList(aggregates.init())) {
+            let accs = match self.state.update_hashed(hash, key, || V::init(aggregates)) {
                 Ok(accs) => accs,
                 Err(e) => return Err(self.ctx.state_failed(e)),
             };
-            aggregates.add(&mut accs.0, &r);
-            Aggregates::results(&accs.0, &mut fields);
+            accs.add(aggregates, &r);
+            accs.results(&mut fields);
             out.push(Record { time: r.time, fields });
         }
         Ok(())
@@ -276,6 +277,7 @@ impl<K: StateKey> Operator for DedupeOperator<K> {
 mod tests {
     use super::*;
     use crate::message::SnapshotTarget;
+    use crate::operators::accumulators::AccPair;
     use crate::restore::KeyedFile;
     use crate::value::{PackedKey, Value};
     use bytes::Bytes;
@@ -332,6 +334,64 @@ mod tests {
         AggregateOperator::<K>::new(ctx(key.to_vec(), key_groups), &count_and_sum(), &input, restore).unwrap()
     }
 
+    /// The same, its count and sum held inline.
+    fn aggregate_pair<K: StateKey>(
+        key: &[usize],
+        key_groups: (u32, u32),
+        restore: Option<&KeyedRestore>,
+    ) -> AggregateOperator<K, AccPair> {
+        let input: Vec<String> = INPUT.iter().map(|s| s.to_string()).collect();
+        assert!(AccPair::holds(&count_and_sum()));
+        AggregateOperator::<K, AccPair>::new(ctx(key.to_vec(), key_groups), &count_and_sum(), &input, restore).unwrap()
+    }
+
+    /// A count and sum held inline aggregate as a list of them does, and either's checkpoints
+    /// restore on the other (a job whose version changes how its accumulators are held keeps
+    /// its state), at another parallelism too.
+    #[test]
+    fn a_count_and_sum_held_inline_aggregates_and_restores_as_a_list_does() {
+        let batches: Vec<Vec<Record>> = (0..4).map(|b| (b * 60..b * 60 + 60).map(rec).collect()).collect();
+        let key = vec![0];
+        let mut pair = aggregate_pair::<Key>(&key, (0, 8), None);
+        let mut list = aggregate::<Key>(&key, (0, 8), None);
+        let (mut pair_files, mut list_files) = (Vec::new(), Vec::new());
+        for (b, batch) in batches.iter().enumerate().take(3) {
+            let (mut p, mut l) = (Vec::new(), Vec::new());
+            pair.process(batch.clone(), &mut p).unwrap();
+            list.process(batch.clone(), &mut l).unwrap();
+            assert_eq!(p, l, "batch {b}");
+            pair_files.push(checkpoint(&mut pair, b as u64));
+            list_files.push(checkpoint(&mut list, b as u64));
+        }
+        assert_eq!(pair_files, list_files, "the same state files");
+        let mut expected = Vec::new();
+        list.process(batches[3].clone(), &mut expected).unwrap();
+        let mut got = Vec::new();
+        for key_groups in [(0, 5), (5, 8)] {
+            let mut p = aggregate_pair::<Key>(&key, key_groups, Some(&restore_of(&list_files)));
+            let mut l = aggregate::<Key>(&key, key_groups, Some(&restore_of(&pair_files)));
+            got.extend(same_output(&mut p, &mut l, of_key_groups(&batches[3], &key, key_groups)));
+        }
+        got.sort_by_key(|r| r.time);
+        expected.sort_by_key(|r| r.time);
+        assert_eq!(got, expected, "restored at parallelism 2, the counts and sums go on");
+    }
+
+    /// The records of `batch` whose key (of `key`'s fields) is in `key_groups` (of 8).
+    fn of_key_groups(batch: &[Record], key: &[usize], key_groups: (u32, u32)) -> Vec<Record> {
+        batch.iter().filter(|r| (key_groups.0..key_groups.1).contains(&Key::of(r, key).key_group(8))).cloned().collect()
+    }
+
+    /// Runs `batch` through both operators, checks that they emit the same records, and
+    /// returns them.
+    fn same_output(a: &mut dyn Operator, b: &mut dyn Operator, batch: Vec<Record>) -> Vec<Record> {
+        let (mut from_a, mut from_b) = (Vec::new(), Vec::new());
+        a.process(batch.clone(), &mut from_a).unwrap();
+        b.process(batch, &mut from_b).unwrap();
+        assert_eq!(from_a, from_b);
+        from_a
+    }
+
     fn checkpoint(op: &mut dyn Operator, id: u64) -> Bytes {
         op.snapshot(&Barrier { id, target: SnapshotTarget::Checkpoint }).unwrap().keyed.unwrap().data
     }
@@ -366,16 +426,7 @@ mod tests {
         for key_groups in [(0, 3), (3, 8)] {
             let mut p = aggregate::<PackedKey>(&key, key_groups, Some(&restore_of(&value_files)));
             let mut v = aggregate::<Key>(&key, key_groups, Some(&restore_of(&packed_files)));
-            let mine: Vec<Record> = batches[4]
-                .iter()
-                .filter(|r| (key_groups.0..key_groups.1).contains(&Key::of(r, &key).key_group(8)))
-                .cloned()
-                .collect();
-            let (mut a, mut b) = (Vec::new(), Vec::new());
-            p.process(mine.clone(), &mut a).unwrap();
-            v.process(mine, &mut b).unwrap();
-            assert_eq!(a, b);
-            got.extend(a);
+            got.extend(same_output(&mut p, &mut v, of_key_groups(&batches[4], &key, key_groups)));
         }
         let sorted = |mut r: Vec<Record>| {
             r.sort_by_key(|r| r.time);
