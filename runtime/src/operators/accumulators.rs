@@ -131,56 +131,14 @@ impl Aggregates {
 
     /// Fresh accumulators.
     pub fn init(&self) -> Accs {
-        self.specs
-            .iter()
-            .map(|(k, _)| match k {
-                AggregateKind::Count => Acc::Count(0),
-                AggregateKind::Sum => Acc::SumInt(0),
-                AggregateKind::Min => Acc::Min(Value::Null),
-                AggregateKind::Max => Acc::Max(Value::Null),
-                AggregateKind::Avg => Acc::Avg(0.0, 0),
-            })
-            .collect()
+        self.specs.iter().map(|(k, _)| Acc::fresh(*k)).collect()
     }
 
     /// Adds one record.
     #[inline]
     pub fn add(&self, accs: &mut [Acc], record: &Record) {
         for (acc, (_, field)) in accs.iter_mut().zip(&self.specs) {
-            let v = field.map(|i| &record.fields[i]);
-            match acc {
-                Acc::Count(n) => *n += 1,
-                Acc::SumInt(s) => match v {
-                    Some(Value::Int(i)) => *s = s.wrapping_add(*i),
-                    Some(Value::Float(f)) => *acc = Acc::SumFloat(*s as f64 + f),
-                    _ => {}
-                },
-                Acc::SumFloat(s) => {
-                    if let Some(x) = v.and_then(Value::as_f64) {
-                        *s += x
-                    }
-                }
-                Acc::Min(m) => {
-                    if let Some(x) = v {
-                        if !matches!(x, Value::Null) && (matches!(m, Value::Null) || x.cmp_total(m).is_lt()) {
-                            *m = x.clone();
-                        }
-                    }
-                }
-                Acc::Max(m) => {
-                    if let Some(x) = v {
-                        if !matches!(x, Value::Null) && (matches!(m, Value::Null) || x.cmp_total(m).is_gt()) {
-                            *m = x.clone();
-                        }
-                    }
-                }
-                Acc::Avg(s, n) => {
-                    if let Some(x) = v.and_then(Value::as_f64) {
-                        *s += x;
-                        *n += 1;
-                    }
-                }
-            }
+            acc.add(field.map(|i| &record.fields[i]));
         }
     }
 
@@ -232,6 +190,55 @@ impl Aggregates {
 }
 
 impl Acc {
+    /// A fresh accumulator of `kind`.
+    pub fn fresh(kind: AggregateKind) -> Acc {
+        match kind {
+            AggregateKind::Count => Acc::Count(0),
+            AggregateKind::Sum => Acc::SumInt(0),
+            AggregateKind::Min => Acc::Min(Value::Null),
+            AggregateKind::Max => Acc::Max(Value::Null),
+            AggregateKind::Avg => Acc::Avg(0.0, 0),
+        }
+    }
+
+    /// Adds one record's value of the aggregate's field (`None`: it has no field).
+    #[inline]
+    pub fn add(&mut self, v: Option<&Value>) {
+        match self {
+            Acc::Count(n) => *n += 1,
+            Acc::SumInt(s) => match v {
+                Some(Value::Int(i)) => *s = s.wrapping_add(*i),
+                Some(Value::Float(f)) => *self = Acc::SumFloat(*s as f64 + f),
+                _ => {}
+            },
+            Acc::SumFloat(s) => {
+                if let Some(x) = v.and_then(Value::as_f64) {
+                    *s += x
+                }
+            }
+            Acc::Min(m) => {
+                if let Some(x) = v {
+                    if !matches!(x, Value::Null) && (matches!(m, Value::Null) || x.cmp_total(m).is_lt()) {
+                        *m = x.clone();
+                    }
+                }
+            }
+            Acc::Max(m) => {
+                if let Some(x) = v {
+                    if !matches!(x, Value::Null) && (matches!(m, Value::Null) || x.cmp_total(m).is_gt()) {
+                        *m = x.clone();
+                    }
+                }
+            }
+            Acc::Avg(s, n) => {
+                if let Some(x) = v.and_then(Value::as_f64) {
+                    *s += x;
+                    *n += 1;
+                }
+            }
+        }
+    }
+
     /// Binary encoding.
     pub fn encode(&self, e: &mut Encoder) {
         match self {
@@ -410,12 +417,13 @@ impl StateValue for AccPair {
     }
 }
 
+/// The pair's accumulators go through [`Acc`], which holds the aggregates' logic: a count's or
+/// a sum's `Acc` is a copy of its number, and the compiler drops the round trip.
 impl AccState for AccPair {
     fn init(aggregates: &Aggregates) -> Self {
-        debug_assert_eq!(aggregates.len(), 2, "AccPair::holds the aggregates");
-        let num = |i: usize| match aggregates.specs.get(i).map(|(k, _)| k) {
-            Some(AggregateKind::Count) => Num::Count(0),
-            _ => Num::SumInt(0),
+        debug_assert!(aggregates.len() == 2, "AccPair::holds the aggregates");
+        let num = |i: usize| {
+            aggregates.specs.get(i).and_then(|(kind, _)| Num::of(Acc::fresh(*kind))).unwrap_or(Num::Count(0))
         };
         AccPair([num(0), num(1)])
     }
@@ -423,31 +431,15 @@ impl AccState for AccPair {
     #[inline]
     fn add(&mut self, aggregates: &Aggregates, record: &Record) {
         for (num, (_, field)) in self.0.iter_mut().zip(&aggregates.specs) {
-            let v = field.map(|i| &record.fields[i]);
-            match num {
-                Num::Count(n) => *n += 1,
-                Num::SumInt(s) => match v {
-                    Some(Value::Int(i)) => *s = s.wrapping_add(*i),
-                    Some(Value::Float(f)) => *num = Num::SumFloat(*s as f64 + f),
-                    _ => {}
-                },
-                Num::SumFloat(s) => {
-                    if let Some(x) = v.and_then(Value::as_f64) {
-                        *s += x
-                    }
-                }
-            }
+            let mut acc = num.acc();
+            acc.add(field.map(|i| &record.fields[i]));
+            *num = Num::of(acc).unwrap_or(*num);
         }
     }
 
     #[inline]
     fn results(&self, out: &mut Fields) {
-        for num in self.0 {
-            out.push(match num {
-                Num::Count(n) | Num::SumInt(n) => Value::Int(n),
-                Num::SumFloat(s) => Value::Float(s),
-            });
-        }
+        Aggregates::results(&self.0.map(Num::acc), out)
     }
 }
 

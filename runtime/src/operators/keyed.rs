@@ -277,7 +277,7 @@ impl<K: StateKey> Operator for DedupeOperator<K> {
 mod tests {
     use super::*;
     use crate::message::SnapshotTarget;
-    use crate::operators::accumulators::AccPair;
+    use crate::operators::accumulators::{AccList, AccPair};
     use crate::restore::KeyedFile;
     use crate::value::{PackedKey, Value};
     use bytes::Bytes;
@@ -324,25 +324,14 @@ mod tests {
         }
     }
 
-    /// A running count and sum on `key`, its keys held as `K`.
-    fn aggregate<K: StateKey>(
+    /// A running count and sum on `key`, its keys held as `K`, its accumulators as `V`.
+    fn aggregate<K: StateKey, V: AccState>(
         key: &[usize],
         key_groups: (u32, u32),
         restore: Option<&KeyedRestore>,
-    ) -> AggregateOperator<K> {
+    ) -> AggregateOperator<K, V> {
         let input: Vec<String> = INPUT.iter().map(|s| s.to_string()).collect();
-        AggregateOperator::<K>::new(ctx(key.to_vec(), key_groups), &count_and_sum(), &input, restore).unwrap()
-    }
-
-    /// The same, its count and sum held inline.
-    fn aggregate_pair<K: StateKey>(
-        key: &[usize],
-        key_groups: (u32, u32),
-        restore: Option<&KeyedRestore>,
-    ) -> AggregateOperator<K, AccPair> {
-        let input: Vec<String> = INPUT.iter().map(|s| s.to_string()).collect();
-        assert!(AccPair::holds(&count_and_sum()));
-        AggregateOperator::<K, AccPair>::new(ctx(key.to_vec(), key_groups), &count_and_sum(), &input, restore).unwrap()
+        AggregateOperator::<K, V>::new(ctx(key.to_vec(), key_groups), &count_and_sum(), &input, restore).unwrap()
     }
 
     /// A count and sum held inline aggregate as a list of them does, and either's checkpoints
@@ -352,14 +341,12 @@ mod tests {
     fn a_count_and_sum_held_inline_aggregates_and_restores_as_a_list_does() {
         let batches: Vec<Vec<Record>> = (0..4).map(|b| (b * 60..b * 60 + 60).map(rec).collect()).collect();
         let key = vec![0];
-        let mut pair = aggregate_pair::<Key>(&key, (0, 8), None);
-        let mut list = aggregate::<Key>(&key, (0, 8), None);
+        assert!(AccPair::holds(&count_and_sum()));
+        let mut pair = aggregate::<Key, AccPair>(&key, (0, 8), None);
+        let mut list = aggregate::<Key, AccList>(&key, (0, 8), None);
         let (mut pair_files, mut list_files) = (Vec::new(), Vec::new());
         for (b, batch) in batches.iter().enumerate().take(3) {
-            let (mut p, mut l) = (Vec::new(), Vec::new());
-            pair.process(batch.clone(), &mut p).unwrap();
-            list.process(batch.clone(), &mut l).unwrap();
-            assert_eq!(p, l, "batch {b}");
+            same_output(&mut pair, &mut list, batch.clone());
             pair_files.push(checkpoint(&mut pair, b as u64));
             list_files.push(checkpoint(&mut list, b as u64));
         }
@@ -368,8 +355,8 @@ mod tests {
         list.process(batches[3].clone(), &mut expected).unwrap();
         let mut got = Vec::new();
         for key_groups in [(0, 5), (5, 8)] {
-            let mut p = aggregate_pair::<Key>(&key, key_groups, Some(&restore_of(&list_files)));
-            let mut l = aggregate::<Key>(&key, key_groups, Some(&restore_of(&pair_files)));
+            let mut p = aggregate::<Key, AccPair>(&key, key_groups, Some(&restore_of(&list_files)));
+            let mut l = aggregate::<Key, AccList>(&key, key_groups, Some(&restore_of(&pair_files)));
             got.extend(same_output(&mut p, &mut l, of_key_groups(&batches[3], &key, key_groups)));
         }
         got.sort_by_key(|r| r.time);
@@ -405,15 +392,12 @@ mod tests {
         let batches: Vec<Vec<Record>> = (0..6).map(|b| (b * 50..b * 50 + 50).map(rec).collect()).collect();
         let key = vec![0, 1];
         // Aggregates: packed and value keys side by side, checkpoints after batches 1 and 3.
-        let mut packed = aggregate::<PackedKey>(&key, (0, 8), None);
-        let mut values = aggregate::<Key>(&key, (0, 8), None);
+        let mut packed = aggregate::<PackedKey, AccList>(&key, (0, 8), None);
+        let mut values = aggregate::<Key, AccList>(&key, (0, 8), None);
         let (mut packed_files, mut value_files) = (Vec::new(), Vec::new());
         for (b, batch) in batches.iter().enumerate().take(4) {
-            let (mut a, mut v) = (Vec::new(), Vec::new());
-            packed.process(batch.clone(), &mut a).unwrap();
-            values.process(batch.clone(), &mut v).unwrap();
-            assert_eq!(a, v, "batch {b}");
-            assert_eq!(a[0].fields.len(), 4, "key fields, count, sum");
+            let a = same_output(&mut packed, &mut values, batch.clone());
+            assert_eq!(a[0].fields.len(), 4, "key fields, count, sum, batch {b}");
             if b == 1 || b == 3 {
                 packed_files.push(checkpoint(&mut packed, b as u64));
                 value_files.push(checkpoint(&mut values, b as u64));
@@ -424,8 +408,8 @@ mod tests {
         values.process(batches[4].clone(), &mut expected).unwrap();
         let mut got = Vec::new();
         for key_groups in [(0, 3), (3, 8)] {
-            let mut p = aggregate::<PackedKey>(&key, key_groups, Some(&restore_of(&value_files)));
-            let mut v = aggregate::<Key>(&key, key_groups, Some(&restore_of(&packed_files)));
+            let mut p = aggregate::<PackedKey, AccList>(&key, key_groups, Some(&restore_of(&value_files)));
+            let mut v = aggregate::<Key, AccList>(&key, key_groups, Some(&restore_of(&packed_files)));
             got.extend(same_output(&mut p, &mut v, of_key_groups(&batches[4], &key, key_groups)));
         }
         let sorted = |mut r: Vec<Record>| {
