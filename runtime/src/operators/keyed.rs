@@ -6,7 +6,7 @@ use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
 use crate::operators::accumulators::{AccList, AccState, Aggregates};
 use crate::restore::{KeyedFile, KeyedRestore, LOCAL_COPY_PART_BYTES};
-use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings};
+use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings, PREFETCH_CHUNK};
 use crate::value::{Fields, Key, Record, StateKey};
 
 /// Settings every keyed operator needs.
@@ -171,16 +171,28 @@ impl KeyedContext {
         TaskError::State { uid: self.uid.clone(), source }
     }
 
-    /// The keys of a batch's records and their hashes in the state's map, prepared for the
-    /// batch's updates (see [`KeyedState::prefetch`]).
-    pub fn prefetched_keys<V: StateValue, K: StateKey>(
+    /// Calls `each` with every record of a batch in order, its key and the key's hash in the
+    /// state's map. The keys are prepared for the updates ([`KeyedState::prefetch`]) in runs of
+    /// [`PREFETCH_CHUNK`], each just before `each` takes its records.
+    pub fn each_prefetched<V: StateValue, K: StateKey>(
         &self,
         state: &mut KeyedState<V, K>,
-        batch: &[Record],
-    ) -> Result<(Vec<K>, Vec<u64>), TaskError> {
-        let keys: Vec<K> = batch.iter().map(|r| K::of(r, &self.key)).collect();
-        let hashes = state.prefetch(&keys).map_err(|e| self.state_failed(e))?;
-        Ok((keys, hashes))
+        batch: Vec<Record>,
+        mut each: impl FnMut(&mut KeyedState<V, K>, Record, K, u64) -> Result<(), TaskError>,
+    ) -> Result<(), TaskError> {
+        let mut keys = batch.iter().map(|r| K::of(r, &self.key)).collect::<Vec<K>>().into_iter();
+        let mut records = batch.into_iter();
+        let mut chunk = Vec::with_capacity(PREFETCH_CHUNK.min(keys.len()));
+        loop {
+            chunk.extend(keys.by_ref().take(PREFETCH_CHUNK));
+            if chunk.is_empty() {
+                return Ok(());
+            }
+            let hashes = state.prefetch(&chunk).map_err(|e| self.state_failed(e))?;
+            for ((key, hash), record) in chunk.drain(..).zip(hashes).zip(records.by_ref()) {
+                each(state, record, key, hash)?;
+            }
+        }
     }
 
     /// The snapshot parts of keyed state for a barrier.
@@ -224,20 +236,16 @@ impl<K: StateKey, V: AccState> AggregateOperator<K, V> {
 impl<K: StateKey, V: AccState> Operator for AggregateOperator<K, V> {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         out.reserve(batch.len());
-        let (keys, hashes) = self.ctx.prefetched_keys(&mut self.state, &batch)?;
-        for ((r, key), hash) in batch.into_iter().zip(keys).zip(hashes) {
-            let aggregates = &self.aggregates;
-            let mut fields = Fields::with_capacity(self.ctx.key.len() + self.aggregates.len());
+        let (ctx, aggregates) = (&self.ctx, &self.aggregates);
+        ctx.each_prefetched(&mut self.state, batch, |state, r, key, hash| {
+            let mut fields = Fields::with_capacity(ctx.key.len() + aggregates.len());
             key.push_values(&mut fields);
-            let accs = match self.state.update_hashed(hash, key, || V::init(aggregates)) {
-                Ok(accs) => accs,
-                Err(e) => return Err(self.ctx.state_failed(e)),
-            };
+            let accs = state.update_hashed(hash, key, || V::init(aggregates)).map_err(|e| ctx.state_failed(e))?;
             accs.add(aggregates, &r);
             accs.results(&mut fields);
             out.push(Record { time: r.time, fields });
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     fn snapshot(&mut self, barrier: &Barrier) -> Result<StateParts, TaskError> {
@@ -362,6 +370,54 @@ mod tests {
         got.sort_by_key(|r| r.time);
         expected.sort_by_key(|r| r.time);
         assert_eq!(got, expected, "restored at parallelism 2, the counts and sums go on");
+    }
+
+    /// A batch longer than several prefetch runs ([`PREFETCH_CHUNK`]), its keys repeated
+    /// within runs and across them, aggregates and dedupes as the same records one at a time
+    /// do: on the heap backend, and on rocksdb with a cache of a few entries (a later run's
+    /// prefetch evicts the keys an earlier one brought in).
+    #[test]
+    fn a_batch_of_many_prefetch_runs_updates_as_records_one_at_a_time_do() {
+        let records: Vec<Record> = (0..(PREFETCH_CHUNK as i64 * 5 + 17))
+            .map(|i| {
+                let r = rec(i);
+                // 900 keys: each run holds some twice, and later runs hold the earlier runs' keys.
+                let word = format!("k{}", crate::value::mix64(i as u64 / 2) % 900);
+                Record { fields: smallvec::smallvec![Value::str(&word), r.fields[1].clone(), r.fields[2].clone()], ..r }
+            })
+            .collect();
+        for cache_entries in [None, Some(3)] {
+            let with_store = |mut c: KeyedContext| {
+                c.store = cache_entries.map(|cache_entries| StoreSettings {
+                    parent_dir: std::env::temp_dir().join("weir-state-tests"),
+                    cache_entries,
+                    restores_loading: Default::default(),
+                });
+                c
+            };
+            if cache_entries.is_some() && !cfg!(feature = "rocksdb") {
+                continue;
+            }
+            let input: Vec<String> = INPUT.iter().map(|s| s.to_string()).collect();
+            let agg = || {
+                AggregateOperator::<Key, AccPair>::new(with_store(ctx(vec![0], (0, 8))), &count_and_sum(), &input, None)
+                    .unwrap()
+            };
+            let dedupe = || DedupeOperator::<PackedKey>::new(with_store(ctx(vec![0, 1], (0, 8))), None).unwrap();
+            let (mut whole, mut one_by_one) = (agg(), agg());
+            let (mut first_whole, mut first_one_by_one) = (dedupe(), dedupe());
+            let (mut a, mut b, mut c, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            whole.process(records.clone(), &mut a).unwrap();
+            first_whole.process(records.clone(), &mut c).unwrap();
+            for r in &records {
+                one_by_one.process(vec![r.clone()], &mut b).unwrap();
+                first_one_by_one.process(vec![r.clone()], &mut d).unwrap();
+            }
+            assert_eq!(a.len(), records.len());
+            assert!(a == b, "cache {cache_entries:?}: running aggregates differ");
+            assert!(c.len() < records.len() && c == d, "cache {cache_entries:?}: first records differ");
+            assert_eq!(checkpoint(&mut whole, 1), checkpoint(&mut one_by_one, 1), "cache {cache_entries:?}");
+        }
     }
 
     /// The records of `batch` whose key (of `key`'s fields) is in `key_groups` (of 8).

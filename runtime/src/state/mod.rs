@@ -169,6 +169,12 @@ impl<K> Spill<K> {
 /// it counts at least). Tests look early.
 const TRACKED_CHANGES_CHECK: usize = if cfg!(test) { 64 } else { 1 << 20 };
 
+/// Keys of a batch looked up ahead ([`KeyedState::prefetch`]) before the batch's updates of
+/// them run, at a time. The whole batch at once (8K words per batch in the CEL pipeline, after
+/// its flatMap) brought in more entries and control bytes than the CPU's second-level cache
+/// holds, and the updates missed them again.
+pub const PREFETCH_CHUNK: usize = 512;
+
 /// Changed keys whose lookups a snapshot runs back to back before encoding their entries.
 const SNAPSHOT_LOOKUP_CHUNK: usize = 64;
 
@@ -506,12 +512,19 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// (the CEL pipeline: 2-4% less CPU; hashing alone, without the lookups, measured no
     /// better).
     pub fn insert_new_all(&mut self, keys: Vec<K>, value: V) -> Result<Vec<bool>, StoreError> {
-        let hashes = self.prefetch(&keys)?;
         let mut inserted = Vec::with_capacity(keys.len());
-        for (hash, key) in hashes.into_iter().zip(keys) {
-            inserted.push(self.insert_new_hashed(hash, key, value.clone())?);
+        let mut keys = keys.into_iter();
+        let mut chunk = Vec::with_capacity(PREFETCH_CHUNK.min(keys.len()));
+        loop {
+            chunk.extend(keys.by_ref().take(PREFETCH_CHUNK));
+            if chunk.is_empty() {
+                return Ok(inserted);
+            }
+            let hashes = self.prefetch(&chunk)?;
+            for (hash, key) in hashes.into_iter().zip(chunk.drain(..)) {
+                inserted.push(self.insert_new_hashed(hash, key, value.clone())?);
+            }
         }
-        Ok(inserted)
     }
 
     /// Looks up `keys` back to back, reading a flag at the end of each entry found. An entry
