@@ -21,6 +21,10 @@
 //!    store a rename is a copy, which took 4.5 s for a 550 MB image on the S3 server here, held
 //!    a checkpoint back that long, and cannot copy an object over 5 GiB in one request.
 //!
+//! On the rocksdb backend, whose increments are ordered by key group, a run of increments after
+//! the image can also be merged into one increment ([`merge_increments`]), listed in place of
+//! the run the same way; the uploader's policy (`upload::chain_step`) says which.
+//!
 //! The merged image holds exactly the entries a restore of the chain would: the chain's files
 //! are read in chain order, and within a file in file order, as a restore applies them.
 //! Nothing here changes a file a checkpoint lists, so a failed or abandoned merge loses
@@ -33,6 +37,7 @@
 //! its uploader went, which nobody will adopt, is deleted by the merger itself.
 
 use std::collections::HashSet;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -40,7 +45,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
-use weir_checkpoint::format::{self, FileKind, FormatError, PartsError, StateFileStream};
+use weir_checkpoint::format::{self, ConcatError, FileKind, FormatError, PartsError, StateFileStream};
 use weir_checkpoint::local::SyncedWriter;
 use weir_checkpoint::retention::PendingFiles;
 use weir_checkpoint::{layout, FileRef, Storage, StorageError};
@@ -74,6 +79,10 @@ pub struct MergeRequest {
     pub checkpoint_id: u64,
     /// The chain: a full image, then increments in order.
     pub chain: Vec<FileRef>,
+    /// The files of `chain` to merge: all of them into a new full image (`0..chain.len()`),
+    /// or a run of increments after the full image into one increment, which replaces them
+    /// (the rocksdb backend's increments, ordered by key group: see [`merge_increments`]).
+    pub run: Range<usize>,
     /// Also write the image as the rocksdb backend's table files (sorted by store key rather
     /// than by the heap map's bucket), for that backend's restores to take in whole.
     pub store_tables: bool,
@@ -110,9 +119,11 @@ impl StagedFile {
 pub struct StagedMerge {
     /// What was merged.
     pub request: MergeRequest,
-    /// The merged image.
-    pub image: StagedFile,
-    /// Live entries in it.
+    /// The merged image, or the merged increment.
+    pub file: StagedFile,
+    /// The files of the request's chain it replaces: all of them for an image.
+    pub replaces: Range<usize>,
+    /// Live entries in a merged image (a merged increment's are not counted).
     pub entries: u64,
     /// The same entries as table files, in key order (when the request asked for them).
     pub tables: Vec<StagedFile>,
@@ -123,7 +134,7 @@ pub struct StagedMerge {
 impl StagedMerge {
     /// Deletes what it wrote (nobody will adopt it) and stops protecting it.
     pub async fn delete(&self, storage: &Storage, pending: &PendingFiles) {
-        for f in std::iter::once(&self.image).chain(&self.tables) {
+        for f in std::iter::once(&self.file).chain(&self.tables) {
             let _ = storage.delete(&f.path).await;
             pending.remove(&f.path);
         }
@@ -133,9 +144,11 @@ impl StagedMerge {
 /// What [`merge`] wrote.
 #[derive(Debug)]
 pub struct Merged {
-    /// The image.
-    pub image: StagedFile,
-    /// Live entries in it.
+    /// The image, or the increment.
+    pub file: StagedFile,
+    /// The files of the request's chain it replaces.
+    pub replaces: Range<usize>,
+    /// Live entries in an image (0 for an increment, whose entries are not decoded).
     pub entries: u64,
     /// Its table files, in key order (when asked for).
     pub tables: Vec<StagedFile>,
@@ -171,11 +184,11 @@ pub enum MergeError {
     /// Sorting, spilling or merging the entries failed.
     #[error("merging: {0}")]
     Merge(StoreError),
-    /// The merged image could not be written to local disk.
-    #[error("writing the merged image: {0}")]
+    /// The merged image or increment could not be written to local disk.
+    #[error("writing the merged file: {0}")]
     WriteImage(std::io::Error),
-    /// The merged image could not be uploaded.
-    #[error("uploading the merged image: {0}")]
+    /// The merged image or increment could not be uploaded.
+    #[error("uploading the merged file: {0}")]
     Upload(Box<StorageError>),
     /// The merger was cancelled (its uploader is gone) before the merge was staged.
     #[error("cancelled: the uploader that asked for the merge is gone")]
@@ -278,7 +291,8 @@ impl Merger {
                     let outcome = match merge(&storage, &pending, epoch, &local_dir, &request, &stop) {
                         Ok(m) => MergeOutcome::Staged(StagedMerge {
                             request,
-                            image: m.image,
+                            file: m.file,
+                            replaces: m.replaces,
                             entries: m.entries,
                             tables: m.tables,
                             took: started.elapsed(),
@@ -434,6 +448,15 @@ pub fn merge(
     let n = NEXT_SCRATCH.fetch_add(1, Ordering::Relaxed);
     let scratch = Scratch(local_dir.join(format!("merge-{}-{n}", std::process::id())));
     std::fs::create_dir_all(&scratch.0).map_err(MergeError::WriteImage)?;
+    if request.run.start > 0 {
+        if let Some(file) = merge_increments(storage, pending, epoch, &scratch.0, request, &check)? {
+            return Ok(Merged { file, replaces: request.run.clone(), entries: 0, tables: Vec::new() });
+        }
+        tracing::info!(
+            uid = %request.uid,
+            "keyed state: a run of increments not all ordered by key group; the whole chain is merged into an image"
+        );
+    }
     let dir = layout::checkpoint_dir(request.checkpoint_id);
     // Step 1: every file of the chain, downloaded, verified and its entries counted. The count
     // bounds the live entries, and so the size of the heap map a restore reserves.
@@ -443,16 +466,7 @@ pub fn merge(
         check()?;
         let path = layout::resolve(&dir, &file.path);
         let input = scratch.0.join(format!("input-{i}"));
-        let (len, crc) = crate::io()
-            .block_on(storage.get_to_file(&path, &input))
-            .map_err(|source| MergeError::Download { path: path.clone(), source: Box::new(source) })?;
-        if (len, crc) != (file.len, file.crc32c) {
-            let reason = format!(
-                "{len} bytes with crc32c {crc:08x}, the checkpoint lists {} bytes with {:08x}",
-                file.len, file.crc32c
-            );
-            return Err(MergeError::Mismatch { path, reason });
-        }
+        let len = download_verified(storage, &path, file, &input)?;
         read_entries(&input, len, &path, &part_check, |_| {
             chain_entries += 1;
             Ok(())
@@ -548,7 +562,7 @@ pub fn merge(
         Ok((image, tables))
     };
     match upload_all() {
-        Ok((image, tables)) => Ok(Merged { image, entries, tables }),
+        Ok((file, tables)) => Ok(Merged { file, replaces: 0..request.chain.len(), entries, tables }),
         Err(e) => {
             for f in &written {
                 let _ = crate::io().block_on(storage.delete(&f.path));
@@ -557,6 +571,86 @@ pub fn merge(
             Err(e)
         }
     }
+}
+
+/// Downloads the chain file `file` (at `path` in storage) to `local` and checks that it is what
+/// the checkpoint lists; its length.
+fn download_verified(storage: &Storage, path: &str, file: &FileRef, local: &Path) -> Result<u64, MergeError> {
+    let (len, crc) = crate::io()
+        .block_on(storage.get_to_file(path, local))
+        .map_err(|source| MergeError::Download { path: path.to_string(), source: Box::new(source) })?;
+    if (len, crc) != (file.len, file.crc32c) {
+        let reason = format!(
+            "{len} bytes with crc32c {crc:08x}, the checkpoint lists {} bytes with {:08x}",
+            file.len, file.crc32c
+        );
+        return Err(MergeError::Mismatch { path: path.to_string(), reason });
+    }
+    Ok(len)
+}
+
+/// Merges the run `request.run` of the chain's increments into one increment and stages it
+/// (under [`layout::shared_merged_increment`], pending until adopted); `None` when one of them
+/// is not an increment ordered by key group with checksums (the heap backend's, or one written
+/// before those), which only a merge into an image takes.
+///
+/// The increments are concatenated key group by key group
+/// ([`format::concat_increments`]): nothing is decoded, sorted or dropped, so the result holds
+/// as many bytes as the run, and a restore that applies it applies the run. What this buys is
+/// fewer files: a restore fetches each increment's head and index before its first record (one
+/// request per file from object storage), and a chain kept short by merges into images alone
+/// rewrites the whole state each time, which a state growing faster than the merger writes
+/// never catches up with (the 10 GiB job of `runtime/BENCHMARKS.md`: 355 increments).
+fn merge_increments(
+    storage: &Storage,
+    pending: &PendingFiles,
+    epoch: u64,
+    scratch: &Path,
+    request: &MergeRequest,
+    check: &dyn Fn() -> Result<(), MergeError>,
+) -> Result<Option<StagedFile>, MergeError> {
+    let dir = layout::checkpoint_dir(request.checkpoint_id);
+    let mut inputs = Vec::with_capacity(request.run.len());
+    let mut paths = Vec::with_capacity(request.run.len());
+    for (i, file) in request.chain[request.run.clone()].iter().enumerate() {
+        check()?;
+        let path = layout::resolve(&dir, &file.path);
+        let local = scratch.join(format!("input-{i}"));
+        let len = download_verified(storage, &path, file, &local)?;
+        let read_failed = |reason: String| MergeError::Read { path: path.clone(), reason };
+        let mut opened = std::fs::File::open(&local).map_err(|e| read_failed(e.to_string()))?;
+        match format::read_increment_index(&mut opened, len) {
+            Ok(Some(index)) if index.checked => inputs.push((opened, index)),
+            Ok(_) => return Ok(None),
+            Err(e) => return Err(read_failed(e.to_string())),
+        }
+        paths.push(path);
+    }
+    check()?;
+    let local = scratch.join("increment");
+    let writer = SyncedWriter::create(&local).map_err(MergeError::WriteImage)?;
+    let (writer, len, crc32c) = format::concat_increments(&mut inputs, writer).map_err(|e| match e {
+        ConcatError::Read { input, source } => {
+            MergeError::Read { path: paths[input].clone(), reason: source.to_string() }
+        }
+        ConcatError::Format { input, source } => {
+            MergeError::Read { path: paths[input].clone(), reason: source.to_string() }
+        }
+        ConcatError::Write(e) => MergeError::WriteImage(e),
+    })?;
+    writer.sync_all().map_err(MergeError::WriteImage)?;
+    drop(inputs);
+    check()?;
+    let rel = layout::shared_merged_increment(&request.uid, request.subtask, request.checkpoint_id, epoch);
+    let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c, first_key: None };
+    // Protected from retention before it exists; a failed upload deletes what it may have left.
+    pending.add(&file.path);
+    if let Err(e) = crate::io().block_on(storage.put_file(&file.path, &local)) {
+        let _ = crate::io().block_on(storage.delete(&file.path));
+        pending.remove(&file.path);
+        return Err(MergeError::Upload(Box::new(e)));
+    }
+    Ok(Some(file))
 }
 
 /// How much lower the merger thread's CPU priority is than the tasks' (a nice value): a merge
@@ -720,15 +814,16 @@ mod tests {
                     subtask: 0,
                     checkpoint_id: seed * 100 + 20,
                     chain: chain.clone(),
+                    run: 0..chain.len(),
                     store_tables: with_tables,
                 };
                 let pending = PendingFiles::default();
                 let m = merge(&storage, &pending, 1, local.path(), &request, &|| false).unwrap();
-                let bytes = crate::io().block_on(storage.get(&m.image.path)).unwrap();
-                assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (m.image.len, m.image.crc32c));
-                assert_eq!(m.image.path, layout::resolve(&layout::checkpoint_dir(seed * 100 + 20), &m.image.rel));
+                let bytes = crate::io().block_on(storage.get(&m.file.path)).unwrap();
+                assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (m.file.len, m.file.crc32c));
+                assert_eq!(m.file.path, layout::resolve(&layout::checkpoint_dir(seed * 100 + 20), &m.file.rel));
                 let files: std::collections::BTreeSet<String> =
-                    std::iter::once(&m.image).chain(&m.tables).map(|f| f.path.clone()).collect();
+                    std::iter::once(&m.file).chain(&m.tables).map(|f| f.path.clone()).collect();
                 assert_eq!(pending.snapshot(), files, "seed {seed}: every file written is pending");
                 let (kind, body) = format::open(&bytes).unwrap();
                 assert_eq!(kind, FileKind::KeyedFull);
@@ -781,6 +876,97 @@ mod tests {
         }
     }
 
+    /// Applies the keyed files `files` in order, as a restore does.
+    fn applied(files: &[bytes::Bytes]) -> BTreeMap<(u32, Vec<u8>), Vec<u8>> {
+        let mut state = BTreeMap::new();
+        for bytes in files {
+            for e in format::keyed_entries(format::open(bytes).unwrap().1) {
+                let e = e.unwrap();
+                match e.value {
+                    Some(v) => state.insert((e.key_group, e.key.to_vec()), v.to_vec()),
+                    None => state.remove(&(e.key_group, e.key.to_vec())),
+                };
+            }
+        }
+        state
+    }
+
+    /// A run of increments ordered by key group (the rocksdb backend's) merges into one
+    /// increment: the chain with it in place of the run holds what the chain holds, and a
+    /// range of key groups reads from it alone. A run holding an increment of another kind
+    /// (the heap backend's) is merged with the whole chain into an image instead.
+    #[test]
+    fn a_run_of_increments_merges_into_one_that_applies_as_the_run() {
+        let (_root, storage, local) = storage_and_scratch();
+        for seed in 1..=4u64 {
+            let mut drawn = 0u64;
+            let mut next = move || {
+                drawn += 1;
+                crate::value::mix64(seed << 32 | drawn)
+            };
+            let (mut chain, mut bytes) = (Vec::new(), Vec::new());
+            let files = 4 + next() % 6;
+            for f in 0..files {
+                let mut w = match f {
+                    0 => StateFileWriter::new(FileKind::KeyedFull, 1024),
+                    // Seed 4: one increment of the run is not ordered by key group.
+                    3 if seed == 4 => StateFileWriter::new(FileKind::KeyedIncrement, 1024),
+                    _ => StateFileWriter::increment_by_key_group(1024),
+                };
+                for _ in 0..(next() % 2000) {
+                    let i = (next() % 700) as u32;
+                    if f > 0 && next() % 4 == 0 {
+                        w.delete(i % 16, &key(i));
+                    } else {
+                        w.put(i % 16, &key(i), format!("v{seed}-{f}-{}", next() % 100).as_bytes());
+                    }
+                }
+                let (data, crc32c) = w.finish();
+                let rel = layout::shared_keyed_file("op", 0, seed * 100 + f, 1);
+                let path = layout::resolve(&layout::checkpoint_dir(seed * 100 + f), &rel);
+                crate::io().block_on(storage.put(&path, data.clone())).unwrap();
+                chain.push(FileRef::new(rel, data.len() as u64, crc32c));
+                bytes.push(data);
+            }
+            // The increments after the image, or a run in the middle.
+            let run = if seed % 2 == 0 { 1..chain.len() } else { 2..chain.len() - 1 };
+            let id = seed * 100 + 20;
+            let request = MergeRequest {
+                uid: "op".into(),
+                subtask: 0,
+                checkpoint_id: id,
+                chain: chain.clone(),
+                run: run.clone(),
+                store_tables: false,
+            };
+            let pending = PendingFiles::default();
+            let m = merge(&storage, &pending, 1, local.path(), &request, &|| false).unwrap();
+            assert_eq!(pending.snapshot(), [m.file.path.clone()].into(), "seed {seed}: pending until adopted");
+            let merged = crate::io().block_on(storage.get(&m.file.path)).unwrap();
+            assert_eq!((merged.len() as u64, crc32c::crc32c(&merged)), (m.file.len, m.file.crc32c));
+            if seed == 4 {
+                assert_eq!(m.replaces, 0..chain.len(), "an image of the whole chain");
+                assert_eq!(
+                    m.file.path,
+                    layout::resolve(&layout::checkpoint_dir(id), &layout::shared_merged_file("op", 0, id, 1))
+                );
+                assert_eq!(applied(&[merged]), applied(&bytes), "seed {seed}");
+            } else {
+                assert_eq!(m.replaces, run, "seed {seed}");
+                let rel = layout::shared_merged_increment("op", 0, id, 1);
+                assert_eq!((m.file.rel.as_str(), m.tables.len()), (rel.as_str(), 0));
+                let index = format::read_increment_index(&merged[..], m.file.len).unwrap().unwrap();
+                for k in &index.key_groups {
+                    index.verify(k.offset, &merged[k.offset as usize..(k.offset + k.len) as usize]).unwrap();
+                }
+                let mut replaced = bytes.clone();
+                replaced.splice(run.clone(), [merged]);
+                assert!(applied(&replaced) == applied(&bytes), "seed {seed}: the merged run differs from the run");
+            }
+            assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "seed {seed}: scratch files are gone");
+        }
+    }
+
     /// A chain file that is not what its checkpoint lists (damaged in storage) fails the merge,
     /// naming the file; nothing is staged.
     #[test]
@@ -798,6 +984,7 @@ mod tests {
             subtask: 0,
             checkpoint_id: 1,
             chain: vec![FileRef::new(rel, data.len() as u64, crc32c)],
+            run: 0..1,
             store_tables: false,
         };
         let pending = PendingFiles::default();
@@ -848,7 +1035,14 @@ mod tests {
             crate::io().block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(id), &rel), data)).unwrap();
             chain.push(FileRef::new(rel, len, crc32c));
         }
-        let request = MergeRequest { uid: "op".into(), subtask: 0, checkpoint_id: 3, chain, store_tables: false };
+        let request = MergeRequest {
+            uid: "op".into(),
+            subtask: 0,
+            checkpoint_id: 3,
+            run: 0..chain.len(),
+            chain,
+            store_tables: false,
+        };
         let mut stop_at = 1;
         loop {
             let asked = std::cell::Cell::new(0);
@@ -891,6 +1085,7 @@ mod tests {
             subtask: 0,
             checkpoint_id: 2,
             chain,
+            run: 0..1,
             store_tables: false
         }));
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -915,7 +1110,9 @@ mod tests {
         for uid in ["a", "b", "c"] {
             let chain = uploaded_chain(&storage, uid, 1_000);
             // The first starts the thread; the thread may be gone before the later ones are sent.
-            merger.request(MergeRequest { uid: uid.into(), subtask: 0, checkpoint_id: 2, chain, store_tables: false });
+            let request =
+                MergeRequest { uid: uid.into(), subtask: 0, checkpoint_id: 2, chain, run: 0..1, store_tables: false };
+            merger.request(request);
         }
         let started = merger.cancel().expect("the first request started the thread").join().unwrap();
         assert_eq!(started, 0, "no queued merge starts after the merger is cancelled");

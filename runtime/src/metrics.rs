@@ -60,6 +60,8 @@ pub struct JobMetrics {
     pub state_merges: Counter,
     /// Background merges that failed (their chains were kept).
     pub state_merges_failed: Counter,
+    /// Runs of increments merged in the background into one increment and adopted.
+    pub state_increment_merges: Counter,
     /// Wakes the control API's requests waiting for a savepoint when one's status changes.
     pub savepoint_changed: tokio::sync::Notify,
     /// Lifecycle state, history, savepoint requests, last error.
@@ -116,6 +118,7 @@ impl JobMetrics {
         let late_records = Counter::default();
         let state_merges = Counter::default();
         let state_merges_failed = Counter::default();
+        let state_increment_merges = Counter::default();
         registry.register("records_in", "Records read by sources", records_in.clone());
         registry.register("records_out", "Records written by sinks", records_out.clone());
         registry.register(
@@ -179,6 +182,11 @@ impl JobMetrics {
             "Background merges of keyed state that failed (their files were kept)",
             state_merges_failed.clone(),
         );
+        registry.register(
+            "state_increment_merges",
+            "Runs of keyed-state increments merged in the background into one increment and adopted",
+            state_increment_merges.clone(),
+        );
         JobMetrics {
             name: name.to_string(),
             job_id: job_id.to_string(),
@@ -198,6 +206,7 @@ impl JobMetrics {
             late_records,
             state_merges,
             state_merges_failed,
+            state_increment_merges,
             savepoint_changed: tokio::sync::Notify::new(),
             status: Mutex::new(StatusBoard {
                 state: JobState::Starting,

@@ -7,6 +7,7 @@
 //! transaction as pending, so it must not complete without the data.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -98,6 +99,15 @@ const CHAIN_LIMIT_FACTOR: usize = 8;
 
 /// See [`CHAIN_LIMIT_FACTOR`].
 const MERGE_FAILURES_BEFORE_FULL_IMAGE: u32 = 2;
+
+/// Increments ordered by key group (the rocksdb backend's) whose sizes are within this factor of
+/// each other are merged into one increment once at least `fullEvery` of them follow each other
+/// ([`similar_run`]), while the chain's increments hold less than
+/// [`MERGE_AT_INCREMENTS_OF_BASE`] of its base (more, and the chain is merged into an image).
+/// A merged increment holds its run's bytes, `fullEvery` (≥ 4) times one of them, so it joins a
+/// later run only with others like it: the chain keeps fewer than `fullEvery` files per tier of
+/// sizes, and a byte is rewritten once per tier it passes, not at every merge.
+const SIMILAR_INCREMENTS: u64 = 4;
 
 /// Background merges of one task's chains (see [`crate::compact`]).
 pub struct Merges {
@@ -247,25 +257,34 @@ async fn adopt_merges(
         // Listed as written: nothing is renamed. Retention leaves the files alone until a
         // complete checkpoint lists them (they are pending until then).
         let listed = crate::compact::StagedFile::listed;
-        let merged = staged.request.chain.len();
-        let replaced: Vec<FileRef> = chain.files.splice(..merged, [listed(&staged.image)]).collect();
-        let old_tables = std::mem::replace(&mut chain.tables, staged.tables.iter().map(listed).collect());
-        chain.tables_fell_back = None;
+        let image = staged.replaces.start == 0;
+        let replaced: Vec<FileRef> = chain.files.splice(staged.replaces.clone(), [listed(&staged.file)]).collect();
+        let old_tables = if image {
+            chain.tables_fell_back = None;
+            std::mem::replace(&mut chain.tables, staged.tables.iter().map(listed).collect())
+        } else {
+            Vec::new()
+        };
         // An earlier merge replaced here may never have been listed by a complete checkpoint.
         for f in replaced.iter().chain(&old_tables) {
             merges.merger.pending().dropped(&layout::resolve(&layout::checkpoint_dir(id), &f.path), id);
         }
-        merges.metrics.state_merges.inc();
+        if image {
+            merges.metrics.state_merges.inc();
+        } else {
+            merges.metrics.state_increment_merges.inc();
+        }
         merges.failures_in_a_row.remove(uid.as_str());
         tracing::info!(
             uid = %uid,
             checkpoint = id,
-            files = merged,
+            files = replaced.len(),
+            into = if image { "image" } else { "increment" },
             entries = staged.entries,
-            bytes = staged.image.len,
+            bytes = staged.file.len,
             tables = staged.tables.len(),
             seconds = staged.took.as_secs_f64(),
-            "keyed state: a chain merged in the background replaces its files"
+            "keyed state: files merged in the background replace those of the chain"
         );
     }
 }
@@ -285,32 +304,31 @@ fn request_merges(
             // say nothing about this one.
             merges.failures_in_a_row.remove(uid);
         }
-        let shape = ChainShape {
-            files: chain.files.len(),
-            base_bytes: chain.files.first().map_or(0, |f| f.len),
-            increment_bytes: chain.files.iter().skip(1).map(|f| f.len).sum(),
-        };
+        let lens: Vec<u64> = chain.files.iter().map(|f| f.len).collect();
         let failures = merges.failures_in_a_row.get(uid).copied().unwrap_or(0);
         let in_flight = merges.merger.in_flight(uid);
-        match chain_step(shape, merges.full_every, chain.broken || in_flight, failures) {
+        // The rocksdb backend's increments are ordered by key group: runs of them merge into one.
+        let runs = merges.store_tables;
+        match chain_step(&lens, merges.full_every, runs, chain.broken || in_flight, failures) {
             ChainStep::Keep => {}
             ChainStep::FullImageFromTask => {
                 if let Some((_, flag)) = flags.iter().find(|(u, _)| u == uid) {
                     tracing::warn!(
                         uid = %uid,
-                        files = shape.files,
+                        files = lens.len(),
                         failures,
                         "keyed state: the chain is too long and its merges fail; the task writes a full image"
                     );
                     flag.store(true, Ordering::Release);
                 }
             }
-            ChainStep::Merge => {
+            ChainStep::Merge(run) => {
                 merges.merger.request(MergeRequest {
                     uid: uid.clone(),
                     subtask,
                     checkpoint_id: id,
                     chain: chain.files.clone(),
+                    run,
                     store_tables: merges.store_tables,
                 });
             }
@@ -318,43 +336,67 @@ fn request_merges(
     }
 }
 
-/// The length and bytes of an operator's chain (its first file is the full image).
-#[derive(Clone, Copy, Debug)]
-struct ChainShape {
-    files: usize,
-    base_bytes: u64,
-    increment_bytes: u64,
-}
-
 /// What to do with a chain after a checkpoint.
 #[derive(Debug, PartialEq, Eq)]
 enum ChainStep {
     /// Nothing yet.
     Keep,
-    /// Merge it in the background.
-    Merge,
+    /// Merge these files of it in the background: all of them into an image (`0..len`), or
+    /// a run of increments into one increment.
+    Merge(Range<usize>),
     /// Have the task write a full image at its next checkpoint.
     FullImageFromTask,
 }
 
-/// The merge policy: a chain longer than `full_every` files is merged once its increments hold
-/// [`MERGE_AT_INCREMENTS_OF_BASE`] of its base's bytes or it has more than
-/// [`MERGE_ANYWAY_FACTOR`] × `full_every` files; past [`CHAIN_LIMIT_FACTOR`] × `full_every`
-/// files, a chain whose merges keep failing gets a full image from its task instead. `busy`: a
-/// merge of it is running, or it cannot be merged (a broken chain).
-fn chain_step(chain: ChainShape, full_every: usize, busy: bool, failures_in_a_row: u32) -> ChainStep {
-    if busy || chain.files <= full_every {
+/// The merge policy for a chain of files of `lens` bytes (the first the full image). A chain
+/// longer than `full_every` files is merged into an image once its increments hold
+/// [`MERGE_AT_INCREMENTS_OF_BASE`] of its base's bytes. Before that, with `runs` (increments
+/// that merge into one), a run of similar increments ([`SIMILAR_INCREMENTS`]) is merged into
+/// one increment; a chain of more than [`MERGE_ANYWAY_FACTOR`] × `full_every` files is merged
+/// anyway (its increments into one with `runs`, into an image without). Past
+/// [`CHAIN_LIMIT_FACTOR`] × `full_every` files, a chain whose merges keep failing gets a full
+/// image from its task instead. `busy`: a merge of it is running, or it cannot be merged (a
+/// broken chain).
+fn chain_step(lens: &[u64], full_every: usize, runs: bool, busy: bool, failures_in_a_row: u32) -> ChainStep {
+    let files = lens.len();
+    if busy || files <= full_every {
         return ChainStep::Keep;
     }
-    if chain.files > CHAIN_LIMIT_FACTOR * full_every && failures_in_a_row >= MERGE_FAILURES_BEFORE_FULL_IMAGE {
+    if files > CHAIN_LIMIT_FACTOR * full_every && failures_in_a_row >= MERGE_FAILURES_BEFORE_FULL_IMAGE {
         return ChainStep::FullImageFromTask;
     }
-    if (chain.increment_bytes as f64) < MERGE_AT_INCREMENTS_OF_BASE * chain.base_bytes as f64
-        && chain.files <= MERGE_ANYWAY_FACTOR * full_every
-    {
-        return ChainStep::Keep;
+    let (base_bytes, increment_bytes) = (lens[0], lens[1..].iter().sum::<u64>());
+    if increment_bytes as f64 >= MERGE_AT_INCREMENTS_OF_BASE * base_bytes as f64 {
+        return ChainStep::Merge(0..files);
     }
-    ChainStep::Merge
+    let long = files > MERGE_ANYWAY_FACTOR * full_every;
+    if runs {
+        if let Some(run) = similar_run(&lens[1..], full_every.max(2)) {
+            return ChainStep::Merge(run.start + 1..run.end + 1);
+        }
+        if long {
+            return ChainStep::Merge(1..files);
+        }
+    } else if long {
+        return ChainStep::Merge(0..files);
+    }
+    ChainStep::Keep
+}
+
+/// The oldest run of at least `fan_in` consecutive `increments` (their sizes) within
+/// [`SIMILAR_INCREMENTS`] of each other, as long as it goes.
+fn similar_run(increments: &[u64], fan_in: usize) -> Option<Range<usize>> {
+    (0..increments.len()).find_map(|start| {
+        let (mut lo, mut hi) = (increments[start], increments[start]);
+        let mut end = start + 1;
+        while let Some(&len) = increments.get(end) {
+            if hi.max(len) > lo.min(len).max(1) * SIMILAR_INCREMENTS {
+                break;
+            }
+            (lo, hi, end) = (lo.min(len), hi.max(len), end + 1);
+        }
+        (end - start >= fan_in).then_some(start..end)
+    })
 }
 
 async fn upload(
@@ -493,40 +535,73 @@ mod tests {
     const FULL_EVERY: usize = 10;
 
     /// A chain of `files` files: a 100-byte base and increments of `increment` bytes each.
-    fn chain(files: usize, increment: u64) -> ChainShape {
-        ChainShape { files, base_bytes: 100, increment_bytes: increment * (files as u64 - 1) }
+    fn chain(files: usize, increment: u64) -> Vec<u64> {
+        std::iter::once(100).chain(std::iter::repeat_n(increment, files - 1)).collect()
+    }
+
+    /// The step for a chain of `lens`, without runs of increments (the heap backend's chains).
+    fn step(lens: &[u64], busy: bool, failures: u32) -> ChainStep {
+        chain_step(lens, FULL_EVERY, false, busy, failures)
     }
 
     #[test]
     fn a_chain_is_merged_once_its_increments_hold_half_its_base_or_it_is_long() {
-        assert_eq!(
-            chain_step(chain(FULL_EVERY, 50), FULL_EVERY, false, 0),
-            ChainStep::Keep,
-            "not longer than fullEvery"
-        );
-        assert_eq!(chain_step(chain(FULL_EVERY + 1, 1), FULL_EVERY, false, 0), ChainStep::Keep, "increments small");
-        assert_eq!(chain_step(chain(FULL_EVERY + 1, 5), FULL_EVERY, false, 0), ChainStep::Merge, "half the base");
+        let all = |files| ChainStep::Merge(0..files);
+        assert_eq!(step(&chain(FULL_EVERY, 50), false, 0), ChainStep::Keep, "not longer than fullEvery");
+        assert_eq!(step(&chain(FULL_EVERY + 1, 1), false, 0), ChainStep::Keep, "increments small");
+        assert_eq!(step(&chain(FULL_EVERY + 1, 5), false, 0), all(FULL_EVERY + 1), "half the base");
         let long = MERGE_ANYWAY_FACTOR * FULL_EVERY + 1;
-        assert_eq!(chain_step(chain(long, 0), FULL_EVERY, false, 0), ChainStep::Merge, "long");
-        assert_eq!(chain_step(chain(long, 50), FULL_EVERY, true, 0), ChainStep::Keep, "a merge of it is running");
+        assert_eq!(step(&chain(long, 0), false, 0), all(long), "long");
+        assert_eq!(step(&chain(long, 50), true, 0), ChainStep::Keep, "a merge of it is running");
     }
 
     #[test]
     fn a_chain_past_the_limit_gets_another_merge_until_its_merges_keep_failing() {
         // Restored this long, or grown while a slow merge ran: merged beside the task, not
         // stopped for a full image.
-        let too_long = chain(CHAIN_LIMIT_FACTOR * FULL_EVERY + 1, 1);
-        assert_eq!(chain_step(too_long, FULL_EVERY, false, 0), ChainStep::Merge);
-        assert_eq!(chain_step(too_long, FULL_EVERY, false, MERGE_FAILURES_BEFORE_FULL_IMAGE - 1), ChainStep::Merge);
-        assert_eq!(
-            chain_step(too_long, FULL_EVERY, false, MERGE_FAILURES_BEFORE_FULL_IMAGE),
-            ChainStep::FullImageFromTask
-        );
+        let files = CHAIN_LIMIT_FACTOR * FULL_EVERY + 1;
+        let too_long = chain(files, 1);
+        assert_eq!(step(&too_long, false, 0), ChainStep::Merge(0..files));
+        assert_eq!(step(&too_long, false, MERGE_FAILURES_BEFORE_FULL_IMAGE - 1), ChainStep::Merge(0..files));
+        assert_eq!(step(&too_long, false, MERGE_FAILURES_BEFORE_FULL_IMAGE), ChainStep::FullImageFromTask);
         // While a merge runs, the chain waits for it whatever its length.
-        assert_eq!(chain_step(too_long, FULL_EVERY, true, MERGE_FAILURES_BEFORE_FULL_IMAGE), ChainStep::Keep);
+        assert_eq!(step(&too_long, true, MERGE_FAILURES_BEFORE_FULL_IMAGE), ChainStep::Keep);
         // Failures alone, on a chain within the limit, change nothing.
         let within = chain(CHAIN_LIMIT_FACTOR * FULL_EVERY, 1);
-        assert_eq!(chain_step(within, FULL_EVERY, false, 5), ChainStep::Merge);
+        assert_eq!(step(&within, false, 5), ChainStep::Merge(0..within.len()));
+    }
+
+    /// With increments that merge into one (the rocksdb backend's), a chain whose increments
+    /// are small beside its base merges runs of similar increments into one, oldest run
+    /// first; it is still merged into an image once they hold half the base.
+    #[test]
+    fn runs_of_similar_increments_merge_into_one_before_the_chain_needs_an_image() {
+        let runs = |lens: &[u64]| chain_step(lens, FULL_EVERY, true, false, 0);
+        let mut lens = vec![1_000_000u64];
+        lens.extend([1000, 3000, 800, 2000, 1000, 1000, 900, 1100, 3100, 1000]);
+        assert_eq!(runs(&lens), ChainStep::Merge(1..11), "ten within 4× of each other");
+        // One of another size breaks the run: too short on either side.
+        lens[5] = 100;
+        assert_eq!(runs(&lens), ChainStep::Keep);
+        // A merged increment (ten times one) does not join the run of small ones after it.
+        let mut lens = vec![1_000_000u64, 10_000, 10_000];
+        lens.extend(std::iter::repeat_n(1000, 9));
+        assert_eq!(runs(&lens), ChainStep::Keep, "nine small ones");
+        lens.push(1000);
+        assert_eq!(runs(&lens), ChainStep::Merge(3..13), "ten small ones");
+        // The oldest run first: ten merged increments, then ten small ones.
+        let mut tiers = vec![1_000_000u64];
+        tiers.extend(std::iter::repeat_n(10_000, 10));
+        tiers.extend(std::iter::repeat_n(1000, 10));
+        assert_eq!(runs(&tiers), ChainStep::Merge(1..11));
+        // Increments of half the base: an image.
+        assert_eq!(runs(&chain(FULL_EVERY + 1, 5)), ChainStep::Merge(0..FULL_EVERY + 1));
+        // A long chain with no run: its increments into one.
+        let sizes: Vec<u64> = std::iter::once(10_000_000_000).chain((0..45).map(|i| 1u64 << (i % 30))).collect();
+        assert_eq!(similar_run(&sizes[1..], FULL_EVERY), None);
+        assert_eq!(runs(&sizes), ChainStep::Merge(1..46));
+        assert_eq!(similar_run(&[], 2), None);
+        assert_eq!(similar_run(&[5, 5], 2), Some(0..2));
     }
 
     /// Merge failures counted on a chain that grew past the limit make its task write a full

@@ -400,6 +400,8 @@ struct Tally {
     merged_images_seen: u64,
     /// Distinct table files of merged images seen (merges of rocksdb runs).
     merged_tables_seen: u64,
+    /// Runs of increments merged into one (the rocksdb backend's) seen in the checkpoint storage.
+    merged_increments_seen: u64,
 }
 
 /// Runs one shape through a campaign and checks it against an undisturbed run.
@@ -433,6 +435,7 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
     let mut round = 0u64;
     let mut merged_images = BTreeSet::new();
     let mut merged_tables = BTreeSet::new();
+    let mut merged_increments = BTreeSet::new();
     loop {
         round += 1;
         assert!(round < 10 * c.kills + 50, "{}: too many rounds ({tally:?})", shape.name);
@@ -456,6 +459,8 @@ fn campaign(shape: &Shape, c: Campaign, salt: u64) -> Tally {
         tally.merged_images_seen = merged_images.len() as u64;
         merged_tables.extend(shared_files_ending(&chk, ".sst"));
         tally.merged_tables_seen = merged_tables.len() as u64;
+        merged_increments.extend(shared_files_ending(&chk, "-merged-increment.kv"));
+        tally.merged_increments_seen = merged_increments.len() as u64;
         std::fs::write(&job_file, yaml).unwrap();
         let rescale = !must_finish && c.rescale_every.is_some_and(|n| r.is_multiple_of(n));
         let port = free_port();

@@ -145,6 +145,107 @@ fn full_images_merged_in_the_background_are_exactly_once_under_failures_and_rest
     }
 }
 
+/// A job whose keyed state grows by new keys (a dedupe of a sequence) on the rocksdb backend
+/// with merges in the background: runs of its increments are merged into one increment (the
+/// state outgrows its increments, so the chain needs no image for a while). Under task panics,
+/// failed uploads and crashes before commits every id comes out exactly once; then runs are
+/// cancelled once their newest checkpoint lists a merged increment and restored from it, and
+/// the job still finishes with every id exactly once.
+#[test]
+fn runs_of_increments_merged_in_the_background_are_exactly_once_under_failures_and_restores() {
+    let job = |out: &std::path::Path, count: u64| {
+        format!(
+            r#"name: growing
+parallelism: 2
+maxParallelism: 32
+stateBackend: rocksdb
+stateCacheEntries: 100
+checkpointing: {{ interval: 50ms, tolerableFailures: 3, fullEvery: 4, backgroundFullImageAbove: 0 }}
+restart: {{ attempts: 100, delay: 10ms }}
+sources:
+  - name: ids
+    uid: ids
+    generator: {{ count: {count}, ratePerSecond: 10000, fields: [ {{ name: id, sequence: {{}} }} ] }}
+operators:
+  - {{ name: by-id, keyBy: {{ fields: [id] }} }}
+  - {{ name: unique, uid: unique, dedupe: {{}} }}
+sinks:
+  - {{ name: out, uid: out, file: {{ path: {out}/ids }} }}
+"#,
+            out = out.display()
+        )
+    };
+    // Every id of 0..count once, record by record.
+    let exactly_once = |out: &std::path::Path, count: u64, what: &str| {
+        let lines = committed(out).remove("ids").unwrap_or_default();
+        let mut ids: Vec<u64> = lines
+            .iter()
+            .map(|l| l.trim_start_matches("{\"id\":").trim_end_matches('}').parse().unwrap_or_else(|_| panic!("{l}")))
+            .collect();
+        ids.sort_unstable();
+        let duplicates = ids.windows(2).filter(|w| w[0] == w[1]).count();
+        ids.dedup();
+        assert_eq!(duplicates, 0, "{what}: {duplicates} ids written twice");
+        assert_eq!(ids.len() as u64, count, "{what}: {} of {count} ids written", ids.len());
+        assert_eq!((ids[0], *ids.last().unwrap()), (0, count - 1), "{what}");
+    };
+    let (_d, out, chk) = workdir("increment-merges-faults");
+    let plan = FaultPlan {
+        seed: 7,
+        task_panic: 0.02,
+        upload_failure: 0.03,
+        crash_before_commit: 0.3,
+        max_faults: 8,
+        ..FaultPlan::default()
+    };
+    let (outcome, m) = run_to_end(&job(&out, 60_000), RunOptionsExt::with_faults(opts(&chk), plan));
+    assert_eq!(outcome, JobOutcome::Finished);
+    record_faults(m.injected_faults.get());
+    eprintln!(
+        "merged increments adopted: {}, images: {}, failed: {}",
+        m.state_increment_merges.get(),
+        m.state_merges.get(),
+        m.state_merges_failed.get()
+    );
+    assert!(m.state_increment_merges.get() > 0, "no run of increments was merged");
+    exactly_once(&out, 60_000, "under failures");
+
+    // Cancelled once the newest checkpoint lists a merged increment, restored from it.
+    let (_d, out, chk) = workdir("increment-merges-restore");
+    let count = 300_000;
+    let mut restored_on_a_merged_increment = 0;
+    for round in 0..6 {
+        let options = if round == 0 { opts(&chk) } else { RunOptionsExt::restore_latest(opts(&chk)) };
+        let run = InProcess::start(&job(&out, count), options);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while run.metrics.state_increment_merges.get() == 0 {
+            assert!(std::time::Instant::now() < deadline, "round {round}: no merged increment within 60 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let completed = run.metrics.checkpoints_completed.get();
+        run.wait_for_checkpoints(completed + 1, Duration::from_secs(30));
+        run.requests.send(Request::Cancel).unwrap();
+        assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+        let newest = newest_checkpoint(&chk);
+        let meta =
+            weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(newest.join("_metadata")).unwrap()).unwrap();
+        if meta.files().any(|f| f.path.ends_with("-merged-increment.kv")) {
+            restored_on_a_merged_increment += 1;
+            if restored_on_a_merged_increment == 2 {
+                break;
+            }
+        }
+    }
+    eprintln!("cancelled on a checkpoint listing a merged increment: {restored_on_a_merged_increment} times");
+    assert!(restored_on_a_merged_increment > 0, "no newest checkpoint listed a merged increment when cancelled");
+    // The rest, at full speed.
+    let (outcome, m) =
+        run_to_end(&job(&out, count).replace("ratePerSecond: 10000, ", ""), RunOptionsExt::restore_latest(opts(&chk)));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert!(m.board().restored_from.is_some());
+    exactly_once(&out, count, "restored from checkpoints on merged increments");
+}
+
 #[test]
 fn at_least_once_mode_loses_nothing_under_failures() {
     let mut p = JobParams::new("alo");

@@ -564,6 +564,105 @@ pub fn read_increment_index(
     Ok(Some(IncrementIndex { key_groups, checked }))
 }
 
+/// Writes the increments ordered by key group `inputs` (each a reader of the whole file and
+/// its [`IncrementIndex`], oldest first) to `out` as one increment ordered by key group (kind
+/// 4): each key group's entries are those of the first input, then the second's, and so on.
+/// Applying it applies the inputs in order (a later entry of a key wins, deletions included),
+/// and a range of key groups reads from it alone, as from any increment. Nothing is decoded:
+/// each input's stretch of a key group is copied, verified against its checksum on the way,
+/// and the new index's checksums are combined from the inputs'. Returns `out`, the file's
+/// length and its CRC-32C (of the whole file, as a checkpoint lists it).
+pub fn concat_increments<R: std::io::Read + std::io::Seek, W: std::io::Write>(
+    inputs: &mut [(R, IncrementIndex)],
+    mut out: W,
+) -> Result<(W, u64, u32), ConcatError> {
+    // Each key group's stretches, in input order.
+    let mut stretches: std::collections::BTreeMap<u32, Vec<(usize, KeyGroupEntries)>> = Default::default();
+    for (i, (_, index)) in inputs.iter().enumerate() {
+        if !index.checked {
+            let source = FormatError::BadIndex("no checksums of key groups in this increment");
+            return Err(ConcatError::Format { input: i, source });
+        }
+        for k in &index.key_groups {
+            stretches.entry(k.key_group).or_default().push((i, *k));
+        }
+    }
+    let mut index = Encoder::with_capacity(stretches.len() * 12 + 4);
+    let mut previous = 0u32;
+    for (&key_group, parts) in &stretches {
+        let len: u64 = parts.iter().map(|(_, k)| k.len).sum();
+        // The checksum of the stretches one after the other, from theirs.
+        let crc_of = |k: &KeyGroupEntries| k.crc32c.expect("checked above");
+        let crc = parts[1..]
+            .iter()
+            .fold(crc_of(&parts[0].1), |crc, (_, k)| crc32c::crc32c_combine(crc, crc_of(k), k.len as usize));
+        index.varint(u64::from(key_group - previous));
+        index.varint(len);
+        index.buf.extend_from_slice(&crc.to_le_bytes());
+        previous = key_group;
+    }
+    let mut head = Vec::with_capacity(HEADER_LEN + 4);
+    head.extend_from_slice(MAGIC);
+    head.push(KIND_INCREMENT_BY_KEY_GROUP);
+    head.extend_from_slice(&(index.buf.len() as u32 + 4).to_le_bytes());
+    let index_crc = crc32c::crc32c_append(crc32c::crc32c(&head), &index.buf);
+    index.buf.extend_from_slice(&index_crc.to_le_bytes());
+    let mut crc = crc32c::crc32c_append(crc32c::crc32c(&head), &index.buf);
+    out.write_all(&head).map_err(ConcatError::Write)?;
+    out.write_all(&index.buf).map_err(ConcatError::Write)?;
+    let mut len = (head.len() + index.buf.len()) as u64;
+    let mut buf = vec![0u8; 1 << 20];
+    for (&key_group, parts) in &stretches {
+        for (i, k) in parts {
+            let input = &mut inputs[*i].0;
+            let read_failed = |source| ConcatError::Read { input: *i, source };
+            input.seek(std::io::SeekFrom::Start(k.offset)).map_err(read_failed)?;
+            let (mut left, mut stretch_crc) = (k.len, 0u32);
+            while left > 0 {
+                let piece = &mut buf[..left.min(1 << 20) as usize];
+                input.read_exact(piece).map_err(read_failed)?;
+                stretch_crc = crc32c::crc32c_append(stretch_crc, piece);
+                crc = crc32c::crc32c_append(crc, piece);
+                out.write_all(piece).map_err(ConcatError::Write)?;
+                left -= piece.len() as u64;
+            }
+            if Some(stretch_crc) != k.crc32c {
+                return Err(ConcatError::Format {
+                    input: *i,
+                    source: FormatError::KeyGroupChecksumMismatch(key_group),
+                });
+            }
+            len += k.len;
+        }
+    }
+    out.write_all(&crc.to_le_bytes()).map_err(ConcatError::Write)?;
+    Ok((out, len + 4, crc32c::crc32c_append(crc, &crc.to_le_bytes())))
+}
+
+/// Why [`concat_increments`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConcatError {
+    /// Input `input` (counted from 0) could not be read.
+    #[error("reading increment {input} of the run: {source}")]
+    Read {
+        /// Which input.
+        input: usize,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Input `input` is not what its index says, or its index has no checksums.
+    #[error("increment {input} of the run: {source}")]
+    Format {
+        /// Which input.
+        input: usize,
+        /// Why.
+        source: FormatError,
+    },
+    /// The output could not be written.
+    #[error("writing the concatenated increment: {0}")]
+    Write(std::io::Error),
+}
+
 /// Reads a state file's header from `file` (its length `len`): its kind, and for an increment
 /// ordered by key group the length of its index.
 fn read_header<E>(file: &mut impl std::io::Read, len: u64) -> Result<(FileKind, Option<u64>), PartsError<E>> {
@@ -1096,6 +1195,101 @@ mod tests {
             bad[i] ^= 0x04;
             assert!(read_increment_index(&bad[..], len).map_or(true, |index| index.is_none()), "flip at {i}");
         }
+    }
+
+    /// Increments concatenated by key group hold each key group's entries in input order (so
+    /// that applying the result applies the inputs in order), read and index like any
+    /// increment, and refuse an input whose stretch is not what its index says.
+    #[test]
+    fn increments_concatenated_by_key_group_apply_as_the_inputs_in_order() {
+        let mut written: Vec<Vec<Owned>> = Vec::new();
+        let mut files = Vec::new();
+        for f in 0..4u32 {
+            // Overlapping keys and key groups, deletions, one input without entries.
+            let entries: Vec<Owned> = if f == 2 {
+                Vec::new()
+            } else {
+                scattered_entries()
+                    .into_iter()
+                    .skip(f as usize * 40)
+                    .map(|(kg, k, v)| {
+                        (
+                            kg + f,
+                            k,
+                            v.map(|mut v| {
+                                v.push(f as u8);
+                                v
+                            }),
+                        )
+                    })
+                    .collect()
+            };
+            let mut w = StateFileWriter::increment_by_key_group(64);
+            for (key_group, key, value) in &entries {
+                match value {
+                    Some(value) => w.put(*key_group, key, value),
+                    None => w.delete(*key_group, key),
+                }
+            }
+            files.push(w.finish().0);
+            written.push(entries);
+        }
+        let indexed = |files: &[Bytes]| -> Vec<(std::io::Cursor<Bytes>, IncrementIndex)> {
+            files
+                .iter()
+                .map(|b| {
+                    let index = read_increment_index(&b[..], b.len() as u64).unwrap().unwrap();
+                    (std::io::Cursor::new(b.clone()), index)
+                })
+                .collect()
+        };
+        let (out, len, crc) = concat_increments(&mut indexed(&files), Vec::new()).unwrap();
+        assert_eq!((len, crc), (out.len() as u64, crc32c::crc32c(&out)));
+        // Every entry, each key group's in input order (and within an input, as written).
+        let mut expected: Vec<(u32, usize, usize)> = Vec::new();
+        for (f, entries) in written.iter().enumerate() {
+            expected.extend(entries.iter().enumerate().map(|(i, (kg, _, _))| (*kg, f, i)));
+        }
+        expected.sort();
+        let expected: Vec<Owned> = expected.into_iter().map(|(_, f, i)| written[f][i].clone()).collect();
+        let (kind, body) = open(&out).unwrap();
+        assert_eq!(kind, FileKind::KeyedIncrement);
+        assert_eq!(read_all(body), expected);
+        let index = read_increment_index(&out[..], len).unwrap().unwrap();
+        for k in &index.key_groups {
+            index.verify(k.offset, &out[k.offset as usize..(k.offset + k.len) as usize]).unwrap();
+        }
+        // Applied in order, the result holds what the inputs applied in order hold.
+        let apply = |entries: &mut dyn Iterator<Item = Owned>| {
+            let mut state = std::collections::BTreeMap::new();
+            for (kg, k, v) in entries {
+                match v {
+                    Some(v) => state.insert((kg, k), v),
+                    None => state.remove(&(kg, k)),
+                };
+            }
+            state
+        };
+        assert_eq!(apply(&mut read_all(body).into_iter()), apply(&mut written.clone().into_iter().flatten()));
+        // No inputs: an empty increment.
+        let (empty, _, _) = concat_increments::<std::io::Cursor<Bytes>, _>(&mut [], Vec::new()).unwrap();
+        assert_eq!(open(&empty).unwrap().1.len(), 0);
+        // A flipped bit in an input's entries names its key group, even though the index is
+        // intact; an input without checksums in its index is refused.
+        let mut inputs = indexed(&files);
+        let k = inputs[1].1.key_groups[3];
+        let mut bad = files[1].to_vec();
+        bad[k.offset as usize + 1] ^= 0x08;
+        inputs[1].0 = std::io::Cursor::new(Bytes::from(bad));
+        let refused = concat_increments(&mut inputs, Vec::new());
+        let mismatch = FormatError::KeyGroupChecksumMismatch(k.key_group);
+        assert!(matches!(refused, Err(ConcatError::Format { input: 1, source }) if source == mismatch));
+        let (unchecked, _) = scattered_unchecked_increment();
+        let mut inputs = indexed(&[files[0].clone(), unchecked]);
+        assert!(matches!(
+            concat_increments(&mut inputs, Vec::new()),
+            Err(ConcatError::Format { input: 1, source: FormatError::BadIndex(_) })
+        ));
     }
 
     #[test]

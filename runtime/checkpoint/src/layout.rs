@@ -97,6 +97,13 @@ pub fn shared_merged_file(uid: &str, subtask: u32, id: u64, epoch: u64) -> Strin
     format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-merged.kv")
 }
 
+/// A run of increments of checkpoint `id`'s chain in `epoch` merged in the background into one
+/// increment (relative to a checkpoint directory); protected from retention as
+/// [`shared_merged_file`] is until a checkpoint lists it.
+pub fn shared_merged_increment(uid: &str, subtask: u32, id: u64, epoch: u64) -> String {
+    format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-merged-increment.kv")
+}
+
 /// Where a merge was staged by a Weir that renamed merges on adoption (relative to a checkpoint
 /// directory); retention deletes those of earlier runs.
 pub fn shared_staged_merge(uid: &str, subtask: u32, id: u64, epoch: u64) -> String {
@@ -168,6 +175,8 @@ mod tests {
         let staged = &shared_staged_merge("op", 3, 17, 9)["../shared/op/".len()..];
         assert_eq!((shared_file_creator(staged), shared_file_epoch(staged)), (None, None));
         assert_eq!(staged_merge_epoch(staged), Some(9));
+        let increment = &shared_merged_increment("op", 3, 17, 9)["../shared/op/".len()..];
+        assert_eq!((shared_file_creator(increment), shared_file_epoch(increment)), (Some(17), Some(9)));
         let table = &shared_merged_table("op", 3, 17, 9, 4)["../shared/op/".len()..];
         assert_eq!((shared_file_creator(table), shared_file_epoch(table)), (Some(17), Some(9)));
         assert_eq!(parse_epoch_claim("12"), None);
