@@ -36,7 +36,7 @@
 //! next run's tasks (a download or upload in progress is finished first). A merge staged while
 //! its uploader went, which nobody will adopt, is deleted by the merger itself.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -221,7 +221,10 @@ pub enum MergeOutcome {
     },
 }
 
-/// One task's merger: a thread, started by the first request, that merges one chain at a time.
+/// One task's merger: two threads, each started by its first request, one merging chains into
+/// images and one merging runs of increments, each one merge at a time. A run takes seconds
+/// where an image of a large state takes minutes; in one queue, runs waited behind every image
+/// and the chain grew by one file per checkpoint meanwhile.
 pub struct Merger {
     name: String,
     storage: Storage,
@@ -229,20 +232,44 @@ pub struct Merger {
     pending: PendingFiles,
     epoch: u64,
     local_dir: PathBuf,
+    /// Merges into images, and merges of runs.
+    lanes: [Lane; 2],
+    /// Each operator's merges running or queued: the chain's length at the request of an
+    /// image, and whether a run is merging.
+    in_flight: HashMap<String, InFlight>,
+    /// Set when the merger is dropped or cancelled; its threads check it between steps.
+    cancelled: Arc<AtomicBool>,
+}
+
+/// One of a merger's threads, and its queues.
+#[derive(Default)]
+struct Lane {
     requests: Option<Sender<MergeRequest>>,
     outcomes: Option<Receiver<MergeOutcome>>,
-    in_flight: HashSet<String>,
-    /// Set when the merger is dropped or cancelled; its thread checks it between steps.
-    cancelled: Arc<AtomicBool>,
     /// The thread; it returns how many merges it started.
     thread: Option<JoinHandle<u32>>,
+}
+
+/// What of one operator's chain is being merged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InFlight {
+    /// An image of the chain's first this many files.
+    pub image: Option<usize>,
+    /// A run of increments.
+    pub run: bool,
+}
+
+/// The lane of a request: 0 for an image, 1 for a run.
+fn lane_of(request: &MergeRequest) -> usize {
+    usize::from(request.run.start > 0)
 }
 
 static NEXT_SCRATCH: AtomicU64 = AtomicU64::new(0);
 
 impl Merger {
-    /// A merger whose thread (named `name`) writes merges to `storage` as `epoch`, protected
-    /// from retention by `pending` until adopted, working in local files under `local_dir`.
+    /// A merger whose threads (named after `name`) write merges to `storage` as `epoch`,
+    /// protected from retention by `pending` until adopted, working in local files under
+    /// `local_dir`.
     pub fn new(name: String, storage: Storage, pending: PendingFiles, epoch: u64, local_dir: PathBuf) -> Merger {
         Merger {
             name,
@@ -250,25 +277,28 @@ impl Merger {
             pending,
             epoch,
             local_dir,
-            requests: None,
-            outcomes: None,
-            in_flight: HashSet::new(),
+            lanes: Default::default(),
+            in_flight: HashMap::new(),
             cancelled: Arc::default(),
-            thread: None,
         }
     }
 
-    /// Stops the merger: queued merges never start, the running one stops at its next step and
-    /// stages nothing. The thread, if one ran, is returned to be joined (it returns how many
+    /// Stops the merger: queued merges never start, running ones stop at their next step and
+    /// stage nothing. The threads that ran are returned to be joined (each returns how many
     /// merges it started); dropping the merger cancels it without waiting.
-    pub fn cancel(mut self) -> Option<JoinHandle<u32>> {
+    pub fn cancel(mut self) -> Vec<JoinHandle<u32>> {
         self.cancelled.store(true, Ordering::Release);
-        self.requests = None;
-        self.thread.take()
+        self.lanes
+            .iter_mut()
+            .filter_map(|lane| {
+                lane.requests = None;
+                lane.thread.take()
+            })
+            .collect()
     }
 
-    fn start(&mut self) -> Option<&Sender<MergeRequest>> {
-        if self.requests.is_none() {
+    fn start(&mut self, lane: usize) -> Option<&Sender<MergeRequest>> {
+        if self.lanes[lane].requests.is_none() {
             let (requests, jobs) = crossbeam_channel::unbounded::<MergeRequest>();
             let (done, outcomes) = crossbeam_channel::unbounded::<MergeOutcome>();
             // The thread's own end of its outcomes: what the uploader never took when it went.
@@ -276,7 +306,8 @@ impl Merger {
             let (storage, epoch, local_dir) = (self.storage.clone(), self.epoch, self.local_dir.clone());
             let pending = self.pending.clone();
             let cancelled = self.cancelled.clone();
-            let spawned = std::thread::Builder::new().name(self.name.clone()).spawn(move || {
+            let name = format!("{}{}", self.name, if lane == 0 { "" } else { "-runs" });
+            let spawned = std::thread::Builder::new().name(name).spawn(move || {
                 lower_this_threads_priority();
                 // Scratch files of merges a killed process left behind.
                 crate::state::store::remove_stores_of_dead_processes(&local_dir);
@@ -313,34 +344,42 @@ impl Merger {
                 started_merges
             });
             match spawned {
-                Ok(thread) => self.thread = Some(thread),
+                Ok(thread) => self.lanes[lane].thread = Some(thread),
                 Err(error) => {
                     tracing::warn!(%error, "the background merger could not start; full images stay with the tasks");
                     return None;
                 }
             }
-            self.requests = Some(requests);
-            self.outcomes = Some(outcomes);
+            self.lanes[lane].requests = Some(requests);
+            self.lanes[lane].outcomes = Some(outcomes);
         }
-        self.requests.as_ref()
+        self.lanes[lane].requests.as_ref()
     }
 
-    /// Asks for a merge unless one of the same operator is in flight; whether it was asked.
+    /// Asks for a merge unless one of the same operator's chain of the same kind (image or
+    /// run) is in flight; whether it was asked.
     pub fn request(&mut self, request: MergeRequest) -> bool {
-        if self.in_flight.contains(&request.uid) {
+        let lane = lane_of(&request);
+        let in_flight = self.in_flight(&request.uid);
+        if (lane == 0 && in_flight.image.is_some()) || (lane == 1 && in_flight.run) {
             return false;
         }
-        let uid = request.uid.clone();
-        let sent = self.start().is_some_and(|requests| requests.send(request).is_ok());
+        let (uid, chain_len) = (request.uid.clone(), request.chain.len());
+        let sent = self.start(lane).is_some_and(|requests| requests.send(request).is_ok());
         if sent {
-            self.in_flight.insert(uid);
+            let entry = self.in_flight.entry(uid).or_default();
+            if lane == 0 {
+                entry.image = Some(chain_len);
+            } else {
+                entry.run = true;
+            }
         }
         sent
     }
 
-    /// Whether a merge of `uid`'s chain is running or queued.
-    pub fn in_flight(&self, uid: &str) -> bool {
-        self.in_flight.contains(uid)
+    /// What of `uid`'s chain is being merged or queued.
+    pub fn in_flight(&self, uid: &str) -> InFlight {
+        self.in_flight.get(uid).copied().unwrap_or_default()
     }
 
     /// The files written ahead of the checkpoints that will list them.
@@ -351,29 +390,43 @@ impl Merger {
     /// The merges that ended since the last call.
     pub fn finished(&mut self) -> Vec<MergeOutcome> {
         let mut out = Vec::new();
-        let Some(outcomes) = self.outcomes.clone() else { return out };
-        loop {
-            match outcomes.try_recv() {
-                Ok(outcome) => {
-                    let uid = match &outcome {
-                        MergeOutcome::Staged(s) => &s.request.uid,
-                        MergeOutcome::Failed { request, .. } => &request.uid,
-                    };
-                    self.in_flight.remove(uid);
-                    out.push(outcome);
-                }
-                Err(TryRecvError::Empty) => return out,
-                Err(TryRecvError::Disconnected) => {
-                    // The thread is gone (it panicked): nothing is running any more, and the
-                    // next request starts a new one.
-                    tracing::warn!(merger = %self.name, "the background merger stopped; starting it again");
-                    self.in_flight.clear();
-                    self.requests = None;
-                    self.outcomes = None;
-                    return out;
+        for lane in 0..self.lanes.len() {
+            let Some(outcomes) = self.lanes[lane].outcomes.clone() else { continue };
+            loop {
+                match outcomes.try_recv() {
+                    Ok(outcome) => {
+                        let request = match &outcome {
+                            MergeOutcome::Staged(s) => &s.request,
+                            MergeOutcome::Failed { request, .. } => request,
+                        };
+                        if let Some(entry) = self.in_flight.get_mut(&request.uid) {
+                            if lane == 0 {
+                                entry.image = None;
+                            } else {
+                                entry.run = false;
+                            }
+                        }
+                        out.push(outcome);
+                    }
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        // The thread is gone (it panicked): nothing runs in its lane any more,
+                        // and the next request starts a new one.
+                        tracing::warn!(merger = %self.name, lane, "a background merger stopped; starting it again");
+                        for entry in self.in_flight.values_mut() {
+                            if lane == 0 {
+                                entry.image = None;
+                            } else {
+                                entry.run = false;
+                            }
+                        }
+                        self.lanes[lane] = Lane::default();
+                        break;
+                    }
                 }
             }
         }
+        out
     }
 }
 
@@ -1093,7 +1146,7 @@ mod tests {
             assert!(Instant::now() < deadline, "the merge was never staged");
             std::thread::sleep(Duration::from_millis(5));
         }
-        let started = merger.cancel().expect("the thread ran").join().unwrap();
+        let started: u32 = merger.cancel().into_iter().map(|t| t.join().unwrap()).sum();
         assert_eq!(started, 1);
         assert!(staged_files(&storage).is_empty(), "{:?}", staged_files(&storage));
         assert!(pending.snapshot().is_empty(), "nothing left to protect");
@@ -1114,7 +1167,9 @@ mod tests {
                 MergeRequest { uid: uid.into(), subtask: 0, checkpoint_id: 2, chain, run: 0..1, store_tables: false };
             merger.request(request);
         }
-        let started = merger.cancel().expect("the first request started the thread").join().unwrap();
+        let threads = merger.cancel();
+        assert!(!threads.is_empty(), "the first request started a thread");
+        let started: u32 = threads.into_iter().map(|t| t.join().unwrap()).sum();
         assert_eq!(started, 0, "no queued merge starts after the merger is cancelled");
         assert!(staged_files(&storage).is_empty());
     }

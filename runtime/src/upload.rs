@@ -17,7 +17,7 @@ use weir_checkpoint::protocol::TaskId;
 use weir_checkpoint::retention::PendingFiles;
 use weir_checkpoint::{layout, FileRef, Storage, SubtaskSnapshot};
 
-use crate::compact::{MergeOutcome, MergeRequest, Merger};
+use crate::compact::{InFlight, MergeOutcome, MergeRequest, Merger};
 use crate::faults::{Fault, Faults};
 use crate::message::{Barrier, Event, OperatorAck, SnapshotTarget, TaskAck};
 use crate::operator::{StagedWrite, StateParts};
@@ -100,10 +100,10 @@ const CHAIN_LIMIT_FACTOR: usize = 8;
 /// See [`CHAIN_LIMIT_FACTOR`].
 const MERGE_FAILURES_BEFORE_FULL_IMAGE: u32 = 2;
 
-/// Increments ordered by key group (the rocksdb backend's) whose sizes are within this factor of
-/// each other are merged into one increment once at least `fullEvery` of them follow each other
-/// ([`similar_run`]), while the chain's increments hold less than
-/// [`MERGE_AT_INCREMENTS_OF_BASE`] of its base (more, and the chain is merged into an image).
+/// Increments ordered by key group (the rocksdb backend's) are merged into one increment once a
+/// run of them holds at least `fullEvery` within this factor of its largest ([`similar_run`]),
+/// before the chain is merged into an image for holding [`MERGE_AT_INCREMENTS_OF_BASE`] of its
+/// base in increments (a run takes seconds where an image of a large state takes minutes).
 /// A merged increment holds its run's bytes, `fullEvery` (≥ 4) times one of them, so it joins a
 /// later run only with others like it: the chain keeps fewer than `fullEvery` files per tier of
 /// sizes, and a byte is rewritten once per tier it passes, not at every merge.
@@ -221,7 +221,8 @@ async fn adopt_merges(
         match outcome {
             MergeOutcome::Staged(staged) => merges.staged.push(staged),
             MergeOutcome::Failed { request, error } => {
-                let current = chains.get(&request.uid).is_some_and(|c| c.files.starts_with(&request.chain));
+                let current =
+                    chains.get(&request.uid).is_some_and(|c| merged_at(&c.files, &request, &request.run).is_some());
                 if !current {
                     // A full image restarted the chain meanwhile, and retention may have
                     // deleted the files it was reading: nothing was lost.
@@ -248,9 +249,11 @@ async fn adopt_merges(
     }
     for staged in std::mem::take(&mut merges.staged) {
         let uid = &staged.request.uid;
-        let Some(chain) = chains.get_mut(uid).filter(|c| !c.broken && c.files.starts_with(&staged.request.chain))
+        let chain = chains.get_mut(uid).filter(|c| !c.broken);
+        let Some((chain, at)) =
+            chain.and_then(|c| merged_at(&c.files, &staged.request, &staged.replaces).map(|at| (c, at)))
         else {
-            // A full image restarted the chain meanwhile.
+            // A full image restarted the chain meanwhile (or, for a run, an image took its files).
             staged.delete(storage, merges.merger.pending()).await;
             continue;
         };
@@ -258,7 +261,8 @@ async fn adopt_merges(
         // complete checkpoint lists them (they are pending until then).
         let listed = crate::compact::StagedFile::listed;
         let image = staged.replaces.start == 0;
-        let replaced: Vec<FileRef> = chain.files.splice(staged.replaces.clone(), [listed(&staged.file)]).collect();
+        let replaced: Vec<FileRef> =
+            chain.files.splice(at..at + staged.replaces.len(), [listed(&staged.file)]).collect();
         let old_tables = if image {
             chain.tables_fell_back = None;
             std::mem::replace(&mut chain.tables, staged.tables.iter().map(listed).collect())
@@ -289,6 +293,17 @@ async fn adopt_merges(
     }
 }
 
+/// Where the files a merge of `request` replaces (`replaces`, of its chain) now are in `chain`:
+/// an image's chain must still begin the chain (at 0); a run's files must still follow each
+/// other in it, wherever an image merged meanwhile moved them.
+fn merged_at(chain: &[FileRef], request: &MergeRequest, replaces: &Range<usize>) -> Option<usize> {
+    if replaces.start == 0 {
+        return chain.starts_with(&request.chain).then_some(0);
+    }
+    let run = request.chain.get(replaces.clone()).filter(|run| !run.is_empty())?;
+    chain.windows(run.len()).position(|w| w == run).filter(|&at| at > 0)
+}
+
 /// Asks for a background merge of every chain that [`chain_step`] says needs one, and raises
 /// the full-image flag of those it says need a full image from their task.
 fn request_merges(
@@ -309,7 +324,7 @@ fn request_merges(
         let in_flight = merges.merger.in_flight(uid);
         // The rocksdb backend's increments are ordered by key group: runs of them merge into one.
         let runs = merges.store_tables;
-        match chain_step(&lens, merges.full_every, runs, chain.broken || in_flight, failures) {
+        match chain_step(&lens, merges.full_every, runs, chain.broken, in_flight, failures) {
             ChainStep::Keep => {}
             ChainStep::FullImageFromTask => {
                 if let Some((_, flag)) = flags.iter().find(|(u, _)| u == uid) {
@@ -350,16 +365,35 @@ enum ChainStep {
 
 /// The merge policy for a chain of files of `lens` bytes (the first the full image). A chain
 /// longer than `full_every` files is merged into an image once its increments hold
-/// [`MERGE_AT_INCREMENTS_OF_BASE`] of its base's bytes. Before that, with `runs` (increments
-/// that merge into one), a run of similar increments ([`SIMILAR_INCREMENTS`]) is merged into
-/// one increment; a chain of more than [`MERGE_ANYWAY_FACTOR`] × `full_every` files is merged
-/// anyway (its increments into one with `runs`, into an image without). Past
-/// [`CHAIN_LIMIT_FACTOR`] × `full_every` files, a chain whose merges keep failing gets a full
-/// image from its task instead. `busy`: a merge of it is running, or it cannot be merged (a
-/// broken chain).
-fn chain_step(lens: &[u64], full_every: usize, runs: bool, busy: bool, failures_in_a_row: u32) -> ChainStep {
+/// [`MERGE_AT_INCREMENTS_OF_BASE`] of its base's bytes; with `runs` (increments that merge into
+/// one), a run of similar increments ([`SIMILAR_INCREMENTS`]) is first merged into one
+/// increment, also while an image of the files before it is being merged. A chain of more than
+/// [`MERGE_ANYWAY_FACTOR`] × `full_every` files is merged anyway (its increments into one with
+/// `runs`, into an image without). Past [`CHAIN_LIMIT_FACTOR`] × `full_every` files, a chain
+/// whose merges keep failing gets a full image from its task instead. Nothing is asked for a
+/// `broken` chain, nor an image while a merge of the chain is in flight (`in_flight`).
+fn chain_step(
+    lens: &[u64],
+    full_every: usize,
+    runs: bool,
+    broken: bool,
+    in_flight: InFlight,
+    failures_in_a_row: u32,
+) -> ChainStep {
     let files = lens.len();
-    if busy || files <= full_every {
+    if broken || files <= full_every {
+        return ChainStep::Keep;
+    }
+    // A run first: it takes seconds where an image of a large state takes minutes, and the
+    // image, asked for at a later checkpoint, then has fewer files to read. A run of files an
+    // image being merged reads would be thrown away when the image is adopted.
+    let free_from = in_flight.image.unwrap_or(1).max(1);
+    if runs && !in_flight.run && free_from < files {
+        if let Some(run) = similar_run(&lens[free_from..], full_every.max(2)) {
+            return ChainStep::Merge(run.start + free_from..run.end + free_from);
+        }
+    }
+    if in_flight.image.is_some() || in_flight.run {
         return ChainStep::Keep;
     }
     if files > CHAIN_LIMIT_FACTOR * full_every && failures_in_a_row >= MERGE_FAILURES_BEFORE_FULL_IMAGE {
@@ -369,33 +403,30 @@ fn chain_step(lens: &[u64], full_every: usize, runs: bool, busy: bool, failures_
     if increment_bytes as f64 >= MERGE_AT_INCREMENTS_OF_BASE * base_bytes as f64 {
         return ChainStep::Merge(0..files);
     }
-    let long = files > MERGE_ANYWAY_FACTOR * full_every;
-    if runs {
-        if let Some(run) = similar_run(&lens[1..], full_every.max(2)) {
-            return ChainStep::Merge(run.start + 1..run.end + 1);
-        }
-        if long {
-            return ChainStep::Merge(1..files);
-        }
-    } else if long {
-        return ChainStep::Merge(0..files);
+    if files > MERGE_ANYWAY_FACTOR * full_every {
+        // With runs, the increments into one: no run of similar ones, and small beside the image.
+        return ChainStep::Merge(if runs { 1..files } else { 0..files });
     }
     ChainStep::Keep
 }
 
-/// The oldest run of at least `fan_in` consecutive `increments` (their sizes) within
-/// [`SIMILAR_INCREMENTS`] of each other, as long as it goes.
+/// The oldest run of consecutive `increments` (their sizes) holding at least `fan_in` within
+/// [`SIMILAR_INCREMENTS`] of its largest, as long as it goes. Smaller ones inside it or after
+/// it go with it: a few small increments left between two runs (too few for a run of their
+/// own) would otherwise keep the runs on either side apart for good, and rewriting them costs
+/// little. A larger one ends it, unless enough others are like it.
 fn similar_run(increments: &[u64], fan_in: usize) -> Option<Range<usize>> {
     (0..increments.len()).find_map(|start| {
-        let (mut lo, mut hi) = (increments[start], increments[start]);
-        let mut end = start + 1;
-        while let Some(&len) = increments.get(end) {
-            if hi.max(len) > lo.min(len).max(1) * SIMILAR_INCREMENTS {
-                break;
+        let mut run = None;
+        let mut largest = 0u64;
+        for end in start + 1..=increments.len() {
+            largest = largest.max(increments[end - 1]);
+            let like_largest = increments[start..end].iter().filter(|&&len| len * SIMILAR_INCREMENTS >= largest);
+            if like_largest.count() >= fan_in {
+                run = Some(start..end);
             }
-            (lo, hi, end) = (lo.min(len), hi.max(len), end + 1);
         }
-        (end - start >= fan_in).then_some(start..end)
+        run
     })
 }
 
@@ -539,9 +570,11 @@ mod tests {
         std::iter::once(100).chain(std::iter::repeat_n(increment, files - 1)).collect()
     }
 
-    /// The step for a chain of `lens`, without runs of increments (the heap backend's chains).
+    /// The step for a chain of `lens`, without runs of increments (the heap backend's chains);
+    /// `busy`: an image of it is being merged.
     fn step(lens: &[u64], busy: bool, failures: u32) -> ChainStep {
-        chain_step(lens, FULL_EVERY, false, busy, failures)
+        let in_flight = InFlight { image: busy.then_some(lens.len()), run: false };
+        chain_step(lens, FULL_EVERY, false, false, in_flight, failures)
     }
 
     #[test]
@@ -571,17 +604,22 @@ mod tests {
         assert_eq!(step(&within, false, 5), ChainStep::Merge(0..within.len()));
     }
 
-    /// With increments that merge into one (the rocksdb backend's), a chain whose increments
-    /// are small beside its base merges runs of similar increments into one, oldest run
-    /// first; it is still merged into an image once they hold half the base.
+    /// With increments that merge into one (the rocksdb backend's), runs of similar increments
+    /// merge into one, oldest run first, before the chain is merged into an image for holding
+    /// half its base in increments.
     #[test]
     fn runs_of_similar_increments_merge_into_one_before_the_chain_needs_an_image() {
-        let runs = |lens: &[u64]| chain_step(lens, FULL_EVERY, true, false, 0);
+        let runs = |lens: &[u64]| chain_step(lens, FULL_EVERY, true, false, InFlight::default(), 0);
         let mut lens = vec![1_000_000u64];
         lens.extend([1000, 3000, 800, 2000, 1000, 1000, 900, 1100, 3100, 1000]);
         assert_eq!(runs(&lens), ChainStep::Merge(1..11), "ten within 4× of each other");
-        // One of another size breaks the run: too short on either side.
+        // One much smaller goes with the run but does not count toward it.
         lens[5] = 100;
+        assert_eq!(runs(&lens), ChainStep::Keep, "nine like the largest");
+        lens.push(1000);
+        assert_eq!(runs(&lens), ChainStep::Merge(1..12));
+        // One much larger ends it.
+        lens[6] = 100_000;
         assert_eq!(runs(&lens), ChainStep::Keep);
         // A merged increment (ten times one) does not join the run of small ones after it.
         let mut lens = vec![1_000_000u64, 10_000, 10_000];
@@ -589,19 +627,81 @@ mod tests {
         assert_eq!(runs(&lens), ChainStep::Keep, "nine small ones");
         lens.push(1000);
         assert_eq!(runs(&lens), ChainStep::Merge(3..13), "ten small ones");
-        // The oldest run first: ten merged increments, then ten small ones.
+        // The oldest run first: ten merged increments, and the small ones after them with them.
         let mut tiers = vec![1_000_000u64];
         tiers.extend(std::iter::repeat_n(10_000, 10));
         tiers.extend(std::iter::repeat_n(1000, 10));
-        assert_eq!(runs(&tiers), ChainStep::Merge(1..11));
-        // Increments of half the base: an image.
-        assert_eq!(runs(&chain(FULL_EVERY + 1, 5)), ChainStep::Merge(0..FULL_EVERY + 1));
+        assert_eq!(runs(&tiers), ChainStep::Merge(1..21));
+        // A few small ones left between two runs of larger ones do not keep them apart.
+        let mut stranded = vec![1_000_000u64];
+        stranded.extend([300, 280, 310, 290, 30, 25, 36, 300, 320, 290, 280, 310, 295]);
+        assert_eq!(runs(&stranded), ChainStep::Merge(1..14));
+        // Increments of half the base: their run first, then an image.
+        assert_eq!(runs(&chain(FULL_EVERY + 1, 5)), ChainStep::Merge(1..FULL_EVERY + 1));
+        let mut merged_run = vec![100, 50];
+        merged_run.extend(std::iter::repeat_n(1, FULL_EVERY - 1));
+        assert_eq!(runs(&merged_run), ChainStep::Merge(0..FULL_EVERY + 1), "no run");
         // A long chain with no run: its increments into one.
         let sizes: Vec<u64> = std::iter::once(10_000_000_000).chain((0..45).map(|i| 1u64 << (i % 30))).collect();
         assert_eq!(similar_run(&sizes[1..], FULL_EVERY), None);
         assert_eq!(runs(&sizes), ChainStep::Merge(1..46));
         assert_eq!(similar_run(&[], 2), None);
         assert_eq!(similar_run(&[5, 5], 2), Some(0..2));
+    }
+
+    /// While an image of a chain's first files is being merged, a run of the increments after
+    /// them is merged beside it, and no run of files the image reads; while a run is merging,
+    /// no other run and no image is asked for.
+    #[test]
+    fn runs_merge_beside_an_image_of_the_files_before_them() {
+        let step = |lens: &[u64], image: Option<usize>, run: bool| {
+            chain_step(lens, FULL_EVERY, true, false, InFlight { image, run }, 0)
+        };
+        let mut lens = vec![100u64];
+        lens.extend(std::iter::repeat_n(60, 25));
+        assert_eq!(step(&lens, None, false), ChainStep::Merge(1..26));
+        assert_eq!(step(&lens, Some(12), false), ChainStep::Merge(12..26), "after the image's files");
+        assert_eq!(step(&lens, Some(20), false), ChainStep::Keep, "six after the image's files");
+        assert_eq!(step(&lens, None, true), ChainStep::Keep, "a run is merging");
+        // No run: no image either while one is merging; else the increments make an image.
+        let mut lens = vec![100u64, 400];
+        lens.extend(std::iter::repeat_n(10, FULL_EVERY - 1));
+        assert_eq!(step(&lens, None, false), ChainStep::Merge(0..FULL_EVERY + 1));
+        assert_eq!(step(&lens, None, true), ChainStep::Keep);
+        assert_eq!(step(&lens, Some(3), false), ChainStep::Keep);
+        // Nothing for a broken chain.
+        assert_eq!(chain_step(&lens, FULL_EVERY, true, true, InFlight::default(), 0), ChainStep::Keep);
+    }
+
+    /// A staged merge replaces its files where they now are: an image the chain's beginning,
+    /// if the chain still begins with its files; a run wherever its files still follow each
+    /// other (after an image merged meanwhile), and nothing once an image took them.
+    #[test]
+    fn merges_are_adopted_where_their_files_now_are() {
+        let f = |i: u64| FileRef::new(format!("../shared/op/0-{i}-1.kv"), i, 0);
+        let chain: Vec<FileRef> = (1..=8).map(f).collect();
+        let request = |run: Range<usize>| MergeRequest {
+            uid: "op".into(),
+            subtask: 0,
+            checkpoint_id: 8,
+            chain: chain[..6].to_vec(),
+            run,
+            store_tables: true,
+        };
+        assert_eq!(merged_at(&chain, &request(0..6), &(0..6)), Some(0));
+        assert_eq!(merged_at(&chain, &request(2..6), &(2..6)), Some(2));
+        // An image of the first three merged meanwhile: the run moved.
+        let mut imaged = vec![FileRef::new("../shared/op/0-3-1-merged.kv".into(), 9, 0)];
+        imaged.extend_from_slice(&chain[3..]);
+        assert_eq!(merged_at(&imaged, &request(3..6), &(3..6)), Some(1));
+        assert_eq!(merged_at(&imaged, &request(2..6), &(2..6)), None, "the image took one of its files");
+        assert_eq!(merged_at(&imaged, &request(0..6), &(0..6)), None, "the chain no longer begins with it");
+        // A run merged meanwhile: an image whose chain held those files is not adopted.
+        let mut run_merged = chain[..3].to_vec();
+        run_merged.push(FileRef::new("../shared/op/0-6-1-merged-increment.kv".into(), 9, 0));
+        run_merged.extend_from_slice(&chain[6..]);
+        assert_eq!(merged_at(&run_merged, &request(0..6), &(0..6)), None);
+        assert_eq!(merged_at(&run_merged, &request(0..3), &(0..3)).map(|_| ()), None, "its request's chain is 6 long");
     }
 
     /// Merge failures counted on a chain that grew past the limit make its task write a full
