@@ -6,7 +6,8 @@
 //! later checkpoint of the task is acknowledged: a later checkpoint's state still lists that
 //! transaction as pending, so it must not complete without the data.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -415,19 +416,33 @@ fn chain_step(
 /// it go with it: a few small increments left between two runs (too few for a run of their
 /// own) would otherwise keep the runs on either side apart for good, and rewriting them costs
 /// little. A larger one ends it, unless enough others are like it.
+///
+/// For each start, the sizes since it that are within the factor of the largest so far are
+/// kept smallest first: the largest only grows, so one that falls out never comes back, and
+/// each start costs O(n log n) instead of recounting every end's run (O(n²) per start: about
+/// n³/6 steps for a chain, 4.5M for one of 300 increments, at every checkpoint).
 fn similar_run(increments: &[u64], fan_in: usize) -> Option<Range<usize>> {
     (0..increments.len()).find_map(|start| {
         let mut run = None;
         let mut largest = 0u64;
-        for end in start + 1..=increments.len() {
-            largest = largest.max(increments[end - 1]);
-            let like_largest = increments[start..end].iter().filter(|&&len| len * SIMILAR_INCREMENTS >= largest);
-            if like_largest.count() >= fan_in {
-                run = Some(start..end);
+        let mut like_largest = BinaryHeap::with_capacity(increments.len() - start);
+        for (end, &len) in increments.iter().enumerate().skip(start) {
+            largest = largest.max(len);
+            like_largest.push(Reverse(len));
+            while like_largest.peek().is_some_and(|&Reverse(l)| !within_similar(l, largest)) {
+                like_largest.pop();
+            }
+            if like_largest.len() >= fan_in {
+                run = Some(start..end + 1);
             }
         }
         run
     })
+}
+
+/// Whether an increment of `len` bytes is within [`SIMILAR_INCREMENTS`] of one of `largest`.
+fn within_similar(len: u64, largest: u64) -> bool {
+    len.saturating_mul(SIMILAR_INCREMENTS) >= largest
 }
 
 async fn upload(
@@ -647,6 +662,47 @@ mod tests {
         assert_eq!(runs(&sizes), ChainStep::Merge(1..46));
         assert_eq!(similar_run(&[], 2), None);
         assert_eq!(similar_run(&[5, 5], 2), Some(0..2));
+    }
+
+    /// [`similar_run`] finds the run that counting every start's every end finds (the
+    /// definition, kept here as the model), on random chains of sizes spread over six orders
+    /// of magnitude, some long runs of equal sizes among them.
+    #[test]
+    fn similar_runs_are_the_runs_every_start_and_end_counted_gives() {
+        fn model(increments: &[u64], fan_in: usize) -> Option<Range<usize>> {
+            (0..increments.len()).find_map(|start| {
+                let mut run = None;
+                for end in start + 1..=increments.len() {
+                    let largest = increments[start..end].iter().copied().max().unwrap_or(0);
+                    if increments[start..end].iter().filter(|&&len| within_similar(len, largest)).count() >= fan_in {
+                        run = Some(start..end);
+                    }
+                }
+                run
+            })
+        }
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        println!("seed {seed}");
+        let mut next = seed;
+        let mut random = move || {
+            next = crate::value::mix64(next.wrapping_add(0x9e37_79b9_7f4a_7c15));
+            next
+        };
+        for case in 0..2_000 {
+            let len = (random() % 40) as usize;
+            let mut sizes = Vec::with_capacity(len);
+            while sizes.len() < len {
+                let size = 1 + random() % 10u64.pow(1 + (random() % 6) as u32);
+                let repeats = if random() % 4 == 0 { 1 + (random() % 12) as usize } else { 1 };
+                sizes.extend(std::iter::repeat_n(size, repeats.min(len - sizes.len())));
+            }
+            let fan_in = 1 + (random() % 10) as usize;
+            assert_eq!(
+                similar_run(&sizes, fan_in),
+                model(&sizes, fan_in),
+                "seed {seed}, case {case}: {sizes:?}, fan-in {fan_in}"
+            );
+        }
     }
 
     /// While an image of a chain's first files is being merged, a run of the increments after
