@@ -231,6 +231,9 @@ pub fn run_job(
         // The on-disk backend bounds the process's memory by the cache it is given: that holds
         // only if memory freed is given back.
         crate::malloc::keep_returning_free_memory();
+    } else {
+        // The heap backend's maps free a table each time they grow: its memory serves the next.
+        crate::malloc::keep_freed_memory_for_reuse();
     }
     let storage = Storage::open(&storage_url(job, opts))?;
     let faults = Faults::new(opts.faults.clone(), metrics.clone());

@@ -1,11 +1,18 @@
-//! Returning freed memory to the kernel. Every allocation of the process goes through glibc's
-//! malloc, Rust's and the state store's (RocksDB is C++). glibc gives each thread that contends
-//! for the allocator an arena of its own (up to eight per core) and gives memory back only from
-//! the top of an arena, so memory freed in the middle of one stays resident. A job on the
-//! on-disk backend, whose memory must stay within the pod's limit while its state does not, grew
-//! about 2 MB/s that way on a 5M-key count until the limit killed it.
+//! How the process gives freed memory back to the kernel, by state backend. Every allocation
+//! of the process goes through glibc's malloc, Rust's and the state store's (RocksDB is C++).
 //!
-//! This is the only module allowed `unsafe`: two calls into the C library.
+//! The rocksdb backend returns it. glibc gives each thread that contends for the allocator an
+//! arena of its own (up to eight per core) and gives memory back only from the top of an
+//! arena, so memory freed in the middle of one stays resident. A job on the on-disk backend,
+//! whose memory must stay within the pod's limit while its state does not, grew about 2 MB/s
+//! that way on a 5M-key count until the limit killed it.
+//!
+//! The heap backend keeps it for reuse. Its maps grow by allocating a table twice the size and
+//! freeing the old one; glibc gave the freed tables back (from the top of an arena, or by
+//! unmapping them) and the next growth faulted fresh pages in, which the kernel zeroes first:
+//! on the CEL pipeline (8M keys in its dedupe) zeroing pages was 7% of the CPU samples.
+//!
+//! This is the only module allowed `unsafe`: calls into the C library.
 #![allow(unsafe_code)]
 
 use std::sync::Once;
@@ -33,6 +40,46 @@ pub fn keep_returning_free_memory() {
             tracing::warn!(error = %e, "no thread to return freed memory to the kernel");
         }
     });
+}
+
+/// Blocks from this size up are mapped on their own and unmapped when freed, below it they
+/// come from the arenas: glibc's own ceiling for the threshold it otherwise raises as blocks
+/// are freed (32 MiB on 64-bit), fixed from the start.
+pub const MAPPED_FROM_BYTES: i32 = 32 << 20;
+
+/// Free memory at the top of an arena that is kept rather than returned.
+pub const KEPT_FREE_BYTES: i32 = 256 << 20;
+
+/// Keeps memory freed in the process for its next allocations ([`MAPPED_FROM_BYTES`],
+/// [`KEPT_FREE_BYTES`]), for jobs on the heap backend. The CEL pipeline took about 2% less
+/// CPU (its system time 0.68–0.73 s → 0.44–0.48 s) and peaked at 4% more resident memory; the
+/// 1M-key count no more CPU (`runtime/BENCHMARKS.md`, session 29). Does nothing where the C
+/// library is not glibc, and should not be called in a process that runs a job on the rocksdb
+/// backend, which must return memory ([`keep_returning_free_memory`]).
+pub fn keep_freed_memory_for_reuse() {
+    static SET: Once = Once::new();
+    SET.call_once(|| {
+        if TRIMS && !reuse_freed_memory() {
+            tracing::warn!("the C library refused to keep freed memory for reuse");
+        }
+    });
+}
+
+/// Sets glibc's thresholds for [`keep_freed_memory_for_reuse`]; whether both were taken.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn reuse_freed_memory() -> bool {
+    // SAFETY: mallopt takes two integers and the arenas' locks itself; glibc documents it as
+    // thread-safe (MT-Safe).
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MAPPED_FROM_BYTES) == 1
+            && libc::mallopt(libc::M_TRIM_THRESHOLD, KEPT_FREE_BYTES) == 1
+    }
+}
+
+/// Nothing to set outside glibc.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn reuse_freed_memory() -> bool {
+    true
 }
 
 /// Whether [`trim`] returns memory on this platform.
@@ -81,6 +128,27 @@ mod tests {
             "trimming returned {} KiB of 128 MiB freed (resident {before} KiB before, {after} KiB after)",
             before.saturating_sub(after)
         );
+    }
+
+    /// Once the heap backend asked for it, a block below [`MAPPED_FROM_BYTES`] comes from an
+    /// arena rather than a mapping of its own, which glibc would unmap when it is freed and the
+    /// next one fault in again (before, glibc mapped such blocks until one was freed).
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn freed_memory_is_kept_for_reuse_once_asked() {
+        keep_freed_memory_for_reuse();
+        let mapped_growth = std::thread::spawn(|| {
+            // SAFETY: mallinfo2 takes no pointer; it reads the allocator's statistics.
+            let mapped = || unsafe { libc::mallinfo2() }.hblkhd;
+            let before = mapped();
+            let block = vec![1u8; 24 << 20];
+            let during = mapped();
+            drop(std::hint::black_box(block));
+            during.saturating_sub(before)
+        })
+        .join()
+        .unwrap();
+        assert!(mapped_growth < 24 << 20, "a 24 MiB block was mapped on its own ({mapped_growth} bytes)");
     }
 
     fn resident_kib() -> u64 {
