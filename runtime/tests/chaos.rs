@@ -353,6 +353,11 @@ fn corrupt_newest(chk: &Path, round: u64, damaged: &mut BTreeSet<String>) -> Opt
         .iter()
         .filter_map(|c| c.references.as_ref().map(|r| (c.id, r)))
         .filter(|(_, refs)| refs.is_disjoint(damaged))
+        // Nor is one that lost files: retention deleting it when a kill came (a directory's
+        // files are deleted in listing order, `0-…` before `_metadata`). Seed 535290 damaged
+        // the one file the retained checkpoints shared, counting on checkpoints whose files
+        // retention had deleted while keeping them (fixed in `retention::plan`).
+        .filter(|(_, refs)| refs.iter().all(|path| chk.join(path).exists()))
         .collect();
     let (newest, newest_refs) = restorable.iter().max_by_key(|(id, _)| *id)?;
     let newest = *newest;

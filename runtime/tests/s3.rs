@@ -248,9 +248,15 @@ fn a_damaged_increment_found_after_a_lazy_restore_started_is_recorded_and_skippe
             // Written by this checkpoint, so that the one before it does not need it.
             .filter(|f| f.path.rsplit('/').next().and_then(layout::shared_file_creator) == Some(id))
             .map(|f| layout::resolve(&dir, &f.path))
+            // With entries to damage: an increment of a subtask whose keys did not change
+            // since the checkpoint before lists no key group.
             .filter(|path| {
                 let data = weir_runtime::io().block_on(storage.get(path)).unwrap();
                 data[4] == 4
+                    && read_increment_index(&data[..], data.len() as u64)
+                        .ok()
+                        .flatten()
+                        .is_some_and(|index| !index.key_groups.is_empty())
             })
             .collect()
     };

@@ -136,7 +136,16 @@ pub fn plan(
         })
         .map(|c| c.id)
         .collect();
-    let referenced: BTreeSet<&String> = kept.iter().flat_map(|c| c.references.as_ref().into_iter().flatten()).collect();
+    // The files of every checkpoint that stays, kept or not: one between a fallback and the
+    // newest `retained` is a next fallback, and without its files it is none. (Only the kept
+    // ones' files stayed before: the chaos campaign, seed 535290, damaged the one file the
+    // retained checkpoints shared, and every older checkpoint listed files already deleted.)
+    let deleted: BTreeSet<u64> = delete_checkpoints.iter().copied().collect();
+    let referenced: BTreeSet<&String> = complete
+        .iter()
+        .filter(|c| !deleted.contains(&c.id))
+        .flat_map(|c| c.references.as_ref().into_iter().flatten())
+        .collect();
     let delete_shared = shared_files
         .iter()
         .filter(|f| !referenced.contains(f) && !pending.contains(*f))
@@ -242,6 +251,34 @@ mod tests {
         let p = plan(&found, &files, 3, 403, 82, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![399, 400]);
         assert_eq!(p.delete_shared, vec![shared("1-398-81.kv"), shared("1-400-0.kv")]);
+    }
+
+    /// A checkpoint between the fallback and the newest `retained` stays (it is the next
+    /// fallback once the newest chain stops sharing its files), and so do its files.
+    #[test]
+    fn checkpoints_kept_as_next_fallbacks_keep_their_files() {
+        let found = vec![
+            chk(10, &["checkpoints/shared/op/0-10-1.kv"]),
+            chk(11, &["checkpoints/shared/op/0-10-1.kv", "checkpoints/shared/op/0-11-1.kv"]),
+            chk(12, &["checkpoints/shared/op/0-12-1.kv", "checkpoints/shared/op/0-11-1.kv"]),
+            chk(13, &["checkpoints/shared/op/0-11-1.kv", "checkpoints/shared/op/0-13-1.kv"]),
+            chk(14, &["checkpoints/shared/op/0-11-1.kv", "checkpoints/shared/op/0-13-1.kv"]),
+        ];
+        let files: Vec<String> = [10, 11, 12, 13].iter().map(|i| shared(&format!("0-{i}-1.kv"))).collect();
+        let p = plan(&found, &files, 2, 15, 1, &BTreeSet::new());
+        // 14 and 13 are the newest two; 10 is the newest that shares no file with 14.
+        assert_eq!(p.delete_checkpoints, Vec::<u64>::new());
+        assert_eq!(p.delete_shared, Vec::<String>::new(), "0-12 is chk-12's, which stays");
+        // Once 10 is no longer needed as a fallback (a newer independent one exists), it and
+        // what only it and the ones below the oldest kept reference go.
+        let mut later = found.clone();
+        later.push(chk(15, &["checkpoints/shared/op/0-15-1.kv"]));
+        later.push(chk(16, &["checkpoints/shared/op/0-15-1.kv", "checkpoints/shared/op/0-16-1.kv"]));
+        let mut files = files;
+        files.extend([shared("0-15-1.kv"), shared("0-16-1.kv")]);
+        let p = plan(&later, &files, 2, 17, 1, &BTreeSet::new());
+        assert_eq!(p.delete_checkpoints, vec![10, 11, 12, 13]);
+        assert_eq!(p.delete_shared, vec![shared("0-10-1.kv"), shared("0-12-1.kv")]);
     }
 
     #[test]
