@@ -45,10 +45,10 @@ pub fn keep_returning_free_memory() {
 /// Blocks from this size up are mapped on their own and unmapped when freed, below it they
 /// come from the arenas: glibc's own ceiling for the threshold it otherwise raises as blocks
 /// are freed (32 MiB on 64-bit), fixed from the start.
-pub const MAPPED_FROM_BYTES: i32 = 32 << 20;
+const MAPPED_FROM_BYTES: i32 = 32 << 20;
 
 /// Free memory at the top of an arena that is kept rather than returned.
-pub const KEPT_FREE_BYTES: i32 = 256 << 20;
+const KEPT_FREE_BYTES: i32 = 256 << 20;
 
 /// Keeps memory freed in the process for its next allocations ([`MAPPED_FROM_BYTES`],
 /// [`KEPT_FREE_BYTES`]), for jobs on the heap backend. The CEL pipeline took about 2% less

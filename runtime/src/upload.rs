@@ -422,10 +422,11 @@ fn chain_step(
 /// each start costs O(n log n) instead of recounting every end's run (O(n²) per start: about
 /// n³/6 steps for a chain, 4.5M for one of 300 increments, at every checkpoint).
 fn similar_run(increments: &[u64], fan_in: usize) -> Option<Range<usize>> {
+    let mut like_largest = BinaryHeap::with_capacity(increments.len());
     (0..increments.len()).find_map(|start| {
         let mut run = None;
         let mut largest = 0u64;
-        let mut like_largest = BinaryHeap::with_capacity(increments.len() - start);
+        like_largest.clear();
         for (end, &len) in increments.iter().enumerate().skip(start) {
             largest = largest.max(len);
             like_largest.push(Reverse(len));

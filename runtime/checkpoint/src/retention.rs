@@ -269,8 +269,8 @@ mod tests {
         // 14 and 13 are the newest two; 10 is the newest that shares no file with 14.
         assert_eq!(p.delete_checkpoints, Vec::<u64>::new());
         assert_eq!(p.delete_shared, Vec::<String>::new(), "0-12 is chk-12's, which stays");
-        // Once 10 is no longer needed as a fallback (a newer independent one exists), it and
-        // what only it and the ones below the oldest kept reference go.
+        // Once a newer checkpoint (14) is the fallback, 10–13 go, and the files that only they
+        // list.
         let mut later = found.clone();
         later.push(chk(15, &["checkpoints/shared/op/0-15-1.kv"]));
         later.push(chk(16, &["checkpoints/shared/op/0-15-1.kv", "checkpoints/shared/op/0-16-1.kv"]));
