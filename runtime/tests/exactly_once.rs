@@ -37,8 +37,11 @@ fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
         };
         let (outcome, m) = run_to_end(&job_yaml(&p, &out), common::RunOptionsExt::with_faults(opts(&chk), plan));
         assert_eq!(outcome, JobOutcome::Finished);
+        // Faults are drawn per batch and per checkpoint, so how many fire depends on how the
+        // run was scheduled (on a loaded machine batches are larger and fewer): each seed must
+        // fire some, and the four together many.
         let n = m.injected_faults.get();
-        assert!(n >= 5, "seed {seed}: only {n} faults fired");
+        assert!(n >= 2, "seed {seed}: only {n} faults fired");
         injected += n;
         assert_same_output(
             &golden,
@@ -48,6 +51,7 @@ fn injected_task_panics_upload_failures_and_commit_crashes_change_nothing() {
         assert_retention(&chk, 3);
     }
     eprintln!("injected faults in this test: {injected}");
+    assert!(injected >= 20, "only {injected} faults fired over four seeds");
     record_faults(injected);
 }
 
