@@ -84,7 +84,7 @@ impl Expr {
 
     /// Evaluates a predicate.
     pub fn eval_bool(&self, record: &Record) -> Result<bool, ExprError> {
-        if let Some(tree::V::Bool(b)) = self.eval_tree(record) {
+        if let Some(Ok(b)) = self.tree.as_ref().map(|t| t.test(record)) {
             return Ok(b);
         }
         match self.eval(record)? {
@@ -95,10 +95,8 @@ impl Expr {
 
     /// Evaluates to a list of field values.
     pub fn eval_list(&self, record: &Record) -> Result<Vec<Value>, ExprError> {
-        if let Some(tree::V::List(items)) = self.eval_tree(record) {
-            if let Some(values) = items.into_iter().map(tree::V::into_value).collect::<Option<Vec<_>>>() {
-                return Ok(values);
-            }
+        if let Some(Ok(values)) = self.tree.as_ref().map(|t| t.values(record)) {
+            return Ok(values);
         }
         match self.eval(record)? {
             cel::Value::List(items) => items
