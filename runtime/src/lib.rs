@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod operator;
 pub mod operators;
 pub mod plan;
+pub mod prefetch;
 pub mod restore;
 pub mod sinks;
 pub mod sources;

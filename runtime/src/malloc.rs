@@ -12,7 +12,7 @@
 //! unmapping them) and the next growth faulted fresh pages in, which the kernel zeroes first:
 //! on the CEL pipeline (8M keys in its dedupe) zeroing pages was 7% of the CPU samples.
 //!
-//! This is the only module allowed `unsafe`: calls into the C library.
+//! One of two modules allowed `unsafe` (with `prefetch`): calls into the C library.
 #![allow(unsafe_code)]
 
 use std::sync::Once;

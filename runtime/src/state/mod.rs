@@ -548,7 +548,13 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     fn touch<'k>(&self, keys: impl IntoIterator<Item = (u64, &'k K)>) {
         let read = keys
             .into_iter()
-            .filter_map(|(hash, k)| self.map.get_hashed(hash, k))
+            .filter_map(|(hash, k)| {
+                let found = self.map.get_hashed(hash, k);
+                if found.is_none() {
+                    self.map.prefetch_vacant(hash);
+                }
+                found
+            })
             .fold(0usize, |read, s| read.wrapping_add(usize::from(s.dirty)).wrapping_add(s.value.touch_outside()));
         std::hint::black_box(read);
     }
