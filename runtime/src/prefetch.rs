@@ -24,3 +24,16 @@ pub fn for_write<T>(p: *const T) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
+
+/// Asks the CPU to bring the cache line holding `p` into its caches, for reading. A hint only,
+/// as [`for_write`].
+#[inline]
+pub fn for_read<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as in `for_write`.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}

@@ -205,6 +205,38 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
             .find_map(|d| shard.get_bucket(start + d).map(|entry| (entry as *const (K, V)).wrapping_add(d)))
     }
 
+    /// Where shard `index` keeps its control bytes, and how many buckets it has: from the first
+    /// full bucket's address and index (hashbrown keeps bucket `i` `i + 1` entries below the
+    /// control bytes). `None` for a shard less than an eighth full: finding its first full
+    /// bucket could mean a long scan (a map that reserved room for a restore, or lost most of
+    /// its keys, keeps its buckets). Only [`Self::prefetch_probes`] uses the address.
+    fn control_bytes_of(&self, index: usize) -> Option<(*const u8, usize)> {
+        let shard = &self.shards[index];
+        if shard.is_empty() || shard.len() < shard.num_buckets() / 8 {
+            return None;
+        }
+        let first = shard.iter_buckets().next()?;
+        let entry: *const (K, V) = shard.get_bucket(first)?;
+        Some((entry.wrapping_add(first + 1).cast::<u8>(), shard.num_buckets()))
+    }
+
+    /// Asks the CPU to fetch, for reading, the control bytes and the first bucket of each
+    /// hash's probe, before the lookups of a batch run. A lookup loads the control bytes and
+    /// then the bucket they point to, one miss after the other; with both asked for ahead, the
+    /// batch's misses overlap, and its lookups find them in the caches.
+    pub fn prefetch_probes(&self, hashes: &[u64]) {
+        let mut shards: [Option<Option<(*const u8, usize)>>; SHARDS] = [None; SHARDS];
+        for &hash in hashes {
+            let index = shard_of(hash);
+            let Some((control, buckets)) = *shards[index].get_or_insert_with(|| self.control_bytes_of(index)) else {
+                continue;
+            };
+            let start = (hash as usize) & (buckets - 1);
+            crate::prefetch::for_read(control.wrapping_add(start));
+            crate::prefetch::for_read(control.cast::<(K, V)>().wrapping_sub(start + 1));
+        }
+    }
+
     /// Asks the CPU to fetch, for writing, the cache lines where a new key of `hash` will
     /// likely be inserted ([`Self::vacant_guess`]): the probe's first bucket and the ones
     /// after it, below it in memory. On the CEL pipeline, whose dedupe inserts a new key per
@@ -343,6 +375,36 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The control bytes' address [`ShardedMap::prefetch_probes`] takes from a shard's first
+    /// full bucket gives every key's bucket where the key is (hashbrown's layout), and the
+    /// probe's first bucket is where most keys are. If hashbrown laid its buckets out
+    /// otherwise, the prefetches would go to waste: this says so.
+    #[test]
+    fn probe_prefetches_address_the_buckets_keys_are_in() {
+        let mut map: ShardedMap<u64, [u64; 7]> = ShardedMap::default();
+        let keys: Vec<u64> = (0..200_000u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x77).collect();
+        for &k in &keys {
+            map.insert(k, [k; 7]);
+        }
+        let mut at_probe_start = 0;
+        for &k in &keys {
+            let hash = hash_of(&k);
+            let index = shard_of(hash);
+            let (control, buckets) = map.control_bytes_of(index).unwrap();
+            let shard = &map.shards[index];
+            let bucket = shard.find_bucket_index(hash, |(key, _)| *key == k).unwrap();
+            let entry: *const (u64, [u64; 7]) = shard.get_bucket(bucket).unwrap();
+            assert_eq!(control.cast::<(u64, [u64; 7])>().wrapping_sub(bucket + 1), entry, "key {k}");
+            if bucket == (hash as usize) & (buckets - 1) {
+                at_probe_start += 1;
+            }
+        }
+        assert!(at_probe_start * 2 > keys.len(), "{at_probe_start} of {} keys at their probe's start", keys.len());
+        // Prefetching a batch of hashes, present or not, changes nothing.
+        map.prefetch_probes(&keys.iter().map(hash_of).chain((0..1000).map(|i| hash_of(&i))).collect::<Vec<_>>());
+        assert_eq!(map.len(), keys.len());
+    }
 
     /// The address [`ShardedMap::vacant_guess`] prefetches is where new keys go (the probe's
     /// first bucket or one of the next three, the two cache lines prefetched for entries of 32
