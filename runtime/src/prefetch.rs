@@ -16,11 +16,7 @@
 #[inline]
 pub fn for_write<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `_mm_prefetch` needs SSE, which every x86_64 CPU has; a prefetch does not fault on
-    // any address and has no effect the program can observe.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast());
-    }
+    hint::<{ std::arch::x86_64::_MM_HINT_ET0 }, T>(p);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
@@ -30,10 +26,18 @@ pub fn for_write<T>(p: *const T) {
 #[inline]
 pub fn for_read<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: as in `for_write`.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
-    }
+    hint::<{ std::arch::x86_64::_MM_HINT_T0 }, T>(p);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
+}
+
+/// The prefetch instruction of `STRATEGY` for the line holding `p`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn hint<const STRATEGY: i32, T>(p: *const T) {
+    // SAFETY: `_mm_prefetch` needs SSE, which every x86_64 CPU has; a prefetch does not fault on
+    // any address and has no effect the program can observe.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<STRATEGY>(p.cast());
+    }
 }
