@@ -62,7 +62,9 @@ if [ ! -f "$classes/KeyedCount.class" ] || [ "$src" -nt "$classes/KeyedCount.cla
 fi
 
 echo "flink-peer: building weir-runtime (release)" >&2
-(cd "$repo" && cargo build --quiet --release -p weir-runtime --no-default-features)
+# Default features: `--backend rocksdb` needs the rocksdb backend, and the binary is then the one
+# every other bench and `cargo build --release` make (no second build of the dependencies).
+(cd "$repo" && cargo build --quiet --release -p weir-runtime)
 target=${CARGO_TARGET_DIR:-$repo/target}
 weir=$target/release/weir-runtime
 

@@ -297,6 +297,9 @@ pub trait StateKey: Clone + Eq + Hash + fmt::Debug + Send + 'static {
     fn decode(encoded: &[u8]) -> Result<Self, FormatError>;
     /// Appends its values to `out`.
     fn push_values(&self, out: &mut Fields);
+    /// A key that owns nothing, left in a batch's slot when its key is moved out whole (see
+    /// [`crate::state::KeyedState::insert_new_all`]); never looked up or stored.
+    fn vacated() -> Self;
 }
 
 impl StateKey for Key {
@@ -321,11 +324,16 @@ impl StateKey for Key {
     fn push_values(&self, out: &mut Fields) {
         out.extend(self.values().iter().cloned());
     }
+
+    #[inline]
+    fn vacated() -> Self {
+        Key::One(Value::Null)
+    }
 }
 
 /// Bytes of a [`PackedKey`] held without an allocation: the most that keeps the key 24 bytes
-/// (a tag, a length and the bytes; or the tag and a boxed slice).
-pub const PACKED_KEY_INLINE: usize = 22;
+/// (a length and the bytes; or a boxed slice, told apart by a length no inline key has).
+pub const PACKED_KEY_INLINE: usize = 23;
 
 /// A composite key as keyed state holds it: its encoding ([`Key::encode`]), inline up to
 /// [`PACKED_KEY_INLINE`] bytes.
@@ -343,18 +351,57 @@ pub const PACKED_KEY_INLINE: usize = 22;
 pub struct PackedKey(PackedBytes);
 
 /// A [`PackedKey`]'s bytes.
+///
+/// The inline length is an [`InlineLen`], not a `u8`: the byte values it cannot take tell the
+/// variants apart, so the enum has no tag byte of its own (the inline variant fills all 24
+/// bytes, so a tag would make the key 32) and a move copies it as whole words. With a tag
+/// byte, moving a key copied the 23 bytes after it in two overlapping pieces, and the next
+/// read of the key waited for both to reach the cache: 65% of a dedupe's insert loop stood
+/// on that read, behind the inserts' writes to missing buckets.
 #[derive(Clone)]
 enum PackedBytes {
     /// Up to [`PACKED_KEY_INLINE`] bytes: the first `len` of `bytes`.
-    Inline { len: u8, bytes: [u8; PACKED_KEY_INLINE] },
+    Inline { len: InlineLen, bytes: [u8; PACKED_KEY_INLINE] },
     /// Longer.
     Heap(Box<[u8]>),
 }
 
+/// The length of an inline [`PackedBytes`], `0..=PACKED_KEY_INLINE`.
+#[derive(Clone, Copy)]
+#[repr(u8)]
+#[rustfmt::skip]
+enum InlineLen {
+    L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15, L16, L17, L18, L19,
+    L20, L21, L22, L23,
+}
+
+impl InlineLen {
+    /// Every length, indexed by itself.
+    #[rustfmt::skip]
+    const ALL: [InlineLen; PACKED_KEY_INLINE + 1] = {
+        use InlineLen::*;
+        [
+            L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15, L16, L17, L18, L19, L20, L21,
+            L22, L23,
+        ]
+    };
+
+    /// The length `len`, if it fits inline.
+    #[inline]
+    fn of(len: usize) -> Option<Self> {
+        Self::ALL.get(len).copied()
+    }
+
+    #[inline]
+    fn get(self) -> usize {
+        usize::from(self as u8)
+    }
+}
+
 impl PackedBytes {
     fn from_slice(encoded: &[u8]) -> Self {
-        match u8::try_from(encoded.len()) {
-            Ok(len) if encoded.len() <= PACKED_KEY_INLINE => {
+        match InlineLen::of(encoded.len()) {
+            Some(len) => {
                 let mut bytes = [0u8; PACKED_KEY_INLINE];
                 bytes[..encoded.len()].copy_from_slice(encoded);
                 PackedBytes::Inline { len, bytes }
@@ -366,7 +413,7 @@ impl PackedBytes {
     #[inline]
     fn as_slice(&self) -> &[u8] {
         match self {
-            PackedBytes::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            PackedBytes::Inline { len, bytes } => &bytes[..len.get()],
             PackedBytes::Heap(bytes) => bytes,
         }
     }
@@ -475,6 +522,11 @@ impl StateKey for PackedKey {
     fn push_values(&self, out: &mut Fields) {
         Self::for_each_value(self.0.as_slice(), |v| out.push(v))
             .expect("a packed key holds a valid encoding (checked when read)");
+    }
+
+    #[inline]
+    fn vacated() -> Self {
+        PackedKey(PackedBytes::Inline { len: InlineLen::L0, bytes: [0; PACKED_KEY_INLINE] })
     }
 }
 
@@ -591,14 +643,16 @@ mod tests {
     /// refused when read.
     #[test]
     fn packed_keys_are_the_keys_they_encode() {
-        let long = "a string longer than the twenty-two inline bytes";
+        let long = "a string longer than the twenty-three inline bytes";
+        // 24 bytes with 23 inline: no tag byte (the inline length's unused values are the tag).
         assert_eq!(std::mem::size_of::<PackedKey>(), 24);
-        // Encodings of 21, 22 and 23 bytes: the last inline length and the first boxed one.
+        assert_eq!(std::mem::size_of::<Option<PackedKey>>(), 24);
+        // Encodings of 22, 23 and 24 bytes: the last inline length and the first boxed one.
         let edge = |n: usize| smallvec::smallvec![Value::str(&"e".repeat(n)), Value::Int(0)];
         let records: Vec<Fields> = vec![
-            edge(16),
             edge(17),
             edge(18),
+            edge(19),
             smallvec::smallvec![Value::str("word"), Value::Int(17)],
             smallvec::smallvec![Value::str("word"), Value::Int(-17)],
             smallvec::smallvec![Value::str(long), Value::Int(i64::MAX)],
