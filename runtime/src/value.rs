@@ -120,7 +120,10 @@ impl Value {
         }
     }
 
-    /// Reads what [`Value::encode`] wrote.
+    /// Reads what [`Value::encode`] wrote. Inlined (a string's decoding is not): a restore
+    /// decodes a value per entry, and a value returned through memory made the caller wait
+    /// for the writes (see `weir_checkpoint::format::KeyedEntries`).
+    #[inline(always)]
     pub fn decode(d: &mut Decoder<'_>) -> Result<Value, FormatError> {
         Ok(match d.u8()? {
             0 => Value::Null,
@@ -128,13 +131,17 @@ impl Value {
             2 => Value::Bool(true),
             3 => Value::Int(d.svarint()?),
             4 => Value::Float(d.f64()?),
-            5 => {
-                let at = d.position();
-                let raw = d.bytes()?;
-                Value::Str(SmolStr::new(std::str::from_utf8(raw).map_err(|_| FormatError::Malformed(at))?))
-            }
+            5 => Self::decode_str(d)?,
             _ => return Err(FormatError::Malformed(d.position())),
         })
+    }
+
+    /// [`Self::decode`] of a string, after its tag.
+    #[inline(never)]
+    fn decode_str(d: &mut Decoder<'_>) -> Result<Value, FormatError> {
+        let at = d.position();
+        let raw = d.bytes()?;
+        Ok(Value::Str(SmolStr::new(std::str::from_utf8(raw).map_err(|_| FormatError::Malformed(at))?)))
     }
 
     /// Numeric view.
@@ -222,12 +229,19 @@ impl Key {
         }
     }
 
-    /// Reads what [`Key::encode`] wrote.
+    /// Reads what [`Key::encode`] wrote. A key of one value inlined, as [`Value::decode`].
+    #[inline(always)]
     pub fn decode(d: &mut Decoder<'_>) -> Result<Key, FormatError> {
         let n = d.varint()? as usize;
         if n == 1 {
             return Ok(Key::One(Value::decode(d)?));
         }
+        Self::decode_many(d, n)
+    }
+
+    /// [`Self::decode`] of a key of `n` values other than one, after its count.
+    #[inline(never)]
+    fn decode_many(d: &mut Decoder<'_>, n: usize) -> Result<Key, FormatError> {
         let mut vs = Vec::with_capacity(n.min(64));
         for _ in 0..n {
             vs.push(Value::decode(d)?);
@@ -317,6 +331,7 @@ impl StateKey for Key {
         Key::encode(self, e)
     }
 
+    #[inline(always)]
     fn decode(encoded: &[u8]) -> Result<Self, FormatError> {
         Key::decode(&mut Decoder::new(encoded))
     }

@@ -270,7 +270,8 @@ impl Acc {
         }
     }
 
-    /// Reads what [`Acc::encode`] wrote.
+    /// Reads what [`Acc::encode`] wrote (inlined, as [`Value::decode`] is).
+    #[inline(always)]
     pub fn decode(d: &mut Decoder<'_>) -> Result<Acc, FormatError> {
         Ok(match d.u8()? {
             0 => Acc::Count(d.svarint()?),
@@ -287,6 +288,14 @@ impl Acc {
 /// Accumulators of one key (running aggregate state).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AccList(pub Accs);
+
+impl AccList {
+    /// [`StateValue::decode`] of `n` accumulators other than one, after their count.
+    #[inline(never)]
+    fn decode_many(d: &mut Decoder<'_>, n: u64) -> Result<Self, FormatError> {
+        Ok(AccList((0..n).map(|_| Acc::decode(d)).collect::<Result<Vec<_>, _>>()?.into()))
+    }
+}
 
 impl StateValue for AccList {
     fn encode(&self, e: &mut Encoder) {
@@ -315,10 +324,11 @@ impl StateValue for AccList {
     /// One accumulator (a running count's) is decoded without a `Vec` to hold it: a restore
     /// decodes one per entry, and an allocation and a free each were 5% of a heap restore's
     /// CPU time (`perf`, 20M keys).
+    #[inline(always)]
     fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
         match d.varint()? {
             1 => Ok(AccList(Accs::One(Acc::decode(d)?))),
-            n => Ok(AccList((0..n).map(|_| Acc::decode(d)).collect::<Result<Vec<_>, _>>()?.into())),
+            n => Self::decode_many(d, n),
         }
     }
 }
