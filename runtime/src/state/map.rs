@@ -186,25 +186,6 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         self.shards[shard_of(hash)].find(hash, |(k, _)| k == key).map(|(_, v)| v)
     }
 
-    /// Where a new key of `hash` will likely be inserted: the bucket its probe starts at. Its
-    /// address is taken from a full bucket among the next few (hashbrown keeps bucket `i` `i`
-    /// entries below bucket 0, the insert takes the first free bucket from the probe's start
-    /// on); `None` when none of them is full, or the shard is tiny. Only
-    /// [`Self::prefetch_vacant`] uses the address, and a wrong guess costs a useless prefetch,
-    /// never a wrong result.
-    #[inline]
-    fn vacant_guess(&self, hash: u64) -> Option<*const (K, V)> {
-        let shard = &self.shards[shard_of(hash)];
-        let buckets = shard.num_buckets();
-        if buckets < 8 {
-            return None;
-        }
-        let start = (hash as usize) & (buckets - 1);
-        (0..4)
-            .take_while(|d| start + d < buckets)
-            .find_map(|d| shard.get_bucket(start + d).map(|entry| (entry as *const (K, V)).wrapping_add(d)))
-    }
-
     /// Where shard `index` keeps its control bytes, and how many buckets it has: from the first
     /// full bucket's address and index (hashbrown keeps bucket `i` `i + 1` entries below the
     /// control bytes). `None` for a shard less than an eighth full: finding its first full
@@ -234,18 +215,6 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
             let start = (hash as usize) & (buckets - 1);
             crate::prefetch::for_read(control.wrapping_add(start));
             crate::prefetch::for_read(control.cast::<(K, V)>().wrapping_sub(start + 1));
-        }
-    }
-
-    /// Asks the CPU to fetch, for writing, the cache lines where a new key of `hash` will
-    /// likely be inserted ([`Self::vacant_guess`]): the probe's first bucket and the ones
-    /// after it, below it in memory. On the CEL pipeline, whose dedupe inserts a new key per
-    /// record, the job took 13-20% less CPU time (`runtime/BENCHMARKS.md`).
-    #[inline]
-    pub fn prefetch_vacant(&self, hash: u64) {
-        if let Some(at) = self.vacant_guess(hash) {
-            crate::prefetch::for_write(at);
-            crate::prefetch::for_write(at.cast::<u8>().wrapping_sub(64));
         }
     }
 
@@ -431,34 +400,6 @@ mod tests {
         // Prefetching a batch of hashes, present or not, changes nothing.
         map.prefetch_probes(&keys.iter().map(hash_of).chain((0..1000).map(|i| hash_of(&i))).collect::<Vec<_>>());
         assert_eq!(map.len(), keys.len());
-    }
-
-    /// The address [`ShardedMap::vacant_guess`] prefetches is where new keys go (the probe's
-    /// first bucket or one of the next three, the two cache lines prefetched for entries of 32
-    /// bytes) for most inserts, at every fill of the shards between two growths. If hashbrown
-    /// laid its buckets out otherwise, the prefetches would go to waste: this says so.
-    #[test]
-    fn new_keys_go_where_the_prefetch_guessed() {
-        let mut map: ShardedMap<u64, [u64; 3]> = ShardedMap::default();
-        let (mut guessed, mut right, mut inserts) = (0u32, 0u32, 0u32);
-        for i in 0..(SHARDS as u64 * 4096) {
-            let key = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5bd1;
-            let hash = hash_of(&key);
-            let guess = map.vacant_guess(hash);
-            map.insert(key, [i; 3]);
-            inserts += 1;
-            let Some(guess) = guess else { continue };
-            guessed += 1;
-            let entry: *const (u64, [u64; 3]) = map.shards[shard_of(hash)].find(hash, |(k, _)| *k == key).unwrap();
-            // Later buckets lie lower in memory.
-            if (0..4).any(|d| guess.wrapping_sub(d) == entry) {
-                right += 1;
-            }
-        }
-        // Measured: a guess for 88% of the inserts, and 88% of them right (the others go
-        // further along a crowded probe, or into a shard that grew with that insert).
-        assert!(guessed * 4 >= inserts * 3, "a guess for {guessed} of {inserts} inserts");
-        assert!(right * 4 >= guessed * 3, "{right} of {guessed} guesses right");
     }
 
     /// Between two doublings of the state, the shards grow spread over the last third of the
