@@ -1071,12 +1071,12 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     }
 
     fn apply_restored(&mut self, batch: &mut Vec<Restored<K, V>>) {
-        let hashes: Vec<u64> = batch.iter().map(|(_, k, _)| map::hash_of(k)).collect();
+        let hashes: Vec<u64> = batch.iter().map(|(hash, ..)| *hash).collect();
         // As for a batch of records (see `Self::prefetch`): without the probes prefetched,
         // three quarters of this function's time was the lookups' first miss.
         self.map.prefetch_probes(&hashes);
-        self.touch(hashes.iter().copied().zip(batch.iter().map(|(_, k, _)| k)));
-        for (hash, (key_group, key, value)) in hashes.into_iter().zip(batch.drain(..)) {
+        self.touch(batch.iter().map(|(hash, _, k, _)| (*hash, k)));
+        for (hash, key_group, key, value) in batch.drain(..) {
             match value {
                 Some(value) => {
                     let slot = Slot { value, key_group, dirty: false, touched: false, stored: false };
@@ -1207,8 +1207,10 @@ pub(crate) fn heap_buckets(entries: u64) -> u64 {
 /// (`crate::restore`).
 const LAZY_RESTORE_LOADERS: usize = 8;
 
-/// A restored entry, decoded: its key group, key, and value (`None`: deleted).
-type Restored<K, V> = (u32, K, Option<V>);
+/// A restored entry, decoded: its key's hash in the map ([`map::hash_of`], computed on the
+/// decoding thread, which has time to spare where the restoring thread has none), its key
+/// group, key, and value (`None`: deleted).
+type Restored<K, V> = (u64, u32, K, Option<V>);
 
 /// Restored entries applied together, their lookups run back to back first.
 const RESTORE_BATCH: usize = 256;
@@ -1235,7 +1237,7 @@ fn decode_restored<K: StateKey, V: StateValue>(
         Some(raw) => Some(V::decode(&mut Decoder::new(raw))?),
         None => None,
     };
-    Ok(Some((entry.key_group, key, value)))
+    Ok(Some((map::hash_of(&key), entry.key_group, key, value)))
 }
 
 /// Decodes the entries of `body` in `key_groups` into batches of [`RESTORE_BATCH`] and hands
