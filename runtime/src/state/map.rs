@@ -281,11 +281,11 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
 
     /// Inserts a key whose [`hash_of`] the caller computed, with the value `value` makes of
     /// it, unless the key is there; whether it was inserted. Always inlined, with no entry
-    /// type between the probe and the insert: the key then goes from the caller into the
-    /// bucket without being copied between stack slots on the way. (Through
-    /// [`Self::entry_hashed`], the vacant entry was written in one set of pieces and read in
-    /// another, and the read waited for the writes: the CEL pipeline's dedupe spent two
-    /// fifths of its insert loop there.)
+    /// type between the probe and the insert, so that the key is not copied between stack
+    /// slots on its way to the bucket. (Through [`Self::entry_hashed`] the vacant entry was
+    /// written in one set of pieces and read in another, and the read waited for the
+    /// writes. Alone this change measured neutral: the stall moved to the key's copy out of
+    /// its batch, which `KeyedState::insert_new_all` now takes whole.)
     #[inline(always)]
     pub fn insert_absent_hashed(&mut self, hash: u64, key: K, value: impl FnOnce(&K) -> V) -> bool {
         debug_assert_eq!(hash, hash_of(&key), "the hash given is the key's");
