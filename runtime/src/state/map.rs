@@ -257,7 +257,12 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
     /// Removes a key.
     #[inline]
     pub fn remove(&mut self, key: &K) -> Option<V> {
-        let hash = hash_of(key);
+        self.remove_hashed(hash_of(key), key)
+    }
+
+    /// Removes a key whose [`hash_of`] the caller computed.
+    #[inline]
+    pub fn remove_hashed(&mut self, hash: u64, key: &K) -> Option<V> {
         let found = self.shards[shard_of(hash)].find_entry(hash, |(k, _)| k == key).ok()?;
         self.len -= 1;
         Some(found.remove().0 .1)

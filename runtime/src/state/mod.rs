@@ -1083,7 +1083,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                     self.map.insert_hashed(hash, key, slot);
                 }
                 None => {
-                    self.map.remove(&key);
+                    self.map.remove_hashed(hash, &key);
                 }
             }
         }
