@@ -301,6 +301,10 @@ pub struct KeyedRestore {
     /// subtask's, with those key groups (keyed operators with per-key-group operator state,
     /// such as a window's watermark, take each key group's value from its previous owner).
     pub operator_docs: Vec<((u32, u32), Vec<u8>)>,
+    /// How many keys the restored chains hold in this subtask's key groups: each restored
+    /// subtask's count, in the share of its key groups that this subtask takes (keys spread
+    /// evenly over key groups). `None` when a chain's count is unknown.
+    pub entries: Option<u64>,
 }
 
 impl KeyedRestore {
@@ -448,6 +452,8 @@ pub struct RestoredSubtask {
     pub lazy_tables: Option<Arc<LazyTables>>,
     /// References of the chain's table files (whether they were read or not).
     pub table_refs: Vec<FileRef>,
+    /// How many keys the chain holds, when the snapshot counted them.
+    pub keyed_entries: Option<u64>,
 }
 
 /// One restored operator.
@@ -504,6 +510,7 @@ impl RestoredState {
                     key_groups: s.key_groups,
                     keyed_refs: s.keyed_state.clone(),
                     table_refs: s.store_tables.clone(),
+                    keyed_entries: s.keyed_entries,
                     ..Default::default()
                 };
                 if let Some(f) = &s.operator_state {
@@ -612,8 +619,20 @@ impl RestoredState {
                 .collect(),
             lazy_tables: overlapping.iter().filter_map(|s| Some((s.key_groups, s.lazy_tables.clone()?))).collect(),
             operator_docs,
+            entries: overlapping
+                .iter()
+                .map(|s| Some(share_of_entries(s.keyed_entries?, s.key_groups, key_groups)))
+                .sum(),
         })
     }
+}
+
+/// The part of `entries`, held in key groups `held`, that falls in key groups `taken`: keys
+/// spread evenly over key groups (a key's group is its hash's).
+fn share_of_entries(entries: u64, held: (u32, u32), taken: (u32, u32)) -> u64 {
+    let overlap = held.1.min(taken.1).saturating_sub(held.0.max(taken.0));
+    let held_groups = held.1.saturating_sub(held.0).max(1);
+    (u128::from(entries) * u128::from(overlap)).div_ceil(u128::from(held_groups)) as u64
 }
 
 fn corrupt(storage: &Storage, found: &Restorable, f: &FileRef, e: impl std::fmt::Display) -> RestoreError {
@@ -902,6 +921,47 @@ mod tests {
 
     use super::*;
 
+    /// A snapshot's key count, shared out by key groups: whole when the key groups are the
+    /// same; by the fraction taken when a restore splits them; summed when it joins them.
+    #[test]
+    fn a_restored_subtask_reserves_its_share_of_the_counted_keys() {
+        assert_eq!(share_of_entries(1_000, (0, 64), (0, 64)), 1_000);
+        assert_eq!(share_of_entries(1_000, (0, 64), (0, 16)), 250);
+        assert_eq!(share_of_entries(1_000, (0, 64), (60, 128)), 63, "rounded up");
+        assert_eq!(share_of_entries(1_000, (0, 64), (64, 128)), 0, "disjoint");
+        assert_eq!(share_of_entries(u64::MAX, (0, 2), (0, 1)), u64::MAX / 2 + 1, "no overflow");
+        let operator = RestoredOperator {
+            parallelism: 2,
+            subtasks: [((0, 32), Some(100)), ((32, 64), Some(300))]
+                .into_iter()
+                .map(|(key_groups, keyed_entries)| RestoredSubtask {
+                    key_groups,
+                    keyed_files: vec![KeyedFile::Memory(Bytes::new())],
+                    keyed_entries,
+                    ..Default::default()
+                })
+                .collect(),
+        };
+        let mut restored = RestoredState {
+            checkpoint_id: 9,
+            kind: SnapshotKind::Checkpoint,
+            path: "chk-9".into(),
+            max_parallelism: 64,
+            epoch: 1,
+            bytes: 0,
+            operators: [("counts".to_string(), operator)].into(),
+        };
+        let entries = |restored: &RestoredState, key_groups, parallelism| {
+            restored.keyed_for("counts", key_groups, parallelism).unwrap().entries
+        };
+        assert_eq!(entries(&restored, (0, 32), 2), Some(100));
+        assert_eq!(entries(&restored, (0, 64), 1), Some(400));
+        assert_eq!(entries(&restored, (16, 48), 3), Some(50 + 150));
+        restored.operators.get_mut("counts").unwrap().subtasks[1].keyed_entries = None;
+        assert_eq!(entries(&restored, (0, 64), 1), None, "one count unknown");
+        assert_eq!(entries(&restored, (0, 32), 2), Some(100));
+    }
+
     /// An in-memory store whose reads of paths containing `failing` fail like a network does.
     #[derive(Debug)]
     struct FailingReads {
@@ -966,6 +1026,7 @@ mod tests {
             operator_state: Some(FileRef::new(rel, len, crc32c)),
             keyed_state: vec![],
             store_tables: vec![],
+            keyed_entries: None,
         };
         complete(s, id, "src", subtask).await;
     }

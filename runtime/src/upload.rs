@@ -494,6 +494,7 @@ async fn upload(
                 operator_state: None,
                 keyed_state: Vec::new(),
                 store_tables: Vec::new(),
+                keyed_entries: None,
             };
             if let Some(doc) = parts.operator_doc {
                 let mut w = StateFileWriter::new(FileKind::OperatorState, doc.len());
@@ -518,6 +519,7 @@ async fn upload(
                     return Err(format!("`{uid}`: an earlier increment was lost; waiting for a full image"));
                 }
                 let (len, crc) = (keyed.len(), keyed.crc32c);
+                snap.keyed_entries = keyed.live_entries;
                 let rel = match &savepoint_dir {
                     Some(_) => layout::savepoint_keyed_file(&uid, job.subtask),
                     None => layout::shared_keyed_file(&uid, job.subtask, job.barrier.id, epoch),

@@ -77,6 +77,12 @@ pub struct SubtaskSnapshot {
     /// Empty when there are none; the heap backend never reads them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub store_tables: Vec<FileRef>,
+    /// How many keys the keyed state held when the snapshot was taken (`keyed_state` applied
+    /// in full): a restore makes room for them at once, where a map grown as a chain's
+    /// increments add keys moves every entry again at each doubling. Absent where the backend
+    /// does not count its keys (rocksdb) and in snapshots written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keyed_entries: Option<u64>,
 }
 
 /// What one operator (by uid) contributed.
@@ -212,6 +218,7 @@ mod tests {
                     store_tables: vec![
                         FileRef::new("../shared/counts/0-1-0-merged-0.sst".into(), 4, 9).with_first_key(&[0, 3, 0xab])
                     ],
+                    keyed_entries: Some(12),
                 }],
             },
         );
@@ -235,12 +242,16 @@ mod tests {
         assert_eq!(m.state_bytes(), 14);
     }
 
+    /// Neither table files nor a key count (the rocksdb backend's, or a document written
+    /// before either existed): the fields are left out, and a document without them reads.
     #[test]
-    fn documents_without_table_files_read_as_before_and_are_written_as_before() {
+    fn documents_without_table_files_or_key_counts_read_as_before_and_are_written_as_before() {
         let mut m = sample();
         m.operators.get_mut("counts").unwrap().subtasks[0].store_tables.clear();
+        m.operators.get_mut("counts").unwrap().subtasks[0].keyed_entries = None;
         let text = String::from_utf8(m.encode()).unwrap();
         assert!(!text.contains("store_tables"), "an empty list is left out: {text}");
+        assert!(!text.contains("keyed_entries"), "an unknown count is left out: {text}");
         assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
     }
 

@@ -173,6 +173,7 @@ mod tests {
                     operator_state: None,
                     keyed_state: vec![FileRef::new(rel, file_len as u64, 0)],
                     store_tables: vec![FileRef::new(table, file_len as u64, 0)],
+                    keyed_entries: None,
                 }],
             },
         );

@@ -75,20 +75,35 @@ impl KeyedContext {
                     });
                 }
             }
+            let started = std::time::Instant::now();
+            if let Some(entries) = r.entries {
+                state.reserve_restored_entries(entries);
+            }
             for file in &r.files {
-                self.restore_file(&mut state, file)?;
+                self.restore_file(&mut state, file, r.entries.is_none())?;
             }
             state.after_restore(r.continue_chain, r.chain_len()).map_err(|e| self.state_failed(e))?;
+            tracing::info!(
+                uid = %self.uid,
+                key_groups = ?self.key_groups,
+                files = r.chain_len(),
+                in_memory = state.cached_len(),
+                ms = started.elapsed().as_millis() as u64,
+                "keyed state restored"
+            );
         }
         Ok(state)
     }
 
     /// Applies one file of a restored chain: from memory, or read back in parts from its local
-    /// copy (so that a state larger than memory restores within it).
+    /// copy (so that a state larger than memory restores within it). `reserve_for_image`: a
+    /// full image's entries are counted first and room made for them (the snapshot did not
+    /// count its keys).
     fn restore_file<V: StateValue, K: StateKey>(
         &self,
         state: &mut KeyedState<V, K>,
         file: &KeyedFile,
+        reserve_for_image: bool,
     ) -> Result<(), TaskError> {
         use weir_checkpoint::format::{FileKind, FormatError, PartsError};
         let failed = |reason: String| TaskError::Restore { uid: self.uid.clone(), reason };
@@ -99,7 +114,7 @@ impl KeyedContext {
         match file {
             KeyedFile::Memory(data) => {
                 let (kind, body) = weir_checkpoint::format::open(data).map_err(|e| failed(e.to_string()))?;
-                if kind == FileKind::KeyedFull {
+                if kind == FileKind::KeyedFull && reserve_for_image {
                     state.reserve_for_full_image(body, self.key_groups).map_err(|e| failed(e.to_string()))?;
                 }
                 state.restore_file(body, self.key_groups).map_err(store_failed)
@@ -116,7 +131,7 @@ impl KeyedContext {
                 }
                 // Not restoring lazily after all: the whole file, then as any local copy.
                 let copy = stored.copy_whole().map_err(failed)?;
-                self.restore_file(state, &KeyedFile::Local(copy))
+                self.restore_file(state, &KeyedFile::Local(copy), reserve_for_image)
             }
             KeyedFile::Local(copy) => {
                 let open = || {
@@ -329,6 +344,7 @@ mod tests {
             tables: vec![],
             lazy_tables: vec![],
             operator_docs: vec![],
+            entries: None,
         }
     }
 

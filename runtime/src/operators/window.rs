@@ -364,6 +364,7 @@ mod tests {
             tables: vec![],
             lazy_tables: vec![],
             operator_docs: vec![(w.ctx.key_groups, snap.operator_doc.unwrap())],
+            entries: None,
         };
         WindowOperator::new(w.ctx.clone(), spec, &["k".to_string(), "v".to_string()], Some(&restore)).unwrap()
     }
@@ -577,6 +578,7 @@ mod tests {
                         tables: vec![],
                         lazy_tables: vec![],
                         operator_docs: overlapping.iter().map(|(r, _, doc)| (*r, doc.clone())).collect(),
+                        entries: None,
                     };
                     let ctx = KeyedContext {
                         uid: "w".into(),

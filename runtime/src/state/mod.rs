@@ -242,6 +242,9 @@ pub struct KeyedSnapshot {
     pub crc32c: u32,
     /// Entries written.
     pub entries: u64,
+    /// How many keys the state held when it was taken (heap backend; `None` on the rocksdb
+    /// backend, which does not count them), for a restore to make room for at once.
+    pub live_entries: Option<u64>,
 }
 
 impl<V: StateValue, K: StateKey> KeyedState<V, K> {
@@ -742,7 +745,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 s.dirty = false;
                 w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
             }
-            return Ok(finish(FileKind::KeyedFull, w));
+            return Ok(self.counted(finish(FileKind::KeyedFull, w)));
         }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.increment_capacity(0));
@@ -784,7 +787,15 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let mut deleted = deleted;
         deleted.clear();
         self.deleted = deleted;
-        Ok(self.increment_written(finish(FileKind::KeyedIncrement, w)))
+        let written = self.increment_written(finish(FileKind::KeyedIncrement, w));
+        Ok(self.counted(written))
+    }
+
+    /// `snapshot` with the number of keys the map holds now, on the heap backend (whose map
+    /// holds them all).
+    fn counted(&self, mut snapshot: KeyedSnapshot) -> KeyedSnapshot {
+        snapshot.live_entries = self.spill.is_none().then_some(self.map.len() as u64);
+        snapshot
     }
 
     /// The puts of an increment of a state whose entries all hold `value`
@@ -949,7 +960,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             for (k, s) in self.map.iter() {
                 w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
             }
-            return Ok(finish(FileKind::KeyedFull, w));
+            return Ok(self.counted(finish(FileKind::KeyedFull, w)));
         };
         let out = SpillingBuffer {
             memory: Vec::new(),
@@ -979,7 +990,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             }
             None => (bytes::Bytes::from(out.memory), None),
         };
-        Ok(KeyedSnapshot { kind: FileKind::KeyedFull, data, file, crc32c, entries })
+        Ok(KeyedSnapshot { kind: FileKind::KeyedFull, data, file, crc32c, entries, live_entries: None })
     }
 
     /// A full image for a savepoint; change tracking is left as it is.
@@ -987,8 +998,19 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         self.full_image()
     }
 
-    /// Makes room for the entries of a full image in `[start, end)` before it is restored: a
-    /// map grown one doubling at a time moves every entry again at each doubling and touches
+    /// Makes room for `entries` keys about to be restored: the number the restored snapshot
+    /// counted (`SubtaskSnapshot::keyed_entries`), so that a chain whose increments add keys
+    /// does not grow the map as it is applied. Nothing to do on the rocksdb backend, which
+    /// restores into its store.
+    pub fn reserve_restored_entries(&mut self, entries: u64) {
+        if self.spill.is_none() {
+            self.map.reserve(usize::try_from(entries).unwrap_or(usize::MAX));
+        }
+    }
+
+    /// Makes room for the entries of a full image in `[start, end)` before it is restored,
+    /// when the snapshot did not count its keys ([`Self::reserve_restored_entries`]): a map
+    /// grown one doubling at a time moves every entry again at each doubling and touches
     /// fresh pages each time. Only full images: an increment's puts mostly replace keys that
     /// already exist, so its count would reserve memory the state never uses. Nothing to do on
     /// the rocksdb backend, which restores into its store.
@@ -1269,7 +1291,7 @@ fn owns(key_groups: (u32, u32), key_group: u32) -> bool {
 fn finish(kind: FileKind, w: StateFileWriter) -> KeyedSnapshot {
     let entries = w.entries();
     let (data, crc32c) = w.finish();
-    KeyedSnapshot { kind, data, file: None, crc32c, entries }
+    KeyedSnapshot { kind, data, file: None, crc32c, entries, live_entries: None }
 }
 
 /// A state file written to local disk, deleted when dropped (once uploaded, or when its
@@ -1444,6 +1466,49 @@ mod tests {
             s.restore_file(body, range).unwrap();
         }
         s
+    }
+
+    /// A chain whose increments add keys (and remove some): each snapshot counts the keys the
+    /// state holds then, and a restore that makes room for the newest count first applies the
+    /// whole chain without growing its map (each doubling would move every entry again); the
+    /// restored state is the state. The rocksdb backend does not count its keys.
+    #[test]
+    fn snapshots_count_their_keys_and_a_restore_that_reserves_them_never_grows() {
+        let mut s = KeyedState::<i64>::new(16, true, 100);
+        let mut model = std::collections::BTreeMap::new();
+        let mut chain = Vec::new();
+        let mut newest = None;
+        for round in 0..6i64 {
+            for i in round * 20_000..(round + 1) * 20_000 {
+                *s.update(key(i), || 0).unwrap() += i;
+                model.insert(i, i);
+            }
+            for i in (0..round * 20_000).step_by(7) {
+                if s.remove(&key(i)).unwrap().is_some() {
+                    model.remove(&i);
+                }
+            }
+            let snapshot = s.snapshot_checkpoint().unwrap();
+            assert_eq!(snapshot.live_entries, Some(model.len() as u64), "round {round}");
+            newest = snapshot.live_entries;
+            chain.push(snapshot.bytes());
+        }
+        let mut restored = KeyedState::<i64>::new(16, true, 100);
+        restored.reserve_restored_entries(newest.unwrap());
+        let room = restored.map.capacity();
+        assert!(room >= model.len(), "room for {room} entries, {} to restore", model.len());
+        for f in &chain {
+            restored.restore_file(open(f).unwrap().1, (0, 16)).unwrap();
+        }
+        assert_eq!(restored.map.capacity(), room, "the map grew while the chain was applied");
+        assert_eq!(restored.entries().len(), model.len());
+        for (i, n) in model {
+            assert_eq!(restored.get(&key(i)).unwrap(), Some(&n), "key {i}");
+        }
+
+        let mut on_store = KeyedState::<i64>::new(16, true, 100).on_test_store(8);
+        *on_store.update(key(1), || 0).unwrap() += 1;
+        assert_eq!(on_store.snapshot_checkpoint().unwrap().live_entries, None);
     }
 
     #[test]
