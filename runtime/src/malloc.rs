@@ -12,11 +12,114 @@
 //! unmapping them) and the next growth faulted fresh pages in, which the kernel zeroes first:
 //! on the CEL pipeline (8M keys in its dedupe) zeroing pages was 7% of the CPU samples.
 //!
-//! One of two modules allowed `unsafe` (with `prefetch`): calls into the C library.
+//! The heap backend's hash tables come from [`TableAlloc`]: the same allocator, with the tables
+//! a restore reserves faulted in by a thread of their own while the restore fills them.
+//!
+//! One of two modules allowed `unsafe` (with `prefetch`): calls into the C library, and the
+//! allocator trait.
 #![allow(unsafe_code)]
 
+use std::alloc::Layout;
+use std::cell::RefCell;
+use std::ptr::NonNull;
 use std::sync::Once;
 use std::time::Duration;
+
+use allocator_api2::alloc::{AllocError, Allocator, Global};
+
+/// The allocator of the heap backend's hash tables ([`crate::state::map::ShardedMap`]): the
+/// global one, except that the blocks allocated inside [`record_tables`] on the same thread
+/// are listed, for [`populate_in_background`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TableAlloc;
+
+/// Blocks smaller than this are not recorded: a page or two is cheaper to fault in where it
+/// is written than to hand to another thread.
+const RECORDED_FROM_BYTES: usize = 1 << 20;
+
+thread_local! {
+    /// The blocks (address, length) allocated on this thread inside [`record_tables`].
+    static RECORDED: RefCell<Option<Vec<(usize, usize)>>> = const { RefCell::new(None) };
+}
+
+// SAFETY: every block comes from `Global` and goes back to it with the layout it was
+// allocated with; recording its address changes nothing about it.
+unsafe impl Allocator for TableAlloc {
+    #[inline]
+    fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        let block = Global.allocate(layout)?;
+        if layout.size() >= RECORDED_FROM_BYTES {
+            RECORDED.with(|recorded| {
+                if let Some(list) = recorded.borrow_mut().as_mut() {
+                    list.push((block.as_ptr().cast::<u8>() as usize, block.len()));
+                }
+            });
+        }
+        Ok(block)
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the caller passes a block `allocate` returned, which `Global` allocated with
+        // this layout.
+        unsafe { Global.deallocate(ptr, layout) }
+    }
+}
+
+/// Runs `reserve` and returns the blocks of at least [`RECORDED_FROM_BYTES`] that
+/// [`TableAlloc`] allocated on this thread meanwhile, as (address, length).
+pub fn record_tables(reserve: impl FnOnce()) -> Vec<(usize, usize)> {
+    RECORDED.with(|recorded| *recorded.borrow_mut() = Some(Vec::new()));
+    reserve();
+    RECORDED.with(|recorded| recorded.borrow_mut().take().unwrap_or_default())
+}
+
+/// Faults in the pages of `blocks` (address, length) on a thread of its own, front to back,
+/// with `MADV_POPULATE_WRITE` (Linux 5.14), which maps each page as a first write would and
+/// leaves its contents alone: the thread that fills the blocks meanwhile finds more and more
+/// of its pages already there, instead of taking every page fault itself. A fresh page costs
+/// the kernel 2.5–22 µs here, and a restored heap map is gigabytes of them
+/// (`runtime/BENCHMARKS.md`). Stops at the first refusal (an older kernel, or a block freed
+/// and unmapped meanwhile: populating memory that is gone or reused changes nothing in it).
+/// The thread returns the bytes it faulted in; nobody needs to wait for it.
+#[cfg(target_os = "linux")]
+pub fn populate_in_background(blocks: Vec<(usize, usize)>) -> Option<std::thread::JoinHandle<usize>> {
+    const CHUNK: usize = 2 << 20;
+    if blocks.is_empty() {
+        return None;
+    }
+    let spawned = std::thread::Builder::new().name("table-prefault".into()).spawn(move || {
+        let started = std::time::Instant::now();
+        let page = 4096;
+        let mut populated = 0usize;
+        'blocks: for (address, len) in blocks {
+            let start = address.next_multiple_of(page);
+            let end = (address + len) / page * page;
+            let mut at = start;
+            while at < end {
+                let chunk = CHUNK.min(end - at);
+                // SAFETY: madvise takes an address range and reads or writes no memory through
+                // it; MADV_POPULATE_WRITE only faults the range's pages in, keeping their
+                // contents, and fails (it does not fault) where nothing is mapped.
+                let refused = unsafe { libc::madvise(at as *mut libc::c_void, chunk, libc::MADV_POPULATE_WRITE) } != 0;
+                if refused {
+                    break 'blocks;
+                }
+                populated += chunk;
+                at += chunk;
+            }
+        }
+        tracing::debug!(bytes = populated, ms = started.elapsed().as_millis() as u64, "map tables faulted in");
+        populated
+    });
+    spawned.map_err(|e| tracing::debug!(error = %e, "no thread to fault the map's tables in")).ok()
+}
+
+/// Outside Linux the pages are faulted in where they are written.
+#[cfg(not(target_os = "linux"))]
+pub fn populate_in_background(_blocks: Vec<(usize, usize)>) -> Option<std::thread::JoinHandle<usize>> {
+    None
+}
 
 /// How often the trimming thread returns free memory. Measured on the 5M-key count on the
 /// rocksdb backend (`runtime/tests/large_state.rs`): peak resident memory 215–228 MiB without
@@ -104,6 +207,10 @@ pub fn trim() {}
 mod tests {
     use super::*;
 
+    /// Taken by the tests that map blocks of their own or count the process's mapped bytes
+    /// (`mallinfo2`), which would see each other's.
+    static MAPPING_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn trimming_returns_memory_freed_in_the_middle_of_an_arena() {
@@ -136,6 +243,7 @@ mod tests {
     #[test]
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn freed_memory_is_kept_for_reuse_once_asked() {
+        let _alone = MAPPING_TESTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         keep_freed_memory_for_reuse();
         let mapped_growth = std::thread::spawn(|| {
             // SAFETY: mallinfo2 takes no pointer; it reads the allocator's statistics.
@@ -149,6 +257,53 @@ mod tests {
         .join()
         .unwrap();
         assert!(mapped_growth < 24 << 20, "a 24 MiB block was mapped on its own ({mapped_growth} bytes)");
+    }
+
+    /// The blocks a reserve allocates inside [`record_tables`] are listed (and only those);
+    /// populating one makes its pages resident before anything is written to it, and
+    /// populating another while it is being filled keeps what is written in it.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn tables_reserved_while_recording_are_listed_faulted_in_and_keep_their_contents() {
+        let _alone = MAPPING_TESTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let table_of = || allocator_api2::vec::Vec::<u64, TableAlloc>::new_in(TableAlloc);
+        let (mut untouched, mut filled) = (table_of(), table_of());
+        let blocks = record_tables(|| untouched.reserve(4 << 20));
+        assert_eq!(blocks.len(), 1, "{blocks:?}");
+        assert_eq!(blocks[0].0, untouched.as_ptr() as usize);
+        assert!(blocks[0].1 >= 32 << 20);
+        let mut small = table_of();
+        assert!(record_tables(|| small.reserve(16)).is_empty(), "a small block is not listed");
+        let mut unrecorded = table_of();
+        unrecorded.reserve(1 << 20);
+        assert!(record_tables(|| ()).is_empty(), "only what is allocated while recording");
+
+        let (address, len) = blocks[0];
+        let before = resident_pages(address, len);
+        let populated = populate_in_background(blocks).unwrap().join().unwrap();
+        assert!(populated >= (32 << 20) - 8192, "{populated} bytes faulted in");
+        let (after, pages) = (resident_pages(address, len), len / 4096);
+        assert!(after + 2 >= pages && after > before, "{before} then {after} of {pages} pages resident");
+
+        let value = |i: u64| i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let blocks = record_tables(|| filled.reserve(4 << 20));
+        let populating = populate_in_background(blocks).unwrap();
+        filled.extend((0..4u64 << 20).map(value));
+        populating.join().unwrap();
+        assert!(filled.iter().enumerate().all(|(i, &v)| v == value(i as u64)), "a value changed");
+        drop(untouched);
+    }
+
+    /// How many of the pages inside `[address, address + len)` are resident (`mincore`).
+    fn resident_pages(address: usize, len: usize) -> usize {
+        let start = address.next_multiple_of(4096);
+        let pages = (address + len - start) / 4096;
+        let mut resident = vec![0u8; pages];
+        // SAFETY: the range is mapped (a live allocation, page-aligned inward) and `resident`
+        // holds one byte per page of it.
+        let failed = unsafe { libc::mincore(start as *mut libc::c_void, pages * 4096, resident.as_mut_ptr()) } != 0;
+        assert!(!failed, "mincore: {}", std::io::Error::last_os_error());
+        resident.iter().filter(|&&b| b & 1 == 1).count()
     }
 
     fn resident_kib() -> u64 {

@@ -18,8 +18,13 @@
 
 use std::hash::{BuildHasher, Hash};
 
-use hashbrown::hash_table::{self, HashTable};
+use hashbrown::hash_table;
 use rustc_hash::FxBuildHasher;
+
+use crate::malloc::TableAlloc;
+
+/// One shard's table, allocated by [`TableAlloc`].
+type HashTable<T> = hash_table::HashTable<T, TableAlloc>;
 
 /// Shards of the map: a power of two.
 pub const SHARDS: usize = 64;
@@ -109,7 +114,7 @@ pub struct ShardedMap<K, V> {
 
 impl<K, V> Default for ShardedMap<K, V> {
     fn default() -> Self {
-        ShardedMap { shards: (0..SHARDS).map(|_| HashTable::new()).collect(), len: 0 }
+        ShardedMap { shards: (0..SHARDS).map(|_| HashTable::new_in(TableAlloc)).collect(), len: 0 }
     }
 }
 
@@ -123,7 +128,7 @@ pub enum MapEntry<'a, K, V> {
 
 /// A present key's entry in a [`ShardedMap`].
 pub struct OccupiedEntry<'a, K, V> {
-    entry: hash_table::OccupiedEntry<'a, (K, V)>,
+    entry: hash_table::OccupiedEntry<'a, (K, V), TableAlloc>,
 }
 
 impl<'a, K, V> OccupiedEntry<'a, K, V> {
@@ -145,7 +150,7 @@ impl<'a, K, V> OccupiedEntry<'a, K, V> {
 
 /// A missing key's place in a [`ShardedMap`].
 pub struct VacantEntry<'a, K, V> {
-    entry: hash_table::VacantEntry<'a, (K, V)>,
+    entry: hash_table::VacantEntry<'a, (K, V), TableAlloc>,
     key: K,
     len: &'a mut usize,
 }
@@ -363,6 +368,14 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
             let capacity = capacity_for(index, shard.len() as u64 + share) as usize;
             shard.reserve(capacity.saturating_sub(shard.len()), |(k, _)| hash_of(k));
         }
+    }
+
+    /// [`Self::reserve`] for a restore about to fill the map: the tables it allocates are
+    /// faulted in by another thread meanwhile ([`crate::malloc::populate_in_background`]).
+    pub fn reserve_prefaulted(&mut self, additional: usize) {
+        let blocks = crate::malloc::record_tables(|| self.reserve(additional));
+        // Nobody waits for it: a page it has not reached yet is faulted in where it is written.
+        let _ = crate::malloc::populate_in_background(blocks);
     }
 
     /// Where the map holds a key of `hash` now ([`storage_order`] with the shard's buckets).

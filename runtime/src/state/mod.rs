@@ -1004,7 +1004,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// restores into its store.
     pub fn reserve_restored_entries(&mut self, entries: u64) {
         if self.spill.is_none() {
-            self.map.reserve(usize::try_from(entries).unwrap_or(usize::MAX));
+            self.map.reserve_prefaulted(usize::try_from(entries).unwrap_or(usize::MAX));
         }
     }
 
