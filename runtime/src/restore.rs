@@ -456,6 +456,16 @@ pub struct RestoredSubtask {
     pub keyed_entries: Option<u64>,
 }
 
+impl RestoredSubtask {
+    /// The keys its snapshot counted, at most one per byte of its chain's files: an entry
+    /// takes more than a byte, so a larger count (a damaged or forged document) would only
+    /// reserve memory that nothing fills.
+    fn counted_entries(&self) -> Option<u64> {
+        let bytes: u64 = self.keyed_refs.iter().chain(&self.table_refs).map(|f| f.len).sum();
+        self.keyed_entries.map(|entries| entries.min(bytes))
+    }
+}
+
 /// One restored operator.
 #[derive(Clone, Debug, Default)]
 pub struct RestoredOperator {
@@ -621,7 +631,7 @@ impl RestoredState {
             operator_docs,
             entries: overlapping
                 .iter()
-                .map(|s| Some(share_of_entries(s.keyed_entries?, s.key_groups, key_groups)))
+                .map(|s| Some(share_of_entries(s.counted_entries()?, s.key_groups, key_groups)))
                 .sum(),
         })
     }
@@ -937,6 +947,7 @@ mod tests {
                 .map(|(key_groups, keyed_entries)| RestoredSubtask {
                     key_groups,
                     keyed_files: vec![KeyedFile::Memory(Bytes::new())],
+                    keyed_refs: vec![FileRef::new("../shared/counts/0-1-1.kv".into(), 2_000, 0)],
                     keyed_entries,
                     ..Default::default()
                 })
@@ -957,6 +968,9 @@ mod tests {
         assert_eq!(entries(&restored, (0, 32), 2), Some(100));
         assert_eq!(entries(&restored, (0, 64), 1), Some(400));
         assert_eq!(entries(&restored, (16, 48), 3), Some(50 + 150));
+        restored.operators.get_mut("counts").unwrap().subtasks[0].keyed_entries = Some(u64::MAX);
+        assert_eq!(entries(&restored, (0, 32), 2), Some(2_000), "at most one key per byte of the chain");
+        restored.operators.get_mut("counts").unwrap().subtasks[0].keyed_entries = Some(100);
         restored.operators.get_mut("counts").unwrap().subtasks[1].keyed_entries = None;
         assert_eq!(entries(&restored, (0, 64), 1), None, "one count unknown");
         assert_eq!(entries(&restored, (0, 32), 2), Some(100));
