@@ -49,8 +49,9 @@ unsafe impl Allocator for TableAlloc {
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
         let block = Global.allocate(layout)?;
         if layout.size() >= RECORDED_FROM_BYTES {
-            RECORDED.with(|recorded| {
-                if let Some(list) = recorded.borrow_mut().as_mut() {
+            // `try_`: an allocator must not panic, not even on a thread whose locals are gone.
+            let _ = RECORDED.try_with(|recorded| {
+                if let Some(list) = recorded.try_borrow_mut().ok().as_deref_mut().and_then(Option::as_mut) {
                     list.push((block.as_ptr().cast::<u8>() as usize, block.len()));
                 }
             });

@@ -728,6 +728,12 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// (a sequential scan replaces per-key lookups when most keys changed on the heap backend;
     /// the rocksdb backend reads the evicted changed entries back in one call).
     pub fn snapshot_checkpoint(&mut self) -> Result<KeyedSnapshot, StoreError> {
+        let snapshot = self.checkpoint_file()?;
+        Ok(self.counted(snapshot))
+    }
+
+    /// The state file of [`Self::snapshot_checkpoint`].
+    fn checkpoint_file(&mut self) -> Result<KeyedSnapshot, StoreError> {
         let periodic = self.increments_since_full + 1 >= self.full_every
             && self.full_image_cost_in_entries() <= self.background_full_image_above;
         let full = !self.incremental || self.force_full.swap(false, Ordering::AcqRel) || periodic || self.untracked;
@@ -745,7 +751,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 s.dirty = false;
                 w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
             }
-            return Ok(self.counted(finish(FileKind::KeyedFull, w)));
+            return Ok(finish(FileKind::KeyedFull, w));
         }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.increment_capacity(0));
@@ -787,8 +793,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let mut deleted = deleted;
         deleted.clear();
         self.deleted = deleted;
-        let written = self.increment_written(finish(FileKind::KeyedIncrement, w));
-        Ok(self.counted(written))
+        Ok(self.increment_written(finish(FileKind::KeyedIncrement, w)))
     }
 
     /// `snapshot` with the number of keys the map holds now, on the heap backend (whose map
@@ -960,7 +965,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             for (k, s) in self.map.iter() {
                 w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
             }
-            return Ok(self.counted(finish(FileKind::KeyedFull, w)));
+            return Ok(finish(FileKind::KeyedFull, w));
         };
         let out = SpillingBuffer {
             memory: Vec::new(),
@@ -995,7 +1000,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// A full image for a savepoint; change tracking is left as it is.
     pub fn snapshot_full_copy(&self) -> Result<KeyedSnapshot, StoreError> {
-        self.full_image()
+        Ok(self.counted(self.full_image()?))
     }
 
     /// Makes room for `entries` keys about to be restored: the number the restored snapshot
