@@ -81,6 +81,7 @@ fn full_images_merged_in_the_background_are_exactly_once_under_failures_and_rest
         assert_eq!(outcome, JobOutcome::Finished);
         let (n, merges) = (m.injected_faults.get(), m.state_merges.get());
         injected += n;
+        eprintln!("seed {seed}: {n} faults, {merges} merged full images adopted");
         assert!(merges > 0, "seed {seed}: no merged full image was adopted");
         assert_eq!(m.state_merges_failed.get(), 0, "seed {seed}: merges failed");
         assert_same_output(&golden, &committed(&out), &format!("seed {seed}: {n} faults, {merges} merges"));
@@ -89,19 +90,24 @@ fn full_images_merged_in_the_background_are_exactly_once_under_failures_and_rest
     record_faults(injected);
 
     // On the rocksdb backend (a cache of 100 entries) the merged images come with table files
-    // too, and the restore takes those into its store instead of reading the image.
+    // too, and the restore takes those into its store instead of reading the image. The job
+    // runs for 8 s, far longer than the first merge takes (0.6-1 s here), so that it is still
+    // running when cancelled on a slower machine; the restored run finishes at full speed.
+    let long = JobParams { count: 40_000, ..p.clone() };
+    let golden = golden_output(&long);
     for rocksdb in [false, true] {
         let (_d, out, chk) = workdir(&format!("merges-restore-{rocksdb}"));
-        let mut yaml = job_yaml(&p, &out);
-        if rocksdb {
-            yaml.push_str("stateBackend: rocksdb\nstateCacheEntries: 100\n");
-        }
+        let backend = if rocksdb { "stateBackend: rocksdb\nstateCacheEntries: 100\n" } else { "" };
+        let yaml = job_yaml(&long, &out) + backend;
+        let unthrottled = job_yaml(&JobParams { rate: None, ..long.clone() }, &out) + backend;
         let run = InProcess::start(&yaml, opts(&chk));
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let started = std::time::Instant::now();
+        let deadline = started + Duration::from_secs(60);
         while run.metrics.state_merges.get() == 0 {
             assert!(std::time::Instant::now() < deadline, "no merge adopted within 60 s");
             std::thread::sleep(Duration::from_millis(5));
         }
+        eprintln!("rocksdb {rocksdb}: first merge adopted after {:?}", started.elapsed());
         let completed = run.metrics.checkpoints_completed.get();
         run.wait_for_checkpoints(completed + 2, Duration::from_secs(30));
         run.requests.send(Request::Cancel).unwrap();
@@ -131,7 +137,7 @@ fn full_images_merged_in_the_background_are_exactly_once_under_failures_and_rest
                 (path, bytes)
             })
             .collect();
-        let (outcome, m) = run_to_end(&yaml, RunOptionsExt::restore_latest(opts(&chk)));
+        let (outcome, m) = run_to_end(&unthrottled, RunOptionsExt::restore_latest(opts(&chk)));
         assert_eq!(outcome, JobOutcome::Finished);
         assert!(m.board().restored_from.is_some());
         assert_same_output(

@@ -15,7 +15,6 @@ const BUCKET: &str = "weir-test";
 
 struct S3Server {
     _child: Child,
-    _root: tempfile::TempDir,
     endpoint: String,
 }
 
@@ -36,17 +35,21 @@ fn s3s_binary() -> String {
 fn server() -> &'static S3Server {
     static SERVER: OnceLock<S3Server> = OnceLock::new();
     SERVER.get_or_init(|| {
-        let root = tempfile::tempdir().unwrap();
-        std::fs::create_dir(root.path().join(BUCKET)).unwrap();
+        // Kept past this process (statics are never dropped): the watchdog below removes it.
+        let root = tempfile::tempdir().unwrap().keep();
+        std::fs::create_dir(root.join(BUCKET)).unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        // A shell watches this test process and stops the server when it is gone (statics are
-        // never dropped, so nothing else would).
+        // A shell watches this test process and, when it is gone, stops the server and removes
+        // its files (statics are never dropped, so nothing else would: every run left its
+        // bucket, up to 100 MB, in the temporary directory).
         let watchdog = concat!(
-            r#"parent=$1; shift; "$@" & server=$!; "#,
-            r#"while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; kill "$server""#
+            r#"parent=$1; root=$2; shift 2; "$@" & server=$!; "#,
+            r#"while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; "#,
+            r#"kill "$server"; wait "$server"; rm -rf "$root""#
         );
         let child = Command::new("sh")
             .args(["-c", watchdog, "sh", &std::process::id().to_string()])
+            .arg(&root)
             .arg(s3s_binary())
             .args([
                 "--host",
@@ -58,7 +61,7 @@ fn server() -> &'static S3Server {
                 "--secret-key",
                 "weirtestsecret",
             ])
-            .arg(root.path())
+            .arg(&root)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -72,7 +75,7 @@ fn server() -> &'static S3Server {
         for (k, v) in s3_env(&endpoint) {
             std::env::set_var(k, v);
         }
-        S3Server { _child: child, _root: root, endpoint }
+        S3Server { _child: child, endpoint }
     })
 }
 
