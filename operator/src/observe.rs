@@ -163,4 +163,46 @@ mod tests {
         assert_eq!(found[1].invalid, None);
         assert_eq!(found[1].completed_at_ms, 2000);
     }
+
+    /// A checkpoint whose state file a restore found damaged (and recorded) is invalid to the
+    /// operator too, with the record's reason: the status and the relaunch event say why the
+    /// runtime will pass over it.
+    #[tokio::test]
+    async fn a_checkpoint_with_a_recorded_damage_is_invalid_and_says_why() {
+        let s = Storage::open("memory://").unwrap();
+        let file = weir_checkpoint::FileRef::new("../shared/counts/0-2-1.kv".into(), 3, 0);
+        let m = CheckpointMetadata {
+            format_version: FORMAT_VERSION,
+            checkpoint_id: 2,
+            kind: SnapshotKind::Checkpoint,
+            job_name: "j".into(),
+            epoch: 1,
+            created_at_ms: 2000,
+            max_parallelism: 8,
+            operators: [(
+                "counts".to_string(),
+                weir_checkpoint::OperatorSnapshot {
+                    parallelism: 1,
+                    subtasks: vec![weir_checkpoint::SubtaskSnapshot {
+                        subtask: 0,
+                        key_groups: (0, 8),
+                        operator_state: None,
+                        keyed_state: vec![file],
+                        store_tables: Vec::new(),
+                        keyed_entries: None,
+                    }],
+                },
+            )]
+            .into(),
+        };
+        s.put("checkpoints/chk-2/_metadata", Bytes::from(m.encode())).await.unwrap();
+        s.put("checkpoints/shared/counts/0-2-1.kv", Bytes::from_static(b"abc")).await.unwrap();
+        assert_eq!(checkpoints(&s).await.unwrap()[0].invalid, None);
+        s.put("_damaged/checkpoints/shared/counts/0-2-1.kv", Bytes::from_static(b"bytes 0..3: crc32c mismatch"))
+            .await
+            .unwrap();
+        let found = checkpoints(&s).await.unwrap();
+        let why = found[0].invalid.as_deref().unwrap();
+        assert!(why.contains("0-2-1.kv: an earlier restore found it damaged (bytes 0..3: crc32c mismatch)"), "{why}");
+    }
 }

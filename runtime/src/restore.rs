@@ -677,11 +677,7 @@ async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Re
 /// The state files (paths from the storage root) that restores found damaged after they had
 /// started ([`weir_checkpoint::layout::DAMAGED`]).
 async fn damaged_files(storage: &Storage) -> Result<std::collections::BTreeSet<String>, RestoreError> {
-    let records =
-        retrying("listing damage records", || async { Ok(storage.list(weir_checkpoint::layout::DAMAGED).await?) })
-            .await?;
-    let prefix = format!("{}/", weir_checkpoint::layout::DAMAGED);
-    Ok(records.iter().filter_map(|r| r.strip_prefix(&prefix)).map(str::to_string).collect())
+    retrying("listing damage records", || async { Ok(recovery::damaged_files(storage).await?) }).await
 }
 
 /// Files a restore fetches at once. One download at a time left the link idle between a

@@ -6,6 +6,7 @@
 use crate::layout;
 use crate::metadata::CheckpointMetadata;
 use crate::store::{Storage, StorageError};
+use std::collections::BTreeSet;
 
 /// A restorable snapshot: its metadata and the directory references resolve against.
 #[derive(Clone, Debug)]
@@ -47,10 +48,20 @@ pub async fn read_metadata(storage: &Storage, dir: &str) -> Result<Result<Checkp
 }
 
 /// Checks one snapshot directory (relative to `storage`): its metadata, and that every file a
-/// restore needs exists with the recorded length (checksums are the loader's to verify). Table
-/// files are not needed ([`CheckpointMetadata::required_files`]): one missing does not make the
-/// checkpoint unusable, and the restore takes the full image it stands for.
+/// restore needs exists with the recorded length (checksums are the loader's to verify) and has
+/// no damage record ([`damaged_files`]). Table files are not needed
+/// ([`CheckpointMetadata::required_files`]): one missing does not make the checkpoint unusable,
+/// and the restore takes the full image it stands for.
 pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<CheckpointMetadata>), StorageError> {
+    inspect_with(storage, dir, &damaged_files(storage).await?).await
+}
+
+/// [`inspect`] with the damage records already listed.
+async fn inspect_with(
+    storage: &Storage,
+    dir: &str,
+    damaged: &BTreeSet<String>,
+) -> Result<(Verdict, Option<CheckpointMetadata>), StorageError> {
     let metadata = match read_metadata(storage, dir).await? {
         Ok(m) => m,
         Err(verdict) => return Ok((verdict, None)),
@@ -58,18 +69,30 @@ pub async fn inspect(storage: &Storage, dir: &str) -> Result<(Verdict, Option<Ch
     let files: Vec<_> = metadata.required_files().cloned().collect();
     for f in files {
         let path = layout::resolve(dir, &f.path);
-        match storage.size(&path).await? {
-            None => return Ok((Verdict::Invalid(format!("missing file {}", f.path)), Some(metadata))),
-            Some(len) if len != f.len => {
-                return Ok((
-                    Verdict::Invalid(format!("file {} has {len} bytes, metadata says {}", f.path, f.len)),
-                    Some(metadata),
-                ))
+        let invalid = match storage.size(&path).await? {
+            None => format!("missing file {}", f.path),
+            Some(len) if len != f.len => format!("file {} has {len} bytes, metadata says {}", f.path, f.len),
+            Some(_) if damaged.contains(&path) => {
+                let why = match storage.get(&layout::damage_record(&path)).await {
+                    Ok(record) => String::from_utf8_lossy(&record).into_owned(),
+                    Err(e) => format!("its record could not be read: {e}"),
+                };
+                format!("file {}: an earlier restore found it damaged ({why})", f.path)
             }
-            Some(_) => {}
-        }
+            Some(_) => continue,
+        };
+        return Ok((Verdict::Invalid(invalid), Some(metadata)));
     }
     Ok((Verdict::Valid, Some(metadata)))
+}
+
+/// The state files (paths from the storage root) that restores found damaged after they had
+/// started: each has a record under [`layout::DAMAGED`] saying why. No restore picks a snapshot
+/// that needs one of them, and the operator reports such checkpoints as invalid.
+pub async fn damaged_files(storage: &Storage) -> Result<BTreeSet<String>, StorageError> {
+    let prefix = format!("{}/", layout::DAMAGED);
+    let records = storage.list(layout::DAMAGED).await?;
+    Ok(records.iter().filter_map(|r| r.strip_prefix(&prefix)).map(str::to_string).collect())
 }
 
 /// Every checkpoint directory of a job root, newest first, with its verdict.
@@ -79,9 +102,10 @@ pub async fn list_checkpoints(
     let mut ids: Vec<u64> =
         storage.list_dirs(layout::CHECKPOINTS).await?.iter().filter_map(|n| layout::parse_checkpoint_dir(n)).collect();
     ids.sort_unstable_by(|a, b| b.cmp(a));
+    let damaged = damaged_files(storage).await?;
     let mut out = Vec::new();
     for id in ids {
-        let (verdict, meta) = inspect(storage, &layout::checkpoint_dir(id)).await?;
+        let (verdict, meta) = inspect_with(storage, &layout::checkpoint_dir(id), &damaged).await?;
         out.push((id, verdict, meta));
     }
     Ok(out)
@@ -235,5 +259,43 @@ mod tests {
         let (valid, skipped) = restorable_checkpoints(&s).await.unwrap();
         assert_eq!(valid.iter().map(|r| r.metadata.checkpoint_id).collect::<Vec<_>>(), vec![2, 1]);
         assert_eq!(skipped, vec![(3, "missing file ../shared/op/0-3-0.kv".to_string())]);
+    }
+
+    /// A state file that an earlier restore found damaged (its record under `_damaged`) makes
+    /// every checkpoint that needs it invalid, with the record's reason; a record for a table
+    /// file (which the image stands in for) or for a file no checkpoint lists changes nothing.
+    #[tokio::test]
+    async fn a_damage_record_makes_the_checkpoints_needing_the_file_invalid() {
+        let s = three_checkpoints().await;
+        let image = "checkpoints/shared/op/0-3-0.kv";
+        s.put(&layout::damage_record(image), Bytes::from_static(b"bytes 9..20: key group 1 does not match"))
+            .await
+            .unwrap();
+        s.put(&layout::damage_record("checkpoints/shared/op/0-2-0.kv.sst"), Bytes::from_static(b"crc32c"))
+            .await
+            .unwrap();
+        s.put(&layout::damage_record("checkpoints/shared/op/0-9-0.kv"), Bytes::from_static(b"gone")).await.unwrap();
+        assert_eq!(damaged_files(&s).await.unwrap().len(), 3);
+        let listed = list_checkpoints(&s).await.unwrap();
+        let verdicts: Vec<(u64, &Verdict)> = listed.iter().map(|(id, v, _)| (*id, v)).collect();
+        assert_eq!(
+            verdicts,
+            vec![
+                (
+                    3,
+                    &Verdict::Invalid(
+                        "file ../shared/op/0-3-0.kv: an earlier restore found it damaged \
+                         (bytes 9..20: key group 1 does not match)"
+                            .into()
+                    )
+                ),
+                (2, &Verdict::Valid),
+                (1, &Verdict::Valid)
+            ]
+        );
+        let (valid, skipped) = restorable_checkpoints(&s).await.unwrap();
+        assert_eq!(valid.iter().map(|r| r.metadata.checkpoint_id).collect::<Vec<_>>(), vec![2, 1]);
+        assert_eq!(skipped.len(), 1);
+        assert_eq!(inspect(&s, &layout::checkpoint_dir(3)).await.unwrap().0, listed[0].1);
     }
 }
