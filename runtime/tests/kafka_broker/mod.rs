@@ -23,7 +23,8 @@ use rdkafka::{Offset, TopicPartitionList};
 /// A running broker.
 pub struct Broker {
     _child: Child,
-    dir: tempfile::TempDir,
+    /// The broker's files, removed with it when this process ends (see the watchdog below).
+    dir: std::path::PathBuf,
     client: Client,
     /// `<host>:<port>` of the SASL_PLAINTEXT listener (mechanism PLAIN, user `weir`,
     /// password [`SASL_PASSWORD`]).
@@ -75,12 +76,12 @@ impl Broker {
     /// Starts a broker listening on `host` (free ports); it stops when this process ends.
     pub fn start_on(host: &str) -> Broker {
         let started = Instant::now();
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap().keep();
         // The three listeners are held until all are chosen, so that no two get the same port.
         let listeners: Vec<_> = (0..3).map(|_| std::net::TcpListener::bind((host, 0)).unwrap()).collect();
         let [port, controller, sasl] = [0, 1, 2].map(|i| listeners[i].local_addr().unwrap().port());
         drop(listeners);
-        let props = dir.path().join("server.properties");
+        let props = dir.join("server.properties");
         std::fs::write(
             &props,
             format!(
@@ -107,7 +108,7 @@ impl Broker {
              transaction.max.timeout.ms=900000\n\
              transaction.abort.timed.out.transaction.cleanup.interval.ms=1000\n\
              log.cleaner.backoff.ms=1000\n",
-                dir.path().join("data").display()
+                dir.join("data").display()
             ),
         )
         .unwrap();
@@ -129,12 +130,14 @@ impl Broker {
             "formatting the broker's storage: {}",
             String::from_utf8_lossy(&format.stderr)
         );
-        let log = std::fs::File::create(dir.path().join("broker.log")).unwrap();
-        // A shell watches this test process and stops the broker when it is gone (statics are
-        // never dropped, so nothing else would).
+        let log = std::fs::File::create(dir.join("broker.log")).unwrap();
+        // A shell watches this test process and, when it is gone, stops the broker and removes
+        // its files (statics are never dropped, so nothing else would: every run left the
+        // broker's logs and data in the temporary directory).
         let watchdog = concat!(
-            r#"parent=$1; shift; "$@" & server=$!; "#,
-            r#"while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; kill -9 "$server""#
+            r#"parent=$1; dir=$2; shift 2; "$@" & server=$!; "#,
+            r#"while kill -0 "$parent" 2>/dev/null; do sleep 0.2; done; "#,
+            r#"kill -9 "$server"; wait "$server"; rm -rf "$dir""#
         );
         let server = java("kafka.Kafka");
         let mut args: Vec<String> = vec![server.get_program().to_string_lossy().into()];
@@ -142,6 +145,7 @@ impl Broker {
         args.push(props.to_string_lossy().into());
         let child = Command::new("sh")
             .args(["-c", watchdog, "sh", &std::process::id().to_string()])
+            .arg(&dir)
             .args(&args)
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -158,7 +162,7 @@ impl Broker {
             assert!(
                 Instant::now() < deadline,
                 "the Kafka broker did not start in 90 s; its log: {}",
-                std::fs::read_to_string(dir.path().join("broker.log")).unwrap_or_default()
+                std::fs::read_to_string(dir.join("broker.log")).unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -173,7 +177,7 @@ impl Broker {
 
     /// The broker's log so far (for failure messages).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("broker.log")).unwrap_or_default()
+        std::fs::read_to_string(self.dir.join("broker.log")).unwrap_or_default()
     }
 }
 
