@@ -79,8 +79,9 @@ pub struct SubtaskSnapshot {
     pub store_tables: Vec<FileRef>,
     /// How many keys the keyed state held when the snapshot was taken (`keyed_state` applied
     /// in full): a restore makes room for them at once, where a map grown as a chain's
-    /// increments add keys moves every entry again at each doubling. Absent where the backend
-    /// does not count its keys (rocksdb) and in snapshots written before it was recorded.
+    /// increments add keys moves every entry again at each doubling. The rocksdb backend
+    /// counts only its full images (savepoints, and checkpoints that write one), by their
+    /// puts; absent for its increments and in snapshots written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keyed_entries: Option<u64>,
 }

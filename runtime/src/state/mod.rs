@@ -796,10 +796,19 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         Ok(self.increment_written(finish(FileKind::KeyedIncrement, w)))
     }
 
-    /// `snapshot` with the number of keys the map holds now, on the heap backend (whose map
-    /// holds them all).
+    /// `snapshot` with the number of keys the state holds now: on the heap backend the map's,
+    /// which holds them all; on the rocksdb backend a full image's puts, which list every key
+    /// once, but twice a key whose changed value is still only in the cache (the count a
+    /// restore would make by reading the image, at most the cache's size above the keys). The
+    /// rocksdb backend's increments count nothing (its store is not counted as it changes).
+    /// A savepoint taken on the rocksdb backend thus tells a heap restore how much room to
+    /// make without a pass over the image to count it.
     fn counted(&self, mut snapshot: KeyedSnapshot) -> KeyedSnapshot {
-        snapshot.live_entries = self.spill.is_none().then_some(self.map.len() as u64);
+        snapshot.live_entries = match (&self.spill, snapshot.kind) {
+            (None, _) => Some(self.map.len() as u64),
+            (Some(_), FileKind::KeyedFull) => Some(snapshot.entries),
+            (Some(_), _) => None,
+        };
         snapshot
     }
 
@@ -1510,10 +1519,46 @@ mod tests {
         for (i, n) in model {
             assert_eq!(restored.get(&key(i)).unwrap(), Some(&n), "key {i}");
         }
+    }
 
-        let mut on_store = KeyedState::<i64>::new(16, true, 100).on_test_store(8);
-        *on_store.update(key(1), || 0).unwrap() += 1;
-        assert_eq!(on_store.snapshot_checkpoint().unwrap().live_entries, None);
+    /// On the rocksdb backend a full image (a savepoint's, or a checkpoint's) counts its keys,
+    /// and a heap restore that reserves that count never grows its map; an increment counts
+    /// nothing.
+    #[test]
+    fn rocksdb_full_images_count_their_keys_for_a_heap_restore() {
+        let mut on_store = KeyedState::<i64>::new(16, true, 100).on_test_store(1_000);
+        let mut model = std::collections::BTreeMap::new();
+        for i in 0..30_000i64 {
+            *on_store.update(key(i), || 0).unwrap() += i;
+            model.insert(i, i);
+        }
+        let first = on_store.snapshot_checkpoint().unwrap();
+        assert_eq!(first.kind, FileKind::KeyedFull, "a chain starts with a full image");
+        assert_eq!(first.live_entries, Some(model.len() as u64));
+        *on_store.update(key(1), || 0).unwrap() += 5;
+        *model.get_mut(&1).unwrap() += 5;
+        for i in (0..30_000i64).step_by(11) {
+            if on_store.remove(&key(i)).unwrap().is_some() {
+                model.remove(&i);
+            }
+        }
+        let increment = on_store.snapshot_checkpoint().unwrap();
+        assert_eq!(increment.kind, FileKind::KeyedIncrement);
+        assert_eq!(increment.live_entries, None);
+        let savepoint = on_store.snapshot_full_copy().unwrap();
+        let counted = savepoint.live_entries.unwrap();
+        assert!(counted >= model.len() as u64, "{counted} counted, {} keys", model.len());
+        assert!(counted <= model.len() as u64 + 1_000, "{counted} counted: more than the cache above the keys");
+
+        let mut restored = KeyedState::<i64>::new(16, true, 100);
+        restored.reserve_restored_entries(counted);
+        let room = restored.map.capacity();
+        restored.restore_file(open(&savepoint.bytes()).unwrap().1, (0, 16)).unwrap();
+        assert_eq!(restored.map.capacity(), room, "the map grew while the savepoint was applied");
+        assert_eq!(restored.entries().len(), model.len());
+        for (i, n) in model {
+            assert_eq!(restored.get(&key(i)).unwrap(), Some(&n), "key {i}");
+        }
     }
 
     #[test]
