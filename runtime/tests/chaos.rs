@@ -14,7 +14,8 @@
 //!
 //! The campaign seed is printed; `WEIR_CHAOS_SEED=<seed>` replays the same kill schedule.
 //! `WEIR_CHAOS_KILLS=<n>` sets the kills per campaign for a soak run (default: 70, 70 and 60,
-//! plus as many as the file source lasts for: over 200 in all).
+//! plus as many as the file source lasts for: over 200 in all); the generated inputs grow with
+//! it, so that the jobs last for that many kills.
 
 mod common;
 
@@ -48,6 +49,13 @@ fn kills(default: u64) -> u64 {
     std::env::var("WEIR_CHAOS_KILLS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
+/// How many times their usual input the generated jobs read: enough for the kills asked for
+/// by `WEIR_CHAOS_KILLS` (the usual input is sized for about 70), so that a longer campaign is
+/// not cut short by its input running out.
+fn input_scale() -> u64 {
+    kills(70).div_ceil(70).max(1)
+}
+
 /// A job shape: its YAML for an output directory, a rate (None: full speed) and a parallelism.
 type JobYaml = Box<dyn Fn(&Path, Option<u64>, u32) -> String>;
 
@@ -78,7 +86,7 @@ maxParallelism: 32
 {CHECKPOINTING}sources:
   - name: events
     uid: events
-    generator: {{ count: 150000, {rate}timeStep: 1ms,
+    generator: {{ count: {count}, {rate}timeStep: 1ms,
                   fields: [ {{ name: seq, sequence: {{}} }}, {{ name: amount, uniform: {{ min: 1, max: 100 }} }} ] }}
 operators:
   - {{ name: keyed, map: {{ fields: {{ key: "seq % 97 + (seq / 5000) % 3 * 1000", amount: "amount" }} }} }}
@@ -91,6 +99,7 @@ operators:
 sinks:
   - {{ name: out, uid: out, file: {{ path: {out}/windows }} }}
 "#,
+                count = 150_000 * input_scale(),
                 rate = rate_line(rate),
                 out = out.display()
             )
@@ -111,7 +120,7 @@ maxParallelism: 32
 {CHECKPOINTING}sources:
   - name: lines
     uid: lines
-    generator: {{ count: 60000, {rate}fields: [ {{ name: seq, sequence: {{}} }},
+    generator: {{ count: {count}, {rate}fields: [ {{ name: seq, sequence: {{}} }},
                                                 {{ name: line, text: {{ words: 4, vocabulary: 300 }} }} ] }}
 operators:
   - {{ name: words, flatMap: {{ split: {{ field: line, into: word, lowercase: true }} }} }}
@@ -126,6 +135,7 @@ sinks:
   - {{ name: counts-out, input: counts, uid: counts-out, file: {{ path: {out}/counts }} }}
   - {{ name: unique-out, input: unique, uid: unique-out, parallelism: 2, file: {{ path: {out}/unique }} }}
 "#,
+                count = 60_000 * input_scale(),
                 rate = rate_line(rate),
                 out = out.display()
             )
