@@ -511,10 +511,8 @@ impl RestoredState {
             let mut subtasks = Vec::new();
             for s in &op.subtasks {
                 if let Some(f) = s.keyed_state.iter().find(|f| damaged.contains(&found.resolve(&f.path))) {
-                    let record = weir_checkpoint::layout::damage_record(&found.resolve(&f.path));
-                    let why = storage.get(&record).await.map(|b| String::from_utf8_lossy(&b).into_owned());
-                    let why = why.unwrap_or_else(|e| format!("its record could not be read: {e}"));
-                    return Err(corrupt(storage, found, f, format!("an earlier restore found it damaged ({why})")));
+                    let damage = recovery::recorded_damage(storage, &found.resolve(&f.path)).await;
+                    return Err(corrupt(storage, found, f, damage));
                 }
                 let mut sub = RestoredSubtask {
                     key_groups: s.key_groups,

@@ -72,13 +72,7 @@ async fn inspect_with(
         let invalid = match storage.size(&path).await? {
             None => format!("missing file {}", f.path),
             Some(len) if len != f.len => format!("file {} has {len} bytes, metadata says {}", f.path, f.len),
-            Some(_) if damaged.contains(&path) => {
-                let why = match storage.get(&layout::damage_record(&path)).await {
-                    Ok(record) => String::from_utf8_lossy(&record).into_owned(),
-                    Err(e) => format!("its record could not be read: {e}"),
-                };
-                format!("file {}: an earlier restore found it damaged ({why})", f.path)
-            }
+            Some(_) if damaged.contains(&path) => format!("file {}: {}", f.path, recorded_damage(storage, &path).await),
             Some(_) => continue,
         };
         return Ok((Verdict::Invalid(invalid), Some(metadata)));
@@ -93,6 +87,16 @@ pub async fn damaged_files(storage: &Storage) -> Result<BTreeSet<String>, Storag
     let prefix = format!("{}/", layout::DAMAGED);
     let records = storage.list(layout::DAMAGED).await?;
     Ok(records.iter().filter_map(|r| r.strip_prefix(&prefix)).map(str::to_string).collect())
+}
+
+/// What the damage record of the state file at `path` (from the storage root, listed by
+/// [`damaged_files`]) says, as a restore and the operator report it.
+pub async fn recorded_damage(storage: &Storage, path: &str) -> String {
+    let why = match storage.get(&layout::damage_record(path)).await {
+        Ok(record) => String::from_utf8_lossy(&record).into_owned(),
+        Err(e) => format!("its record could not be read: {e}"),
+    };
+    format!("an earlier restore found it damaged ({why})")
 }
 
 /// Every checkpoint directory of a job root, newest first, with its verdict.
