@@ -252,7 +252,7 @@ fn baseline(records: u64) -> (f64, usize) {
 fn restored_counts(
     keyed: &weir_runtime::restore::KeyedRestore,
     stores: Option<std::path::PathBuf>,
-) -> weir_runtime::state::KeyedState<weir_runtime::operators::accumulators::AccList> {
+) -> weir_runtime::state::KeyedState<weir_runtime::operators::accumulators::AccOne> {
     let ctx = weir_runtime::operators::keyed::KeyedContext {
         uid: "counts".into(),
         key: vec![0],

@@ -334,8 +334,8 @@ impl StateValue for AccList {
 }
 
 /// The accumulators of a running aggregate as its operator's state holds them per key: a list
-/// of any aggregates ([`AccList`]), or two counts or sums inline ([`AccPair`]). Both encode
-/// the same way, so state written by one restores on the other.
+/// of any aggregates ([`AccList`]), or one or two counts or sums inline ([`AccNums`]). Both
+/// encode the same way, so state written by one restores on the other.
 pub trait AccState: StateValue {
     /// Fresh accumulators of `aggregates`.
     fn init(aggregates: &Aggregates) -> Self;
@@ -362,7 +362,7 @@ impl AccState for AccList {
     }
 }
 
-/// A count or a sum: an accumulator that an [`AccPair`] holds inline.
+/// A count or a sum: an accumulator that [`AccNums`] hold inline.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Num {
     /// Record count.
@@ -394,48 +394,64 @@ impl Num {
     }
 }
 
-/// Two accumulators, each a count or a sum, held in the map's entry (32 bytes) instead of in a
-/// heap slice of their own. A running count and sum per key (the CEL pipeline's `counts`) read
-/// that slice on every record: a second cache miss per record, which was 63% of the lookups'
-/// time (`perf`). Encoded as an [`AccList`] of the same two accumulators.
+/// `N` accumulators, each a count or a sum, held in the map's entry instead of an [`AccList`]:
+/// encoded as an [`AccList`] of the same accumulators, so state written by one restores on the
+/// other.
+///
+/// - Two ([`AccPair`], 32 bytes): a list of two is a heap slice, and a running count and sum
+///   per key (the CEL pipeline's `counts`) read that slice on every record: a second cache
+///   miss per record, which was 63% of the lookups' time (`perf`).
+/// - One ([`AccOne`], 16 bytes): a list holds one accumulator inline, but as an [`Acc`] of 32
+///   bytes (its minimum and maximum are values). The keyed count's map entry (key, value and
+///   the slot's flags) is 48 bytes with it instead of 72: a third less memory to fill on a
+///   restore and to miss in the caches on every record (`runtime/BENCHMARKS.md`).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AccPair(pub [Num; 2]);
+pub struct AccNums<const N: usize>(pub [Num; N]);
 
-impl AccPair {
-    /// Whether an `AccPair` holds the accumulators of `specs`: two, each a count or a sum.
+/// One count or sum held inline ([`AccNums`]).
+pub type AccOne = AccNums<1>;
+
+/// Two counts or sums held inline ([`AccNums`]).
+pub type AccPair = AccNums<2>;
+
+impl<const N: usize> AccNums<N> {
+    /// Whether an `AccNums<N>` holds the accumulators of `specs`: `N`, each a count or a sum.
     pub fn holds(specs: &[AggregateFn]) -> bool {
-        specs.len() == 2 && specs.iter().all(|a| matches!(a.function, AggregateKind::Count | AggregateKind::Sum))
+        specs.len() == N && specs.iter().all(|a| matches!(a.function, AggregateKind::Count | AggregateKind::Sum))
     }
 }
 
-impl StateValue for AccPair {
+impl<const N: usize> StateValue for AccNums<N> {
     fn encode(&self, e: &mut Encoder) {
-        e.varint(2);
+        e.varint(N as u64);
         for n in self.0 {
             n.acc().encode(e);
         }
     }
 
-    /// Reads an [`AccList`] of two counts or sums; another list is malformed here (the job's
+    /// Reads an [`AccList`] of `N` counts or sums; another list is malformed here (the job's
     /// aggregates are not the ones its state was written by).
+    #[inline(always)]
     fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
-        if d.varint()? != 2 {
+        if d.varint()? != N as u64 {
             return Err(FormatError::Malformed(d.position()));
         }
-        let mut num = || Num::of(Acc::decode(d)?).ok_or(FormatError::Malformed(d.position()));
-        Ok(AccPair([num()?, num()?]))
+        let mut nums = [Num::Count(0); N];
+        for num in &mut nums {
+            *num = Num::of(Acc::decode(d)?).ok_or(FormatError::Malformed(d.position()))?;
+        }
+        Ok(AccNums(nums))
     }
 }
 
-/// The pair's accumulators go through [`Acc`], which holds the aggregates' logic: a count's or
-/// a sum's `Acc` is a copy of its number, and the compiler drops the round trip.
-impl AccState for AccPair {
+/// The accumulators go through [`Acc`], which holds the aggregates' logic: a count's or a sum's
+/// `Acc` is a copy of its number, and the compiler drops the round trip.
+impl<const N: usize> AccState for AccNums<N> {
     fn init(aggregates: &Aggregates) -> Self {
-        debug_assert!(aggregates.len() == 2, "AccPair::holds the aggregates");
-        let num = |i: usize| {
+        debug_assert!(aggregates.len() == N, "AccNums::holds the aggregates");
+        AccNums(std::array::from_fn(|i| {
             aggregates.specs.get(i).and_then(|(kind, _)| Num::of(Acc::fresh(*kind))).unwrap_or(Num::Count(0))
-        };
-        AccPair([num(0), num(1)])
+        }))
     }
 
     #[inline]
@@ -478,52 +494,72 @@ mod tests {
         }
     }
 
-    /// Two counts or sums held inline give what the same accumulators in a list give, record
+    /// `N` counts or sums held inline give what the same accumulators in a list give, record
     /// after record (integers, floats that promote a sum, fields missing), and their state is
     /// the same bytes: written by one, read by the other.
-    #[test]
-    fn a_pair_of_counts_and_sums_aggregates_and_encodes_as_a_list_does() {
-        assert!(std::mem::size_of::<AccPair>() <= 32);
-        let spec = |function, field: Option<&str>| AggregateFn {
-            function,
-            field: field.map(str::to_string),
-            output: "o".into(),
-        };
+    fn held_inline_as_a_list_does<const N: usize>(specs: &[AggregateFn]) {
+        assert!(AccNums::<N>::holds(specs), "{specs:?}");
         let input = ["x".to_string(), "y".to_string()];
+        let a = Aggregates::new(specs, &input);
+        let (mut nums, mut list) = (AccNums::<N>::init(&a), AccList::init(&a));
+        for i in 0..40i64 {
+            let x = if i == 17 { Value::Float(0.25) } else { Value::Int(i * 3 - 50) };
+            let y = if i % 5 == 0 { Value::Null } else { Value::Int(i) };
+            let r = Record { time: i, fields: smallvec::smallvec![x, y] };
+            nums.add(&a, &r);
+            list.add(&a, &r);
+            let (mut p, mut l) = (Fields::new(), Fields::new());
+            nums.results(&mut p);
+            list.results(&mut l);
+            assert_eq!(p, l, "{specs:?}, record {i}");
+            let (mut pe, mut le) = (Encoder::default(), Encoder::default());
+            nums.encode(&mut pe);
+            list.encode(&mut le);
+            assert_eq!(pe.buf, le.buf);
+            assert_eq!(AccNums::<N>::decode(&mut Decoder::new(&le.buf)).unwrap(), nums);
+            assert_eq!(AccList::decode(&mut Decoder::new(&pe.buf)).unwrap(), list);
+        }
+    }
+
+    fn spec(function: AggregateKind, field: Option<&str>) -> AggregateFn {
+        AggregateFn { function, field: field.map(str::to_string), output: "o".into() }
+    }
+
+    /// One or two counts or sums held inline ([`AccOne`], [`AccPair`]) aggregate and encode as
+    /// a list of them does, in less memory than a list; other accumulators are not theirs, and
+    /// a list of others is malformed state for them.
+    #[test]
+    fn counts_and_sums_held_inline_aggregate_and_encode_as_a_list_does() {
+        assert_eq!(std::mem::size_of::<AccOne>(), 16);
+        assert!(std::mem::size_of::<AccPair>() <= 32);
         for specs in [
             vec![spec(AggregateKind::Count, None), spec(AggregateKind::Sum, Some("x"))],
             vec![spec(AggregateKind::Sum, Some("y")), spec(AggregateKind::Sum, Some("x"))],
             vec![spec(AggregateKind::Sum, Some("missing")), spec(AggregateKind::Count, None)],
         ] {
-            assert!(AccPair::holds(&specs));
-            let a = Aggregates::new(&specs, &input);
-            let (mut pair, mut list) = (AccPair::init(&a), AccList::init(&a));
-            for i in 0..40i64 {
-                let x = if i == 17 { Value::Float(0.25) } else { Value::Int(i * 3 - 50) };
-                let y = if i % 5 == 0 { Value::Null } else { Value::Int(i) };
-                let r = Record { time: i, fields: smallvec::smallvec![x, y] };
-                pair.add(&a, &r);
-                list.add(&a, &r);
-                let (mut p, mut l) = (Fields::new(), Fields::new());
-                pair.results(&mut p);
-                list.results(&mut l);
-                assert_eq!(p, l, "{specs:?}, record {i}");
-                let (mut pe, mut le) = (Encoder::default(), Encoder::default());
-                pair.encode(&mut pe);
-                list.encode(&mut le);
-                assert_eq!(pe.buf, le.buf);
-                assert_eq!(AccPair::decode(&mut Decoder::new(&le.buf)).unwrap(), pair);
-                assert_eq!(AccList::decode(&mut Decoder::new(&pe.buf)).unwrap(), list);
-            }
+            held_inline_as_a_list_does::<2>(&specs);
+        }
+        for specs in [
+            vec![spec(AggregateKind::Count, None)],
+            vec![spec(AggregateKind::Sum, Some("x"))],
+            vec![spec(AggregateKind::Sum, Some("missing"))],
+        ] {
+            held_inline_as_a_list_does::<1>(&specs);
         }
         assert!(!AccPair::holds(&[spec(AggregateKind::Count, None)]));
         assert!(!AccPair::holds(&[spec(AggregateKind::Count, None), spec(AggregateKind::Min, Some("x"))]));
-        // A list of other accumulators is not a pair's state.
-        for other in [vec![Acc::Count(1)], vec![Acc::Count(1), Acc::Avg(1.0, 1)], vec![Acc::Count(1); 3]] {
+        assert!(!AccOne::holds(&[spec(AggregateKind::Avg, Some("x"))]));
+        assert!(!AccOne::holds(&[spec(AggregateKind::Count, None), spec(AggregateKind::Count, None)]));
+        // A list of other accumulators is not their state.
+        for other in [vec![Acc::Count(1), Acc::Avg(1.0, 1)], vec![Acc::Count(1); 3], vec![Acc::Max(Value::Int(1))]] {
             let mut e = Encoder::default();
             AccList(Accs::from(other.clone())).encode(&mut e);
             assert!(AccPair::decode(&mut Decoder::new(&e.buf)).is_err(), "{other:?}");
+            assert!(AccOne::decode(&mut Decoder::new(&e.buf)).is_err(), "{other:?}");
         }
+        let mut e = Encoder::default();
+        AccList(Accs::from(vec![Acc::Count(1)])).encode(&mut e);
+        assert!(AccPair::decode(&mut Decoder::new(&e.buf)).is_err());
     }
 
     #[test]

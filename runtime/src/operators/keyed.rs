@@ -300,7 +300,7 @@ impl<K: StateKey> Operator for DedupeOperator<K> {
 mod tests {
     use super::*;
     use crate::message::SnapshotTarget;
-    use crate::operators::accumulators::{AccList, AccPair};
+    use crate::operators::accumulators::{AccList, AccOne, AccPair};
     use crate::restore::KeyedFile;
     use crate::value::{PackedKey, Value};
     use bytes::Bytes;
@@ -354,38 +354,58 @@ mod tests {
         key_groups: (u32, u32),
         restore: Option<&KeyedRestore>,
     ) -> AggregateOperator<K, V> {
-        let input: Vec<String> = INPUT.iter().map(|s| s.to_string()).collect();
-        AggregateOperator::<K, V>::new(ctx(key.to_vec(), key_groups), &count_and_sum(), &input, restore).unwrap()
+        aggregate_of(&count_and_sum(), key, key_groups, restore)
     }
 
-    /// A count and sum held inline aggregate as a list of them does, and either's checkpoints
+    /// The running aggregates `specs` on `key`, as [`aggregate`].
+    fn aggregate_of<K: StateKey, V: AccState>(
+        specs: &[AggregateFn],
+        key: &[usize],
+        key_groups: (u32, u32),
+        restore: Option<&KeyedRestore>,
+    ) -> AggregateOperator<K, V> {
+        let input: Vec<String> = INPUT.iter().map(|s| s.to_string()).collect();
+        AggregateOperator::<K, V>::new(ctx(key.to_vec(), key_groups), specs, &input, restore).unwrap()
+    }
+
+    /// Counts and sums held inline aggregate as a list of them does, and either's checkpoints
     /// restore on the other (a job whose version changes how its accumulators are held keeps
-    /// its state), at another parallelism too.
-    #[test]
-    fn a_count_and_sum_held_inline_aggregates_and_restores_as_a_list_does() {
+    /// its state), at another parallelism too: `V` holds `specs`.
+    fn held_inline_aggregates_and_restores_as_a_list_does<V: AccState>(specs: &[AggregateFn]) {
         let batches: Vec<Vec<Record>> = (0..4).map(|b| (b * 60..b * 60 + 60).map(rec).collect()).collect();
         let key = vec![0];
-        assert!(AccPair::holds(&count_and_sum()));
-        let mut pair = aggregate::<Key, AccPair>(&key, (0, 8), None);
-        let mut list = aggregate::<Key, AccList>(&key, (0, 8), None);
-        let (mut pair_files, mut list_files) = (Vec::new(), Vec::new());
+        let mut inline = aggregate_of::<Key, V>(specs, &key, (0, 8), None);
+        let mut list = aggregate_of::<Key, AccList>(specs, &key, (0, 8), None);
+        let (mut inline_files, mut list_files) = (Vec::new(), Vec::new());
         for (b, batch) in batches.iter().enumerate().take(3) {
-            same_output(&mut pair, &mut list, batch.clone());
-            pair_files.push(checkpoint(&mut pair, b as u64));
+            same_output(&mut inline, &mut list, batch.clone());
+            inline_files.push(checkpoint(&mut inline, b as u64));
             list_files.push(checkpoint(&mut list, b as u64));
         }
-        assert_eq!(pair_files, list_files, "the same state files");
+        assert_eq!(inline_files, list_files, "the same state files");
         let mut expected = Vec::new();
         list.process(batches[3].clone(), &mut expected).unwrap();
         let mut got = Vec::new();
         for key_groups in [(0, 5), (5, 8)] {
-            let mut p = aggregate::<Key, AccPair>(&key, key_groups, Some(&restore_of(&list_files)));
-            let mut l = aggregate::<Key, AccList>(&key, key_groups, Some(&restore_of(&pair_files)));
-            got.extend(same_output(&mut p, &mut l, of_key_groups(&batches[3], &key, key_groups)));
+            let mut i = aggregate_of::<Key, V>(specs, &key, key_groups, Some(&restore_of(&list_files)));
+            let mut l = aggregate_of::<Key, AccList>(specs, &key, key_groups, Some(&restore_of(&inline_files)));
+            got.extend(same_output(&mut i, &mut l, of_key_groups(&batches[3], &key, key_groups)));
         }
         got.sort_by_key(|r| r.time);
         expected.sort_by_key(|r| r.time);
-        assert_eq!(got, expected, "restored at parallelism 2, the counts and sums go on");
+        assert_eq!(got, expected, "restored at parallelism 2, the aggregates go on");
+    }
+
+    /// A count and a sum held inline ([`AccPair`]), and a count alone ([`AccOne`], the keyed
+    /// count's state) or a sum alone.
+    #[test]
+    fn counts_and_sums_held_inline_aggregate_and_restore_as_a_list_does() {
+        assert!(AccPair::holds(&count_and_sum()));
+        held_inline_aggregates_and_restores_as_a_list_does::<AccPair>(&count_and_sum());
+        for one in count_and_sum() {
+            assert!(AccOne::holds(std::slice::from_ref(&one)));
+            held_inline_aggregates_and_restores_as_a_list_does::<AccOne>(&[one]);
+        }
     }
 
     /// A batch longer than several prefetch runs ([`PREFETCH_CHUNK`]), its keys repeated

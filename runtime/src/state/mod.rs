@@ -1409,11 +1409,13 @@ mod tests {
     }
 
     /// A running aggregate's entry of one accumulator under a single-field key is one cache
-    /// line; a dedupe's, under a composite key, half of one.
+    /// line, three quarters of one for a count or a sum; a dedupe's, under a composite key,
+    /// half of one.
     #[test]
-    fn state_entries_are_a_cache_line_or_half_of_one() {
-        use crate::operators::accumulators::AccList;
+    fn state_entries_are_a_cache_line_or_less() {
+        use crate::operators::accumulators::{AccList, AccOne};
         assert_eq!(std::mem::size_of::<(Key, Slot<AccList>)>(), 64);
+        assert_eq!(std::mem::size_of::<(Key, Slot<AccOne>)>(), 48);
         assert_eq!(std::mem::size_of::<(crate::value::PackedKey, Slot<()>)>(), 32);
     }
 
