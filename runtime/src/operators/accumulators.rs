@@ -206,15 +206,15 @@ impl Acc {
     pub fn add(&mut self, v: Option<&Value>) {
         match self {
             Acc::Count(n) => *n += 1,
-            Acc::SumInt(s) => match v {
-                Some(Value::Int(i)) => *s = s.wrapping_add(*i),
-                Some(Value::Float(f)) => *self = Acc::SumFloat(*s as f64 + f),
-                _ => {}
-            },
+            Acc::SumInt(s) => {
+                let mut num = Num::SumInt(*s);
+                num.add(v);
+                *self = num.acc();
+            }
             Acc::SumFloat(s) => {
-                if let Some(x) = v.and_then(Value::as_f64) {
-                    *s += x
-                }
+                let mut num = Num::SumFloat(*s);
+                num.add(v);
+                *self = num.acc();
             }
             Acc::Min(m) => {
                 if let Some(x) = v {
@@ -383,6 +383,26 @@ impl Num {
         }
     }
 
+    /// Adds a record whose aggregated field is `v` ([`Acc::add`]): a count counts it, an
+    /// integer sum adds an integer and turns into a float sum at the first float, a float sum
+    /// adds any number; a sum skips anything else.
+    #[inline]
+    pub fn add(&mut self, v: Option<&Value>) {
+        match self {
+            Num::Count(n) => *n += 1,
+            Num::SumInt(s) => match v {
+                Some(Value::Int(i)) => *s = s.wrapping_add(*i),
+                Some(Value::Float(f)) => *self = Num::SumFloat(*s as f64 + f),
+                _ => {}
+            },
+            Num::SumFloat(s) => {
+                if let Some(x) = v.and_then(Value::as_f64) {
+                    *s += x
+                }
+            }
+        }
+    }
+
     /// An [`Acc`] that is a count or a sum.
     fn of(acc: Acc) -> Option<Num> {
         match acc {
@@ -444,8 +464,7 @@ impl<const N: usize> StateValue for AccNums<N> {
     }
 }
 
-/// The accumulators go through [`Acc`], which holds the aggregates' logic: a count's or a sum's
-/// `Acc` is a copy of its number, and the compiler drops the round trip.
+/// Added to by [`Num::add`], which holds a count's and a sum's logic for [`Acc`] too.
 impl<const N: usize> AccState for AccNums<N> {
     fn init(aggregates: &Aggregates) -> Self {
         debug_assert!(aggregates.len() == N, "AccNums::holds the aggregates");
@@ -454,18 +473,21 @@ impl<const N: usize> AccState for AccNums<N> {
         }))
     }
 
-    #[inline]
+    #[inline(always)]
     fn add(&mut self, aggregates: &Aggregates, record: &Record) {
         for (num, (_, field)) in self.0.iter_mut().zip(&aggregates.specs) {
-            let mut acc = num.acc();
-            acc.add(field.map(|i| &record.fields[i]));
-            *num = Num::of(acc).unwrap_or(*num);
+            num.add(field.map(|i| &record.fields[i]));
         }
     }
 
     #[inline]
     fn results(&self, out: &mut Fields) {
-        Aggregates::results(&self.0.map(Num::acc), out)
+        for num in self.0 {
+            out.push(match num {
+                Num::Count(n) | Num::SumInt(n) => Value::Int(n),
+                Num::SumFloat(s) => Value::Float(s),
+            });
+        }
     }
 }
 
