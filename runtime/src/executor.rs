@@ -487,7 +487,8 @@ impl Executor<'_> {
             }
             Some(RestoreRequest::Path(p)) => {
                 let (storage, found) = crate::io().block_on(open_path(p))?;
-                let r = crate::io().block_on(RestoredState::load(&storage, &found, &self.keyed_files_in()))?;
+                let mut r = crate::io().block_on(RestoredState::load(&storage, &found, &self.keyed_files_in()))?;
+                r.in_job_root = storage.is_same_root(&self.storage);
                 let reason = format!("restored {} (id {}) on request", r.path, r.checkpoint_id);
                 (Some(r), reason)
             }

@@ -492,6 +492,13 @@ pub struct RestoredState {
     pub bytes: u64,
     /// State by uid.
     pub operators: BTreeMap<String, RestoredOperator>,
+    /// Whether it lies in the storage root the job checkpoints to. Only then may the job's
+    /// incremental checkpoints go on from its chain, referencing its files: a checkpoint of
+    /// another root (another job's, or an older root of this one) is not the job's to keep,
+    /// and its files' references would not resolve in the job's root. Restored from another
+    /// root, each keyed state's first checkpoint is a full image (Flink's `NO_CLAIM` restore
+    /// mode). [`RestoredState::load`] assumes the job's root; whoever opened another sets it.
+    pub in_job_root: bool,
 }
 
 impl RestoredState {
@@ -590,6 +597,7 @@ impl RestoredState {
             epoch: m.epoch,
             bytes,
             operators,
+            in_job_root: true,
         })
     }
 
@@ -614,7 +622,7 @@ impl RestoredState {
             .filter(|s| !s.keyed_files.is_empty() || !s.store_tables.is_empty() || s.lazy_tables.is_some())
             .collect();
         let same = op.parallelism == parallelism && overlapping.len() == 1 && overlapping[0].key_groups == key_groups;
-        let continue_chain = same && self.kind == SnapshotKind::Checkpoint;
+        let continue_chain = same && self.kind == SnapshotKind::Checkpoint && self.in_job_root;
         Some(KeyedRestore {
             files: overlapping.iter().flat_map(|s| s.keyed_files.iter().cloned()).collect(),
             continue_chain,
@@ -955,6 +963,7 @@ mod tests {
             epoch: 1,
             bytes: 0,
             operators: [("counts".to_string(), operator)].into(),
+            in_job_root: true,
         };
         let entries = |restored: &RestoredState, key_groups, parallelism| {
             restored.keyed_for("counts", key_groups, parallelism).unwrap().entries

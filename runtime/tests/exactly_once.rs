@@ -300,6 +300,14 @@ fn a_corrupt_newest_checkpoint_falls_back_to_the_previous_one() {
     assert_same_output(&golden, &committed(&out), "after three corrupted newest checkpoints");
 }
 
+/// Runs a job until it completed three checkpoints, then cancels it.
+fn cancel_after_three_checkpoints(yaml: &str, opts: weir_runtime::executor::RunOptions) {
+    let run = InProcess::start(yaml, opts);
+    run.wait_for_checkpoints(3, Duration::from_secs(60));
+    run.requests.send(Request::Cancel).unwrap();
+    assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+}
+
 fn newest_checkpoint(chk: &std::path::Path) -> std::path::PathBuf {
     let mut ids: Vec<u64> = std::fs::read_dir(chk.join("checkpoints"))
         .unwrap()
@@ -574,15 +582,47 @@ fn restore_from_an_explicit_checkpoint_path() {
     p.rate = Some(8_000);
     let golden = golden_output(&p);
     let (_d, out, chk) = workdir("by-path");
-    let run = InProcess::start(&job_yaml(&p, &out), opts(&chk));
-    run.wait_for_checkpoints(3, Duration::from_secs(60));
-    run.requests.send(Request::Cancel).unwrap();
-    assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+    cancel_after_three_checkpoints(&job_yaml(&p, &out), opts(&chk));
     let path = newest_checkpoint(&chk);
     let (outcome, m) = run_to_end(&job_yaml(&p, &out), RunOptionsExt::restore_path(opts(&chk), path.to_str().unwrap()));
     assert_eq!(outcome, JobOutcome::Finished);
     assert_eq!(m.board().restored_from.as_deref(), Some(path.to_str().unwrap()));
     assert_same_output(&golden, &committed(&out), "restored from an explicit checkpoint path");
+}
+
+/// A job restored from a checkpoint of another storage root (another job's retained
+/// checkpoint, as `initialSavepoint` allows) writes checkpoints that stand on their own: its
+/// incremental chain starts with a full image in its own root instead of referencing files of
+/// the other root (whose references would not even resolve in its own). The other root is
+/// deleted before the job restores again from its own checkpoints, and the output is still
+/// exactly the undisturbed run's. Before, every checkpoint of the new root up to its next
+/// full image was invalid ("missing file ../shared/...").
+#[test]
+fn a_checkpoint_of_another_root_restores_into_checkpoints_that_stand_on_their_own() {
+    let mut p = JobParams::new("other-root");
+    p.rate = Some(8_000);
+    let golden = golden_output(&p);
+    let (d, out, chk) = workdir("other-root");
+    cancel_after_three_checkpoints(&job_yaml(&p, &out), opts(&chk));
+    let other_root = newest_checkpoint(&chk);
+    let own = d.path().join("own-root");
+    cancel_after_three_checkpoints(&job_yaml(&p, &out), opts(&own).restore_path(other_root.to_str().unwrap()));
+    std::fs::remove_dir_all(&chk).unwrap();
+    let storage = weir_checkpoint::Storage::open(&own.display().to_string()).unwrap();
+    let listed = weir_runtime::io().block_on(weir_checkpoint::recovery::list_checkpoints(&storage)).unwrap();
+    let valid = listed.iter().filter(|(_, v, _)| *v == weir_checkpoint::recovery::Verdict::Valid).count();
+    for (id, verdict, _) in &listed {
+        assert!(
+            !matches!(verdict, weir_checkpoint::recovery::Verdict::Invalid(_)),
+            "checkpoint {id} of the new root: {verdict:?}"
+        );
+    }
+    assert!(valid >= 1, "the new root holds valid checkpoints: {listed:?}");
+    let newest_own = newest_checkpoint(&own);
+    let (outcome, m) = run_to_end(&job_yaml(&p, &out), RunOptionsExt::restore_latest(opts(&own)));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert_eq!(m.board().restored_from.as_deref(), Some(newest_own.to_str().unwrap()));
+    assert_same_output(&golden, &committed(&out), "restored from another root, then from its own");
 }
 
 #[test]

@@ -241,6 +241,22 @@ impl Storage {
         &self.url
     }
 
+    /// Whether `other` is this root: the same canonical directory, the same in-memory store
+    /// (each `memory://` root opened is a store of its own), or the same object store URL up
+    /// to trailing slashes. Roots named differently (a bucket's endpoint spelled two ways)
+    /// count as different, the safe answer for whoever asks whether files of one may be
+    /// referenced from the other.
+    pub fn is_same_root(&self, other: &Storage) -> bool {
+        match (&self.local, &other.local) {
+            (Some(a), Some(b)) => a == b,
+            (None, None) if self.url.starts_with("memory://") => {
+                Arc::ptr_eq(&self.store, &other.store) && self.prefix == other.prefix
+            }
+            (None, None) => self.url.trim_end_matches('/') == other.url.trim_end_matches('/'),
+            _ => false,
+        }
+    }
+
     /// The URL of a path under this root.
     pub fn url_of(&self, rel: &str) -> String {
         if rel.is_empty() {
@@ -524,6 +540,29 @@ fn decoded(listed: &str) -> String {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// A directory is its root however it is named (a path, `file://`, a trailing slash, a
+    /// `..` on the way), and not a directory inside it or next to it.
+    #[test]
+    fn a_root_is_the_same_however_it_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let job = dir.path().join("job");
+        let open = |url: String| Storage::open(&url).unwrap();
+        let root = open(job.display().to_string());
+        for same in [
+            format!("file://{}", job.display()),
+            format!("{}/", job.display()),
+            format!("{}/job/../job", dir.path().display()),
+        ] {
+            assert!(root.is_same_root(&open(same.clone())), "{same}");
+        }
+        for other in [job.join("checkpoints"), dir.path().join("job2"), dir.path().to_path_buf()] {
+            assert!(!root.is_same_root(&open(other.display().to_string())), "{}", other.display());
+        }
+        let memory = open("memory://m".into());
+        assert!(memory.is_same_root(&memory.clone()));
+        assert!(!memory.is_same_root(&open("memory://m".into())), "another store of the same name");
+    }
 
     /// The staging files a killed writer left (`<name>#<digits>`, at any depth) go once nobody
     /// has written them for the idle time; objects, recent staging files and other names stay,
