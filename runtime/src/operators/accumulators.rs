@@ -423,7 +423,7 @@ impl Num {
 ///   miss per record, which was 63% of the lookups' time (`perf`).
 /// - One ([`AccOne`], 16 bytes): a list holds one accumulator inline, but as an [`Acc`] of 32
 ///   bytes (its minimum and maximum are values). The keyed count's map entry (key, value and
-///   the slot's flags) is 48 bytes with it instead of 72: a third less memory to fill on a
+///   the slot's flags) is 48 bytes with it instead of 64: a quarter less memory to fill on a
 ///   restore and to miss in the caches on every record (`runtime/BENCHMARKS.md`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AccNums<const N: usize>(pub [Num; N]);
