@@ -596,33 +596,43 @@ fn restore_from_an_explicit_checkpoint_path() {
 /// the other root (whose references would not even resolve in its own). The other root is
 /// deleted before the job restores again from its own checkpoints, and the output is still
 /// exactly the undisturbed run's. Before, every checkpoint of the new root up to its next
-/// full image was invalid ("missing file ../shared/...").
+/// full image was invalid ("missing file ../shared/..."). On both backends; on rocksdb with
+/// merged images in the background, whose table files a restore takes in lazily.
 #[test]
 fn a_checkpoint_of_another_root_restores_into_checkpoints_that_stand_on_their_own() {
-    let mut p = JobParams::new("other-root");
-    p.rate = Some(8_000);
-    let golden = golden_output(&p);
-    let (d, out, chk) = workdir("other-root");
-    cancel_after_three_checkpoints(&job_yaml(&p, &out), opts(&chk));
-    let other_root = newest_checkpoint(&chk);
-    let own = d.path().join("own-root");
-    cancel_after_three_checkpoints(&job_yaml(&p, &out), opts(&own).restore_path(other_root.to_str().unwrap()));
-    std::fs::remove_dir_all(&chk).unwrap();
-    let storage = weir_checkpoint::Storage::open(&own.display().to_string()).unwrap();
-    let listed = weir_runtime::io().block_on(weir_checkpoint::recovery::list_checkpoints(&storage)).unwrap();
-    let valid = listed.iter().filter(|(_, v, _)| *v == weir_checkpoint::recovery::Verdict::Valid).count();
-    for (id, verdict, _) in &listed {
-        assert!(
-            !matches!(verdict, weir_checkpoint::recovery::Verdict::Invalid(_)),
-            "checkpoint {id} of the new root: {verdict:?}"
+    for rocksdb in [false, true] {
+        let mut p = JobParams::new("other-root");
+        p.rate = Some(8_000);
+        p.background_merges = rocksdb;
+        let golden = golden_output(&p);
+        let backend = if rocksdb { "stateBackend: rocksdb\nstateCacheEntries: 100\n" } else { "" };
+        let (d, out, chk) = workdir(&format!("other-root-{rocksdb}"));
+        let yaml = job_yaml(&p, &out) + backend;
+        cancel_after_three_checkpoints(&yaml, opts(&chk));
+        let other_root = newest_checkpoint(&chk);
+        let own = d.path().join("own-root");
+        cancel_after_three_checkpoints(&yaml, opts(&own).restore_path(other_root.to_str().unwrap()));
+        std::fs::remove_dir_all(&chk).unwrap();
+        let storage = weir_checkpoint::Storage::open(&own.display().to_string()).unwrap();
+        let listed = weir_runtime::io().block_on(weir_checkpoint::recovery::list_checkpoints(&storage)).unwrap();
+        let valid = listed.iter().filter(|(_, v, _)| *v == weir_checkpoint::recovery::Verdict::Valid).count();
+        for (id, verdict, _) in &listed {
+            assert!(
+                !matches!(verdict, weir_checkpoint::recovery::Verdict::Invalid(_)),
+                "rocksdb {rocksdb}: checkpoint {id} of the new root: {verdict:?}"
+            );
+        }
+        assert!(valid >= 1, "rocksdb {rocksdb}: the new root holds valid checkpoints: {listed:?}");
+        let newest_own = newest_checkpoint(&own);
+        let (outcome, m) = run_to_end(&yaml, RunOptionsExt::restore_latest(opts(&own)));
+        assert_eq!(outcome, JobOutcome::Finished);
+        assert_eq!(m.board().restored_from.as_deref(), Some(newest_own.to_str().unwrap()));
+        assert_same_output(
+            &golden,
+            &committed(&out),
+            &format!("rocksdb {rocksdb}: restored from another root, then from its own"),
         );
     }
-    assert!(valid >= 1, "the new root holds valid checkpoints: {listed:?}");
-    let newest_own = newest_checkpoint(&own);
-    let (outcome, m) = run_to_end(&job_yaml(&p, &out), RunOptionsExt::restore_latest(opts(&own)));
-    assert_eq!(outcome, JobOutcome::Finished);
-    assert_eq!(m.board().restored_from.as_deref(), Some(newest_own.to_str().unwrap()));
-    assert_same_output(&golden, &committed(&out), "restored from another root, then from its own");
 }
 
 #[test]
