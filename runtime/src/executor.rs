@@ -20,8 +20,7 @@ use crate::faults::{Fault, FaultPlan, Faults};
 use crate::message::{Barrier, Event, SnapshotTarget, TaskAck, TaskControl};
 use crate::metrics::JobMetrics;
 use crate::operator::{ChainedOperator, Operator, TaskError};
-use crate::operators::accumulators::{AccOne, AccPair};
-use crate::operators::keyed::{AggregateOperator, DedupeOperator, KeyedContext};
+use crate::operators::keyed::{aggregate_operator, DedupeOperator, KeyedContext};
 use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
 use crate::operators::window::WindowOperator;
 use crate::plan::{self, Vertex};
@@ -1299,26 +1298,10 @@ impl OperatorFactory<'_> {
             ),
             NodeKind::Aggregate(a) => {
                 let (specs, restore) = (&a.aggregates, keyed_restore.as_ref());
-                // The accumulators held inline when they are one or two counts or sums.
-                match (composite_key, AccOne::holds(specs), AccPair::holds(specs)) {
-                    (true, true, _) => {
-                        Box::new(AggregateOperator::<PackedKey, AccOne>::new(keyed(), specs, input_schema, restore)?)
-                    }
-                    (true, _, true) => {
-                        Box::new(AggregateOperator::<PackedKey, AccPair>::new(keyed(), specs, input_schema, restore)?)
-                    }
-                    (true, false, false) => {
-                        Box::new(AggregateOperator::<PackedKey>::new(keyed(), specs, input_schema, restore)?)
-                    }
-                    (false, true, _) => {
-                        Box::new(AggregateOperator::<Key, AccOne>::new(keyed(), specs, input_schema, restore)?)
-                    }
-                    (false, _, true) => {
-                        Box::new(AggregateOperator::<Key, AccPair>::new(keyed(), specs, input_schema, restore)?)
-                    }
-                    (false, false, false) => {
-                        Box::new(AggregateOperator::<Key>::new(keyed(), specs, input_schema, restore)?)
-                    }
+                if composite_key {
+                    aggregate_operator::<PackedKey>(keyed(), specs, input_schema, restore)?
+                } else {
+                    aggregate_operator::<Key>(keyed(), specs, input_schema, restore)?
                 }
             }
             NodeKind::Dedupe if composite_key => {

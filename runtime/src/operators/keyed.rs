@@ -4,7 +4,7 @@ use weir_crds::job::AggregateFn;
 
 use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
-use crate::operators::accumulators::{AccList, AccState, Aggregates};
+use crate::operators::accumulators::{AccList, AccOne, AccPair, AccState, Aggregates};
 use crate::restore::{KeyedFile, KeyedRestore, LOCAL_COPY_PART_BYTES};
 use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings, PREFETCH_CHUNK};
 use crate::value::{Fields, Key, Record, StateKey};
@@ -248,6 +248,24 @@ impl<K: StateKey, V: AccState> AggregateOperator<K, V> {
     }
 }
 
+/// A running aggregate of `specs` whose keys are held as `K`, its accumulators inline when
+/// they are one or two counts or sums ([`AccOne`], [`AccPair`]: no heap slice, smaller map
+/// entries), else as an [`AccList`].
+pub fn aggregate_operator<K: StateKey>(
+    ctx: KeyedContext,
+    specs: &[AggregateFn],
+    input: &[String],
+    restore: Option<&KeyedRestore>,
+) -> Result<Box<dyn Operator>, TaskError> {
+    Ok(if AccOne::holds(specs) {
+        Box::new(AggregateOperator::<K, AccOne>::new(ctx, specs, input, restore)?)
+    } else if AccPair::holds(specs) {
+        Box::new(AggregateOperator::<K, AccPair>::new(ctx, specs, input, restore)?)
+    } else {
+        Box::new(AggregateOperator::<K, AccList>::new(ctx, specs, input, restore)?)
+    })
+}
+
 impl<K: StateKey, V: AccState> Operator for AggregateOperator<K, V> {
     fn process(&mut self, batch: Vec<Record>, out: &mut Vec<Record>) -> Result<(), TaskError> {
         out.reserve(batch.len());
@@ -300,7 +318,7 @@ impl<K: StateKey> Operator for DedupeOperator<K> {
 mod tests {
     use super::*;
     use crate::message::SnapshotTarget;
-    use crate::operators::accumulators::{AccList, AccOne, AccPair};
+
     use crate::restore::KeyedFile;
     use crate::value::{PackedKey, Value};
     use bytes::Bytes;
