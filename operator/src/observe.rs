@@ -191,6 +191,7 @@ mod tests {
                         store_tables: Vec::new(),
                         keyed_entries: None,
                     }],
+                    state_layout: None,
                 },
             )]
             .into(),

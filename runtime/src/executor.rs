@@ -536,6 +536,12 @@ impl Executor<'_> {
         }
     }
 
+    /// What the state of the job's operator `uid` holds ([`crate::operators::state_layout`]).
+    fn state_layout_of(&self, uid: &str) -> Option<String> {
+        let node = self.job.nodes.iter().find(|n| n.uid.as_deref() == Some(uid))?;
+        crate::operators::state_layout(&node.kind)
+    }
+
     fn check_compatible(&self, r: &RestoredState) -> Result<(), JobError> {
         let incompatible =
             |reason: String| JobError::Restore(RestoreError::Incompatible { path: r.path.clone(), reason });
@@ -544,6 +550,16 @@ impl Executor<'_> {
                 "maxParallelism is {} in the snapshot and {} in the job; it cannot change once state exists",
                 r.max_parallelism, self.job.spec.max_parallelism
             )));
+        }
+        for (uid, op) in &r.operators {
+            let (Some(held), Some(job)) = (&op.state_layout, self.state_layout_of(uid)) else { continue };
+            if *held != job {
+                return Err(incompatible(format!(
+                    "operator uid `{uid}` holds {held} state in the snapshot and is {job} in the job, which \
+                     cannot read it; keep its kind and aggregates, or give the changed operator a new uid \
+                     (it then starts empty; restore with allowNonRestoredState to drop the old uid's state)"
+                )));
+            }
         }
         let uids: BTreeSet<&str> =
             self.job.nodes.iter().filter(|n| n.kind.is_stateful()).filter_map(|n| n.uid.as_deref()).collect();
@@ -1157,9 +1173,11 @@ impl Executor<'_> {
         let mut operators: BTreeMap<String, OperatorSnapshot> = BTreeMap::new();
         for ack in acks.values() {
             for op in &ack.operators {
-                let entry = operators
-                    .entry(op.uid.clone())
-                    .or_insert_with(|| OperatorSnapshot { parallelism: op.parallelism, subtasks: Vec::new() });
+                let entry = operators.entry(op.uid.clone()).or_insert_with(|| OperatorSnapshot {
+                    parallelism: op.parallelism,
+                    subtasks: Vec::new(),
+                    state_layout: self.state_layout_of(&op.uid),
+                });
                 entry.subtasks.push(op.snapshot.clone());
             }
         }

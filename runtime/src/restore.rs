@@ -473,6 +473,9 @@ pub struct RestoredOperator {
     pub parallelism: u32,
     /// By subtask index.
     pub subtasks: Vec<RestoredSubtask>,
+    /// What its state holds, when the snapshot says
+    /// ([`weir_checkpoint::OperatorSnapshot::state_layout`]).
+    pub state_layout: Option<String>,
 }
 
 /// A loaded, verified snapshot.
@@ -585,7 +588,10 @@ impl RestoredState {
                 subtasks.push(sub);
             }
             subtasks.sort_by_key(|s| s.key_groups.0);
-            operators.insert(uid.clone(), RestoredOperator { parallelism: op.parallelism, subtasks });
+            operators.insert(
+                uid.clone(),
+                RestoredOperator { parallelism: op.parallelism, subtasks, state_layout: op.state_layout.clone() },
+            );
         }
         // Only once the whole snapshot loaded: a restore point passed over copies nothing.
         copy_stored_in_background(stored);
@@ -954,6 +960,7 @@ mod tests {
                     ..Default::default()
                 })
                 .collect(),
+            state_layout: None,
         };
         let mut restored = RestoredState {
             checkpoint_id: 9,
@@ -1058,7 +1065,11 @@ mod tests {
             epoch: 1,
             created_at_ms: id,
             max_parallelism: 8,
-            operators: [(uid.to_string(), OperatorSnapshot { parallelism: 1, subtasks: vec![subtask] })].into(),
+            operators: [(
+                uid.to_string(),
+                OperatorSnapshot { parallelism: 1, subtasks: vec![subtask], state_layout: None },
+            )]
+            .into(),
         };
         let dir = layout::checkpoint_dir(id);
         s.put(&layout::resolve(&dir, layout::METADATA), bytes::Bytes::from(m.encode())).await.unwrap();

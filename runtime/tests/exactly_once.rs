@@ -400,6 +400,42 @@ fn restoring_a_changed_max_parallelism_is_refused() {
     assert!(err.contains("maxParallelism is 64 in the snapshot and 32 in the job"), "{err}");
 }
 
+/// An operator whose aggregates changed cannot read its old state: refused once, before
+/// anything runs, naming the uid and both layouts (it used to fail reading the state, three
+/// times, as a malformed file). Its fields and output names may change; so may its uid, which
+/// starts it empty.
+#[test]
+fn restoring_changed_aggregates_is_refused_naming_the_operator() {
+    let mut p = JobParams::new("aggchange");
+    p.count = 2000;
+    let (_d, out, chk) = workdir("aggchange");
+    run_to_end(&job_yaml(&p, &out), opts(&chk));
+    let count = "aggregate: { aggregates: [ { fn: count, as: n } ] }";
+    let yaml = job_yaml(&p, &out);
+    assert!(yaml.contains(count), "{yaml}");
+
+    let summed =
+        yaml.replace(count, "aggregate: { aggregates: [ { fn: count, as: n }, { fn: sum, field: amount, as: s } ] }");
+    let (r, m) = InProcess::start(&summed, RunOptionsExt::restore_latest(opts(&chk))).join();
+    let err = r.unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "operator uid `user-counts` holds aggregate[count] state in the snapshot and is \
+                      aggregate[count,sum] in the job"
+        ),
+        "{err}"
+    );
+    assert_eq!(m.restarts.get(), 0, "refused, not retried: {err}");
+
+    let as_a_sum = yaml.replace(count, "aggregate: { aggregates: [ { fn: sum, field: amount, as: n } ] }");
+    let err = InProcess::start(&as_a_sum, RunOptionsExt::restore_latest(opts(&chk))).join().0.unwrap_err().to_string();
+    assert!(err.contains("holds aggregate[count] state in the snapshot and is aggregate[sum]"), "{err}");
+
+    let renamed = yaml.replace(count, "aggregate: { aggregates: [ { fn: count, as: total } ] }");
+    let (outcome, _) = run_to_end(&renamed, RunOptionsExt::restore_latest(opts(&chk)));
+    assert_eq!(outcome, JobOutcome::Finished, "an output renamed reads the same state");
+}
+
 /// Every published file ever seen under `out`, with its bytes: in place or moved under a
 /// sink's `_superseded/<epoch>/`.
 fn all_published(out: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {

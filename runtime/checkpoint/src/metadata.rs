@@ -93,6 +93,12 @@ pub struct OperatorSnapshot {
     pub parallelism: u32,
     /// One entry per subtask, by index.
     pub subtasks: Vec<SubtaskSnapshot>,
+    /// What the operator's state holds, as the job that wrote it names it (for example
+    /// `aggregate[count,sum]`): a restore into a job whose operator of this uid holds other
+    /// state is refused before anything is read. Absent in snapshots written before it was
+    /// recorded, which restore unchecked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_layout: Option<String>,
 }
 
 /// The `_metadata` document.
@@ -221,6 +227,7 @@ mod tests {
                     ],
                     keyed_entries: Some(12),
                 }],
+                state_layout: Some("aggregate[count]".into()),
             },
         );
         CheckpointMetadata {
@@ -243,16 +250,19 @@ mod tests {
         assert_eq!(m.state_bytes(), 14);
     }
 
-    /// Neither table files nor a key count (the rocksdb backend's, or a document written
-    /// before either existed): the fields are left out, and a document without them reads.
+    /// Neither table files, a key count nor a state layout (the rocksdb backend's, or a document
+    /// written before they existed): the fields are left out, and a document without them reads.
     #[test]
-    fn documents_without_table_files_or_key_counts_read_as_before_and_are_written_as_before() {
+    fn documents_without_table_files_key_counts_or_layouts_read_and_are_written_as_before() {
         let mut m = sample();
+        assert!(String::from_utf8(m.encode()).unwrap().contains("aggregate[count]"));
         m.operators.get_mut("counts").unwrap().subtasks[0].store_tables.clear();
         m.operators.get_mut("counts").unwrap().subtasks[0].keyed_entries = None;
+        m.operators.get_mut("counts").unwrap().state_layout = None;
         let text = String::from_utf8(m.encode()).unwrap();
         assert!(!text.contains("store_tables"), "an empty list is left out: {text}");
         assert!(!text.contains("keyed_entries"), "an unknown count is left out: {text}");
+        assert!(!text.contains("state_layout"), "an unknown layout is left out: {text}");
         assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
     }
 

@@ -418,7 +418,7 @@ mod tests {
                     max_parallelism: 8,
                     operators: [(
                         "op".to_string(),
-                        crate::OperatorSnapshot { parallelism: 1, subtasks: vec![subtask] },
+                        crate::OperatorSnapshot { parallelism: 1, subtasks: vec![subtask], state_layout: None },
                     )]
                     .into(),
                 };
