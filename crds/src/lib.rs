@@ -3,6 +3,7 @@
 //! default; the runtime turns it off) the `StreamJob` custom resource.
 //! No I/O lives here.
 
+pub mod compat;
 pub mod control;
 pub mod duration;
 pub mod expr;

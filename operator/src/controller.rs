@@ -541,7 +541,12 @@ async fn plan_step(job: &JobRef, seen: &mut Seen, inputs: &inputs::Inputs) -> Re
             p
         }
         _ => {
-            let desired = Desired { spec: &job.effective, generation: job.generation, spec_hash: &job.spec_hash };
+            let desired = Desired {
+                spec: &job.effective,
+                generation: job.generation,
+                spec_hash: &job.spec_hash,
+                job: inputs.job.as_ref(),
+            };
             if plan::needs_checkpoints(&desired, current, &seen.obs) {
                 seen.obs.checkpoints = storage(job, inputs).checkpoints().await?;
             }
@@ -665,7 +670,12 @@ async fn replan_after_failed_request(
     first: &mut Plan,
     failed: SavepointProgress,
 ) -> Result<Plan, ReconcileError> {
-    let desired = Desired { spec: &job.effective, generation: job.generation, spec_hash: &job.spec_hash };
+    let desired = Desired {
+        spec: &job.effective,
+        generation: job.generation,
+        spec_hash: &job.spec_hash,
+        job: inputs.job.as_ref(),
+    };
     let mut obs = Observation { savepoint: Some(failed), ..seen.obs.clone() };
     // Checkpoints the first plan read are reused; read only if it did not need them.
     if obs.checkpoints.is_empty() && plan::needs_checkpoints(&desired, &first.state, &obs) {

@@ -91,6 +91,9 @@ pub struct Inputs {
     /// The keys of the credentials Secret, the environment checkpoint storage opens with (read
     /// once here; empty when the job names no Secret or it is missing).
     pub storage_env: Vec<(String, String)>,
+    /// The job file of the verdict, validated: what its operators' state holds is compared
+    /// with the running job's checkpoints before an upgrade.
+    pub job: Option<weir_crds::ValidatedJob>,
 }
 
 /// Validates a StreamJob and what it refers to. `first_deploy`: no run has started yet, so the
@@ -104,7 +107,12 @@ pub async fn validate(
 ) -> Result<Inputs, InputsError> {
     let credentials = credentials(client, sj, ns).await?;
     let verdict = verdict(client, sj, ns, storage_root, first_deploy, credentials.as_deref()).await?;
-    Ok(Inputs { verdict, storage_env: credentials.unwrap_or_default() })
+    let job = verdict
+        .as_ref()
+        .ok()
+        .and_then(|yaml| weir_crds::JobSpec::from_yaml(yaml).ok())
+        .and_then(|spec| weir_crds::validate(&spec).ok());
+    Ok(Inputs { verdict, storage_env: credentials.unwrap_or_default(), job })
 }
 
 /// The keys of the credentials Secret: empty when none is named, `None` when it is missing.

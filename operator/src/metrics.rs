@@ -133,6 +133,7 @@ impl OperatorMetrics {
             | R::MissingConfigMap
             | R::MissingSecret
             | R::MissingSavepoint
+            | R::UpgradeRefused
             | R::ReconcileFailed => {}
         }
     }

@@ -92,6 +92,9 @@ pub async fn checkpoints(storage: &Storage) -> Result<Vec<FoundCheckpoint>, Stor
                 Verdict::Invalid(why) => Some(why),
                 Verdict::Incomplete => Some("no _metadata (incomplete or aborted)".to_string()),
             },
+            state_layouts: metadata
+                .map(|m| m.operators.into_iter().map(|(uid, op)| (uid, op.state_layout)).collect())
+                .unwrap_or_default(),
         });
     }
     Ok(out)
@@ -166,7 +169,8 @@ mod tests {
 
     /// A checkpoint whose state file a restore found damaged (and recorded) is invalid to the
     /// operator too, with the record's reason: the status and the relaunch event say why the
-    /// runtime will pass over it.
+    /// runtime will pass over it. What each operator's state holds comes along (an upgrade is
+    /// checked against it).
     #[tokio::test]
     async fn a_checkpoint_with_a_recorded_damage_is_invalid_and_says_why() {
         let s = Storage::open("memory://").unwrap();
@@ -191,14 +195,16 @@ mod tests {
                         store_tables: Vec::new(),
                         keyed_entries: None,
                     }],
-                    state_layout: None,
+                    state_layout: Some("aggregate[count]".into()),
                 },
             )]
             .into(),
         };
         s.put("checkpoints/chk-2/_metadata", Bytes::from(m.encode())).await.unwrap();
         s.put("checkpoints/shared/counts/0-2-1.kv", Bytes::from_static(b"abc")).await.unwrap();
-        assert_eq!(checkpoints(&s).await.unwrap()[0].invalid, None);
+        let found = checkpoints(&s).await.unwrap();
+        assert_eq!(found[0].invalid, None);
+        assert_eq!(found[0].state_layouts, [("counts".to_string(), Some("aggregate[count]".to_string()))].into());
         s.put("_damaged/checkpoints/shared/counts/0-2-1.kv", Bytes::from_static(b"bytes 0..3: crc32c mismatch"))
             .await
             .unwrap();

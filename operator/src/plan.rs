@@ -8,6 +8,8 @@
 //! any pod is deleted (`pending_upgrade`), so an operator restarted at any point resumes the
 //! same transition.
 
+use std::collections::BTreeMap;
+
 use weir_crds::streamjob::{
     DesiredState, OnSavepointFailure, PendingUpgrade, RestoreMode, SnapshotRef, StreamJobSpec, UpgradeMode,
 };
@@ -39,6 +41,9 @@ pub struct FoundCheckpoint {
     pub completed_at_ms: u64,
     /// `None` when valid, else why it cannot be restored.
     pub invalid: Option<String>,
+    /// What each operator's state holds, by uid, as the checkpoint recorded it (`None` for an
+    /// operator in a checkpoint written before layouts were recorded).
+    pub state_layouts: BTreeMap<String, Option<String>>,
 }
 
 /// The state of a savepoint the operator asked the runtime for.
@@ -155,6 +160,9 @@ pub enum EventReason {
     SavepointFailedPodsKilled,
     /// The savepoint before an upgrade failed: the previous spec keeps running.
     UpgradeSavepointFailed,
+    /// A spec change whose job could not read the running job's state was not applied: the
+    /// previous spec keeps running.
+    UpgradeRefused,
     /// The job failed and is relaunched from its newest valid checkpoint.
     Relaunching,
     /// The job failed more often than `relaunch.limit`.
@@ -187,6 +195,7 @@ impl EventReason {
             EventReason::SavepointFailed => "SavepointFailed",
             EventReason::SavepointFailedPodsKilled => "SavepointFailedPodsKilled",
             EventReason::UpgradeSavepointFailed => "UpgradeSavepointFailed",
+            EventReason::UpgradeRefused => "UpgradeRefused",
             EventReason::Relaunching => "Relaunching",
             EventReason::RelaunchLimitReached => "RelaunchLimitReached",
             EventReason::CheckpointTooOld => "CheckpointTooOld",
@@ -243,6 +252,9 @@ pub struct Desired<'a> {
     pub generation: i64,
     /// Hash of the spec parts that need a redeploy when they change.
     pub spec_hash: &'a str,
+    /// The runtime's job as the spec asks for it (`None` when it is not known): an upgrade
+    /// whose job cannot read the state of the running one is refused before anything stops.
+    pub job: Option<&'a weir_crds::ValidatedJob>,
 }
 
 /// Grace period of a kill (after a failed savepoint, or before a relaunch): short, but not
@@ -282,8 +294,10 @@ pub fn needs_checkpoints(desired: &Desired<'_>, current: &PlanState, obs: &Obser
     match &obs.pods {
         PodsPhase::Absent => current.phase.is_some_and(|p| p != Phase::Finished) && current.recovery_point.is_none(),
         PodsPhase::Failed(_) => current.relaunch_count < spec.relaunch.limit,
+        // A stateful upgrade: restored from the newest checkpoint (last-state), and checked
+        // against the state the checkpoints hold before anything stops (both).
         PodsPhase::Running => {
-            spec.upgrade_mode == UpgradeMode::LastState && obs.pods_spec_hash.as_deref() != Some(desired.spec_hash)
+            spec.upgrade_mode != UpgradeMode::Stateless && obs.pods_spec_hash.as_deref() != Some(desired.spec_hash)
         }
         PodsPhase::Starting | PodsPhase::Terminating | PodsPhase::Succeeded => false,
     }
@@ -392,9 +406,21 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
         PodsPhase::Starting | PodsPhase::Terminating => {
             p.requeue_after_ms = Some(WATCH_MS);
         }
-        PodsPhase::Running if hash_differs => start_upgrade(desired, obs, &mut p),
+        PodsPhase::Running if hash_differs && upgrade_refused(desired, obs).is_none() => {
+            start_upgrade(desired, obs, &mut p)
+        }
         PodsPhase::Running => {
             p.state.phase = Some(Phase::Running);
+            if let Some(why) = hash_differs.then(|| upgrade_refused(desired, obs)).flatten() {
+                // The running generation goes on (savepoints included) until the spec changes.
+                p.degraded = Some(format!(
+                    "generation {} is not applied and the running job goes on: {why}",
+                    desired.generation
+                ));
+                if current.phase != Some(Phase::Degraded) {
+                    p.event(true, EventReason::UpgradeRefused, p.degraded.clone().unwrap_or_default());
+                }
+            }
             p.state.observed_restart_nonce = spec.restart_nonce;
             let nonce_changed = spec.savepoint.trigger_nonce.is_some()
                 && spec.savepoint.trigger_nonce != current.observed_savepoint_nonce;
@@ -456,6 +482,23 @@ fn describe(s: &Option<SnapshotRef>, mode: RestoreMode) -> String {
         (RestoreMode::Latest, Some(s)) => format!("the newest valid restore point (last seen: {})", s.path),
         (_, None) => "the newest valid restore point, if any".to_string(),
     }
+}
+
+/// Why a stateful upgrade to `desired` would leave the job unable to restore: the newest valid
+/// checkpoint holds state the new job's operators cannot read, or state of operators it no
+/// longer has (without `allowNonRestoredState`). Checked before the savepoint is taken and the
+/// running job stops, which a restore refused afterwards would leave stopped, failing at
+/// each relaunch. `None` for a stateless upgrade (it restores nothing), or when the new job or
+/// the state is unknown.
+fn upgrade_refused(desired: &Desired<'_>, obs: &Observation) -> Option<String> {
+    if desired.spec.upgrade_mode == UpgradeMode::Stateless {
+        return None;
+    }
+    let (job, newest) = (desired.job?, newest_valid(obs)?);
+    let allow = desired.spec.allow_non_restored_state;
+    weir_crds::compat::restore_conflict(job, &newest.state_layouts, allow)
+        .err()
+        .map(|why| format!("checkpoint {}: {why}", newest.snapshot.id))
 }
 
 fn start_upgrade(desired: &Desired<'_>, obs: &Observation, p: &mut Plan) {
@@ -696,7 +739,12 @@ mod tests {
     }
 
     fn chk(id: u64, at: u64, invalid: Option<&str>) -> FoundCheckpoint {
-        FoundCheckpoint { snapshot: snap(id), completed_at_ms: at, invalid: invalid.map(str::to_string) }
+        FoundCheckpoint {
+            snapshot: snap(id),
+            completed_at_ms: at,
+            invalid: invalid.map(str::to_string),
+            state_layouts: BTreeMap::new(),
+        }
     }
 
     fn obs(pods: PodsPhase, hash: Option<&str>) -> Observation {
@@ -714,11 +762,32 @@ mod tests {
     }
 
     fn desired<'a>(s: &'a StreamJobSpec, hash: &'a str) -> Desired<'a> {
-        Desired { spec: s, generation: 2, spec_hash: hash }
+        Desired { spec: s, generation: 2, spec_hash: hash, job: None }
     }
 
     fn state(phase: Phase) -> PlanState {
         PlanState { phase: Some(phase), ..PlanState::default() }
+    }
+
+    /// A job counting per key with `aggregates`, its operator's uid `counts`.
+    fn counting_job(aggregates: &str) -> weir_crds::ValidatedJob {
+        let yaml = format!(
+            "name: j\nsources: [ {{ name: s, uid: s, generator: {{ fields: [ {{ name: k, modulo: 5 }} ] }} }} ]\n\
+             operators:\n  - {{ name: by-k, keyBy: {{ fields: [k] }} }}\n  \
+             - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {aggregates} ] }} }}\n\
+             sinks: [ {{ name: out, uid: out, blackhole: {{}} }} ]\n"
+        );
+        weir_crds::validate(&weir_crds::JobSpec::from_yaml(&yaml).unwrap()).unwrap()
+    }
+
+    /// `c` holding the state of a job that counts (`aggregate[count]` under uid `counts`).
+    fn holding_a_count(mut c: FoundCheckpoint) -> FoundCheckpoint {
+        c.state_layouts = [
+            ("s".to_string(), Some("generator".to_string())),
+            ("counts".to_string(), Some("aggregate[count]".to_string())),
+        ]
+        .into();
+        c
     }
 
     /// `needs_checkpoints` must be true whenever the checkpoints can change the plan: checked
@@ -773,7 +842,8 @@ mod tests {
                 s.state = desired_state;
                 s.upgrade_mode = mode;
                 s.relaunch.limit = 10;
-                let d = desired(&s, "h2");
+                let counting_and_summing = counting_job("{ fn: count, as: n }, { fn: sum, field: k, as: t }");
+                let d = Desired { job: Some(&counting_and_summing), ..desired(&s, "h2") };
                 for current in &states {
                     for phase in &pods {
                         for hash in [Some("h1"), Some("h2")] {
@@ -784,6 +854,7 @@ mod tests {
                                 for found in [
                                     vec![chk(9, 999_000, None)],
                                     vec![chk(9, 999_000, Some("corrupt")), chk(8, 998_000, None)],
+                                    vec![holding_a_count(chk(9, 999_000, None))],
                                 ] {
                                     let with = plan(&d, current, &Observation { checkpoints: found, ..base.clone() });
                                     changed |= with != without;
@@ -846,6 +917,74 @@ mod tests {
         let p = plan(&desired(&s, "h1"), &state(Phase::Running), &running("h1"));
         assert!(p.actions.is_empty());
         assert_eq!(p.state.phase, Some(Phase::Running));
+    }
+
+    /// A stateful upgrade whose job cannot read the state of the running one (the newest
+    /// valid checkpoint's) is refused before the savepoint: nothing stops, the job is
+    /// Degraded saying which uid and why, with one Warning event; periodic savepoints go on;
+    /// the spec reverted, it is Running again. A stateless upgrade is not checked, and an
+    /// upgrade the state allows goes ahead.
+    #[test]
+    fn an_upgrade_whose_job_cannot_read_the_state_is_refused_and_the_old_job_goes_on() {
+        let mut s = spec();
+        s.savepoint.periodic_interval = Some(HumanDuration::from_secs(60));
+        let summing = counting_job("{ fn: count, as: n }, { fn: sum, field: k, as: t }");
+        let d = Desired { job: Some(&summing), ..desired(&s, "h2") };
+        let o = Observation {
+            checkpoints: vec![
+                holding_a_count(chk(9, 999_000, Some("corrupt"))),
+                holding_a_count(chk(8, 998_000, None)),
+            ],
+            ..running("h1")
+        };
+        let current = PlanState { last_savepoint_ms: Some(999_500), ..state(Phase::Running) };
+        let p = plan(&d, &current, &o);
+        assert!(p.actions.is_empty(), "nothing stops: {:?}", p.actions);
+        assert!(p.state.operation.is_none() && p.state.pending_upgrade.is_none());
+        let why = p.degraded.clone().expect("degraded");
+        assert!(
+            why.starts_with(
+                "generation 2 is not applied and the running job goes on: checkpoint 8: operator uid `counts` \
+                 holds aggregate[count] state in the snapshot and is aggregate[count,sum] in the job"
+            ),
+            "{why}"
+        );
+        assert_eq!(p.events.len(), 1, "{:?}", p.events);
+        assert!(p.events[0].warning && p.events[0].reason == EventReason::UpgradeRefused && p.events[0].message == why);
+        // Reported once; the job's periodic savepoint still comes when due.
+        let again = plan(&d, &PlanState { phase: Some(Phase::Degraded), ..current.clone() }, &o);
+        assert!(again.events.is_empty() && again.degraded == p.degraded, "{:?}", again.events);
+        let due = PlanState { last_savepoint_ms: Some(900_000), phase: Some(Phase::Degraded), ..current.clone() };
+        assert_eq!(plan(&d, &due, &o).actions, vec![Action::RequestSavepoint { stop: false }]);
+        // Reverted: running, nothing degraded.
+        let reverted = plan(&d, &again.state, &running("h2"));
+        assert!(reverted.degraded.is_none() && reverted.state.phase == Some(Phase::Running));
+
+        // Renamed outputs read the same state: the upgrade goes ahead.
+        let renamed = counting_job("{ fn: count, as: total }");
+        let ok = plan(&Desired { job: Some(&renamed), ..desired(&s, "h2") }, &current, &o);
+        assert_eq!(ok.actions, vec![Action::RequestSavepoint { stop: true }]);
+        assert!(ok.degraded.is_none());
+        // A dropped uid needs allowNonRestoredState.
+        let without_counts = weir_crds::validate(
+            &weir_crds::JobSpec::from_yaml(
+                "name: j\nsources: [ { name: s, uid: s, generator: { fields: [ { name: k, modulo: 5 } ] } } ]\n\
+                 sinks: [ { name: out, uid: out, blackhole: {} } ]\n",
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let dropped = plan(&Desired { job: Some(&without_counts), ..desired(&s, "h2") }, &current, &o);
+        assert!(dropped.degraded.as_deref().is_some_and(|m| m.contains("allowNonRestoredState")), "{dropped:?}");
+        let mut allowing = s.clone();
+        allowing.allow_non_restored_state = true;
+        let allowed = plan(&Desired { job: Some(&without_counts), ..desired(&allowing, "h2") }, &current, &o);
+        assert_eq!(allowed.actions, vec![Action::RequestSavepoint { stop: true }]);
+        // A stateless upgrade restores nothing: not checked.
+        let mut stateless = s.clone();
+        stateless.upgrade_mode = UpgradeMode::Stateless;
+        let fresh = plan(&Desired { job: Some(&summing), ..desired(&stateless, "h2") }, &current, &o);
+        assert!(fresh.degraded.is_none() && fresh.state.pending_upgrade.is_some(), "{fresh:?}");
     }
 
     #[test]

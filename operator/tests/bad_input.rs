@@ -10,7 +10,7 @@ use weir_e2e::apiserver::TestApiServer;
 use weir_operator::controller::{run, Settings};
 
 mod common;
-use common::eventually;
+use common::{degraded, eventually, warning_event};
 
 /// A StreamJob named `name`, with `extra` spec lines and `job` as its `job:` block.
 fn job(name: &str, extra: &str, job: &str) -> StreamJob {
@@ -28,33 +28,6 @@ const GRAPH: &str = "    inline:
 ";
 
 /// Waits until the job is Degraded with `reason`, and returns the condition's message.
-async fn degraded(jobs: &Api<StreamJob>, name: &str, reason: &str) -> String {
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let status = jobs.get(name).await.unwrap().status;
-        let found =
-            status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == "Degraded" && c.status == "True"));
-        match found {
-            Some(c) if c.reason == reason => return c.message.clone(),
-            _ if tokio::time::Instant::now() > deadline => panic!("{name} not Degraded with {reason}: {status:?}"),
-            _ => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
-        }
-    }
-}
-
-async fn warning_event(client: &kube::Client, ns: &str, name: &str, reason: &str) -> String {
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
-    eventually(&format!("a {reason} event on {name}"), 20, || async {
-        events.list(&Default::default()).await.unwrap().items.into_iter().find_map(|e| {
-            let about = e.regarding.as_ref()?.name.as_deref() == Some(name);
-            (about && e.reason.as_deref() == Some(reason) && e.type_.as_deref() == Some("Warning"))
-                .then_some(e.note)
-                .flatten()
-        })
-    })
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn each_class_of_bad_input_is_reported_with_its_field_and_nothing_is_deployed() {
     let ns = "bad-input";

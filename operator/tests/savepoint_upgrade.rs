@@ -2,7 +2,9 @@
 //! real `weir-runtime` (run as a local process in place of a kubelet): the operator stops the
 //! job with a savepoint, records it, replaces the pod, and the new pod restores from it. The
 //! committed output across the upgrade is checked record by record: every running count of
-//! every key exactly once.
+//! every key exactly once. Before it, a change whose job could not read the running job's
+//! state (the count's uid now also sums) is refused: nothing stops, the job is Degraded and
+//! says why.
 
 use std::time::Duration;
 
@@ -15,6 +17,9 @@ use weir_operator::controller::{run, Settings};
 
 mod common;
 use common::*;
+
+/// Input records: at 4,000 per second, time for a refused change and an upgrade.
+const RECORDS: u64 = 40_000;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
@@ -37,7 +42,7 @@ async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     jobs.create(
         &PostParams::default(),
-        &counter_job(24000, out.path(), "  upgradeMode: savepoint\n  checkpointing: { interval: 300ms }"),
+        &counter_job(RECORDS, out.path(), "  upgradeMode: savepoint\n  checkpointing: { interval: 300ms }"),
     )
     .await
     .unwrap();
@@ -73,10 +78,34 @@ async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
     assert!(shown.path.contains("/checkpoints/chk-") && shown.completed_at.is_some(), "{shown:?}");
     assert!(jobs.get("counter").await.unwrap().status.unwrap().job_id.is_some());
 
-    // The GitOps change.
-    jobs.patch("counter", &PatchParams::default(), &Patch::Merge(serde_json::json!({ "spec": { "parallelism": 2 } })))
-        .await
-        .unwrap();
+    // A change the state cannot follow: `counts` also sums. Refused before the savepoint.
+    let counting = jobs.get("counter").await.unwrap().spec.job.inline.unwrap().operators;
+    let mut summing = serde_json::to_value(&counting).unwrap();
+    summing[1]["aggregate"]["aggregates"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({ "fn": "sum", "field": "k", "as": "total" }));
+    let operators =
+        |ops: serde_json::Value| serde_json::json!({ "spec": { "job": { "inline": { "operators": ops } } } });
+    jobs.patch("counter", &PatchParams::default(), &Patch::Merge(operators(summing))).await.unwrap();
+    let message = degraded(&jobs, "counter", "NeedsAttention").await;
+    assert!(
+        message.contains("is not applied and the running job goes on: checkpoint ")
+            && message.contains(
+                "operator uid `counts` holds aggregate[count] state in the snapshot and is \
+                                 aggregate[count,sum] in the job"
+            ),
+        "{message}"
+    );
+    assert!(warning_event(&client, ns, "counter", "UpgradeRefused").await.contains("operator uid `counts`"));
+    assert_eq!(local.reap().await.unwrap(), None, "the runtime goes on; log:\n{}", local.log());
+    let pod = pods.get("counter-runtime-0").await.unwrap();
+    assert_eq!(pod.metadata.uid, first.metadata.uid, "the pod is not replaced");
+
+    // The GitOps change: the aggregates as they were, and another parallelism.
+    let mut change = operators(serde_json::to_value(&counting).unwrap());
+    change["spec"]["parallelism"] = serde_json::json!(2);
+    jobs.patch("counter", &PatchParams::default(), &Patch::Merge(change)).await.unwrap();
     // The operator stops the job with a savepoint; the runtime exits and reports it.
     let code = wait_exit(&mut local, "the old runtime to stop", 60).await;
     assert_eq!(code, 0, "old runtime log:\n{}", local.log());
@@ -101,6 +130,6 @@ async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
     .await;
 
     // Every running count of every key, exactly once, across the upgrade.
-    assert_eq!(assert_running_counts_exactly_once(out.path()), 24_000, "one output per input record");
+    assert_eq!(assert_running_counts_exactly_once(out.path()), RECORDS as usize, "one output per input record");
     controller.abort();
 }

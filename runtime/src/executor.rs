@@ -536,12 +536,6 @@ impl Executor<'_> {
         }
     }
 
-    /// What the state of the job's operator `uid` holds ([`crate::operators::state_layout`]).
-    fn state_layout_of(&self, uid: &str) -> Option<String> {
-        let node = self.job.nodes.iter().find(|n| n.uid.as_deref() == Some(uid))?;
-        crate::operators::state_layout(&node.kind)
-    }
-
     fn check_compatible(&self, r: &RestoredState) -> Result<(), JobError> {
         let incompatible =
             |reason: String| JobError::Restore(RestoreError::Incompatible { path: r.path.clone(), reason });
@@ -551,32 +545,11 @@ impl Executor<'_> {
                 r.max_parallelism, self.job.spec.max_parallelism
             )));
         }
-        for (uid, op) in &r.operators {
-            let (Some(held), Some(job)) = (&op.state_layout, self.state_layout_of(uid)) else { continue };
-            if *held != job {
-                return Err(incompatible(format!(
-                    "operator uid `{uid}` holds {held} state in the snapshot and is {job} in the job, which \
-                     cannot read it; keep its kind and aggregates, or give the changed operator a new uid \
-                     (it then starts empty; restore with allowNonRestoredState to drop the old uid's state)"
-                )));
-            }
-        }
-        let uids: BTreeSet<&str> =
-            self.job.nodes.iter().filter(|n| n.kind.is_stateful()).filter_map(|n| n.uid.as_deref()).collect();
-        let unmatched: Vec<&str> = r.operators.keys().map(String::as_str).filter(|u| !uids.contains(u)).collect();
-        if !unmatched.is_empty() {
-            if self.opts.allow_non_restored_state {
-                tracing::warn!(
-                    uids = ?unmatched,
-                    "dropping state of operators the job no longer has (allowNonRestoredState)"
-                );
-            } else {
-                return Err(incompatible(format!(
-                    "it holds state of operator uid(s) {} that the job no longer has; \
-                     restore with allowNonRestoredState to drop it",
-                    unmatched.join(", ")
-                )));
-            }
+        let held = r.operators.iter().map(|(uid, op)| (uid.clone(), op.state_layout.clone())).collect();
+        let dropped = weir_crds::compat::restore_conflict(self.job, &held, self.opts.allow_non_restored_state)
+            .map_err(incompatible)?;
+        if !dropped.is_empty() {
+            tracing::warn!(uids = ?dropped, "dropping state of uids the job no longer has (allowNonRestoredState)");
         }
         Ok(())
     }
@@ -1176,7 +1149,7 @@ impl Executor<'_> {
                 let entry = operators.entry(op.uid.clone()).or_insert_with(|| OperatorSnapshot {
                     parallelism: op.parallelism,
                     subtasks: Vec::new(),
-                    state_layout: self.state_layout_of(&op.uid),
+                    state_layout: weir_crds::compat::state_layout_of(self.job, &op.uid),
                 });
                 entry.subtasks.push(op.snapshot.clone());
             }

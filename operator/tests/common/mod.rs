@@ -70,3 +70,32 @@ spec:
     );
     serde_yaml::from_str(&text).expect("valid test manifest")
 }
+
+/// Waits for `name` to be Degraded with `reason`; returns the condition's message.
+pub async fn degraded(jobs: &Api<StreamJob>, name: &str, reason: &str) -> String {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let status = jobs.get(name).await.unwrap().status;
+        let found =
+            status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == "Degraded" && c.status == "True"));
+        match found {
+            Some(c) if c.reason == reason => return c.message.clone(),
+            _ if tokio::time::Instant::now() > deadline => panic!("{name} not Degraded with {reason}: {status:?}"),
+            _ => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// Waits for a Warning event with `reason` about `name`; returns its note.
+pub async fn warning_event(client: &kube::Client, ns: &str, name: &str, reason: &str) -> String {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
+    eventually(&format!("a {reason} event on {name}"), 20, || async {
+        events.list(&Default::default()).await.unwrap().items.into_iter().find_map(|e| {
+            let about = e.regarding.as_ref()?.name.as_deref() == Some(name);
+            (about && e.reason.as_deref() == Some(reason) && e.type_.as_deref() == Some("Warning"))
+                .then_some(e.note)
+                .flatten()
+        })
+    })
+    .await
+}
