@@ -13,7 +13,7 @@
 //! on the CEL pipeline (8M keys in its dedupe) zeroing pages was 7% of the CPU samples.
 //!
 //! The heap backend's hash tables come from [`TableAlloc`]: the same allocator, with the tables
-//! a restore reserves faulted in by a thread of their own while the restore fills them.
+//! a restore reserves faulted in on every core before the restore fills them.
 //!
 //! One of two modules allowed `unsafe` (with `prefetch`): calls into the C library, and the
 //! allocator trait.
@@ -29,7 +29,7 @@ use allocator_api2::alloc::{AllocError, Allocator, Global};
 
 /// The allocator of the heap backend's hash tables ([`crate::state::map::ShardedMap`]): the
 /// global one, except that the blocks allocated inside [`record_tables`] on the same thread
-/// are listed, for [`populate_in_background`].
+/// are listed, for [`populate`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TableAlloc;
 
@@ -75,51 +75,62 @@ pub fn record_tables(reserve: impl FnOnce()) -> Vec<(usize, usize)> {
     RECORDED.with(|recorded| recorded.borrow_mut().take().unwrap_or_default())
 }
 
-/// Faults in the pages of `blocks` (address, length) on a thread of its own, front to back,
-/// with `MADV_POPULATE_WRITE` (Linux 5.14), which maps each page as a first write would and
-/// leaves its contents alone: the thread that fills the blocks meanwhile finds more and more
-/// of its pages already there, instead of taking every page fault itself. A fresh page costs
-/// the kernel 2.5–22 µs here, and a restored heap map is gigabytes of them
-/// (`runtime/BENCHMARKS.md`). Stops at the first refusal (an older kernel, or a block freed
-/// and unmapped meanwhile: populating memory that is gone or reused changes nothing in it).
-/// The thread returns the bytes it faulted in; nobody needs to wait for it.
+/// Faults in the pages of `blocks` (address, length) before anything is written to them, on
+/// `threads` threads that share them out by 2 MiB, and returns the bytes faulted in once all
+/// are. `MADV_POPULATE_WRITE` (Linux 5.14) maps each page as a first write would and leaves
+/// its contents alone. A fresh page costs the kernel 1–22 µs here (it zeroes it), and a
+/// restored heap map is gigabytes of them (`runtime/BENCHMARKS.md`).
+///
+/// Before, one thread faulted the tables in while the restore filled them: the two, and the
+/// thread decoding the restored entries, contended for two cores, and the restore took the
+/// faults the populating thread had not reached yet. Faulted in first on both cores (1.6 GB in
+/// 0.25 s), the 20M-key image's tables filled in 0.8 s instead of 1.0–3.0 s.
+///
+/// Stops at the first refusal (an older kernel, or memory not mapped): the pages not reached
+/// are faulted in where they are first written.
 #[cfg(target_os = "linux")]
-pub fn populate_in_background(blocks: Vec<(usize, usize)>) -> Option<std::thread::JoinHandle<usize>> {
+pub fn populate(blocks: &[(usize, usize)], threads: usize) -> usize {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     const CHUNK: usize = 2 << 20;
-    if blocks.is_empty() {
-        return None;
-    }
-    let spawned = std::thread::Builder::new().name("table-prefault".into()).spawn(move || {
-        let started = std::time::Instant::now();
-        let page = 4096;
-        let mut populated = 0usize;
-        'blocks: for (address, len) in blocks {
-            let start = address.next_multiple_of(page);
-            let end = (address + len) / page * page;
-            let mut at = start;
-            while at < end {
-                let chunk = CHUNK.min(end - at);
-                // SAFETY: madvise takes an address range and reads or writes no memory through
-                // it; MADV_POPULATE_WRITE only faults the range's pages in, keeping their
-                // contents, and fails (it does not fault) where nothing is mapped.
-                let refused = unsafe { libc::madvise(at as *mut libc::c_void, chunk, libc::MADV_POPULATE_WRITE) } != 0;
-                if refused {
-                    break 'blocks;
-                }
-                populated += chunk;
-                at += chunk;
+    let page = 4096;
+    let chunks: Vec<(usize, usize)> = blocks
+        .iter()
+        .flat_map(|&(address, len)| {
+            let (start, end) = (address.next_multiple_of(page), (address + len) / page * page);
+            (start..end.max(start)).step_by(CHUNK).map(move |at| (at, CHUNK.min(end - at)))
+        })
+        .collect();
+    let (next, refused, populated) = (AtomicUsize::new(0), AtomicBool::new(false), AtomicUsize::new(0));
+    let work = || {
+        while !refused.load(Ordering::Relaxed) {
+            let Some(&(at, len)) = chunks.get(next.fetch_add(1, Ordering::Relaxed)) else { return };
+            // SAFETY: madvise takes an address range and reads or writes no memory through it;
+            // MADV_POPULATE_WRITE only faults the range's pages in, keeping their contents, and
+            // fails (it does not fault) where nothing is mapped.
+            if unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) } != 0 {
+                refused.store(true, Ordering::Relaxed);
+                return;
             }
+            populated.fetch_add(len, Ordering::Relaxed);
         }
-        tracing::debug!(bytes = populated, ms = started.elapsed().as_millis() as u64, "map tables faulted in");
-        populated
+    };
+    let started = std::time::Instant::now();
+    std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..threads.min(chunks.len()))
+            .filter_map(|_| std::thread::Builder::new().name("table-prefault".into()).spawn_scoped(scope, work).ok())
+            .collect();
+        work();
+        drop(helpers);
     });
-    spawned.map_err(|e| tracing::debug!(error = %e, "no thread to fault the map's tables in")).ok()
+    let populated = populated.into_inner();
+    tracing::debug!(bytes = populated, ms = started.elapsed().as_millis() as u64, threads, "map tables faulted in");
+    populated
 }
 
 /// Outside Linux the pages are faulted in where they are written.
 #[cfg(not(target_os = "linux"))]
-pub fn populate_in_background(_blocks: Vec<(usize, usize)>) -> Option<std::thread::JoinHandle<usize>> {
-    None
+pub fn populate(_blocks: &[(usize, usize)], _threads: usize) -> usize {
+    0
 }
 
 /// How often the trimming thread returns free memory. Measured on the 5M-key count on the
@@ -261,8 +272,8 @@ mod tests {
     }
 
     /// The blocks a reserve allocates inside [`record_tables`] are listed (and only those);
-    /// populating one makes its pages resident before anything is written to it, and
-    /// populating another while it is being filled keeps what is written in it.
+    /// populating them makes their pages resident before anything is written to them, on one
+    /// thread or several, and keeps what is already written in them.
     #[test]
     #[cfg(target_os = "linux")]
     fn tables_reserved_while_recording_are_listed_faulted_in_and_keep_their_contents() {
@@ -281,16 +292,16 @@ mod tests {
 
         let (address, len) = blocks[0];
         let before = resident_pages(address, len);
-        let populated = populate_in_background(blocks).unwrap().join().unwrap();
+        let populated = populate(&blocks, 3);
         assert!(populated >= (32 << 20) - 8192, "{populated} bytes faulted in");
         let (after, pages) = (resident_pages(address, len), len / 4096);
         assert!(after + 2 >= pages && after > before, "{before} then {after} of {pages} pages resident");
 
         let value = |i: u64| i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
         let blocks = record_tables(|| filled.reserve(4 << 20));
-        let populating = populate_in_background(blocks).unwrap();
-        filled.extend((0..4u64 << 20).map(value));
-        populating.join().unwrap();
+        filled.extend((0..1u64 << 20).map(value));
+        assert!(populate(&blocks, 1) >= (32 << 20) - 8192);
+        filled.extend((1u64 << 20..4u64 << 20).map(value));
         assert!(filled.iter().enumerate().all(|(i, &v)| v == value(i as u64)), "a value changed");
         drop(untouched);
     }

@@ -29,6 +29,10 @@ type HashTable<T> = hash_table::HashTable<T, TableAlloc>;
 /// Shards of the map: a power of two.
 pub const SHARDS: usize = 64;
 
+/// Threads at most that fault a restored map's tables in ([`ShardedMap::reserve_prefaulted`]):
+/// zeroing pages is bound by memory, which a few cores saturate.
+const MAX_POPULATING_THREADS: usize = 4;
+
 /// Where a hash's shard bits start. hashbrown takes a bucket's index from the low bits and its
 /// control byte from the top seven; the shard bits are neither, so keys within a shard still
 /// spread over its buckets and control bytes.
@@ -371,11 +375,11 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
     }
 
     /// [`Self::reserve`] for a restore about to fill the map: the tables it allocates are
-    /// faulted in by another thread meanwhile ([`crate::malloc::populate_in_background`]).
+    /// faulted in first, on every core ([`crate::malloc::populate`]).
     pub fn reserve_prefaulted(&mut self, additional: usize) {
         let blocks = crate::malloc::record_tables(|| self.reserve(additional));
-        // Nobody waits for it: a page it has not reached yet is faulted in where it is written.
-        let _ = crate::malloc::populate_in_background(blocks);
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        crate::malloc::populate(&blocks, cores.min(MAX_POPULATING_THREADS));
     }
 
     /// Where the map holds a key of `hash` now ([`storage_order`] with the shard's buckets).
