@@ -50,6 +50,17 @@ pub fn state_layout(kind: &NodeKind) -> Option<String> {
     })
 }
 
+/// Why a job of `max_parallelism` key groups cannot restore a snapshot of `held` key groups:
+/// keyed state is partitioned by them.
+pub fn max_parallelism_conflict(held: u32, max_parallelism: u32) -> Option<String> {
+    (held != max_parallelism).then(|| {
+        format!(
+            "maxParallelism is {held} in the snapshot and {max_parallelism} in the job; it cannot change once \
+             state exists"
+        )
+    })
+}
+
 /// What the state of `job`'s operator `uid` holds ([`state_layout`]); `None` when the job has
 /// no stateful operator of that uid.
 pub fn state_layout_of(job: &ValidatedJob, uid: &str) -> Option<String> {

@@ -7,8 +7,10 @@
 
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::Api;
+use weir_checkpoint::metadata::{CheckpointMetadata, MetadataError};
 use weir_checkpoint::Storage;
 use weir_crds::streamjob::{JobGraph, StreamJob};
+use weir_crds::ValidatedJob;
 
 use crate::children;
 use crate::plan::EventReason;
@@ -25,6 +27,9 @@ pub enum InvalidReason {
     MissingSecret,
     /// `spec.initialSavepoint` names a path holding no savepoint.
     MissingSavepoint,
+    /// `spec.initialSavepoint` holds state the job cannot read (other aggregates or kind of
+    /// operator under a uid, a uid the job does not have, another maxParallelism).
+    IncompatibleSavepoint,
 }
 
 impl InvalidReason {
@@ -35,6 +40,7 @@ impl InvalidReason {
             InvalidReason::MissingConfigMap => EventReason::MissingConfigMap,
             InvalidReason::MissingSecret => EventReason::MissingSecret,
             InvalidReason::MissingSavepoint => EventReason::MissingSavepoint,
+            InvalidReason::IncompatibleSavepoint => EventReason::IncompatibleSavepoint,
         }
     }
 }
@@ -154,16 +160,17 @@ async fn verdict(
     };
     let job_yaml = children::job_file(sj, &graph, storage_root)?;
     let checked = match weir_crds::JobSpec::from_yaml(&job_yaml) {
-        Ok(spec) => weir_crds::validate(&spec).map(|_| ()).map_err(|errors| {
+        Ok(spec) => weir_crds::validate(&spec).map_err(|errors| {
             let lines: Vec<String> =
                 errors.0.iter().map(|v| format!("{}: {}", manifest_path(&v.path, sj), v.message)).collect();
             lines.join("\n")
         }),
         Err(e) => Err(e.to_string()),
     };
-    if let Err(problems) = checked {
-        return Ok(Err(Invalid::new(InvalidReason::InvalidJob, problems)));
-    }
+    let job = match checked {
+        Ok(job) => job,
+        Err(problems) => return Ok(Err(Invalid::new(InvalidReason::InvalidJob, problems))),
+    };
     let Some(env) = credentials else {
         let secret = sj.spec.checkpointing.credentials_secret.as_ref().map(|r| r.name.as_str()).unwrap_or_default();
         return Ok(Err(Invalid::new(
@@ -172,14 +179,20 @@ async fn verdict(
         )));
     };
     if let (true, Some(path)) = (first_deploy, &sj.spec.initial_savepoint) {
-        let found = savepoint_exists(path, env)
+        let metadata = savepoint_metadata(path, env)
             .await
             .map_err(|source| InputsError::Savepoint { path: path.clone(), source })?;
-        if !found {
-            return Ok(Err(Invalid::new(
+        let refused = match metadata {
+            None => Some((
                 InvalidReason::MissingSavepoint,
-                format!("spec.initialSavepoint: no savepoint or checkpoint at {path} (it has no _metadata)"),
-            )));
+                format!("no savepoint or checkpoint at {path} (it has no _metadata)"),
+            )),
+            Some(Err(e)) => Some((InvalidReason::MissingSavepoint, format!("{path}/_metadata is unreadable: {e}"))),
+            Some(Ok(m)) => initial_state_conflict(&job, &m, sj.spec.allow_non_restored_state)
+                .map(|why| (InvalidReason::IncompatibleSavepoint, format!("{path} does not fit this job: {why}"))),
+        };
+        if let Some((reason, why)) = refused {
+            return Ok(Err(Invalid::new(reason, format!("spec.initialSavepoint: {why}"))));
         }
     }
     Ok(Ok(job_yaml))
@@ -218,9 +231,31 @@ async fn job_graph(client: &kube::Client, sj: &StreamJob, ns: &str) -> Result<Re
 }
 
 /// Whether `path` holds a complete savepoint or checkpoint (its `_metadata`).
-async fn savepoint_exists(path: &str, env: &[(String, String)]) -> Result<bool, weir_checkpoint::StorageError> {
+/// The `_metadata` of the snapshot at `path`: `None` when there is none, an error inside when
+/// it does not decode.
+async fn savepoint_metadata(
+    path: &str,
+    env: &[(String, String)],
+) -> Result<Option<Result<CheckpointMetadata, MetadataError>>, weir_checkpoint::StorageError> {
     let storage = Storage::open_with_env(path, env)?;
-    Ok(storage.size(weir_checkpoint::layout::METADATA).await?.is_some())
+    if storage.size(weir_checkpoint::layout::METADATA).await?.is_none() {
+        return Ok(None);
+    }
+    let bytes = storage.get(weir_checkpoint::layout::METADATA).await?;
+    Ok(Some(CheckpointMetadata::decode(&bytes)))
+}
+
+/// Why `job` cannot start from the snapshot of `metadata` (the checks the runtime makes when
+/// it restores, made before anything is deployed).
+fn initial_state_conflict(
+    job: &ValidatedJob,
+    metadata: &CheckpointMetadata,
+    allow_non_restored: bool,
+) -> Option<String> {
+    use weir_crds::compat::{max_parallelism_conflict, restore_conflict};
+    let held = metadata.operators.iter().map(|(uid, op)| (uid.clone(), op.state_layout.clone())).collect();
+    max_parallelism_conflict(metadata.max_parallelism, job.spec.max_parallelism)
+        .or_else(|| restore_conflict(job, &held, allow_non_restored).err())
 }
 
 /// Where a job-file field path (`job.operators[0].filter.expr`) is in the StreamJob: under

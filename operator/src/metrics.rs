@@ -134,6 +134,7 @@ impl OperatorMetrics {
             | R::MissingSecret
             | R::MissingSavepoint
             | R::UpgradeRefused
+            | R::IncompatibleSavepoint
             | R::ReconcileFailed => {}
         }
     }

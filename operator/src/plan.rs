@@ -179,6 +179,8 @@ pub enum EventReason {
     MissingSecret,
     /// The initial savepoint is missing.
     MissingSavepoint,
+    /// The initial savepoint holds state the job cannot read.
+    IncompatibleSavepoint,
     /// A reconcile failed (API or storage error); it is retried.
     ReconcileFailed,
 }
@@ -204,6 +206,7 @@ impl EventReason {
             EventReason::MissingConfigMap => "MissingConfigMap",
             EventReason::MissingSecret => "MissingSecret",
             EventReason::MissingSavepoint => "MissingSavepoint",
+            EventReason::IncompatibleSavepoint => "IncompatibleSavepoint",
             EventReason::ReconcileFailed => "ReconcileFailed",
         }
     }

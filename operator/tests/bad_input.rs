@@ -1,7 +1,8 @@
-//! Bad input the API server accepts (it cannot see other objects or compile CEL), refused by
-//! the operator before it creates anything: each class is reported in status within seconds,
-//! Degraded with a reason and the field, with a Warning event, and no pod. A reconcile that
-//! fails on an API error says so in status too. Real API server, real operator.
+//! Bad input the API server accepts (it cannot see other objects, compile CEL or read a
+//! savepoint), refused by the operator before it creates anything: each class is reported in
+//! status within seconds, Degraded with a reason and the field, with a Warning event, and no
+//! pod. A reconcile that fails on an API error says so in status too. Real API server, real
+//! operator.
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, ResourceQuota};
 use kube::api::{Api, PostParams};
@@ -27,7 +28,6 @@ const GRAPH: &str = "    inline:
       sinks: [ { name: out, stdout: {} } ]
 ";
 
-/// Waits until the job is Degraded with `reason`, and returns the condition's message.
 #[tokio::test(flavor = "multi_thread")]
 async fn each_class_of_bad_input_is_reported_with_its_field_and_nothing_is_deployed() {
     let ns = "bad-input";
@@ -37,6 +37,29 @@ async fn each_class_of_bad_input_is_reported_with_its_field_and_nothing_is_deplo
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let pp = PostParams::default();
+    // A savepoint of a job whose uid `events` read Kafka: the generator of uid `events` cannot
+    // take its positions over.
+    let kafka_savepoint = state.path().join("elsewhere/savepoints/sp-1-3");
+    std::fs::create_dir_all(&kafka_savepoint).unwrap();
+    let metadata = weir_checkpoint::CheckpointMetadata {
+        format_version: weir_checkpoint::metadata::FORMAT_VERSION,
+        checkpoint_id: 3,
+        kind: weir_checkpoint::metadata::SnapshotKind::Savepoint,
+        job_name: "elsewhere".into(),
+        epoch: 1,
+        created_at_ms: 1,
+        max_parallelism: 128,
+        operators: [(
+            "events".to_string(),
+            weir_checkpoint::OperatorSnapshot {
+                parallelism: 1,
+                subtasks: Vec::new(),
+                state_layout: Some("kafka source".into()),
+            },
+        )]
+        .into(),
+    };
+    std::fs::write(kafka_savepoint.join("_metadata"), metadata.encode()).unwrap();
 
     let cases: Vec<(StreamJob, &str, &str)> = vec![
         // CEL is compiled by the operator, not first by the crashing runtime.
@@ -64,6 +87,12 @@ async fn each_class_of_bad_input_is_reported_with_its_field_and_nothing_is_deplo
             job("no-savepoint", &format!("  initialSavepoint: {}/sp-1-7\n", state.path().display()), GRAPH),
             "MissingSavepoint",
             "spec.initialSavepoint: no savepoint or checkpoint at",
+        ),
+        (
+            job("other-state", &format!("  initialSavepoint: {}\n", kafka_savepoint.display()), GRAPH),
+            "IncompatibleSavepoint",
+            "does not fit this job: operator uid `events` holds kafka source state in the snapshot and is \
+             generator in the job",
         ),
     ];
     for (sj, _, _) in &cases {

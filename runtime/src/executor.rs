@@ -539,11 +539,9 @@ impl Executor<'_> {
     fn check_compatible(&self, r: &RestoredState) -> Result<(), JobError> {
         let incompatible =
             |reason: String| JobError::Restore(RestoreError::Incompatible { path: r.path.clone(), reason });
-        if r.max_parallelism != self.job.spec.max_parallelism {
-            return Err(incompatible(format!(
-                "maxParallelism is {} in the snapshot and {} in the job; it cannot change once state exists",
-                r.max_parallelism, self.job.spec.max_parallelism
-            )));
+        if let Some(why) = weir_crds::compat::max_parallelism_conflict(r.max_parallelism, self.job.spec.max_parallelism)
+        {
+            return Err(incompatible(why));
         }
         let held = r.operators.iter().map(|(uid, op)| (uid.clone(), op.state_layout.clone())).collect();
         let dropped = weir_crds::compat::restore_conflict(self.job, &held, self.opts.allow_non_restored_state)
