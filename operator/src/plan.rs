@@ -160,8 +160,8 @@ pub enum EventReason {
     SavepointFailedPodsKilled,
     /// The savepoint before an upgrade failed: the previous spec keeps running.
     UpgradeSavepointFailed,
-    /// A spec change whose job could not read the running job's state was not applied: the
-    /// previous spec keeps running.
+    /// A spec whose job could not read the job's state was not applied: the previous spec
+    /// keeps running, or a stopped job stays stopped.
     UpgradeRefused,
     /// The job failed and is relaunched from its newest valid checkpoint.
     Relaunching,
@@ -295,7 +295,10 @@ pub fn needs_checkpoints(desired: &Desired<'_>, current: &PlanState, obs: &Obser
         return false;
     }
     match &obs.pods {
-        PodsPhase::Absent => current.phase.is_some_and(|p| p != Phase::Finished) && current.recovery_point.is_none(),
+        // A deploy that restores the job's own state, checked against its checkpoints.
+        PodsPhase::Absent => {
+            current.phase != Some(Phase::Finished) && (current.phase.is_some() || spec.initial_savepoint.is_none())
+        }
         PodsPhase::Failed(_) => current.relaunch_count < spec.relaunch.limit,
         // A stateful upgrade: restored from the newest checkpoint (last-state), and checked
         // against the state the checkpoints hold before anything stops (both).
@@ -396,6 +399,18 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
                     other => (other.or_else(|| newest_valid(obs).map(|c| c.snapshot.clone())), RestoreMode::Latest),
                 },
             };
+            // Resuming (or starting where checkpoints of the job's name remain): the job's
+            // own state must fit the spec, as for an upgrade; `spec.initialSavepoint` was
+            // checked with the spec (`inputs`).
+            let own_state = current.phase.is_some() || spec.initial_savepoint.is_none();
+            if let Some(why) = own_state.then(|| state_conflict(desired, obs)).flatten() {
+                p.degraded =
+                    Some(format!("generation {} is not deployed and the job stays stopped: {why}", desired.generation));
+                if current.phase != Some(Phase::Degraded) {
+                    p.event(true, EventReason::UpgradeRefused, p.degraded.clone().unwrap_or_default());
+                }
+                return p;
+            }
             p.actions.push(Action::Deploy { restore_from: restore.clone(), mode });
             p.state.phase = Some(Phase::Deploying);
             p.state.recovery_point = None;
@@ -497,6 +512,13 @@ fn upgrade_refused(desired: &Desired<'_>, obs: &Observation) -> Option<String> {
     if desired.spec.upgrade_mode == UpgradeMode::Stateless {
         return None;
     }
+    state_conflict(desired, obs)
+}
+
+/// Why the job of `desired` cannot read the state the newest valid checkpoint holds (see
+/// [`weir_crds::compat::restore_conflict`]); `None` when it can, or when the job or the state
+/// is unknown.
+fn state_conflict(desired: &Desired<'_>, obs: &Observation) -> Option<String> {
     let (job, newest) = (desired.job?, newest_valid(obs)?);
     let allow = desired.spec.allow_non_restored_state;
     weir_crds::compat::restore_conflict(job, &newest.state_layouts, allow)
@@ -1093,6 +1115,29 @@ mod tests {
             vec![Action::Deploy { restore_from: Some(sp(4)), mode: RestoreMode::Snapshot }],
             "exactly the suspend savepoint"
         );
+
+        // Resumed with a spec whose job cannot read the state: not deployed, stays stopped
+        // with its savepoint, says why once; fixed, it resumes from the same savepoint.
+        let summing = counting_job("{ fn: count, as: n }, { fn: sum, field: k, as: t }");
+        let held =
+            Observation { checkpoints: vec![holding_a_count(chk(3, 999_000, None))], ..obs(PodsPhase::Absent, None) };
+        let refused = plan(&Desired { job: Some(&summing), ..desired(&s, "h2") }, &p3.state, &held);
+        assert!(refused.actions.is_empty(), "{:?}", refused.actions);
+        assert_eq!(refused.state.recovery_point, Some(sp(4)));
+        let why = refused.degraded.clone().unwrap();
+        assert!(
+            why.starts_with("generation 2 is not deployed and the job stays stopped: checkpoint 3: operator uid"),
+            "{why}"
+        );
+        assert_eq!(refused.events.len(), 1);
+        assert_eq!(refused.events[0].reason, EventReason::UpgradeRefused);
+        let degraded = PlanState { phase: Some(Phase::Degraded), ..refused.state.clone() };
+        let again = plan(&Desired { job: Some(&summing), ..desired(&s, "h2") }, &degraded, &held);
+        assert!(again.events.is_empty() && again.actions.is_empty());
+        let counting = counting_job("{ fn: count, as: n }");
+        let fixed = plan(&Desired { job: Some(&counting), ..desired(&s, "h2") }, &degraded, &held);
+        assert_eq!(fixed.actions, vec![Action::Deploy { restore_from: Some(sp(4)), mode: RestoreMode::Snapshot }]);
+        assert!(fixed.degraded.is_none());
     }
 
     #[test]
