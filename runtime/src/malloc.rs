@@ -85,7 +85,7 @@ pub fn record_tables(reserve: impl FnOnce()) -> Vec<(usize, usize)> {
 /// thread decoding the restored entries, contended for two cores, and the restore took the
 /// faults the populating thread had not reached yet. Faulted in first on both cores (1.6 GB in
 /// 0.25 s), a 20M-key image restored in a median 0.94 s instead of 1.07 s, a 13-file chain of
-/// the same keys in 1.94 s instead of 2.35 s (same CPU time).
+/// the same keys in 1.93 s instead of 2.35 s (same CPU time).
 ///
 /// Stops at the first refusal (an older kernel, or memory not mapped): the pages not reached
 /// are faulted in where they are first written.
