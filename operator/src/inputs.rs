@@ -98,8 +98,8 @@ pub struct Inputs {
     /// once here; empty when the job names no Secret or it is missing).
     pub storage_env: Vec<(String, String)>,
     /// The job file of the verdict, validated: what its operators' state holds is compared
-    /// with the running job's checkpoints before an upgrade.
-    pub job: Option<weir_crds::ValidatedJob>,
+    /// with the job's checkpoints before an upgrade or a resume.
+    pub job: Option<ValidatedJob>,
 }
 
 /// Validates a StreamJob and what it refers to. `first_deploy`: no run has started yet, so the
@@ -112,12 +112,10 @@ pub async fn validate(
     first_deploy: bool,
 ) -> Result<Inputs, InputsError> {
     let credentials = credentials(client, sj, ns).await?;
-    let verdict = verdict(client, sj, ns, storage_root, first_deploy, credentials.as_deref()).await?;
-    let job = verdict
-        .as_ref()
-        .ok()
-        .and_then(|yaml| weir_crds::JobSpec::from_yaml(yaml).ok())
-        .and_then(|spec| weir_crds::validate(&spec).ok());
+    let (verdict, job) = match verdict(client, sj, ns, storage_root, first_deploy, credentials.as_deref()).await? {
+        Ok((job_yaml, job)) => (Ok(job_yaml), Some(job)),
+        Err(invalid) => (Err(invalid), None),
+    };
     Ok(Inputs { verdict, storage_env: credentials.unwrap_or_default(), job })
 }
 
@@ -147,7 +145,7 @@ async fn verdict(
     storage_root: &str,
     first_deploy: bool,
     credentials: Option<&[(String, String)]>,
-) -> Result<Verdict, InputsError> {
+) -> Result<Result<(String, ValidatedJob), Invalid>, InputsError> {
     let name = sj.metadata.name.as_deref().unwrap_or_default();
     let spec_problems = weir_crds::streamjob::spec_violations(name, &sj.spec);
     if !spec_problems.is_empty() {
@@ -195,7 +193,7 @@ async fn verdict(
             return Ok(Err(Invalid::new(reason, format!("spec.initialSavepoint: {why}"))));
         }
     }
-    Ok(Ok(job_yaml))
+    Ok(Ok((job_yaml, job)))
 }
 
 /// The job graph: inline, or from its ConfigMap key.
@@ -230,7 +228,6 @@ async fn job_graph(client: &kube::Client, sj: &StreamJob, ns: &str) -> Result<Re
     })
 }
 
-/// Whether `path` holds a complete savepoint or checkpoint (its `_metadata`).
 /// The `_metadata` of the snapshot at `path`: `None` when there is none, an error inside when
 /// it does not decode.
 async fn savepoint_metadata(
