@@ -235,11 +235,11 @@ async fn savepoint_metadata(
     env: &[(String, String)],
 ) -> Result<Option<Result<CheckpointMetadata, MetadataError>>, weir_checkpoint::StorageError> {
     let storage = Storage::open_with_env(path, env)?;
-    if storage.size(weir_checkpoint::layout::METADATA).await?.is_none() {
-        return Ok(None);
+    match storage.get(weir_checkpoint::layout::METADATA).await {
+        Ok(bytes) => Ok(Some(CheckpointMetadata::decode(&bytes))),
+        Err(weir_checkpoint::StorageError::NotFound(_)) => Ok(None),
+        Err(e) => Err(e),
     }
-    let bytes = storage.get(weir_checkpoint::layout::METADATA).await?;
-    Ok(Some(CheckpointMetadata::decode(&bytes)))
 }
 
 /// Why `job` cannot start from the snapshot of `metadata` (the checks the runtime makes when

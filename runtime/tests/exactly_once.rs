@@ -388,12 +388,19 @@ fn savepoints_restore_with_an_added_operator_and_refuse_a_vanished_uid() {
     assert_eq!(outcome, JobOutcome::Finished);
 }
 
+/// A small job named `name` run to its end: its params, work directory (kept while the
+/// guard lives), output and checkpoint directories.
+fn finished_small_job(name: &str) -> (JobParams, tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let mut p = JobParams::new(name);
+    p.count = 2000;
+    let (d, out, chk) = workdir(name);
+    run_to_end(&job_yaml(&p, &out), opts(&chk));
+    (p, d, out, chk)
+}
+
 #[test]
 fn restoring_a_changed_max_parallelism_is_refused() {
-    let mut p = JobParams::new("maxpar");
-    p.count = 2000;
-    let (_d, out, chk) = workdir("maxpar");
-    run_to_end(&job_yaml(&p, &out), opts(&chk));
+    let (p, _d, out, chk) = finished_small_job("maxpar");
     let yaml = job_yaml(&p, &out).replace("maxParallelism: 64", "maxParallelism: 32");
     let (r, _) = InProcess::start(&yaml, RunOptionsExt::restore_latest(opts(&chk))).join();
     let err = r.unwrap_err().to_string();
@@ -406,10 +413,7 @@ fn restoring_a_changed_max_parallelism_is_refused() {
 /// starts it empty.
 #[test]
 fn restoring_changed_aggregates_is_refused_naming_the_operator() {
-    let mut p = JobParams::new("aggchange");
-    p.count = 2000;
-    let (_d, out, chk) = workdir("aggchange");
-    run_to_end(&job_yaml(&p, &out), opts(&chk));
+    let (p, _d, out, chk) = finished_small_job("aggchange");
     let count = "aggregate: { aggregates: [ { fn: count, as: n } ] }";
     let yaml = job_yaml(&p, &out);
     assert!(yaml.contains(count), "{yaml}");
