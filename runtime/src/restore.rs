@@ -77,7 +77,8 @@ pub enum KeyedFilesIn {
 /// A verified keyed state file of a restore.
 #[derive(Clone, Debug)]
 pub enum KeyedFile {
-    /// Held in memory.
+    /// Held in memory, its bytes verified against the checkpoint's metadata (see
+    /// [`weir_checkpoint::format::open_verified`]).
     Memory(Bytes),
     /// Copied to a local file (shared by the clones of a [`RestoredState`]).
     Local(Arc<LocalCopy>),
@@ -534,7 +535,8 @@ impl RestoredState {
                 if let Some(f) = &s.operator_state {
                     let data = read_verified(storage, found, f).await?;
                     bytes += data.len() as u64;
-                    let (_, body) = weir_checkpoint::format::open(&data).map_err(|e| corrupt(storage, found, f, e))?;
+                    let (_, body) =
+                        weir_checkpoint::format::open_verified(&data).map_err(|e| corrupt(storage, found, f, e))?;
                     let doc =
                         weir_checkpoint::format::operator_document(body).map_err(|e| corrupt(storage, found, f, e))?;
                     sub.operator_doc = Some(doc.to_vec());
@@ -717,7 +719,7 @@ async fn load_keyed_file(
     Ok(match keyed_in {
         KeyedFilesIn::Memory => {
             let data = read_verified(storage, found, f).await?;
-            weir_checkpoint::format::open(&data).map_err(|e| corrupt(storage, found, f, e))?;
+            weir_checkpoint::format::open_verified(&data).map_err(|e| corrupt(storage, found, f, e))?;
             (KeyedFile::Memory(data), f.len)
         }
         KeyedFilesIn::LocalDir(dir) => (KeyedFile::Local(copy_verified(storage, found, f, dir).await?), f.len),

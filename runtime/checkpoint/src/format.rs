@@ -801,6 +801,17 @@ pub fn open(file: &[u8]) -> Result<(FileKind, &[u8]), FormatError> {
     if crc32c::crc32c(content).to_le_bytes() != crc {
         return Err(FormatError::ChecksumMismatch);
     }
+    open_verified(file)
+}
+
+/// [`open`] of a file whose bytes were verified whole already, against a checksum kept
+/// elsewhere (a checkpoint's metadata lists each file's CRC-32C): its own trailing checksum is
+/// not computed again. A restore read a 259 MB image's bytes three times over for checksums.
+pub fn open_verified(file: &[u8]) -> Result<(FileKind, &[u8]), FormatError> {
+    if file.len() < MAGIC.len() + 1 + 4 {
+        return Err(FormatError::Truncated(file.len()));
+    }
+    let content = &file[..file.len() - 4];
     let (kind, index_len) =
         read_header::<std::convert::Infallible>(&mut &content[..], file.len() as u64).map_err(|e| match e {
             PartsError::Format(e) => e,
@@ -814,7 +825,25 @@ pub fn open(file: &[u8]) -> Result<(FileKind, &[u8]), FormatError> {
 /// Iterates the keyed entries of a verified body.
 #[inline]
 pub fn keyed_entries(body: &[u8]) -> KeyedEntries<'_> {
-    KeyedEntries { dec: Decoder::new(body) }
+    KeyedEntries { dec: Decoder::new(body), end: body.len() }
+}
+
+/// The keyed entries of a verified body that start at byte offsets in `[from, to)`, for
+/// threads that read one body at once, each the entries of its own stretch: consecutive
+/// stretches (`[0, a)`, `[a, b)`, ..., `[z, body.len())`) read every entry once, in order,
+/// whatever offsets cut them. The entries before `from` are read past without decoding their
+/// keys and values. A malformed entry before `from` is where the iteration starts, and
+/// reports it.
+pub fn keyed_entries_in(body: &[u8], from: usize, to: usize) -> KeyedEntries<'_> {
+    let mut dec = Decoder::new(body);
+    while dec.position() < from {
+        let at = dec.position();
+        if skip_entry(&mut dec).is_err() {
+            dec.pos = at;
+            break;
+        }
+    }
+    KeyedEntries { dec, end: to.min(body.len()) }
 }
 
 /// The keyed entries of a body ([`keyed_entries`]). Its `next` is inlined into the loops that
@@ -823,6 +852,8 @@ pub fn keyed_entries(body: &[u8]) -> KeyedEntries<'_> {
 /// restore's decoding thread.
 pub struct KeyedEntries<'a> {
     dec: Decoder<'a>,
+    /// No entry starts at or after this offset.
+    end: usize,
 }
 
 impl<'a> KeyedEntries<'a> {
@@ -845,7 +876,7 @@ impl<'a> Iterator for KeyedEntries<'a> {
 
     #[inline]
     fn next(&mut self) -> Option<Self::Item> {
-        if self.dec.is_empty() {
+        if self.dec.position() >= self.end {
             return None;
         }
         Some(self.entry())
@@ -866,20 +897,27 @@ pub enum PartsError<E> {
     Consume(E),
 }
 
+/// Reads past one keyed entry without decoding its key or value.
+#[inline]
+fn skip_entry(dec: &mut Decoder<'_>) -> Result<(), FormatError> {
+    dec.varint()?;
+    dec.bytes()?;
+    match dec.u8()? {
+        0 => {}
+        1 => {
+            dec.bytes()?;
+        }
+        _ => return Err(FormatError::Malformed(dec.position() - 1)),
+    }
+    Ok(())
+}
+
 /// The length of the longest prefix of `body` made of whole keyed entries.
 fn whole_entries_len(body: &[u8]) -> usize {
     let mut dec = Decoder::new(body);
     let mut whole = 0;
     while !dec.is_empty() {
-        let entry = (|| -> Result<(), FormatError> {
-            dec.varint()?;
-            dec.bytes()?;
-            if dec.u8()? == 1 {
-                dec.bytes()?;
-            }
-            Ok(())
-        })();
-        if entry.is_err() {
+        if skip_entry(&mut dec).is_err() {
             break;
         }
         whole = dec.position();
@@ -988,6 +1026,25 @@ mod tests {
         assert_eq!(open(&bytes[..3]), Err(FormatError::Truncated(3)));
     }
 
+    /// A file verified elsewhere opens as [`open`] opens it, without its checksum computed
+    /// again: a changed entry is not noticed there (the caller's checksum must have been), a
+    /// changed header still is.
+    #[test]
+    fn a_file_verified_elsewhere_opens_without_its_checksum() {
+        let mut w = StateFileWriter::new(FileKind::KeyedIncrement, 64);
+        w.put(3, b"k1", b"v1");
+        let (bytes, _) = w.finish();
+        assert_eq!(open_verified(&bytes), open(&bytes));
+        let mut changed = bytes.to_vec();
+        let last = changed.len() - 5;
+        changed[last] ^= 1;
+        assert_eq!(open(&changed), Err(FormatError::ChecksumMismatch));
+        assert_eq!(open_verified(&changed).map(|(kind, _)| kind), Ok(FileKind::KeyedIncrement));
+        changed[0] ^= 1;
+        assert!(open_verified(&changed).is_err(), "not a state file");
+        assert_eq!(open_verified(&bytes[..3]), Err(FormatError::Truncated(3)));
+    }
+
     #[test]
     fn keyed_parts_hold_whole_entries_in_file_order() {
         let mut w = StateFileWriter::new(FileKind::KeyedFull, 64);
@@ -1021,6 +1078,49 @@ mod tests {
             assert_eq!(read, expected, "parts of {part} bytes");
             assert!(part >= bytes.len() || parts > 1, "{part}-byte parts of a {}-byte file", bytes.len());
         }
+    }
+
+    #[test]
+    fn stretches_cut_anywhere_read_every_entry_once_in_order() {
+        let mut w = StateFileWriter::new(FileKind::KeyedFull, 64);
+        for i in 0..1000u32 {
+            let value = vec![i as u8; if i % 101 == 0 { 900 } else { (i % 11) as usize }];
+            if i % 9 == 0 {
+                w.delete(i % 128, format!("key-{i}").as_bytes());
+            } else {
+                w.put(i % 128, format!("key-{i}").as_bytes(), &value);
+            }
+        }
+        let (bytes, _) = w.finish();
+        let (_, body) = open(&bytes).unwrap();
+        let all: Vec<_> = keyed_entries(body).collect::<Result<_, _>>().unwrap();
+        let n = body.len();
+        // Cuts inside entries, on their starts, at the ends, and past the end.
+        for cuts in [vec![], vec![n / 2], vec![1, 2, 3], vec![n / 3, n / 3, 2 * n / 3], vec![0, n - 1, n, n + 5]] {
+            let mut bounds = vec![0];
+            bounds.extend(&cuts);
+            bounds.push(n);
+            let read: Vec<_> = bounds
+                .windows(2)
+                .flat_map(|w| keyed_entries_in(body, w[0], w[1]))
+                .collect::<Result<_, _>>()
+                .expect("whole entries");
+            assert_eq!(read, all, "cut at {cuts:?}");
+        }
+        assert_eq!(keyed_entries_in(body, n / 2, n / 2).count(), 0);
+        // An entry that is neither a put nor a deletion: a stretch past it reports it too.
+        let mut bad = body.to_vec();
+        let mut dec = Decoder::new(body);
+        while dec.position() < n / 3 {
+            skip_entry(&mut dec).unwrap();
+        }
+        let at = dec.position();
+        dec.varint().unwrap();
+        dec.bytes().unwrap();
+        bad[dec.position()] = 7;
+        assert!(keyed_entries_in(&bad, 0, at).all(|e| e.is_ok()));
+        assert!(keyed_entries_in(&bad, at, n).next().unwrap().is_err());
+        assert!(keyed_entries_in(&bad, 2 * n / 3, n).next().unwrap().is_err());
     }
 
     #[test]

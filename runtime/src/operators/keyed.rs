@@ -113,11 +113,14 @@ impl KeyedContext {
         };
         match file {
             KeyedFile::Memory(data) => {
-                let (kind, body) = weir_checkpoint::format::open(data).map_err(|e| failed(e.to_string()))?;
-                if kind == FileKind::KeyedFull && reserve_for_image {
+                let (kind, body) = weir_checkpoint::format::open_verified(data).map_err(|e| failed(e.to_string()))?;
+                if kind != FileKind::KeyedFull {
+                    return state.restore_file(body, self.key_groups).map_err(store_failed);
+                }
+                if reserve_for_image {
                     state.reserve_for_full_image(body, self.key_groups).map_err(|e| failed(e.to_string()))?;
                 }
-                state.restore_file(body, self.key_groups).map_err(store_failed)
+                state.restore_full_image(body, self.key_groups).map_err(store_failed)
             }
             KeyedFile::Stored(stored) => {
                 let increment = crate::state::bulk::IncrementByKeyGroup {

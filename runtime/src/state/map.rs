@@ -319,10 +319,7 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
     fn shard_to_insert_into(shards: &mut [HashTable<(K, V)>], hash: u64) -> &mut HashTable<(K, V)> {
         let index = shard_of(hash);
         let shard = &mut shards[index];
-        if shard.len() >= grows_at(index, shard.capacity()) {
-            // Doubles it (hashbrown grows to the next power of two of buckets).
-            shard.reserve(shard.capacity() + 1 - shard.len(), |(k, _)| hash_of(k));
-        }
+        grow_if_due(shard, index);
         shard
     }
 
@@ -382,11 +379,134 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         crate::malloc::populate(&blocks, cores.min(MAX_POPULATING_THREADS));
     }
 
+    /// Runs `fill` with the map's shards behind locks, so that several threads can change it
+    /// at once ([`ConcurrentFill::filler`]), and counts what they inserted and removed.
+    pub fn fill_concurrently<R>(&mut self, fill: impl FnOnce(&ConcurrentFill<'_, K, V>) -> R) -> R {
+        let shards = ConcurrentFill {
+            shards: self.shards.iter_mut().map(std::sync::Mutex::new).collect(),
+            added: std::sync::atomic::AtomicIsize::new(0),
+        };
+        let result = fill(&shards);
+        let added = shards.added.into_inner();
+        self.len = self.len.checked_add_signed(added).expect("a map holds no fewer entries than none");
+        result
+    }
+
     /// Where the map holds a key of `hash` now ([`storage_order`] with the shard's buckets).
     #[inline]
     pub fn order_of(&self, hash: u64) -> u64 {
         let shard = &self.shards[shard_of(hash)];
         storage_order(hash, super::heap_buckets(shard.capacity() as u64))
+    }
+}
+
+/// Grows shard `index`'s `table` when one more entry would take it past [`grows_at`]: doubles
+/// it (hashbrown grows to the next power of two of buckets).
+#[inline(always)]
+fn grow_if_due<K: Hash, V>(table: &mut HashTable<(K, V)>, index: usize) {
+    if table.len() >= grows_at(index, table.capacity()) {
+        table.reserve(table.capacity() + 1 - table.len(), |(k, _)| hash_of(k));
+    }
+}
+
+/// A shard of a [`ConcurrentFill`]'s map.
+type ShardRef<'m, K, V> = &'m mut HashTable<(K, V)>;
+
+/// A [`ShardedMap`] that several threads change at once, each shard behind a lock
+/// ([`ShardedMap::fill_concurrently`]).
+pub struct ConcurrentFill<'m, K, V> {
+    shards: Box<[std::sync::Mutex<ShardRef<'m, K, V>>]>,
+    /// Entries inserted less entries removed, by every [`Filler`] dropped.
+    added: std::sync::atomic::AtomicIsize,
+}
+
+impl<'m, K: Hash + Eq, V> ConcurrentFill<'m, K, V> {
+    /// One thread's way into the map.
+    pub fn filler(&self) -> Filler<'_, 'm, K, V> {
+        Filler { fill: self, held: None, added: 0 }
+    }
+}
+
+/// One thread's changes to a [`ConcurrentFill`]. It keeps the lock of the shard it changed
+/// last until a key of another shard comes: entries that come in the map's order (a full
+/// image lists them shard after shard) take a lock per shard, not per entry.
+pub struct Filler<'f, 'm, K, V> {
+    fill: &'f ConcurrentFill<'m, K, V>,
+    /// The index of the shard whose lock it holds, and the lock.
+    held: Option<(usize, std::sync::MutexGuard<'f, ShardRef<'m, K, V>>)>,
+    added: isize,
+}
+
+impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
+    /// Inserts or replaces (`Some`) or removes (`None`) a key whose [`hash_of`] the caller
+    /// computed, unless another thread holds its shard: then hands it back, to be applied
+    /// later with [`Self::apply`]. The caller decides whether the order of changes to one key
+    /// matters across threads.
+    #[inline(always)]
+    pub fn try_apply(&mut self, hash: u64, key: K, value: Option<V>) -> Result<(), (u64, K, Option<V>)> {
+        let index = shard_of(hash);
+        let table = match &mut self.held {
+            Some((held, table)) if *held == index => table,
+            held => {
+                *held = None;
+                let table = match self.fill.shards[index].try_lock() {
+                    Ok(table) => table,
+                    Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                    Err(std::sync::TryLockError::WouldBlock) => return Err((hash, key, value)),
+                };
+                &mut held.insert((index, table)).1
+            }
+        };
+        self.added += change(table, index, hash, key, value);
+        Ok(())
+    }
+
+    /// [`Self::try_apply`], waiting for the shard's lock.
+    pub fn apply(&mut self, hash: u64, key: K, value: Option<V>) {
+        let index = shard_of(hash);
+        let table = match &mut self.held {
+            Some((held, table)) if *held == index => table,
+            held => {
+                *held = None;
+                let table = self.fill.shards[index].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                &mut held.insert((index, table)).1
+            }
+        };
+        self.added += change(table, index, hash, key, value);
+    }
+}
+
+impl<K, V> Drop for Filler<'_, '_, K, V> {
+    fn drop(&mut self) {
+        self.fill.added.fetch_add(self.added, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Inserts or replaces (`Some`) or removes (`None`) a key in shard `index`'s `table`, which
+/// grows at its own point ([`grows_at`]) as [`ShardedMap`]'s shards do; the entries it gained.
+#[inline(always)]
+fn change<K: Hash + Eq, V>(table: &mut HashTable<(K, V)>, index: usize, hash: u64, key: K, value: Option<V>) -> isize {
+    match value {
+        Some(value) => {
+            grow_if_due(table, index);
+            match table.entry(hash, |(k, _)| *k == key, |(k, _)| hash_of(k)) {
+                hash_table::Entry::Occupied(mut o) => {
+                    o.get_mut().1 = value;
+                    0
+                }
+                hash_table::Entry::Vacant(v) => {
+                    v.insert((key, value));
+                    1
+                }
+            }
+        }
+        None => match table.find_entry(hash, |(k, _)| *k == key) {
+            Ok(o) => {
+                o.remove();
+                -1
+            }
+            Err(_) => 0,
+        },
     }
 }
 
@@ -455,6 +575,65 @@ mod tests {
     }
 
     /// The shards together behave as one map, and keys spread over every shard.
+    /// Threads that change the map at once, each its own keys, leave what one thread leaves,
+    /// whether the keys come in the map's order (a lock per shard) or not (a lock per entry,
+    /// and entries handed back while another thread holds their shard).
+    #[test]
+    fn threads_filling_at_once_leave_what_one_thread_leaves() {
+        for in_map_order in [true, false] {
+            let mut map: ShardedMap<u64, u64> = ShardedMap::default();
+            let mut model = std::collections::BTreeMap::new();
+            for k in 0..3_000u64 {
+                map.insert(k, 1);
+                model.insert(k, 1);
+            }
+            // Each key once: the first thousand removed, the next two replaced, the rest new.
+            let mut changes: Vec<(u64, Option<u64>)> =
+                (0..60_000u64).map(|k| (k, if k < 1_000 { None } else { Some(k * 3) })).collect();
+            if in_map_order {
+                changes.sort_by_key(|(k, _)| map.order_of(hash_of(k)));
+            } else {
+                changes.sort_by_key(|(k, _)| k.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            }
+            for (k, v) in &changes {
+                match v {
+                    Some(v) => model.insert(*k, *v),
+                    None => model.remove(k),
+                };
+            }
+            let handed_back = map.fill_concurrently(|fill| {
+                std::thread::scope(|scope| {
+                    let threads: Vec<_> = changes
+                        .chunks(changes.len() / 4)
+                        .map(|part| {
+                            scope.spawn(move || {
+                                let mut filler = fill.filler();
+                                let mut later = Vec::new();
+                                for &(k, v) in part {
+                                    if let Err(back) = filler.try_apply(hash_of(&k), k, v) {
+                                        later.push(back);
+                                    }
+                                }
+                                let handed_back = later.len();
+                                for (hash, k, v) in later {
+                                    filler.apply(hash, k, v);
+                                }
+                                handed_back
+                            })
+                        })
+                        .collect();
+                    threads.into_iter().map(|t| t.join().unwrap()).sum::<usize>()
+                })
+            });
+            assert_eq!(map.len(), model.len(), "in map order: {in_map_order}");
+            assert_eq!(map.len(), map.shards.iter().map(HashTable::len).sum::<usize>());
+            let mut all: Vec<(u64, u64)> = map.iter().map(|(k, v)| (*k, *v)).collect();
+            all.sort_unstable();
+            assert_eq!(all, model.into_iter().collect::<Vec<_>>(), "in map order: {in_map_order}");
+            eprintln!("in map order: {in_map_order}: {handed_back} changes handed back");
+        }
+    }
+
     #[test]
     fn shards_act_as_one_map() {
         let mut map: ShardedMap<u64, u64> = ShardedMap::default();
