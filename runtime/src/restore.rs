@@ -79,7 +79,13 @@ pub enum KeyedFilesIn {
 pub enum KeyedFile {
     /// Held in memory, its bytes verified against the checkpoint's metadata (see
     /// [`weir_checkpoint::format::open_verified`]).
-    Memory(Bytes),
+    Memory {
+        /// The file.
+        data: Bytes,
+        /// An increment of the heap backend: where its puts start among its entries
+        /// ([`FileRef::puts_from`]).
+        puts_from: Option<u64>,
+    },
     /// Copied to a local file (shared by the clones of a [`RestoredState`]).
     Local(Arc<LocalCopy>),
     /// (rocksdb backend, restoring lazily) An increment ordered by key group left where the
@@ -720,7 +726,7 @@ async fn load_keyed_file(
         KeyedFilesIn::Memory => {
             let data = read_verified(storage, found, f).await?;
             weir_checkpoint::format::open_verified(&data).map_err(|e| corrupt(storage, found, f, e))?;
-            (KeyedFile::Memory(data), f.len)
+            (KeyedFile::Memory { data, puts_from: f.puts_from }, f.len)
         }
         KeyedFilesIn::LocalDir(dir) => (KeyedFile::Local(copy_verified(storage, found, f, dir).await?), f.len),
     })
@@ -956,7 +962,7 @@ mod tests {
                 .into_iter()
                 .map(|(key_groups, keyed_entries)| RestoredSubtask {
                     key_groups,
-                    keyed_files: vec![KeyedFile::Memory(Bytes::new())],
+                    keyed_files: vec![KeyedFile::Memory { data: Bytes::new(), puts_from: None }],
                     keyed_refs: vec![FileRef::new("../shared/counts/0-1-1.kv".into(), 2_000, 0)],
                     keyed_entries,
                     ..Default::default()
@@ -1166,7 +1172,7 @@ mod tests {
         let on_disk = KeyedFilesIn::LocalDir(local.path().to_path_buf());
         let read = |f: &KeyedFile| match f {
             KeyedFile::Local(c) => std::fs::read(&c.path).unwrap(),
-            KeyedFile::Memory(b) => b.to_vec(),
+            KeyedFile::Memory { data, .. } => data.to_vec(),
             KeyedFile::Stored(f) => panic!("{f:?} is not read here"),
         };
 
@@ -1330,7 +1336,7 @@ mod tests {
             .unwrap()
             .files
             .iter()
-            .all(|f| matches!(f, KeyedFile::Memory(_))));
+            .all(|f| matches!(f, KeyedFile::Memory { .. })));
 
         // A loader found a stretch damaged: recorded where every later restore looks.
         crate::io().block_on(stored.damaged("bytes 9..20: key group 1 does not match its checksum"));

@@ -256,6 +256,91 @@ sinks:
     exactly_once(&out, count, "restored from checkpoints on merged increments");
 }
 
+/// A heap state whose checkpoint files are 256 KiB or more is restored on a thread per core:
+/// full images, and increments whose metadata says where their puts start. Cancelled each time
+/// its newest checkpoint ends in such an increment and restored from it, and under task
+/// panics, failed uploads and crashes before commits, the job's output equals an undisturbed
+/// run's, record by record.
+#[test]
+fn large_heap_states_restored_on_several_threads_are_exactly_once() {
+    let job = |out: &std::path::Path, rate: &str| {
+        format!(
+            r#"name: large-restores
+parallelism: 1
+maxParallelism: 32
+checkpointing: {{ interval: 500ms, tolerableFailures: 3, fullEvery: 3 }}
+restart: {{ attempts: 100, delay: 10ms }}
+sources:
+  - name: draws
+    uid: draws
+    generator: {{ count: 900000, {rate}fields: [ {{ name: seq, sequence: {{}} }} ] }}
+operators:
+  - {{ name: keyed, map: {{ fields: {{ id: "seq % 100000" }} }} }}
+  - {{ name: by-id, keyBy: {{ fields: [id] }} }}
+  - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+sinks:
+  - {{ name: out, uid: out, file: {{ path: {out}/counts }} }}
+"#,
+            out = out.display()
+        )
+    };
+    let (_d, out, chk) = workdir("large-restores-golden");
+    let (outcome, _) = run_to_end(&job(&out, ""), opts(&chk));
+    assert_eq!(outcome, JobOutcome::Finished);
+    let golden = committed(&out);
+    assert_eq!(golden["counts"].len(), 900_000, "one running count per record");
+
+    // The newest checkpoint's last file, when it is an increment a restore applies on several
+    // threads (256 KiB or more: `RESTORE_CONCURRENT_MIN_BYTES`).
+    let large_increment_last = |chk: &std::path::Path| {
+        let complete = std::fs::read_dir(chk.join("checkpoints")).into_iter().flatten().flatten().any(|e| {
+            weir_checkpoint::layout::parse_checkpoint_dir(&e.file_name().to_string_lossy()).is_some()
+                && e.path().join("_metadata").exists()
+        });
+        if !complete {
+            return false;
+        }
+        let Ok(raw) = std::fs::read(newest_checkpoint(chk).join("_metadata")) else { return false };
+        let meta = weir_checkpoint::CheckpointMetadata::decode(&raw).unwrap();
+        let chain = meta.operators.get("counts").map(|o| &o.subtasks[0].keyed_state);
+        chain.and_then(|c| c.last()).is_some_and(|f| f.puts_from.is_some() && f.len > 256 << 10)
+    };
+    let (_d, out, chk) = workdir("large-restores-cancelled");
+    for round in 0..2 {
+        let options = if round == 0 { opts(&chk) } else { RunOptionsExt::restore_latest(opts(&chk)) };
+        let run = InProcess::start(&job(&out, "ratePerSecond: 100000, "), options);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !large_increment_last(&chk) {
+            assert!(std::time::Instant::now() < deadline, "round {round}: no large increment within 60 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        run.requests.send(Request::Cancel).unwrap();
+        assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+    }
+    assert!(large_increment_last(&chk), "the restore below starts from a large increment");
+    let (outcome, m) = run_to_end(&job(&out, ""), RunOptionsExt::restore_latest(opts(&chk)));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert!(m.board().restored_from.is_some());
+    assert_same_output(&golden, &committed(&out), "cancelled twice and restored from large increments");
+
+    for seed in [3u64, 11] {
+        let (_d, out, chk) = workdir(&format!("large-restores-{seed}"));
+        let plan = FaultPlan {
+            seed,
+            task_panic: 0.002,
+            upload_failure: 0.05,
+            crash_before_commit: 0.3,
+            max_faults: 6,
+            ..FaultPlan::default()
+        };
+        let (outcome, m) = run_to_end(&job(&out, ""), RunOptionsExt::with_faults(opts(&chk), plan));
+        assert_eq!(outcome, JobOutcome::Finished);
+        record_faults(m.injected_faults.get());
+        let restarts = m.restarts.get();
+        assert_same_output(&golden, &committed(&out), &format!("seed {seed}, {restarts} restarts"));
+    }
+}
+
 #[test]
 fn at_least_once_mode_loses_nothing_under_failures() {
     let mut p = JobParams::new("alo");

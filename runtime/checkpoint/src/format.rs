@@ -241,6 +241,12 @@ pub struct StateFileWriter {
 }
 
 impl StateFileWriter {
+    /// Bytes of entries written so far: where the next entry starts among the file's entries
+    /// (for a file without an index).
+    pub fn entries_len(&self) -> usize {
+        self.enc.buf.len() - HEADER_LEN
+    }
+
     /// Starts a file of `kind`.
     pub fn new(kind: FileKind, capacity: usize) -> Self {
         // Increments are written at every checkpoint: into memory an earlier one gave back.

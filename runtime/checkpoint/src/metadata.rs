@@ -36,12 +36,26 @@ pub struct FileRef {
     /// field existed restore by fetching every table first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_key: Option<String>,
+    /// An increment of the heap backend: where its puts start among its entries (bytes from
+    /// the first). The entries before are deletions, and after them each key is put once (or
+    /// again with the same value, in a set of keys), so that a restore may apply the deletions
+    /// on several threads at once, then the puts. Absent (other files, and increments written
+    /// before this field existed): the entries apply in file order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub puts_from: Option<u64>,
 }
 
 impl FileRef {
     /// A reference to a file of `len` bytes whose CRC-32C is `crc32c`.
     pub fn new(path: String, len: u64, crc32c: u32) -> Self {
-        FileRef { path, len, crc32c, first_key: None }
+        FileRef { path, len, crc32c, first_key: None, puts_from: None }
+    }
+
+    /// The same reference, for an increment whose puts start at `puts_from` among its entries
+    /// (see [`FileRef::puts_from`]).
+    pub fn with_puts_from(mut self, puts_from: Option<u64>) -> Self {
+        self.puts_from = puts_from;
+        self
     }
 
     /// The same reference, for a table file whose first store key is `key`.

@@ -53,7 +53,7 @@ impl KeyedContext {
                     .iter()
                     .filter_map(|t| match t {
                         KeyedFile::Local(copy) => Some(copy.path.clone()),
-                        KeyedFile::Memory(_) | KeyedFile::Stored(_) => None,
+                        KeyedFile::Memory { .. } | KeyedFile::Stored(_) => None,
                     })
                     .collect();
                 if paths.len() != tables.len() || !state.restore_tables(&paths, *source, self.key_groups) {
@@ -112,10 +112,14 @@ impl KeyedContext {
             e => self.state_failed(e),
         };
         match file {
-            KeyedFile::Memory(data) => {
+            KeyedFile::Memory { data, puts_from } => {
                 let (kind, body) = weir_checkpoint::format::open_verified(data).map_err(|e| failed(e.to_string()))?;
                 if kind != FileKind::KeyedFull {
-                    return state.restore_file(body, self.key_groups).map_err(store_failed);
+                    return match puts_from {
+                        Some(at) => state.restore_increment(body, *at, self.key_groups),
+                        None => state.restore_file(body, self.key_groups),
+                    }
+                    .map_err(store_failed);
                 }
                 if reserve_for_image {
                     state.reserve_for_full_image(body, self.key_groups).map_err(|e| failed(e.to_string()))?;
@@ -358,7 +362,7 @@ mod tests {
 
     fn restore_of(files: &[Bytes]) -> KeyedRestore {
         KeyedRestore {
-            files: files.iter().cloned().map(KeyedFile::Memory).collect(),
+            files: files.iter().cloned().map(|data| KeyedFile::Memory { data, puts_from: None }).collect(),
             continue_chain: false,
             chain: vec![],
             chain_tables: vec![],

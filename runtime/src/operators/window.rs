@@ -357,7 +357,7 @@ mod tests {
     fn checkpoint_and_restore(w: &mut WindowOperator, spec: &WindowSpec) -> WindowOperator {
         let snap = w.snapshot(&Barrier { id: 1, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
         let restore = KeyedRestore {
-            files: vec![crate::restore::KeyedFile::Memory(snap.keyed.unwrap().data)],
+            files: vec![crate::restore::KeyedFile::Memory { data: snap.keyed.unwrap().data, puts_from: None }],
             continue_chain: true,
             chain: vec![],
             chain_tables: vec![],
@@ -567,7 +567,7 @@ mod tests {
                         .iter()
                         .map(|f| match store {
                             Some(settings) => KeyedFile::local_for_test(&settings.parent_dir, f),
-                            None => KeyedFile::Memory(f.clone()),
+                            None => KeyedFile::Memory { data: f.clone(), puts_from: None },
                         })
                         .collect();
                     let restore = KeyedRestore {

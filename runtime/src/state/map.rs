@@ -423,7 +423,7 @@ pub struct ConcurrentFill<'m, K, V> {
 impl<'m, K: Hash + Eq, V> ConcurrentFill<'m, K, V> {
     /// One thread's way into the map.
     pub fn filler(&self) -> Filler<'_, 'm, K, V> {
-        Filler { fill: self, held: None, added: 0 }
+        Filler { fill: self, held: None, layout: None, added: 0 }
     }
 }
 
@@ -434,6 +434,9 @@ pub struct Filler<'f, 'm, K, V> {
     fill: &'f ConcurrentFill<'m, K, V>,
     /// The index of the shard whose lock it holds, and the lock.
     held: Option<(usize, std::sync::MutexGuard<'f, ShardRef<'m, K, V>>)>,
+    /// Where the held shard keeps its control bytes, and its buckets, once an entry changed
+    /// in it told ([`Self::prefetch`]).
+    layout: Option<(*const u8, usize)>,
     added: isize,
 }
 
@@ -449,6 +452,7 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
             Some((held, table)) if *held == index => table,
             held => {
                 *held = None;
+                self.layout = None;
                 let table = match self.fill.shards[index].try_lock() {
                     Ok(table) => table,
                     Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
@@ -457,8 +461,25 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
                 &mut held.insert((index, table)).1
             }
         };
-        self.added += change(table, index, hash, key, value);
+        let (added, layout) = change(table, index, hash, key, value);
+        self.added += added;
+        self.layout = layout.or(self.layout);
         Ok(())
+    }
+
+    /// Asks the CPU to fetch the control bytes and the first bucket of the probe of `hash`,
+    /// when its shard is the one held and an entry changed in it told where its table is: for
+    /// entries decoded ahead of their changes, whose misses then overlap (a restored
+    /// increment's keys are spread over the whole map).
+    #[inline(always)]
+    pub fn prefetch(&self, hash: u64) {
+        if let (Some((held, _)), Some((control, buckets))) = (&self.held, self.layout) {
+            if *held == shard_of(hash) {
+                let start = (hash as usize) & (buckets - 1);
+                crate::prefetch::for_read(control.wrapping_add(start));
+                crate::prefetch::for_read(control.cast::<(K, V)>().wrapping_sub(start + 1));
+            }
+        }
     }
 
     /// [`Self::try_apply`], waiting for the shard's lock.
@@ -468,11 +489,14 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
             Some((held, table)) if *held == index => table,
             held => {
                 *held = None;
+                self.layout = None;
                 let table = self.fill.shards[index].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 &mut held.insert((index, table)).1
             }
         };
-        self.added += change(table, index, hash, key, value);
+        let (added, layout) = change(table, index, hash, key, value);
+        self.added += added;
+        self.layout = layout.or(self.layout);
     }
 }
 
@@ -483,29 +507,42 @@ impl<K, V> Drop for Filler<'_, '_, K, V> {
 }
 
 /// Inserts or replaces (`Some`) or removes (`None`) a key in shard `index`'s `table`, which
-/// grows at its own point ([`grows_at`]) as [`ShardedMap`]'s shards do; the entries it gained.
+/// grows at its own point ([`grows_at`]) as [`ShardedMap`]'s shards do; the entries it gained,
+/// and where the table keeps its control bytes and how many buckets it has, when it put an
+/// entry (hashbrown keeps bucket `i` `i + 1` entries below the control bytes).
 #[inline(always)]
-fn change<K: Hash + Eq, V>(table: &mut HashTable<(K, V)>, index: usize, hash: u64, key: K, value: Option<V>) -> isize {
+fn change<K: Hash + Eq, V>(
+    table: &mut HashTable<(K, V)>,
+    index: usize,
+    hash: u64,
+    key: K,
+    value: Option<V>,
+) -> (isize, Option<(*const u8, usize)>) {
+    let buckets = table.num_buckets();
+    let layout = |at: usize, entry: *const (K, V)| Some((entry.wrapping_add(at + 1).cast::<u8>(), buckets));
     match value {
         Some(value) => {
             grow_if_due(table, index);
+            let buckets_before = table.num_buckets();
             match table.entry(hash, |(k, _)| *k == key, |(k, _)| hash_of(k)) {
                 hash_table::Entry::Occupied(mut o) => {
                     o.get_mut().1 = value;
-                    0
+                    (0, None)
                 }
                 hash_table::Entry::Vacant(v) => {
-                    v.insert((key, value));
-                    1
+                    let o = v.insert((key, value));
+                    // A table that grew has moved: its layout is learnt at the next put.
+                    let told = (buckets_before == buckets).then(|| layout(o.bucket_index(), o.get())).flatten();
+                    (1, told)
                 }
             }
         }
         None => match table.find_entry(hash, |(k, _)| *k == key) {
             Ok(o) => {
                 o.remove();
-                -1
+                (-1, None)
             }
-            Err(_) => 0,
+            Err(_) => (0, None),
         },
     }
 }
