@@ -1442,10 +1442,11 @@ fn fill_from_entries<K: StateKey, V: StateValue>(
                 }),
                 None => None,
             };
-            let key = K::decode(entry.key)?;
-            let hash = map::hash_of(&key);
-            filler.prefetch(hash);
-            ahead.push_back((hash, key, slot));
+            K::decode_then(entry.key, |key| {
+                let hash = map::hash_of(&key);
+                filler.prefetch(hash);
+                ahead.push_back((hash, key, slot));
+            })?;
             if ahead.len() <= FILL_AHEAD {
                 continue;
             }
