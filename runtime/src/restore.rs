@@ -671,8 +671,8 @@ fn corrupt(storage: &Storage, found: &Restorable, f: &FileRef, e: impl std::fmt:
 
 async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Result<Bytes, RestoreError> {
     let path = found.resolve(&f.path);
-    let data = match storage.get(&path).await {
-        Ok(d) => d,
+    let (data, crc) = match storage.get_with_crc32c(&path).await {
+        Ok(read) => read,
         Err(StorageError::NotFound(_)) => {
             return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() })
         }
@@ -684,7 +684,6 @@ async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Re
             reason: format!("{} bytes, metadata says {}", data.len(), f.len),
         });
     }
-    let crc = crc32c::crc32c(&data);
     if crc != f.crc32c {
         return Err(RestoreError::CorruptFile {
             path: storage.url_of(&path),
