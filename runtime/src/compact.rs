@@ -101,12 +101,14 @@ pub struct StagedFile {
     pub crc32c: u32,
     /// A table file's first store key (see [`FileRef::first_key`]).
     pub first_key: Option<Vec<u8>>,
+    /// A merged image, which lists each key once: 0 (see [`FileRef::puts_from`]).
+    pub puts_from: Option<u64>,
 }
 
 impl StagedFile {
     /// The reference a checkpoint lists for it.
     pub fn listed(&self) -> FileRef {
-        let file = FileRef::new(self.rel.clone(), self.len, self.crc32c);
+        let file = FileRef::new(self.rel.clone(), self.len, self.crc32c).with_puts_from(self.puts_from);
         match &self.first_key {
             Some(key) => file.with_first_key(key),
             None => file,
@@ -598,7 +600,7 @@ pub fn merge(
      -> Result<StagedFile, MergeError> {
         check()?;
         let first_key = first_key.cloned();
-        let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c, first_key };
+        let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c, first_key, puts_from: None };
         pending.add(&file.path);
         written.push(file.clone());
         crate::io().block_on(storage.put_file(&file.path, local)).map_err(|e| MergeError::Upload(Box::new(e)))?;
@@ -611,7 +613,9 @@ pub fn merge(
             let rel = layout::shared_merged_table(uid, subtask, id, epoch, i);
             tables.push(upload(table, rel, len, crc32c, Some(first_key))?);
         }
-        let image = upload(&image, layout::shared_merged_file(uid, subtask, id, epoch), len, crc, None)?;
+        let mut image = upload(&image, layout::shared_merged_file(uid, subtask, id, epoch), len, crc, None)?;
+        // The newest entry of each key, deletions left out.
+        image.puts_from = Some(0);
         Ok((image, tables))
     };
     match upload_all() {
@@ -695,7 +699,8 @@ fn merge_increments(
     drop(inputs);
     check()?;
     let rel = layout::shared_merged_increment(&request.uid, request.subtask, request.checkpoint_id, epoch);
-    let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c, first_key: None };
+    // A run's entries keep their order (a later entry of a key wins).
+    let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c, first_key: None, puts_from: None };
     // Protected from retention before it exists; a failed upload deletes what it may have left.
     pending.add(&file.path);
     if let Err(e) = crate::io().block_on(storage.put_file(&file.path, &local)) {

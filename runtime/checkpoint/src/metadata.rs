@@ -36,11 +36,12 @@ pub struct FileRef {
     /// field existed restore by fetching every table first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_key: Option<String>,
-    /// An increment of the heap backend: where its puts start among its entries (bytes from
-    /// the first). The entries before are deletions, and after them each key is put once (or
-    /// again with the same value, in a set of keys), so that a restore may apply the deletions
-    /// on several threads at once, then the puts. Absent (other files, and increments written
-    /// before this field existed): the entries apply in file order.
+    /// A keyed state file that lists its deletions, then each key's put once (or again with
+    /// the same value, in a set of keys): where its puts start among its entries (bytes from
+    /// the first; 0 for a full image). The heap backend's increments and full images, and
+    /// merged images, say so, and a restore applies the deletions on several threads at once,
+    /// then the puts. Absent (the rocksdb backend's files, whose later entry of a key wins, and
+    /// files written before this field existed): the entries apply in file order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub puts_from: Option<u64>,
 }

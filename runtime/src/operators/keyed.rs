@@ -114,17 +114,16 @@ impl KeyedContext {
         match file {
             KeyedFile::Memory { data, puts_from } => {
                 let (kind, body) = weir_checkpoint::format::open_verified(data).map_err(|e| failed(e.to_string()))?;
-                if kind != FileKind::KeyedFull {
-                    return match puts_from {
-                        Some(at) => state.restore_increment(body, *at, self.key_groups),
-                        None => state.restore_file(body, self.key_groups),
-                    }
-                    .map_err(store_failed);
-                }
-                if reserve_for_image {
+                if kind == FileKind::KeyedFull && reserve_for_image {
                     state.reserve_for_full_image(body, self.key_groups).map_err(|e| failed(e.to_string()))?;
                 }
-                state.restore_full_image(body, self.key_groups).map_err(store_failed)
+                match puts_from {
+                    // Deletions, then each key put once: applied on several threads.
+                    Some(at) => state.restore_unordered(body, *at, self.key_groups),
+                    // In file order: a later entry of a key wins.
+                    None => state.restore_file(body, self.key_groups),
+                }
+                .map_err(store_failed)
             }
             KeyedFile::Stored(stored) => {
                 let increment = crate::state::bulk::IncrementByKeyGroup {

@@ -245,8 +245,10 @@ pub struct KeyedSnapshot {
     /// How many keys the state held when it was taken (heap backend; `None` on the rocksdb
     /// backend, which does not count them), for a restore to make room for at once.
     pub live_entries: Option<u64>,
-    /// (heap backend, increments) Where the puts start among the entries: deletions before,
-    /// each key put once after ([`weir_checkpoint::metadata::FileRef::puts_from`]).
+    /// (heap backend) Where the puts start among the entries: deletions before, each key put
+    /// once after ([`weir_checkpoint::metadata::FileRef::puts_from`]); 0 for a full image. `None`
+    /// on the rocksdb backend, whose full images list a key twice when both its store and its
+    /// cache hold it (the later entry wins).
     pub puts_from: Option<u64>,
 }
 
@@ -754,7 +756,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 s.dirty = false;
                 w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
             }
-            return Ok(finish(FileKind::KeyedFull, w));
+            // The map's keys, each once.
+            return Ok(KeyedSnapshot { puts_from: Some(0), ..finish(FileKind::KeyedFull, w) });
         }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.increment_capacity(0));
@@ -982,7 +985,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             for (k, s) in self.map.iter() {
                 w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
             }
-            return Ok(finish(FileKind::KeyedFull, w));
+            // The map's keys, each once (the rocksdb backend's below may list a key twice).
+            return Ok(KeyedSnapshot { puts_from: Some(0), ..finish(FileKind::KeyedFull, w) });
         };
         let out = SpillingBuffer {
             memory: Vec::new(),
@@ -1122,13 +1126,16 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         })
     }
 
-    /// [`Self::restore_file`] of a full image, which lists each key once. On the heap backend
-    /// a body of [`RESTORE_CONCURRENT_MIN_BYTES`] or more is cut into a stretch per core
-    /// ([`stretch_bounds`]), and a
-    /// thread per stretch decodes its entries and inserts them at once with the others:
-    /// changes to different keys commute. Each thread locks the shard of the map it inserts
-    /// into ([`map::ShardedMap::fill_concurrently`]), and an image lists its entries shard
-    /// after shard, so a thread takes a lock per shard, not per entry.
+    /// [`Self::restore_file`] of a file whose entries list its deletions, then each key's put
+    /// once, from `puts_from` on ([`KeyedSnapshot::puts_from`]: the heap backend's increments,
+    /// its full images and merged images, from 0). Either half's entries commute (a deletion
+    /// repeated, or a set's key put again with the same value, leaves what one leaves), so
+    /// each is applied on several threads at once, the deletions first. On the heap backend a
+    /// half of [`RESTORE_CONCURRENT_MIN_BYTES`] or more is cut into a stretch per core
+    /// ([`stretch_bounds`]), and a thread per stretch decodes its entries and inserts them,
+    /// locking the shard of the map it inserts into ([`map::ShardedMap::fill_concurrently`]);
+    /// a file lists its entries shard after shard, so a thread takes a lock per shard, not per
+    /// entry.
     ///
     /// The pipeline of [`Self::restore_file`] spent about as much time handing entries from
     /// its decoding thread to its applying thread as either spent on them: each entry written
@@ -1136,15 +1143,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// the map, where a load waited on the stores before it (`perf annotate`: three fifths of
     /// each thread's samples). One thread decoding and inserting each entry itself applied a
     /// 20M-key image as fast as the two of them did.
-    pub fn restore_full_image(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), StoreError> {
-        self.restore_commuting(body, key_groups)
-    }
-
-    /// [`Self::restore_file`] of an increment of the heap backend whose puts start at
-    /// `puts_from` among its entries ([`KeyedSnapshot::puts_from`]): its deletions, then its
-    /// puts, each applied as [`Self::restore_full_image`] applies an image (a deletion
-    /// repeated, or a set's key put again with the same value, leaves what one leaves).
-    pub fn restore_increment(&mut self, body: &[u8], puts_from: u64, key_groups: (u32, u32)) -> Result<(), StoreError> {
+    pub fn restore_unordered(&mut self, body: &[u8], puts_from: u64, key_groups: (u32, u32)) -> Result<(), StoreError> {
         let Some(split) = usize::try_from(puts_from).ok().filter(|&at| at <= body.len()) else {
             return Err(StoreError::Decode(FormatError::Malformed(body.len())));
         };
@@ -1154,7 +1153,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     }
 
     /// Applies entries whose order does not matter: a body of [`RESTORE_CONCURRENT_MIN_BYTES`]
-    /// or more on a thread per core (see [`Self::restore_full_image`]); a smaller one, or on the rocksdb backend, as
+    /// or more on a thread per core (see [`Self::restore_unordered`]); a smaller one, or on the rocksdb backend, as
     /// [`Self::restore_file`] does.
     fn restore_commuting(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), StoreError> {
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
@@ -1413,7 +1412,7 @@ fn stretch_bounds(len: usize, threads: usize) -> Vec<(usize, usize)> {
 
 /// Decodes the entries of `body` that start in `stretch` ([`keyed_entries_in`]), in
 /// `key_groups`, and applies each to `fill` itself; an entry whose shard another thread holds is
-/// applied after the rest (see [`KeyedState::restore_full_image`]: a full image lists each key
+/// applied after the rest (see [`KeyedState::restore_unordered`]: such a file lists each key
 /// once, so the order of its entries does not matter).
 fn fill_from_entries<K: StateKey, V: StateValue>(
     fill: &map::ConcurrentFill<'_, K, Slot<V>>,
@@ -1644,7 +1643,7 @@ mod tests {
         let mut s = KeyedState::<i64>::new(16, true, 100);
         for f in files {
             match open(f).unwrap() {
-                (FileKind::KeyedFull, body) => s.restore_full_image(body, range).unwrap(),
+                (FileKind::KeyedFull, body) => s.restore_unordered(body, 0, range).unwrap(),
                 (_, body) => s.restore_file(body, range).unwrap(),
             }
         }
@@ -1693,6 +1692,49 @@ mod tests {
     /// On the rocksdb backend a full image (a savepoint's, or a checkpoint's) counts its keys,
     /// and a heap restore that reserves that count never grows its map; an increment counts
     /// nothing.
+    /// The rocksdb backend's full image lists a key twice when both its store and its cache
+    /// hold it (the later entry, the cache's, wins): it does not say that it lists each key
+    /// once, so a restore applies it in file order. The heap backend's images and increments
+    /// say so.
+    #[test]
+    fn only_files_that_list_each_key_once_say_so() {
+        let mut on_store = KeyedState::<i64>::new(16, true, 100).on_test_store(1_000);
+        for i in 0..30_000i64 {
+            *on_store.update(key(i), || 0).unwrap() += i;
+        }
+        let first = on_store.snapshot_checkpoint().unwrap();
+        assert_eq!((first.kind, first.puts_from), (FileKind::KeyedFull, None));
+        for i in 0..500i64 {
+            *on_store.update(key(i), || 0).unwrap() += 1_000_000;
+        }
+        let image = on_store.snapshot_full_copy().unwrap();
+        assert_eq!(image.puts_from, None);
+        let bytes = image.bytes();
+        let body = open(&bytes).unwrap().1;
+        let mut listed = std::collections::BTreeMap::new();
+        for entry in keyed_entries(body) {
+            *listed.entry(entry.unwrap().key.to_vec()).or_insert(0) += 1;
+        }
+        assert!(listed.values().any(|&n| n > 1), "a key in both the store and the cache is listed twice");
+        let mut restored = KeyedState::<i64>::new(16, true, 100);
+        restored.restore_file(body, (0, 16)).unwrap();
+        for i in [0i64, 7, 499] {
+            assert_eq!(restored.get(&key(i)).unwrap(), Some(&(i + 1_000_000)), "key {i}: the cache's value");
+        }
+
+        let mut heap = KeyedState::<i64>::new(16, true, 100);
+        for i in 0..1_000i64 {
+            *heap.update(key(i), || 0).unwrap() += i;
+        }
+        assert_eq!(heap.snapshot_checkpoint().unwrap().puts_from, Some(0), "a full image");
+        heap.remove(&key(3)).unwrap();
+        *heap.update(key(4), || 0).unwrap() += 1;
+        let increment = heap.snapshot_checkpoint().unwrap();
+        assert_eq!(increment.kind, FileKind::KeyedIncrement);
+        assert!(increment.puts_from.is_some_and(|at| at > 0), "after its deletion");
+        assert_eq!(heap.snapshot_full_copy().unwrap().puts_from, Some(0), "a savepoint's image");
+    }
+
     #[test]
     fn rocksdb_full_images_count_their_keys_for_a_heap_restore() {
         let mut on_store = KeyedState::<i64>::new(16, true, 100).on_test_store(1_000);
@@ -1794,7 +1836,7 @@ mod tests {
             let mut body = open(&full.data).unwrap().1.to_vec();
             body[at..at + 64].fill(0xff);
             let mut r = KeyedState::<i64>::new(16, true, 100);
-            assert!(r.restore_full_image(&body, (0, 16)).is_err(), "a corrupt entry at {at} fails the restore");
+            assert!(r.restore_unordered(&body, 0, (0, 16)).is_err(), "a corrupt entry at {at} fails the restore");
         }
     }
 
@@ -1834,11 +1876,11 @@ mod tests {
         let (_, image) = open(&full.data).unwrap();
         for range in [(0, 16), (2, 9)] {
             let mut in_order = KeyedState::<i64>::new(16, true, 100);
-            in_order.restore_full_image(image, range).unwrap();
+            in_order.restore_unordered(image, 0, range).unwrap();
             in_order.restore_file(body, range).unwrap();
             let mut halves = KeyedState::<i64>::new(16, true, 100);
-            halves.restore_full_image(image, range).unwrap();
-            halves.restore_increment(body, puts_from as u64, range).unwrap();
+            halves.restore_unordered(image, 0, range).unwrap();
+            halves.restore_unordered(body, puts_from as u64, range).unwrap();
             let (halves_all, in_order_all) = (sorted(&halves), sorted(&in_order));
             let differ = halves_all.iter().zip(&in_order_all).position(|(a, b)| a != b);
             assert!(halves_all == in_order_all, "key groups {range:?}: first difference at {differ:?}");
@@ -1854,7 +1896,7 @@ mod tests {
             assert_eq!(halves.get(&key(3)).unwrap().copied(), owns(range, key(3).key_group(16)).then_some(7));
         }
         let mut r = KeyedState::<i64>::new(16, true, 100);
-        assert!(r.restore_increment(body, body.len() as u64 + 1, (0, 16)).is_err(), "puts past the end");
+        assert!(r.restore_unordered(body, body.len() as u64 + 1, (0, 16)).is_err(), "puts past the end");
 
         // A set of keys: a key removed and inserted again, or inserted twice, is put again.
         let mut set = KeyedState::<()>::new(16, true, 100);
@@ -1872,10 +1914,10 @@ mod tests {
         let inc = set.snapshot_checkpoint().unwrap();
         let restored = |halves: bool| {
             let mut r = KeyedState::<()>::new(16, true, 100);
-            r.restore_full_image(open(&full.data).unwrap().1, (0, 16)).unwrap();
+            r.restore_unordered(open(&full.data).unwrap().1, 0, (0, 16)).unwrap();
             let body = open(&inc.data).unwrap().1;
             match halves {
-                true => r.restore_increment(body, inc.puts_from.unwrap(), (0, 16)).unwrap(),
+                true => r.restore_unordered(body, inc.puts_from.unwrap(), (0, 16)).unwrap(),
                 false => r.restore_file(body, (0, 16)).unwrap(),
             }
             let mut keys: Vec<String> = r.entries().into_iter().map(|(k, ())| format!("{k:?}")).collect();
@@ -1906,7 +1948,7 @@ mod tests {
                 let mut one = KeyedState::<i64>::new(16, true, 100);
                 one.restore_file(body, range).unwrap();
                 let mut several = KeyedState::<i64>::new(16, true, 100);
-                several.restore_full_image(body, range).unwrap();
+                several.restore_unordered(body, 0, range).unwrap();
                 let sorted = |s: &KeyedState<i64>| {
                     let mut all: Vec<(String, i64)> =
                         s.entries().into_iter().map(|(k, v)| (format!("{k:?}"), v)).collect();
