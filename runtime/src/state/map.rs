@@ -428,8 +428,8 @@ impl<'m, K: Hash + Eq, V> ConcurrentFill<'m, K, V> {
 }
 
 /// One thread's changes to a [`ConcurrentFill`]. It keeps the lock of the shard it changed
-/// last until a key of another shard comes: entries that come in the map's order (a full
-/// image lists them shard after shard) take a lock per shard, not per entry.
+/// last until a key of another shard comes: entries that come in the map's order (the heap
+/// backend's state files list them shard after shard) take a lock per shard, not per entry.
 pub struct Filler<'f, 'm, K, V> {
     fill: &'f ConcurrentFill<'m, K, V>,
     /// The index of the shard whose lock it holds, and the lock.

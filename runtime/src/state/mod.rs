@@ -1153,8 +1153,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     }
 
     /// Applies entries whose order does not matter: a body of [`RESTORE_CONCURRENT_MIN_BYTES`]
-    /// or more on a thread per core (see [`Self::restore_unordered`]); a smaller one, or on the rocksdb backend, as
-    /// [`Self::restore_file`] does.
+    /// or more on a thread per core (see [`Self::restore_unordered`]); a smaller one, or on the
+    /// rocksdb backend, as [`Self::restore_file`] does.
     fn restore_commuting(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), StoreError> {
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         if self.spill.is_some() || body.len() < RESTORE_CONCURRENT_MIN_BYTES || cores < 2 {
@@ -1332,8 +1332,8 @@ const RESTORE_BATCH: usize = 256;
 /// Below this many bytes a restored file body is decoded and applied on one thread.
 const RESTORE_PIPELINE_MIN_BYTES: usize = 1 << 20;
 
-/// Below this many bytes entries whose order does not matter (a full image, either half of
-/// an increment of the heap backend) are applied on one thread: about 20K entries, half a
+/// Below this many bytes entries whose order does not matter (either half of a file that lists
+/// its deletions, then each key's put once) are applied on one thread: about 20K entries, half a
 /// millisecond of work, against a few tens of microseconds to start a thread.
 const RESTORE_CONCURRENT_MIN_BYTES: usize = 256 << 10;
 
@@ -1643,6 +1643,7 @@ mod tests {
         let mut s = KeyedState::<i64>::new(16, true, 100);
         for f in files {
             match open(f).unwrap() {
+                // The heap backend's images list each key once (`KeyedSnapshot::puts_from`).
                 (FileKind::KeyedFull, body) => s.restore_unordered(body, 0, range).unwrap(),
                 (_, body) => s.restore_file(body, range).unwrap(),
             }
@@ -1689,9 +1690,29 @@ mod tests {
         }
     }
 
-    /// On the rocksdb backend a full image (a savepoint's, or a checkpoint's) counts its keys,
-    /// and a heap restore that reserves that count never grows its map; an increment counts
-    /// nothing.
+    /// The stretches a body is cut into cover it once, in order, each thread's reading past the
+    /// entries before its stretch and applying its own costing about the same.
+    #[test]
+    fn stretches_cover_the_body_and_even_out_each_threads_cost() {
+        for threads in 1..=5usize {
+            for len in [0usize, 1, 7, 1_000, 259_000_000] {
+                let bounds = stretch_bounds(len, threads);
+                assert_eq!(bounds.len(), threads);
+                assert_eq!((bounds[0].0, bounds[threads - 1].1), (0, len), "{threads} threads, {len} bytes");
+                assert!(bounds.windows(2).all(|w| w[0].1 == w[1].0), "{bounds:?}");
+                assert!(bounds.iter().all(|(from, to)| from <= to), "{bounds:?}");
+                if len >= 1_000 {
+                    let costs: Vec<f64> =
+                        bounds.iter().map(|&(from, to)| SKIP_COST * from as f64 + (to - from) as f64).collect();
+                    let (least, most) = costs.iter().fold((f64::MAX, 0f64), |(l, m), &c| (l.min(c), m.max(c)));
+                    assert!(most - least <= 2.0, "{threads} threads, {len} bytes: costs {costs:?}");
+                }
+            }
+        }
+        let two = stretch_bounds(1_000_000, 2);
+        assert_eq!(two[0].1, 533_333, "the first of two stretches is 53%: {two:?}");
+    }
+
     /// The rocksdb backend's full image lists a key twice when both its store and its cache
     /// hold it (the later entry, the cache's, wins): it does not say that it lists each key
     /// once, so a restore applies it in file order. The heap backend's images and increments
@@ -1735,6 +1756,9 @@ mod tests {
         assert_eq!(heap.snapshot_full_copy().unwrap().puts_from, Some(0), "a savepoint's image");
     }
 
+    /// On the rocksdb backend a full image (a savepoint's, or a checkpoint's) counts its keys,
+    /// and a heap restore that reserves that count never grows its map; an increment counts
+    /// nothing.
     #[test]
     fn rocksdb_full_images_count_their_keys_for_a_heap_restore() {
         let mut on_store = KeyedState::<i64>::new(16, true, 100).on_test_store(1_000);
