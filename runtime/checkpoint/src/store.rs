@@ -116,10 +116,10 @@ fn local_io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(std::io::Error) 
 /// ([`Storage::get_with_crc32c`]).
 pub const PARALLEL_READ_FROM: u64 = 8 << 20;
 
-/// Reads the local file `path` (object `rel`) in a part per core at once, with its CRC-32C;
-/// `None` when it is smaller than [`PARALLEL_READ_FROM`] or there is one core.
+/// Reads the local file `path` (object `rel`) with its CRC-32C: in a part per core at once
+/// when it is [`PARALLEL_READ_FROM`] bytes or more, else whole on this thread.
 #[cfg(unix)]
-fn read_local_in_parts(path: &std::path::Path, rel: &str) -> Result<Option<(Bytes, u32)>, StorageError> {
+fn read_local_in_parts(path: &std::path::Path, rel: &str) -> Result<(Bytes, u32), StorageError> {
     use std::os::unix::fs::FileExt;
     let file = match std::fs::File::open(path) {
         Ok(file) => file,
@@ -127,34 +127,33 @@ fn read_local_in_parts(path: &std::path::Path, rel: &str) -> Result<Option<(Byte
         Err(e) => return Err(local_io("get", rel)(e)),
     };
     let len = file.metadata().map_err(local_io("get", rel))?.len();
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    if len < PARALLEL_READ_FROM || cores < 2 {
-        return Ok(None);
-    }
     let len = usize::try_from(len).map_err(|_| local_io("get", rel)(std::io::ErrorKind::OutOfMemory.into()))?;
+    let parts = match len as u64 >= PARALLEL_READ_FROM {
+        true => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+        false => 1,
+    };
     // Zeroed by the allocator without writing (fresh pages): each part's thread faults its
     // own pages in as it reads into them.
     let mut data = vec![0u8; len];
-    let part = len.div_ceil(cores);
-    let crcs = std::thread::scope(|scope| {
-        let reads: Vec<_> = data
-            .chunks_mut(part)
-            .enumerate()
-            .map(|(i, chunk)| {
-                let file = &file;
-                scope.spawn(move || {
-                    file.read_exact_at(chunk, (i * part) as u64).map(|()| (crc32c::crc32c(chunk), chunk.len()))
-                })
-            })
-            .collect();
-        reads
-            .into_iter()
-            .map(|read| read.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
-            .collect::<Result<Vec<_>, _>>()
-    })
+    let part = len.div_ceil(parts).max(1);
+    let read = |(i, chunk): (usize, &mut [u8])| {
+        file.read_exact_at(chunk, (i * part) as u64).map(|()| (crc32c::crc32c(chunk), chunk.len()))
+    };
+    let crcs: Vec<(u32, usize)> = if parts < 2 {
+        data.chunks_mut(part).enumerate().map(read).collect::<Result<_, _>>()
+    } else {
+        std::thread::scope(|scope| {
+            let reads: Vec<_> =
+                data.chunks_mut(part).enumerate().map(|chunk| scope.spawn(move || read(chunk))).collect();
+            reads
+                .into_iter()
+                .map(|read| read.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+                .collect::<Result<_, _>>()
+        })
+    }
     .map_err(local_io("read", rel))?;
     let crc = crcs.into_iter().fold(0, |crc, (part_crc, part_len)| crc32c::crc32c_combine(crc, part_crc, part_len));
-    Ok(Some((Bytes::from(data), crc)))
+    Ok((Bytes::from(data), crc))
 }
 
 /// Parts of a file written by [`Storage::put_file`]: S3 takes at most 10,000 parts, so a file
@@ -465,10 +464,7 @@ impl Storage {
     pub async fn get_with_crc32c(&self, rel: &str) -> Result<(Bytes, u32), StorageError> {
         #[cfg(unix)]
         if let Some(root) = &self.local {
-            let path = root.join(self.full(rel).as_ref());
-            if let Some(read) = read_local_in_parts(&path, rel)? {
-                return Ok(read);
-            }
+            return read_local_in_parts(&root.join(self.full(rel).as_ref()), rel);
         }
         let data = self.get(rel).await?;
         let crc = crc32c::crc32c(&data);

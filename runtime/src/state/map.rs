@@ -380,15 +380,10 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
     }
 
     /// Runs `fill` with the map's shards behind locks, so that several threads can change it
-    /// at once ([`ConcurrentFill::filler`]), and counts what they inserted and removed.
+    /// at once ([`ConcurrentFill::filler`]), then counts the entries the shards hold.
     pub fn fill_concurrently<R>(&mut self, fill: impl FnOnce(&ConcurrentFill<'_, K, V>) -> R) -> R {
-        let shards = ConcurrentFill {
-            shards: self.shards.iter_mut().map(std::sync::Mutex::new).collect(),
-            added: std::sync::atomic::AtomicIsize::new(0),
-        };
-        let result = fill(&shards);
-        let added = shards.added.into_inner();
-        self.len = self.len.checked_add_signed(added).expect("a map holds no fewer entries than none");
+        let result = fill(&ConcurrentFill { shards: self.shards.iter_mut().map(std::sync::Mutex::new).collect() });
+        self.len = self.shards.iter().map(HashTable::len).sum();
         result
     }
 
@@ -416,14 +411,12 @@ type ShardRef<'m, K, V> = &'m mut HashTable<(K, V)>;
 /// ([`ShardedMap::fill_concurrently`]).
 pub struct ConcurrentFill<'m, K, V> {
     shards: Box<[std::sync::Mutex<ShardRef<'m, K, V>>]>,
-    /// Entries inserted less entries removed, by every [`Filler`] dropped.
-    added: std::sync::atomic::AtomicIsize,
 }
 
 impl<'m, K: Hash + Eq, V> ConcurrentFill<'m, K, V> {
     /// One thread's way into the map.
     pub fn filler(&self) -> Filler<'_, 'm, K, V> {
-        Filler { fill: self, held: None, layout: None, added: 0 }
+        Filler { fill: self, held: None, layout: None }
     }
 }
 
@@ -437,7 +430,6 @@ pub struct Filler<'f, 'm, K, V> {
     /// Where the held shard keeps its control bytes, and its buckets, once an entry changed
     /// in it told ([`Self::prefetch`]).
     layout: Option<(*const u8, usize)>,
-    added: isize,
 }
 
 impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
@@ -447,24 +439,45 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
     /// matters across threads.
     #[inline(always)]
     pub fn try_apply(&mut self, hash: u64, key: K, value: Option<V>) -> Result<(), (u64, K, Option<V>)> {
-        let index = shard_of(hash);
-        let table = match &mut self.held {
-            Some((held, table)) if *held == index => table,
-            held => {
-                *held = None;
-                self.layout = None;
-                let table = match self.fill.shards[index].try_lock() {
+        match self.shard(shard_of(hash), false) {
+            Some(table) => {
+                let layout = change(table, shard_of(hash), hash, key, value);
+                self.layout = layout.or(self.layout);
+                Ok(())
+            }
+            None => Err((hash, key, value)),
+        }
+    }
+
+    /// [`Self::try_apply`], waiting for the shard's lock.
+    pub fn apply(&mut self, hash: u64, key: K, value: Option<V>) {
+        if let Some(table) = self.shard(shard_of(hash), true) {
+            let layout = change(table, shard_of(hash), hash, key, value);
+            self.layout = layout.or(self.layout);
+        }
+    }
+
+    /// Shard `index`'s table, its lock taken unless it is the one held (the one held before is
+    /// let go); `None` when another thread holds it and `wait` is false.
+    #[inline(always)]
+    fn shard(&mut self, index: usize, wait: bool) -> Option<&mut HashTable<(K, V)>> {
+        let held = &mut self.held;
+        if !matches!(held, Some((at, _)) if *at == index) {
+            *held = None;
+            self.layout = None;
+            let lock = &self.fill.shards[index];
+            let table = if wait {
+                lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+            } else {
+                match lock.try_lock() {
                     Ok(table) => table,
                     Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                    Err(std::sync::TryLockError::WouldBlock) => return Err((hash, key, value)),
-                };
-                &mut held.insert((index, table)).1
-            }
-        };
-        let (added, layout) = change(table, index, hash, key, value);
-        self.added += added;
-        self.layout = layout.or(self.layout);
-        Ok(())
+                    Err(std::sync::TryLockError::WouldBlock) => return None,
+                }
+            };
+            *held = Some((index, table));
+        }
+        held.as_mut().map(|(_, table)| &mut ***table)
     }
 
     /// Asks the CPU to fetch the control bytes and the first bucket of the probe of `hash`,
@@ -481,35 +494,12 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
             }
         }
     }
-
-    /// [`Self::try_apply`], waiting for the shard's lock.
-    pub fn apply(&mut self, hash: u64, key: K, value: Option<V>) {
-        let index = shard_of(hash);
-        let table = match &mut self.held {
-            Some((held, table)) if *held == index => table,
-            held => {
-                *held = None;
-                self.layout = None;
-                let table = self.fill.shards[index].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                &mut held.insert((index, table)).1
-            }
-        };
-        let (added, layout) = change(table, index, hash, key, value);
-        self.added += added;
-        self.layout = layout.or(self.layout);
-    }
-}
-
-impl<K, V> Drop for Filler<'_, '_, K, V> {
-    fn drop(&mut self) {
-        self.fill.added.fetch_add(self.added, std::sync::atomic::Ordering::Relaxed);
-    }
 }
 
 /// Inserts or replaces (`Some`) or removes (`None`) a key in shard `index`'s `table`, which
-/// grows at its own point ([`grows_at`]) as [`ShardedMap`]'s shards do; the entries it gained,
-/// and where the table keeps its control bytes and how many buckets it has, when it put an
-/// entry (hashbrown keeps bucket `i` `i + 1` entries below the control bytes).
+/// grows at its own point ([`grows_at`]) as [`ShardedMap`]'s shards do. After a put into a
+/// missing key's bucket, where the table (grown or not) keeps its control bytes and how many
+/// buckets it has (hashbrown keeps bucket `i` `i + 1` entries below the control bytes).
 #[inline(always)]
 fn change<K: Hash + Eq, V>(
     table: &mut HashTable<(K, V)>,
@@ -517,34 +507,23 @@ fn change<K: Hash + Eq, V>(
     hash: u64,
     key: K,
     value: Option<V>,
-) -> (isize, Option<(*const u8, usize)>) {
-    let buckets = table.num_buckets();
-    let layout = |at: usize, entry: *const (K, V)| Some((entry.wrapping_add(at + 1).cast::<u8>(), buckets));
-    match value {
-        Some(value) => {
-            grow_if_due(table, index);
-            let buckets_before = table.num_buckets();
-            match table.entry(hash, |(k, _)| *k == key, |(k, _)| hash_of(k)) {
-                hash_table::Entry::Occupied(mut o) => {
-                    o.get_mut().1 = value;
-                    (0, None)
-                }
-                hash_table::Entry::Vacant(v) => {
-                    let o = v.insert((key, value));
-                    // A table that grew has moved: its layout is learnt at the next put.
-                    let told = (buckets_before == buckets).then(|| layout(o.bucket_index(), o.get())).flatten();
-                    (1, told)
-                }
-            }
+) -> Option<(*const u8, usize)> {
+    let Some(value) = value else {
+        if let Ok(o) = table.find_entry(hash, |(k, _)| *k == key) {
+            o.remove();
         }
-        None => match table.find_entry(hash, |(k, _)| *k == key) {
-            Ok(o) => {
-                o.remove();
-                (-1, None)
-            }
-            Err(_) => (0, None),
-        },
-    }
+        return None;
+    };
+    grow_if_due(table, index);
+    let put = match table.entry(hash, |(k, _)| *k == key, |(k, _)| hash_of(k)) {
+        hash_table::Entry::Occupied(mut o) => {
+            o.get_mut().1 = value;
+            return None;
+        }
+        hash_table::Entry::Vacant(v) => v.insert((key, value)),
+    };
+    let (at, entry): (usize, *const (K, V)) = (put.bucket_index(), put.get());
+    Some((entry.wrapping_add(at + 1).cast::<u8>(), table.num_buckets()))
 }
 
 #[cfg(test)]

@@ -1156,8 +1156,11 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// or more on a thread per core (see [`Self::restore_unordered`]); a smaller one, or on the
     /// rocksdb backend, as [`Self::restore_file`] does.
     fn restore_commuting(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), StoreError> {
+        if self.spill.is_some() || body.len() < RESTORE_CONCURRENT_MIN_BYTES {
+            return self.restore_file(body, key_groups);
+        }
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-        if self.spill.is_some() || body.len() < RESTORE_CONCURRENT_MIN_BYTES || cores < 2 {
+        if cores < 2 {
             return self.restore_file(body, key_groups);
         }
         let stretches = stretch_bounds(body.len(), cores);
