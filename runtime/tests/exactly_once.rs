@@ -256,6 +256,43 @@ sinks:
     exactly_once(&out, count, "restored from checkpoints on merged increments");
 }
 
+/// A running count of 900K records over `keys` keys (`seq % keys`), with `checkpointing`'s
+/// settings, its output under `out`; `rate` a `ratePerSecond: N, ` or nothing.
+fn running_count_job(name: &str, checkpointing: &str, keys: u64, out: &std::path::Path, rate: &str) -> String {
+    format!(
+        r#"name: {name}
+parallelism: 1
+maxParallelism: 32
+checkpointing: {{ {checkpointing} }}
+restart: {{ attempts: 100, delay: 10ms }}
+sources:
+  - name: draws
+    uid: draws
+    generator: {{ count: 900000, {rate}fields: [ {{ name: seq, sequence: {{}} }} ] }}
+operators:
+  - {{ name: keyed, map: {{ fields: {{ id: "seq % {keys}" }} }} }}
+  - {{ name: by-id, keyBy: {{ fields: [id] }} }}
+  - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
+sinks:
+  - {{ name: out, uid: out, file: {{ path: {out}/counts }} }}
+"#,
+        out = out.display()
+    )
+}
+
+/// The newest complete checkpoint's metadata under `chk`, if there is one.
+fn newest_metadata(chk: &std::path::Path) -> Option<weir_checkpoint::CheckpointMetadata> {
+    let complete = std::fs::read_dir(chk.join("checkpoints")).into_iter().flatten().flatten().any(|e| {
+        weir_checkpoint::layout::parse_checkpoint_dir(&e.file_name().to_string_lossy()).is_some()
+            && e.path().join("_metadata").exists()
+    });
+    if !complete {
+        return None;
+    }
+    let raw = std::fs::read(newest_checkpoint(chk).join("_metadata")).ok()?;
+    Some(weir_checkpoint::CheckpointMetadata::decode(&raw).unwrap())
+}
+
 /// A heap state whose checkpoint files are 256 KiB or more is restored on a thread per core:
 /// full images, and increments whose metadata says where their puts start. Cancelled each time
 /// its newest checkpoint ends in such an increment and restored from it, and under task
@@ -264,25 +301,7 @@ sinks:
 #[test]
 fn large_heap_states_restored_on_several_threads_are_exactly_once() {
     let job = |out: &std::path::Path, rate: &str| {
-        format!(
-            r#"name: large-restores
-parallelism: 1
-maxParallelism: 32
-checkpointing: {{ interval: 500ms, tolerableFailures: 3, fullEvery: 3 }}
-restart: {{ attempts: 100, delay: 10ms }}
-sources:
-  - name: draws
-    uid: draws
-    generator: {{ count: 900000, {rate}fields: [ {{ name: seq, sequence: {{}} }} ] }}
-operators:
-  - {{ name: keyed, map: {{ fields: {{ id: "seq % 100000" }} }} }}
-  - {{ name: by-id, keyBy: {{ fields: [id] }} }}
-  - {{ name: counts, uid: counts, aggregate: {{ aggregates: [ {{ fn: count, as: n }} ] }} }}
-sinks:
-  - {{ name: out, uid: out, file: {{ path: {out}/counts }} }}
-"#,
-            out = out.display()
-        )
+        running_count_job("large-restores", "interval: 500ms, tolerableFailures: 3, fullEvery: 3", 100_000, out, rate)
     };
     let (_d, out, chk) = workdir("large-restores-golden");
     let (outcome, _) = run_to_end(&job(&out, ""), opts(&chk));
@@ -293,15 +312,7 @@ sinks:
     // The newest checkpoint's last file, when it is an increment a restore applies on several
     // threads (256 KiB or more: `RESTORE_CONCURRENT_MIN_BYTES`).
     let large_increment_last = |chk: &std::path::Path| {
-        let complete = std::fs::read_dir(chk.join("checkpoints")).into_iter().flatten().flatten().any(|e| {
-            weir_checkpoint::layout::parse_checkpoint_dir(&e.file_name().to_string_lossy()).is_some()
-                && e.path().join("_metadata").exists()
-        });
-        if !complete {
-            return false;
-        }
-        let Ok(raw) = std::fs::read(newest_checkpoint(chk).join("_metadata")) else { return false };
-        let meta = weir_checkpoint::CheckpointMetadata::decode(&raw).unwrap();
+        let Some(meta) = newest_metadata(chk) else { return false };
         let chain = meta.operators.get("counts").map(|o| &o.subtasks[0].keyed_state);
         chain.and_then(|c| c.last()).is_some_and(|f| f.puts_from.is_some() && f.len > 256 << 10)
     };
@@ -339,6 +350,63 @@ sinks:
         let restarts = m.restarts.get();
         assert_same_output(&golden, &committed(&out), &format!("seed {seed}, {restarts} restarts"));
     }
+}
+
+/// A heap state restored from a chain of a megabyte or more of files that list only puts (a
+/// running count's full image, then increments) is applied shard by shard, all files at once
+/// (`KeyedState::restore_chain_by_shard`). Cancelled once such a chain of three files or more
+/// is the newest checkpoint, restored from it, and cancelled and restored again, the job's
+/// output equals an undisturbed run's, record by record: each key's count, restored from the
+/// files in their order, goes on from its newest value.
+#[test]
+fn long_chains_restored_shard_by_shard_are_exactly_once() {
+    let job = |out: &std::path::Path, rate: &str| {
+        running_count_job(
+            "chain-restores",
+            "interval: 200ms, tolerableFailures: 3, fullEvery: 1000",
+            200_000,
+            out,
+            rate,
+        )
+    };
+    let (_d, out, chk) = workdir("chain-restores-golden");
+    let (outcome, _) = run_to_end(&job(&out, ""), opts(&chk));
+    assert_eq!(outcome, JobOutcome::Finished);
+    let golden = committed(&out);
+    assert_eq!(golden["counts"].len(), 900_000, "one running count per record");
+
+    // The newest checkpoint's chain: three files or more, each of puts only, 1 MiB or more in
+    // all (`CHAIN_BY_SHARD_MIN_BYTES`), newer than `after`.
+    let long_chain_newest = |chk: &std::path::Path, after: u64| {
+        let meta = newest_metadata(chk)?;
+        let chain = &meta.operators.get("counts")?.subtasks[0].keyed_state;
+        let long = chain.len() >= 3
+            && chain.iter().all(|f| f.puts_from == Some(0))
+            && chain.iter().map(|f| f.len).sum::<u64>() >= 1 << 20;
+        (long && meta.checkpoint_id > after).then_some(meta.checkpoint_id)
+    };
+    let (_d, out, chk) = workdir("chain-restores-cancelled");
+    let mut restored_from = 0;
+    for round in 0..3 {
+        let options = if round == 0 { opts(&chk) } else { RunOptionsExt::restore_latest(opts(&chk)) };
+        let run = InProcess::start(&job(&out, "ratePerSecond: 150000, "), options);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let newest = loop {
+            if let Some(id) = long_chain_newest(&chk, restored_from) {
+                break id;
+            }
+            assert!(std::time::Instant::now() < deadline, "round {round}: no long chain within 60 s");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        run.requests.send(Request::Cancel).unwrap();
+        assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+        restored_from = newest;
+    }
+    assert!(long_chain_newest(&chk, 0).is_some(), "the restore below starts from a long chain");
+    let (outcome, m) = run_to_end(&job(&out, ""), RunOptionsExt::restore_latest(opts(&chk)));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert!(m.board().restored_from.is_some());
+    assert_same_output(&golden, &committed(&out), "cancelled three times and restored from long chains");
 }
 
 #[test]

@@ -863,6 +863,11 @@ pub struct KeyedEntries<'a> {
 }
 
 impl<'a> KeyedEntries<'a> {
+    /// Where the next entry starts, in bytes from the start of the body.
+    pub fn position(&self) -> usize {
+        self.dec.position()
+    }
+
     #[inline(always)]
     fn entry(&mut self) -> Result<KeyedEntry<'a>, FormatError> {
         let dec = &mut self.dec;

@@ -9,6 +9,10 @@ use crate::restore::{KeyedFile, KeyedRestore, LOCAL_COPY_PART_BYTES};
 use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings, PREFETCH_CHUNK};
 use crate::value::{Fields, Key, Record, StateKey};
 
+/// Below this many bytes of files a restored chain is applied file by file: a shard by shard
+/// apply starts a thread per core twice, and a chain this small fits the caches anyway.
+const CHAIN_BY_SHARD_MIN_BYTES: usize = 1 << 20;
+
 /// Settings every keyed operator needs.
 #[derive(Clone, Debug)]
 pub struct KeyedContext {
@@ -79,8 +83,10 @@ impl KeyedContext {
             if let Some(entries) = r.entries {
                 state.reserve_restored_entries(entries);
             }
-            for file in &r.files {
-                self.restore_file(&mut state, file, r.entries.is_none())?;
+            if !self.restore_chain_by_shard(&mut state, r)? {
+                for file in &r.files {
+                    self.restore_file(&mut state, file, r.entries.is_none())?;
+                }
             }
             state.after_restore(r.continue_chain, r.chain_len()).map_err(|e| self.state_failed(e))?;
             tracing::info!(
@@ -93,6 +99,34 @@ impl KeyedContext {
             );
         }
         Ok(state)
+    }
+
+    /// Applies a restored chain of files in memory shard by shard
+    /// ([`KeyedState::restore_chain_by_shard`]) when it is worth it and they allow it: two files
+    /// or more, of [`CHAIN_BY_SHARD_MIN_BYTES`] or more in all, each listing only puts, into a
+    /// map that reserved room for their keys. Whether it did; if not, nothing changed.
+    fn restore_chain_by_shard<V: StateValue, K: StateKey>(
+        &self,
+        state: &mut KeyedState<V, K>,
+        r: &KeyedRestore,
+    ) -> Result<bool, TaskError> {
+        if r.entries.is_none() || r.files.len() < 2 {
+            return Ok(false);
+        }
+        let mut bodies = Vec::with_capacity(r.files.len());
+        for file in &r.files {
+            let KeyedFile::Memory { data, puts_from: Some(0) } = file else { return Ok(false) };
+            // A file that does not open is left to `restore_file`, which says why.
+            let Ok((_, body)) = weir_checkpoint::format::open_verified(data) else { return Ok(false) };
+            bodies.push(body);
+        }
+        if bodies.iter().map(|b| b.len()).sum::<usize>() < CHAIN_BY_SHARD_MIN_BYTES {
+            return Ok(false);
+        }
+        state.restore_chain_by_shard(&bodies, self.key_groups).map_err(|e| match e {
+            StoreError::Decode(e) => TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() },
+            e => self.state_failed(e),
+        })
     }
 
     /// Applies one file of a restored chain: from memory, or read back in parts from its local

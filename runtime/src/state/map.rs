@@ -323,6 +323,11 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         shard
     }
 
+    /// The buckets of shard `index`'s table (where its keys go: [`storage_order`]).
+    pub fn shard_buckets(&self, index: usize) -> usize {
+        self.shards[index].num_buckets()
+    }
+
     /// Entries the shards' tables have room for without growing.
     pub fn capacity(&self) -> usize {
         self.shards.iter().map(HashTable::capacity).sum()

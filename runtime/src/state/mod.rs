@@ -13,6 +13,7 @@
 //! incremental checkpoint still holds every change since the previous checkpoint.
 
 pub mod bulk;
+mod chain;
 pub mod lazy;
 pub mod map;
 pub mod store;

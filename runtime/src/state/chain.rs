@@ -1,0 +1,313 @@
+//! A restored chain of heap state files applied shard by shard instead of file by file.
+//!
+//! The files of a chain each hold a part of the keys (an increment the keys changed in one
+//! interval, an early full image the keys of a smaller state), spread over tables reserved for
+//! all of them: applied one file after the other, every insert writes a cache line and a page
+//! of its own, and a 20M-key chain of 6 files applied at 0.42–0.46 GB per second where a full
+//! image of the same keys applies at 1.18 (`runtime/BENCHMARKS.md`, session 37). The heap
+//! backend's files list their entries shard after shard, each shard's in its table's order.
+//! Applied shard by shard, each file's entries of the shard in the chain's order, and within a
+//! shard window by window (a stable partition of those entries by the top bits of their bucket
+//! in the restoring table), all the files fill one window of the table while it is in the
+//! caches. Every key's entries fall in the same shard and window in every file, so each key
+//! still sees its changes in the chain's order.
+
+use weir_checkpoint::format::{keyed_entries, Decoder};
+
+use super::{map, owns, KeyedState, Slot, StateKey, StateValue, StoreError, FILL_AHEAD};
+
+/// Buckets of the restoring table applied together: 4096 of a count's 48-byte entries and
+/// their control bytes are 200 KB, which the second-level cache holds. Measured on that
+/// 20M-key chain: 1024 buckets, 404–442 ms; 4096, 383–392 ms; 16384, 406–409 ms; whole shards,
+/// 488–548 ms (file by file: 593–610 ms).
+const WINDOW_BUCKETS: usize = 4096;
+
+/// Where each shard's entries start in `body` (index `s`: the first entry of shard `s` or a
+/// later one; index [`map::SHARDS`]: the end), by this map's hash of each entry's key; `None`
+/// when its entries are not in shard order (a set's increments list keys as they changed; a
+/// file written with another hash).
+fn shard_starts<K: StateKey>(body: &[u8]) -> Result<Option<Vec<usize>>, StoreError> {
+    let mut starts = Vec::with_capacity(map::SHARDS + 1);
+    let mut entries = keyed_entries(body);
+    loop {
+        let at = entries.position();
+        let Some(entry) = entries.next() else { break };
+        let shard = K::decode_then(entry?.key, |key| map::shard_of(map::hash_of(&key)))?;
+        if shard + 1 < starts.len() {
+            return Ok(None);
+        }
+        starts.resize(shard + 1, at);
+    }
+    starts.resize(map::SHARDS + 1, body.len());
+    Ok(Some(starts))
+}
+
+/// Each body's shard starts ([`shard_starts`]), `None` for a body out of shard order.
+type ShardStarts = Option<Vec<usize>>;
+
+/// [`shard_starts`] of each of `bodies`, on up to `threads` threads that take the largest
+/// bodies first.
+fn all_shard_starts<K: StateKey>(bodies: &[&[u8]], threads: usize) -> Result<Vec<ShardStarts>, StoreError> {
+    let mut largest_first: Vec<usize> = (0..bodies.len()).collect();
+    largest_first.sort_by_key(|&i| std::cmp::Reverse(bodies[i].len()));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || -> Result<Vec<(usize, ShardStarts)>, StoreError> {
+        let mut found = Vec::new();
+        while let Some(&i) = largest_first.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+            found.push((i, shard_starts::<K>(bodies[i])?));
+        }
+        Ok(found)
+    };
+    let mut starts = vec![None; bodies.len()];
+    std::thread::scope(|scope| {
+        let others: Vec<_> = (1..threads.min(bodies.len())).map(|_| scope.spawn(work)).collect();
+        let mut result = work();
+        for other in others {
+            let theirs = other.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            result = result.and_then(|mut mine| {
+                theirs.map(|t| {
+                    mine.extend(t);
+                    mine
+                })
+            });
+        }
+        for (i, found) in result? {
+            starts[i] = found;
+        }
+        Ok(starts)
+    })
+}
+
+impl<V: StateValue, K: StateKey> KeyedState<V, K> {
+    /// Applies `bodies`, a restored chain's files in order (each listing each key's put once
+    /// and no deletions: [`super::KeyedSnapshot::puts_from`] of 0), shard by shard, keeping
+    /// only key groups in `key_groups`; false, having changed nothing, when they are not all in
+    /// shard order (then apply them file by file). On the heap backend only, into a map that
+    /// reserved room for the chain's keys first ([`Self::reserve_restored_entries`]): its
+    /// shards' buckets decide the windows. A thread per core finds the files' shard starts,
+    /// then a thread per core applies a range of shards.
+    pub fn restore_chain_by_shard(&mut self, bodies: &[&[u8]], key_groups: (u32, u32)) -> Result<bool, StoreError> {
+        if self.spill.is_some() || V::only_value().is_some() {
+            return Ok(false);
+        }
+        let started = std::time::Instant::now();
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let threads = cores.clamp(1, map::SHARDS);
+        let starts = all_shard_starts::<K>(bodies, threads)?;
+        let Some(starts) = starts.into_iter().collect::<Option<Vec<Vec<usize>>>>() else {
+            return Ok(false);
+        };
+        let starts_found = started.elapsed();
+        let buckets: Vec<usize> = (0..map::SHARDS).map(|shard| self.map.shard_buckets(shard)).collect();
+        let (starts, buckets) = (&starts, &buckets);
+        let per_thread = map::SHARDS.div_ceil(threads);
+        self.map.fill_concurrently(|fill| {
+            let apply = |first: usize| -> Result<(), StoreError> {
+                let mut window = WindowFill::default();
+                let mut filler = fill.filler();
+                for shard in first..(first + per_thread).min(map::SHARDS) {
+                    let parts = bodies.iter().zip(starts).map(|(body, starts)| &body[starts[shard]..starts[shard + 1]]);
+                    window.apply(&mut filler, parts, buckets[shard], key_groups)?;
+                }
+                Ok(())
+            };
+            let apply = &apply;
+            std::thread::scope(|scope| {
+                let others: Vec<_> = (1..threads).map(|t| scope.spawn(move || apply(t * per_thread))).collect();
+                let mut result = apply(0);
+                for other in others {
+                    result = result.and(other.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+                }
+                result
+            })
+        })?;
+        tracing::debug!(
+            files = bodies.len(),
+            threads,
+            starts_ms = starts_found.as_millis() as u64,
+            apply_ms = (started.elapsed() - starts_found).as_millis() as u64,
+            "restored chain applied shard by shard"
+        );
+        Ok(true)
+    }
+}
+
+/// One shard's entries from every file of a chain, decoded and put in window order
+/// ([`WINDOW_BUCKETS`]); the buffers serve the next shard.
+struct WindowFill<K, V> {
+    /// The entries in the chain's order: hash, key and value (`None` once applied).
+    decoded: Vec<Option<(u64, K, Slot<V>)>>,
+    /// The window of each entry of `decoded`.
+    windows: Vec<u32>,
+    /// Where each window's entries start in `order`.
+    window_starts: Vec<u32>,
+    /// Indexes into `decoded`, window after window, each window's in the chain's order.
+    order: Vec<u32>,
+}
+
+impl<K, V> Default for WindowFill<K, V> {
+    fn default() -> Self {
+        WindowFill { decoded: Vec::new(), windows: Vec::new(), window_starts: Vec::new(), order: Vec::new() }
+    }
+}
+
+impl<K: StateKey, V: StateValue> WindowFill<K, V> {
+    /// Decodes one shard's `parts` (one per file, in the chain's order) and applies their
+    /// entries window by window to the shard, whose table has `buckets` buckets.
+    fn apply<'b>(
+        &mut self,
+        filler: &mut map::Filler<'_, '_, K, Slot<V>>,
+        parts: impl Iterator<Item = &'b [u8]>,
+        buckets: usize,
+        key_groups: (u32, u32),
+    ) -> Result<(), StoreError> {
+        let mask = buckets.max(1) - 1;
+        let shift = WINDOW_BUCKETS.trailing_zeros();
+        self.decoded.clear();
+        self.windows.clear();
+        for part in parts {
+            for entry in keyed_entries(part) {
+                let entry = entry?;
+                if !owns(key_groups, entry.key_group) {
+                    continue;
+                }
+                // Files of puts only (the caller's promise): a deletion here is a malformed file.
+                let Some(raw) = entry.value else {
+                    return Err(StoreError::Decode(weir_checkpoint::format::FormatError::Malformed(0)));
+                };
+                let slot = Slot {
+                    value: V::decode(&mut Decoder::new(raw))?,
+                    key_group: entry.key_group,
+                    dirty: false,
+                    touched: false,
+                    stored: false,
+                };
+                K::decode_then(entry.key, |key| {
+                    let hash = map::hash_of(&key);
+                    self.windows.push((((hash as usize) & mask) >> shift) as u32);
+                    self.decoded.push(Some((hash, key, slot)));
+                })?;
+            }
+        }
+        // A counting sort by window, stable: each window's entries stay in the chain's order.
+        let windows = (buckets >> shift).max(1);
+        self.window_starts.clear();
+        self.window_starts.resize(windows + 1, 0);
+        for &w in &self.windows {
+            self.window_starts[w as usize + 1] += 1;
+        }
+        for w in 1..=windows {
+            self.window_starts[w] += self.window_starts[w - 1];
+        }
+        self.order.clear();
+        self.order.resize(self.decoded.len(), 0);
+        for (i, &w) in self.windows.iter().enumerate() {
+            let at = &mut self.window_starts[w as usize];
+            self.order[*at as usize] = i as u32;
+            *at += 1;
+        }
+        for (n, &i) in self.order.iter().enumerate() {
+            if let Some(&(hash, ..)) =
+                self.order.get(n + FILL_AHEAD).and_then(|&ahead| self.decoded[ahead as usize].as_ref())
+            {
+                filler.prefetch(hash);
+            }
+            if let Some((hash, key, slot)) = self.decoded[i as usize].take() {
+                filler.apply(hash, key, Some(slot));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::value::{Key, Value};
+    use weir_checkpoint::format::{open, FileKind, StateFileWriter};
+
+    fn key(i: i64) -> Key {
+        Key::One(Value::Int(i))
+    }
+
+    /// The files of a running sum over 5 rounds of 120K new keys each, every third key
+    /// changed again in each later round, so that the files repeat keys with other values: a
+    /// full image, then increments of puts only. And the keys the state holds at the end.
+    fn growing_chain() -> (Vec<bytes::Bytes>, u64) {
+        let mut s = KeyedState::<i64>::new(16, true, 100);
+        let mut chain = Vec::new();
+        let per_round = 120_000i64;
+        for round in 0..5i64 {
+            for i in round * per_round..(round + 1) * per_round {
+                *s.update(key(i), || 0).unwrap() += i;
+            }
+            for i in (0..round * per_round).step_by(3) {
+                *s.update(key(i), || 0).unwrap() += round;
+            }
+            let snapshot = s.snapshot_checkpoint().unwrap();
+            assert_eq!(snapshot.puts_from, Some(0), "round {round}: puts only");
+            chain.push(snapshot.bytes());
+        }
+        (chain, s.map.len() as u64)
+    }
+
+    fn bodies(files: &[bytes::Bytes]) -> Vec<&[u8]> {
+        files.iter().map(|f| open(f).unwrap().1).collect()
+    }
+
+    fn sorted(s: &KeyedState<i64>) -> Vec<(i64, i64)> {
+        let mut entries: Vec<(i64, i64)> = s
+            .entries()
+            .into_iter()
+            .map(|(k, v)| match k {
+                Key::One(Value::Int(i)) => (i, v),
+                other => panic!("key {other:?}"),
+            })
+            .collect();
+        entries.sort_unstable();
+        entries
+    }
+
+    /// A chain applied shard by shard, window by window, restores what applying it file by
+    /// file restores, key-group filtering included: each key ends with its newest value.
+    #[test]
+    fn a_chain_applied_by_shard_restores_what_file_by_file_restores() {
+        let (files, live) = growing_chain();
+        assert!(files.len() >= 2 && files[0].len() > 1 << 20);
+        for range in [(0, 16), (3, 11)] {
+            let mut by_file = KeyedState::<i64>::new(16, true, 100);
+            by_file.reserve_restored_entries(live);
+            for body in bodies(&files) {
+                by_file.restore_file(body, range).unwrap();
+            }
+            let mut by_shard = KeyedState::<i64>::new(16, true, 100);
+            by_shard.reserve_restored_entries(live);
+            let windows = (0..map::SHARDS).map(|s| by_shard.map.shard_buckets(s) / WINDOW_BUCKETS).max().unwrap();
+            assert!(windows >= 2, "the shards' entries are applied in {windows} windows");
+            assert!(by_shard.restore_chain_by_shard(&bodies(&files), range).unwrap(), "{range:?}");
+            let expected = sorted(&by_file);
+            assert!(expected.len() as u64 > live / 2, "{range:?}: {} keys", expected.len());
+            assert_eq!(sorted(&by_shard), expected, "{range:?}");
+            assert_eq!(by_shard.cached_len(), expected.len(), "{range:?}: the map counts its entries");
+        }
+    }
+
+    /// A file whose entries are not in shard order (written by another hash, or a set's
+    /// increment) is refused before anything is applied, and so is a set's chain.
+    #[test]
+    fn files_out_of_shard_order_and_sets_are_left_to_the_file_by_file_restore() {
+        let mut w = StateFileWriter::new(FileKind::KeyedIncrement, 0);
+        for i in 0..1000i64 {
+            w.put_encoded(key(i).key_group(16), |e| key(i).encode(e), |e| i.encode(e));
+        }
+        let (file, _) = w.finish();
+        let (image, live) = growing_chain();
+        let files = [image[0].clone(), file];
+        let mut s = KeyedState::<i64>::new(16, true, 100);
+        s.reserve_restored_entries(live);
+        assert!(!s.restore_chain_by_shard(&bodies(&files), (0, 16)).unwrap());
+        assert_eq!(s.cached_len(), 0, "nothing applied");
+        let mut set = KeyedState::<()>::new(16, true, 100);
+        assert!(!set.restore_chain_by_shard(&bodies(&image), (0, 16)).unwrap());
+    }
+}
