@@ -280,6 +280,33 @@ sinks:
     )
 }
 
+/// Runs the job `job` writes for an output directory once per seed, under task panics, failed
+/// uploads and crashes before commits, and checks that its output equals `golden` record by
+/// record.
+fn same_output_under_faults(
+    golden: &std::collections::BTreeMap<String, Vec<String>>,
+    name: &str,
+    seeds: &[u64],
+    job: impl Fn(&std::path::Path) -> String,
+) {
+    for &seed in seeds {
+        let (_d, out, chk) = workdir(&format!("{name}-{seed}"));
+        let plan = FaultPlan {
+            seed,
+            task_panic: 0.002,
+            upload_failure: 0.05,
+            crash_before_commit: 0.3,
+            max_faults: 6,
+            ..FaultPlan::default()
+        };
+        let (outcome, m) = run_to_end(&job(&out), RunOptionsExt::with_faults(opts(&chk), plan));
+        assert_eq!(outcome, JobOutcome::Finished);
+        record_faults(m.injected_faults.get());
+        let restarts = m.restarts.get();
+        assert_same_output(golden, &committed(&out), &format!("{name}, seed {seed}, {restarts} restarts"));
+    }
+}
+
 /// The newest complete checkpoint's metadata under `chk`, if there is one.
 fn newest_metadata(chk: &std::path::Path) -> Option<weir_checkpoint::CheckpointMetadata> {
     let complete = std::fs::read_dir(chk.join("checkpoints")).into_iter().flatten().flatten().any(|e| {
@@ -333,23 +360,7 @@ fn large_heap_states_restored_on_several_threads_are_exactly_once() {
     assert_eq!(outcome, JobOutcome::Finished);
     assert!(m.board().restored_from.is_some());
     assert_same_output(&golden, &committed(&out), "cancelled twice and restored from large increments");
-
-    for seed in [3u64, 11] {
-        let (_d, out, chk) = workdir(&format!("large-restores-{seed}"));
-        let plan = FaultPlan {
-            seed,
-            task_panic: 0.002,
-            upload_failure: 0.05,
-            crash_before_commit: 0.3,
-            max_faults: 6,
-            ..FaultPlan::default()
-        };
-        let (outcome, m) = run_to_end(&job(&out, ""), RunOptionsExt::with_faults(opts(&chk), plan));
-        assert_eq!(outcome, JobOutcome::Finished);
-        record_faults(m.injected_faults.get());
-        let restarts = m.restarts.get();
-        assert_same_output(&golden, &committed(&out), &format!("seed {seed}, {restarts} restarts"));
-    }
+    same_output_under_faults(&golden, "large-restores", &[3, 11], |out| job(out, ""));
 }
 
 /// A heap state restored from a chain of a megabyte or more of files that list only puts (a
@@ -407,6 +418,8 @@ fn long_chains_restored_shard_by_shard_are_exactly_once() {
     assert_eq!(outcome, JobOutcome::Finished);
     assert!(m.board().restored_from.is_some());
     assert_same_output(&golden, &committed(&out), "cancelled three times and restored from long chains");
+    // Restarted in the process after task panics, failed uploads and crashes before commits.
+    same_output_under_faults(&golden, "chain-restores", &[5, 13], |out| job(out, ""));
 }
 
 #[test]
