@@ -10,7 +10,9 @@
 //! shard window by window (a stable partition of those entries by the top bits of their bucket
 //! in the restoring table), all the files fill one window of the table while it is in the
 //! caches. Every key's entries fall in the same shard and window in every file, so each key
-//! still sees its changes in the chain's order.
+//! still sees its changes in the chain's order. Whether a file is in shard order is checked
+//! entry by entry as it is applied: one that is not leaves the chain to the file by file
+//! restore.
 
 use weir_checkpoint::format::{keyed_entries, Decoder};
 
@@ -22,43 +24,81 @@ use super::{map, owns, KeyedState, Slot, StateKey, StateValue, StoreError, FILL_
 /// 488–548 ms (file by file: 593–610 ms).
 const WINDOW_BUCKETS: usize = 4096;
 
+/// Entries of a body between two whose offsets [`shard_starts`] keeps.
+const SAMPLE_EVERY: usize = 64;
+
 /// Where each shard's entries start in `body` (index `s`: the first entry of shard `s` or a
-/// later one; index [`map::SHARDS`]: the end), by this map's hash of each entry's key; `None`
-/// when its entries are not in shard order (a set's increments list keys as they changed; a
-/// file written with another hash).
-fn shard_starts<K: StateKey>(body: &[u8]) -> Result<Option<Vec<usize>>, StoreError> {
-    let mut starts = Vec::with_capacity(map::SHARDS + 1);
+/// later one; index [`map::SHARDS`]: the end), by this map's hash of each entry's key, for a
+/// body in shard order. It reads past the entries (their lengths only), keeping every
+/// [`SAMPLE_EVERY`]th one's offset, then finds each shard's start among those by a binary
+/// search and from the last one before it entry by entry: a few thousand keys decoded, where
+/// decoding and hashing every key took 69–86 ms of a 20M-key chain's restore. A body out of
+/// shard order gives starts that cut it wrongly, which [`WindowFill::apply`] finds: each
+/// entry it takes must be of the shard it takes it for.
+fn shard_starts<K: StateKey>(body: &[u8]) -> Result<Vec<usize>, StoreError> {
+    let mut samples = Vec::new();
     let mut entries = keyed_entries(body);
-    loop {
+    for n in 0.. {
         let at = entries.position();
         let Some(entry) = entries.next() else { break };
-        let shard = K::decode_then(entry?.key, |key| map::shard_of(map::hash_of(&key)))?;
-        if shard + 1 < starts.len() {
-            return Ok(None);
+        entry?;
+        if n % SAMPLE_EVERY == 0 {
+            samples.push(at);
         }
-        starts.resize(shard + 1, at);
     }
-    starts.resize(map::SHARDS + 1, body.len());
-    Ok(Some(starts))
+    // The shard of the entry at `at` (an entry's start).
+    let shard_at = |at: usize| -> Result<usize, StoreError> {
+        match keyed_entries(&body[at..]).next() {
+            Some(entry) => Ok(K::decode_then(entry?.key, |key| map::shard_of(map::hash_of(&key)))?),
+            None => Ok(map::SHARDS),
+        }
+    };
+    let mut starts = Vec::with_capacity(map::SHARDS + 1);
+    starts.push(0);
+    for shard in 1..map::SHARDS {
+        // The first sample of `shard` or later; the shard starts after the sample before it.
+        let (mut below, mut above) = (0, samples.len());
+        while below < above {
+            let mid = (below + above) / 2;
+            if shard_at(samples[mid])? < shard {
+                below = mid + 1;
+            } else {
+                above = mid;
+            }
+        }
+        let from = below.checked_sub(1).map_or(0, |i| samples[i]);
+        let to = samples.get(below).copied().unwrap_or(body.len());
+        let mut start = to;
+        let mut entries = keyed_entries(&body[from..to]);
+        loop {
+            let at = from + entries.position();
+            let Some(entry) = entries.next() else { break };
+            if K::decode_then(entry?.key, |key| map::shard_of(map::hash_of(&key)))? >= shard {
+                start = at;
+                break;
+            }
+        }
+        let previous = starts[shard - 1];
+        starts.push(start.max(previous));
+    }
+    starts.push(body.len());
+    Ok(starts)
 }
-
-/// Each body's shard starts ([`shard_starts`]), `None` for a body out of shard order.
-type ShardStarts = Option<Vec<usize>>;
 
 /// [`shard_starts`] of each of `bodies`, on up to `threads` threads that take the largest
 /// bodies first.
-fn all_shard_starts<K: StateKey>(bodies: &[&[u8]], threads: usize) -> Result<Vec<ShardStarts>, StoreError> {
+fn all_shard_starts<K: StateKey>(bodies: &[&[u8]], threads: usize) -> Result<Vec<Vec<usize>>, StoreError> {
     let mut largest_first: Vec<usize> = (0..bodies.len()).collect();
     largest_first.sort_by_key(|&i| std::cmp::Reverse(bodies[i].len()));
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let work = || -> Result<Vec<(usize, ShardStarts)>, StoreError> {
+    let work = || -> Result<Vec<(usize, Vec<usize>)>, StoreError> {
         let mut found = Vec::new();
         while let Some(&i) = largest_first.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
             found.push((i, shard_starts::<K>(bodies[i])?));
         }
         Ok(found)
     };
-    let mut starts = vec![None; bodies.len()];
+    let mut starts = vec![Vec::new(); bodies.len()];
     std::thread::scope(|scope| {
         let others: Vec<_> = (1..threads.min(bodies.len())).map(|_| scope.spawn(work)).collect();
         let mut result = work();
@@ -81,8 +121,8 @@ fn all_shard_starts<K: StateKey>(bodies: &[&[u8]], threads: usize) -> Result<Vec
 impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// Applies `bodies`, a restored chain's files in order (each listing each key's put once
     /// and no deletions: [`super::KeyedSnapshot::puts_from`] of 0), shard by shard, keeping
-    /// only key groups in `key_groups`; false, having changed nothing, when they are not all in
-    /// shard order (then apply them file by file). On the heap backend only, into a map that
+    /// only key groups in `key_groups`; false, with the map emptied again (its room kept), when
+    /// they are not all in shard order (then apply them file by file). On the heap backend only, into a map that
     /// reserved room for the chain's keys first ([`Self::reserve_restored_entries`]): its
     /// shards' buckets decide the windows. A thread per core finds the files' shard starts,
     /// then a thread per core applies a range of shards.
@@ -95,15 +135,13 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         let threads = cores.clamp(1, map::SHARDS);
         let starts = all_shard_starts::<K>(bodies, threads)?;
-        let Some(starts) = starts.into_iter().collect::<Option<Vec<Vec<usize>>>>() else {
-            return Ok(false);
-        };
         let starts_found = started.elapsed();
         let buckets: Vec<usize> = (0..map::SHARDS).map(|shard| self.map.shard_buckets(shard)).collect();
         let (starts, buckets) = (&starts, &buckets);
         let per_thread = map::SHARDS.div_ceil(threads);
-        self.map.fill_concurrently(|fill| {
-            let apply = |first: usize| -> Result<(), StoreError> {
+        let in_order = self.map.fill_concurrently(|fill| {
+            // Whether every entry a thread took was of the shard it took it for.
+            let apply = |first: usize| -> Result<bool, StoreError> {
                 let mut window = WindowFill::default();
                 let mut filler = fill.filler();
                 let mut parts = Vec::with_capacity(bodies.len());
@@ -112,20 +150,29 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                     parts.extend(
                         bodies.iter().zip(starts).map(|(body, starts)| &body[starts[shard]..starts[shard + 1]]),
                     );
-                    window.apply(&mut filler, &parts, buckets[shard], key_groups)?;
+                    if !window.apply(&mut filler, &parts, shard, buckets[shard], key_groups)? {
+                        return Ok(false);
+                    }
                 }
-                Ok(())
+                Ok(true)
             };
             let apply = &apply;
             std::thread::scope(|scope| {
                 let others: Vec<_> = (1..threads).map(|t| scope.spawn(move || apply(t * per_thread))).collect();
                 let mut result = apply(0);
                 for other in others {
-                    result = result.and(other.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+                    let theirs = other.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                    result = result.and_then(|mine| Ok(mine & theirs?));
                 }
                 result
             })
         })?;
+        if !in_order {
+            // Some of the chain is in the map, some not: it starts over, file by file, in the
+            // room it made.
+            self.map.clear();
+            return Ok(false);
+        }
         tracing::debug!(
             files = bodies.len(),
             threads,
@@ -166,15 +213,17 @@ struct EntryRef {
 }
 
 impl WindowFill {
-    /// Applies one shard's `parts` (one per file, in the chain's order) to the shard, whose
-    /// table has `buckets` buckets, window by window.
+    /// Applies shard `shard`'s `parts` (one per file, in the chain's order) to the shard, whose
+    /// table has `buckets` buckets, window by window. False, having applied none of them, when
+    /// one of them holds an entry of another shard (a file out of shard order).
     fn apply<K: StateKey, V: StateValue>(
         &mut self,
         filler: &mut map::Filler<'_, '_, K, Slot<V>>,
         parts: &[&[u8]],
+        shard: usize,
         buckets: usize,
         key_groups: (u32, u32),
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let mask = buckets.max(1) - 1;
         let shift = WINDOW_BUCKETS.trailing_zeros();
         self.found.clear();
@@ -189,6 +238,9 @@ impl WindowFill {
                     continue;
                 }
                 let hash = K::decode_then(entry.key, |key| map::hash_of(&key))?;
+                if map::shard_of(hash) != shard {
+                    return Ok(false);
+                }
                 self.windows.push((((hash as usize) & mask) >> shift) as u32);
                 self.found.push(EntryRef { hash, part: index as u32, offset: offset as u32 });
             }
@@ -232,7 +284,7 @@ impl WindowFill {
             };
             K::decode_then(entry.key, |key| filler.apply(at.hash, key, Some(slot)))?;
         }
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -309,20 +361,30 @@ mod tests {
     }
 
     /// A file whose entries are not in shard order (written by another hash, or a set's
-    /// increment) is refused before anything is applied, and so is a set's chain.
+    /// increment) is found out as its entries are taken: the map is emptied again, keeping its
+    /// room, and the chain applied file by file restores what it holds. A set's chain is left
+    /// to the file by file restore before anything is done.
     #[test]
     fn files_out_of_shard_order_and_sets_are_left_to_the_file_by_file_restore() {
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, 0);
         for i in 0..1000i64 {
-            w.put_encoded(key(i).key_group(16), |e| key(i).encode(e), |e| i.encode(e));
+            w.put_encoded(key(i).key_group(16), |e| key(i).encode(e), |e| (i + 7).encode(e));
         }
         let (file, _) = w.finish();
         let (image, live) = growing_chain();
         let files = [image[0].clone(), file];
         let mut s = KeyedState::<i64>::new(16, true, 100);
-        s.reserve_restored_entries(live);
+        s.reserve_restored_entries(live + 1000);
+        let room = s.map.capacity();
         assert!(!s.restore_chain_by_shard(&bodies(&files), (0, 16)).unwrap());
-        assert_eq!(s.cached_len(), 0, "nothing applied");
+        assert_eq!((s.cached_len(), s.map.capacity()), (0, room), "emptied, its room kept");
+        let mut by_file = KeyedState::<i64>::new(16, true, 100);
+        for body in bodies(&files) {
+            s.restore_file(body, (0, 16)).unwrap();
+            by_file.restore_file(body, (0, 16)).unwrap();
+        }
+        assert_eq!(sorted(&s), sorted(&by_file));
+        assert_eq!(s.cached_len(), 120_000, "the first image's keys; the file's are among them");
         let mut set = KeyedState::<()>::new(16, true, 100);
         assert!(!set.restore_chain_by_shard(&bodies(&image), (0, 16)).unwrap());
     }

@@ -323,6 +323,14 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         shard
     }
 
+    /// Removes every entry, keeping each shard's table and its room.
+    pub fn clear(&mut self) {
+        for shard in self.shards.iter_mut() {
+            shard.clear();
+        }
+        self.len = 0;
+    }
+
     /// The buckets of shard `index`'s table (where its keys go: [`storage_order`]).
     pub fn shard_buckets(&self, index: usize) -> usize {
         self.shards[index].num_buckets()
