@@ -104,7 +104,7 @@ impl KeyedContext {
     /// Applies a restored chain of files in memory shard by shard
     /// ([`KeyedState::restore_chain_by_shard`]) when it is worth it and they allow it: two files
     /// or more, of [`CHAIN_BY_SHARD_MIN_BYTES`] or more in all, each listing only puts, into a
-    /// map that reserved room for their keys. Whether it did; if not, nothing changed.
+    /// map that reserved room for their keys. Whether it did; if not, the state is as it was.
     fn restore_chain_by_shard<V: StateValue, K: StateKey>(
         &self,
         state: &mut KeyedState<V, K>,
@@ -123,10 +123,16 @@ impl KeyedContext {
         if bodies.iter().map(|b| b.len()).sum::<usize>() < CHAIN_BY_SHARD_MIN_BYTES {
             return Ok(false);
         }
-        state.restore_chain_by_shard(&bodies, self.key_groups).map_err(|e| match e {
+        state.restore_chain_by_shard(&bodies, self.key_groups).map_err(|e| self.restore_failed(e))
+    }
+
+    /// A restore's failure: a file that does not decode says so; the store's own failures are
+    /// the state's ([`Self::state_failed`]).
+    fn restore_failed(&self, e: StoreError) -> TaskError {
+        match e {
             StoreError::Decode(e) => TaskError::Restore { uid: self.uid.clone(), reason: e.to_string() },
             e => self.state_failed(e),
-        })
+        }
     }
 
     /// Applies one file of a restored chain: from memory, or read back in parts from its local
@@ -141,10 +147,7 @@ impl KeyedContext {
     ) -> Result<(), TaskError> {
         use weir_checkpoint::format::{FileKind, FormatError, PartsError};
         let failed = |reason: String| TaskError::Restore { uid: self.uid.clone(), reason };
-        let store_failed = |e: StoreError| match e {
-            StoreError::Decode(e) => failed(e.to_string()),
-            e => self.state_failed(e),
-        };
+        let store_failed = |e: StoreError| self.restore_failed(e);
         match file {
             KeyedFile::Memory { data, puts_from } => {
                 let (kind, body) = weir_checkpoint::format::open_verified(data).map_err(|e| failed(e.to_string()))?;

@@ -275,13 +275,7 @@ impl WindowFill {
             let Some(raw) = entry.value else {
                 return Err(StoreError::Decode(weir_checkpoint::format::FormatError::Malformed(at.offset as usize)));
             };
-            let slot = Slot {
-                value: V::decode(&mut Decoder::new(raw))?,
-                key_group: entry.key_group,
-                dirty: false,
-                touched: false,
-                stored: false,
-            };
+            let slot = Slot::restored(V::decode(&mut Decoder::new(raw))?, entry.key_group);
             K::decode_then(entry.key, |key| filler.apply(at.hash, key, Some(slot)))?;
         }
         Ok(true)

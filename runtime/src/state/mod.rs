@@ -78,6 +78,13 @@ struct Slot<V> {
     stored: bool,
 }
 
+impl<V> Slot<V> {
+    /// A restored entry's slot: clean (a checkpoint holds it), untouched, not in a store.
+    fn restored(value: V, key_group: u32) -> Self {
+        Slot { value, key_group, dirty: false, touched: false, stored: false }
+    }
+}
+
 /// The `rocksdb` backend's store and the bound of the cache in front of it.
 struct Spill<K> {
     store: StateStore,
@@ -1197,8 +1204,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         for (hash, key_group, key, value) in batch.drain(..) {
             match value {
                 Some(value) => {
-                    let slot = Slot { value, key_group, dirty: false, touched: false, stored: false };
-                    self.map.insert_hashed(hash, key, slot);
+                    self.map.insert_hashed(hash, key, Slot::restored(value, key_group));
                 }
                 None => {
                     self.map.remove_hashed(hash, &key);
@@ -1436,13 +1442,7 @@ fn fill_from_entries<K: StateKey, V: StateValue>(
                 continue;
             }
             let slot = match entry.value {
-                Some(raw) => Some(Slot {
-                    value: V::decode(&mut Decoder::new(raw))?,
-                    key_group: entry.key_group,
-                    dirty: false,
-                    touched: false,
-                    stored: false,
-                }),
+                Some(raw) => Some(Slot::restored(V::decode(&mut Decoder::new(raw))?, entry.key_group)),
                 None => None,
             };
             K::decode_then(entry.key, |key| {
