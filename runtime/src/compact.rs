@@ -609,9 +609,10 @@ pub fn merge(
     let mut upload_all = || -> Result<(StagedFile, Vec<StagedFile>), MergeError> {
         let mut tables = Vec::with_capacity(table_paths.len());
         for (i, (table, first_key)) in table_paths.iter().enumerate() {
-            let (len, crc32c) = weir_checkpoint::local::file_len_and_crc32c(table).map_err(MergeError::WriteImage)?;
+            // A RocksDB table has no seal of its own: it is named by its whole checksum.
+            let digest = weir_checkpoint::local::file_digest(table).map_err(MergeError::WriteImage)?;
             let rel = layout::shared_merged_table(uid, subtask, id, epoch, i);
-            tables.push(upload(table, rel, len, crc32c, Some(first_key))?);
+            tables.push(upload(table, rel, digest.len, digest.crc32c, Some(first_key))?);
         }
         let mut image = upload(&image, layout::shared_merged_file(uid, subtask, id, epoch), len, crc, None)?;
         // The newest entry of each key, deletions left out.
@@ -633,17 +634,11 @@ pub fn merge(
 /// Downloads the chain file `file` (at `path` in storage) to `local` and checks that it is what
 /// the checkpoint lists; its length.
 fn download_verified(storage: &Storage, path: &str, file: &FileRef, local: &Path) -> Result<u64, MergeError> {
-    let (len, crc) = crate::io()
+    let digest = crate::io()
         .block_on(storage.get_to_file(path, local))
         .map_err(|source| MergeError::Download { path: path.to_string(), source: Box::new(source) })?;
-    if (len, crc) != (file.len, file.crc32c) {
-        let reason = format!(
-            "{len} bytes with crc32c {crc:08x}, the checkpoint lists {} bytes with {:08x}",
-            file.len, file.crc32c
-        );
-        return Err(MergeError::Mismatch { path: path.to_string(), reason });
-    }
-    Ok(len)
+    file.check(&digest).map_err(|reason| MergeError::Mismatch { path: path.to_string(), reason })?;
+    Ok(digest.len)
 }
 
 /// Merges the run `request.run` of the chain's increments into one increment and stages it
@@ -878,7 +873,8 @@ mod tests {
                 let pending = PendingFiles::default();
                 let m = merge(&storage, &pending, 1, local.path(), &request, &|| false).unwrap();
                 let bytes = crate::io().block_on(storage.get(&m.file.path)).unwrap();
-                assert_eq!((bytes.len() as u64, crc32c::crc32c(&bytes)), (m.file.len, m.file.crc32c));
+                m.file.listed().check(&weir_checkpoint::FileDigest::of(&bytes)).unwrap();
+                assert_eq!(m.file.crc32c, crc32c::crc32c(&bytes[..bytes.len() - 4]), "sealed by its own checksum");
                 assert_eq!(m.file.path, layout::resolve(&layout::checkpoint_dir(seed * 100 + 20), &m.file.rel));
                 let files: std::collections::BTreeSet<String> =
                     std::iter::once(&m.file).chain(&m.tables).map(|f| f.path.clone()).collect();
@@ -915,7 +911,7 @@ mod tests {
                     for (i, t) in m.tables.iter().enumerate() {
                         let copy = parent.path().join(format!("t{i}"));
                         let got = crate::io().block_on(storage.get_to_file(&t.path, &copy)).unwrap();
-                        assert_eq!(got, (t.len, t.crc32c), "seed {seed}: table {i} as staged");
+                        assert_eq!((got.len, got.crc32c), (t.len, t.crc32c), "seed {seed}: table {i} as staged");
                         copies.push(copy);
                     }
                     store.take_tables(&copies).unwrap();
@@ -1001,7 +997,8 @@ mod tests {
             let m = merge(&storage, &pending, 1, local.path(), &request, &|| false).unwrap();
             assert_eq!(pending.snapshot(), [m.file.path.clone()].into(), "seed {seed}: pending until adopted");
             let merged = crate::io().block_on(storage.get(&m.file.path)).unwrap();
-            assert_eq!((merged.len() as u64, crc32c::crc32c(&merged)), (m.file.len, m.file.crc32c));
+            m.file.listed().check(&weir_checkpoint::FileDigest::of(&merged)).unwrap();
+            assert_eq!(m.file.crc32c, crc32c::crc32c(&merged[..merged.len() - 4]), "sealed by its own checksum");
             if seed == 4 {
                 assert_eq!(m.replaces, 0..chain.len(), "an image of the whole chain");
                 assert_eq!(

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use weir_checkpoint::recovery::{self, Restorable, Verdict};
-use weir_checkpoint::{FileRef, SnapshotKind, Storage, StorageError};
+use weir_checkpoint::{FileDigest, FileRef, SnapshotKind, Storage, StorageError};
 
 /// Why a snapshot could not be restored.
 #[derive(Debug, thiserror::Error)]
@@ -678,18 +678,8 @@ async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Re
         }
         Err(e) => return Err(e.into()),
     };
-    if data.len() as u64 != f.len {
-        return Err(RestoreError::CorruptFile {
-            path: storage.url_of(&path),
-            reason: format!("{} bytes, metadata says {}", data.len(), f.len),
-        });
-    }
-    if crc != f.crc32c {
-        return Err(RestoreError::CorruptFile {
-            path: storage.url_of(&path),
-            reason: format!("crc32c {crc:08x}, metadata says {:08x}", f.crc32c),
-        });
-    }
+    f.check(&FileDigest::from_parts(data.len() as u64, crc, &data))
+        .map_err(|reason| RestoreError::CorruptFile { path: storage.url_of(&path), reason })?;
     Ok(data)
 }
 
@@ -776,25 +766,14 @@ async fn copy_verified(
     let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
     // Deleted by its drop if anything below fails.
     let copy = LocalCopy { path: dir.join(format!("restore-{}-{n}", std::process::id())), len: f.len };
-    let (len, crc) = match storage.get_to_file(&path, &copy.path).await {
+    let digest = match storage.get_to_file(&path, &copy.path).await {
         Ok(got) => got,
         Err(StorageError::NotFound(_)) => {
             return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() })
         }
         Err(e) => return Err(e.into()),
     };
-    if len != f.len {
-        return Err(RestoreError::CorruptFile {
-            path: storage.url_of(&path),
-            reason: format!("{len} bytes, metadata says {}", f.len),
-        });
-    }
-    if crc != f.crc32c {
-        return Err(RestoreError::CorruptFile {
-            path: storage.url_of(&path),
-            reason: format!("crc32c {crc:08x}, metadata says {:08x}", f.crc32c),
-        });
-    }
+    f.check(&digest).map_err(|reason| RestoreError::CorruptFile { path: storage.url_of(&path), reason })?;
     Ok(Arc::new(copy))
 }
 
@@ -1145,9 +1124,9 @@ mod tests {
         for (rel, kind) in [("image.kv", FileKind::KeyedFull), ("increment.kv", FileKind::KeyedIncrement)] {
             let mut w = StateFileWriter::new(kind, 16);
             w.put(1, rel.as_bytes(), b"v");
-            let data = w.finish().0;
+            let (data, seal) = w.finish();
             state_files.push(data.to_vec());
-            chain.push(FileRef::new(rel.into(), data.len() as u64, crc32c::crc32c(&data)));
+            chain.push(FileRef::new(rel.into(), data.len() as u64, seal));
             s.put(&layout::resolve(&dir, rel), data).await.unwrap();
         }
         // More tables than a restore fetches at once: they must come back in their order.
@@ -1233,8 +1212,8 @@ mod tests {
             for k in keys {
                 w.put(1, k.as_bytes(), format!("{rel}:{k}").as_bytes());
             }
-            let data = w.finish().0;
-            chain.push(FileRef::new(rel.into(), data.len() as u64, crc32c::crc32c(&data)));
+            let (data, seal) = w.finish();
+            chain.push(FileRef::new(rel.into(), data.len() as u64, seal));
             crate::io().block_on(s.put(&layout::resolve(&dir, rel), data)).unwrap();
         }
         let found = complete_with_tables(&s, 1, &chain, &[("t0.sst", "a"), ("t1.sst", "d")]);
@@ -1301,8 +1280,8 @@ mod tests {
         let mut image = StateFileWriter::new(FileKind::KeyedFull, 16);
         image.put(1, b"a", b"old");
         for (rel, w) in [("image.kv", image), ("increment.kv", by_key_group), ("older-kind.kv", older_kind)] {
-            let data = w.finish().0;
-            chain.push(FileRef::new(rel.into(), data.len() as u64, crc32c::crc32c(&data)));
+            let (data, seal) = w.finish();
+            chain.push(FileRef::new(rel.into(), data.len() as u64, seal));
             crate::io().block_on(s.put(&layout::resolve(&dir, rel), data)).unwrap();
         }
         let found = complete_with_tables(&s, 2, &chain, &[("t0.sst", "a")]);
@@ -1403,6 +1382,56 @@ mod tests {
         let err = newest_valid(&s, 0, &keyed_in).await.unwrap_err().to_string();
         assert!(err.contains("crc32c") && err.contains("counts-1.wst"), "{err}");
         assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "no partial copy left");
+    }
+
+    /// Another intact state file of the same length in a file's place (a file of another
+    /// checkpoint, of another subtask, or restored from a backup) is not the file the
+    /// checkpoint wrote: the restore refuses it and falls back, whether it reads the file into
+    /// memory or copies it to local disk, from object storage or a filesystem. Checkpoints
+    /// written before files' seals were recorded list the whole file's checksum, the same for
+    /// every intact state file, and still restore.
+    #[tokio::test]
+    async fn another_intact_state_file_in_a_files_place_is_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let local = tempfile::tempdir().unwrap();
+        let storages = [store().1, Storage::open(root.path().to_str().unwrap()).unwrap()];
+        for (s, keyed_in) in storages
+            .iter()
+            .flat_map(|s| [(s, KeyedFilesIn::Memory), (s, KeyedFilesIn::LocalDir(local.path().to_path_buf()))])
+        {
+            keyed_checkpoint(s, 1, 100).await;
+            let file = keyed_checkpoint(s, 2, 100).await;
+            let path = layout::resolve(&layout::checkpoint_dir(2), &file.path);
+            let written = s.get(&path).await.unwrap();
+            let mut other = StateFileWriter::new(FileKind::KeyedFull, 16);
+            for i in 0..100u32 {
+                other.put(i % 8, format!("key-{i}").as_bytes(), &(i + 1).to_le_bytes());
+            }
+            let (other, _) = other.finish();
+            assert_eq!(other.len(), written.len());
+            s.put(&path, other).await.unwrap();
+            let selection = newest_valid(s, 0, &keyed_in).await.unwrap();
+            assert_eq!(selection.restored.as_ref().unwrap().checkpoint_id, 1, "{keyed_in:?}");
+            assert!(selection.reason().contains("another one"), "{}", selection.reason());
+
+            // As a checkpoint written before seals were recorded lists it.
+            let m = recovery::read_metadata(s, &layout::checkpoint_dir(2)).await.unwrap().unwrap();
+            let mut old = m.clone();
+            for op in old.operators.values_mut() {
+                for f in op.subtasks.iter_mut().flat_map(|t| t.keyed_state.iter_mut()) {
+                    f.crc32c = crc32c::crc32c(&written);
+                }
+            }
+            s.put(&layout::resolve(&layout::checkpoint_dir(2), layout::METADATA), old.encode().into()).await.unwrap();
+            s.put(&path, written).await.unwrap();
+            let selection = newest_valid(s, 0, &keyed_in).await.unwrap();
+            assert_eq!(selection.restored.as_ref().unwrap().checkpoint_id, 2, "{keyed_in:?}");
+            for id in [1, 2] {
+                for f in s.list(&layout::checkpoint_dir(id)).await.unwrap() {
+                    s.delete(&f).await.unwrap();
+                }
+            }
+        }
     }
 
     #[tokio::test]

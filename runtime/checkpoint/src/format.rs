@@ -361,7 +361,9 @@ impl StateFileWriter {
         (buf, self.entries)
     }
 
-    /// Seals the file with its checksum; returns the bytes and their CRC-32C.
+    /// Seals the file with its checksum; returns the bytes and that checksum, the file's seal
+    /// (the CRC-32C of everything before it, as a checkpoint lists the file: see
+    /// [`crate::FileRef::check`]).
     pub fn finish(mut self) -> (Bytes, u32) {
         if let Some(entries) = self.by_key_group.take() {
             let ordered = ordered_by_key_group(&self.enc.buf, &entries, true);
@@ -369,7 +371,7 @@ impl StateFileWriter {
         }
         let crc = crc32c::crc32c(&self.enc.buf);
         self.enc.buf.extend_from_slice(&crc.to_le_bytes());
-        (Bytes::from(self.enc.buf), crc32c::crc32c_append(crc, &crc.to_le_bytes()))
+        (Bytes::from(self.enc.buf), crc)
     }
 }
 
@@ -597,7 +599,7 @@ pub fn read_increment_index(
 /// and a range of key groups reads from it alone, as from any increment. Nothing is decoded:
 /// each input's stretch of a key group is copied, verified against its checksum on the way,
 /// and the new index's checksums are combined from the inputs'. Returns `out`, the file's
-/// length and its CRC-32C (of the whole file, as a checkpoint lists it).
+/// length and its seal (the CRC-32C of all but its last four bytes, as a checkpoint lists it).
 pub fn concat_increments<R: std::io::Read + std::io::Seek, W: std::io::Write>(
     inputs: &mut [(R, IncrementIndex)],
     mut out: W,
@@ -662,7 +664,7 @@ pub fn concat_increments<R: std::io::Read + std::io::Seek, W: std::io::Write>(
         }
     }
     out.write_all(&crc.to_le_bytes()).map_err(ConcatError::Write)?;
-    Ok((out, len + 4, crc32c::crc32c_append(crc, &crc.to_le_bytes())))
+    Ok((out, len + 4, crc))
 }
 
 /// Why [`concat_increments`] failed.
@@ -777,13 +779,13 @@ impl<W: std::io::Write> StateFileStream<W> {
         self.entries
     }
 
-    /// Seals the file with its checksum; returns the writer, the file's length and its CRC-32C.
+    /// Seals the file with its checksum; returns the writer, the file's length and its seal
+    /// (as [`StateFileWriter::finish`]).
     pub fn finish(mut self) -> std::io::Result<(W, u64, u32)> {
         self.flush_buf()?;
-        let trailer = self.crc.to_le_bytes();
-        self.out.write_all(&trailer)?;
+        self.out.write_all(&self.crc.to_le_bytes())?;
         self.out.flush()?;
-        Ok((self.out, self.len + 4, crc32c::crc32c_append(self.crc, &trailer)))
+        Ok((self.out, self.len + 4, self.crc))
     }
 }
 
@@ -1013,7 +1015,9 @@ mod tests {
         w.delete(4, b"k2");
         w.put_with(5, b"k3", |e| e.bytes(&vec![7u8; 300]));
         let (bytes, crc) = w.finish();
-        assert_eq!(crc, crc32c::crc32c(&bytes));
+        assert_eq!(crc, crc32c::crc32c(&bytes[..bytes.len() - 4]), "the seal");
+        assert_eq!(crc32c::crc32c(&bytes), crate::metadata::SEALED_RESIDUE);
+        crate::FileRef::new("f".into(), bytes.len() as u64, crc).check(&crate::FileDigest::of(&bytes)).unwrap();
         let (kind, body) = open(&bytes).unwrap();
         assert_eq!(kind, FileKind::KeyedIncrement);
         let entries: Vec<_> = keyed_entries(body).collect::<Result<_, _>>().unwrap();
@@ -1395,7 +1399,7 @@ mod tests {
                 .collect()
         };
         let (out, len, crc) = concat_increments(&mut indexed(&files), Vec::new()).unwrap();
-        assert_eq!((len, crc), (out.len() as u64, crc32c::crc32c(&out)));
+        assert_eq!((len, crc), (out.len() as u64, crc32c::crc32c(&out[..out.len() - 4])));
         // Every entry, each key group's in input order (and within an input, as written).
         let mut expected: Vec<(u32, usize, usize)> = Vec::new();
         for (f, entries) in written.iter().enumerate() {

@@ -15,5 +15,5 @@ pub mod retention;
 pub mod spare;
 pub mod store;
 
-pub use metadata::{CheckpointMetadata, FileRef, OperatorSnapshot, SnapshotKind, SubtaskSnapshot};
+pub use metadata::{CheckpointMetadata, FileDigest, FileRef, OperatorSnapshot, SnapshotKind, SubtaskSnapshot};
 pub use store::{Storage, StorageError};

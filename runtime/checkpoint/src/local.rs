@@ -84,21 +84,19 @@ fn write_direct(mut file: &File, data: &[u8]) -> std::io::Result<()> {
     })
 }
 
-/// The length and CRC-32C of a local file, read in 1 MiB parts.
-pub fn file_len_and_crc32c(path: &Path) -> std::io::Result<(u64, u32)> {
+/// The digest (length, CRC-32C, last bytes) of a local file, read in 1 MiB parts.
+pub fn file_digest(path: &Path) -> std::io::Result<crate::FileDigest> {
     use std::io::Read;
     let mut file = File::open(path)?;
     let mut buf = vec![0u8; 1 << 20];
-    let (mut len, mut crc) = (0u64, 0u32);
+    let mut digest = crate::FileDigest::default();
     loop {
-        let n = match file.read(&mut buf) {
-            Ok(0) => return Ok((len, crc)),
-            Ok(n) => n,
+        match file.read(&mut buf) {
+            Ok(0) => return Ok(digest),
+            Ok(n) => digest.update(&buf[..n]),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
-        };
-        crc = crc32c::crc32c_append(crc, &buf[..n]);
-        len += n as u64;
+        }
     }
 }
 
@@ -234,6 +232,6 @@ mod tests {
         let path = dir.path().join("f");
         let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
         std::fs::write(&path, &data).unwrap();
-        assert_eq!(super::file_len_and_crc32c(&path).unwrap(), (data.len() as u64, crc32c::crc32c(&data)));
+        assert_eq!(super::file_digest(&path).unwrap(), crate::FileDigest::of(&data));
     }
 }

@@ -28,7 +28,11 @@ pub struct FileRef {
     pub path: String,
     /// Length in bytes.
     pub len: u64,
-    /// CRC-32C of the whole file.
+    /// The file's checksum: for a state file sealed by its own CRC-32C (the `WST1` format of
+    /// [`crate::format`]) that CRC, its last four bytes, which differs from file to file; for
+    /// any other file (RocksDB tables) the CRC-32C of the whole file. Checkpoints written
+    /// before state files recorded their seal hold the whole sealed file's CRC-32C there,
+    /// which is [`SEALED_RESIDUE`] for every such file (see [`FileRef::check`]).
     pub crc32c: u32,
     /// A table file's first store key, in hex (tables of `store_tables` only). The first keys
     /// say which table holds a key before any table is fetched, so that a restore onto the
@@ -65,6 +69,31 @@ impl FileRef {
         self
     }
 
+    /// Whether `found`, what a read of the whole file found, is the file this refers to:
+    /// `Err` says how it differs.
+    ///
+    /// A file sealed by its own checksum is this one when it is intact (its whole CRC-32C is
+    /// [`SEALED_RESIDUE`]) and its seal is the recorded checksum; any other file when its whole
+    /// CRC-32C is. A reference written before seals were recorded holds the residue itself,
+    /// and is satisfied by any intact sealed file of its length, as it always was.
+    pub fn check(&self, found: &FileDigest) -> Result<(), String> {
+        if found.len != self.len {
+            return Err(format!("{} bytes, metadata says {}", found.len, self.len));
+        }
+        if found.crc32c == self.crc32c {
+            return Ok(());
+        }
+        let seal = u32::from_le_bytes(found.tail);
+        match found.crc32c == SEALED_RESIDUE {
+            true if seal == self.crc32c => Ok(()),
+            true => Err(format!(
+                "an intact state file, but another one: sealed by crc32c {seal:08x}, metadata says {:08x}",
+                self.crc32c
+            )),
+            false => Err(format!("crc32c {:08x}, metadata says {:08x} (damaged)", found.crc32c, self.crc32c)),
+        }
+    }
+
     /// The table file's first store key, when the reference has one that is valid hex.
     pub fn first_key_bytes(&self) -> Option<Vec<u8>> {
         let hex = self.first_key.as_deref()?;
@@ -72,6 +101,48 @@ impl FileRef {
             return None;
         }
         (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok()).collect()
+    }
+}
+
+/// The CRC-32C of any bytes followed by their own CRC-32C (little-endian): a state file that
+/// is intact has it, whatever it holds.
+pub const SEALED_RESIDUE: u32 = 0x4867_4bc7;
+
+/// What a read of a whole file found: its length, its CRC-32C and its last four bytes (the
+/// seal of a state file), to [`FileRef::check`] against the reference that names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct FileDigest {
+    /// Bytes read.
+    pub len: u64,
+    /// CRC-32C of all of them.
+    pub crc32c: u32,
+    /// The last four (fewer in a shorter file, zero-padded at the front).
+    pub tail: [u8; 4],
+}
+
+impl FileDigest {
+    /// The digest of `bytes`.
+    pub fn of(bytes: &[u8]) -> Self {
+        let mut digest = FileDigest::default();
+        digest.update(bytes);
+        digest
+    }
+
+    /// The digest of bytes `(crc32c, len)` describe whose last bytes are `last`.
+    pub fn from_parts(len: u64, crc32c: u32, last: &[u8]) -> Self {
+        let mut tail = [0u8; 4];
+        let n = last.len().min(4);
+        tail[4 - n..].copy_from_slice(&last[last.len() - n..]);
+        FileDigest { len, crc32c, tail }
+    }
+
+    /// Takes the next bytes of the file.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.crc32c = crc32c::crc32c_append(self.crc32c, bytes);
+        self.len += bytes.len() as u64;
+        let n = bytes.len().min(4);
+        self.tail.rotate_left(n);
+        self.tail[4 - n..].copy_from_slice(&bytes[bytes.len() - n..]);
     }
 }
 
@@ -320,5 +391,67 @@ mod tests {
         let mut m = sample();
         m.format_version = FORMAT_VERSION + 1;
         assert_eq!(CheckpointMetadata::decode(&m.encode()), Err(MetadataError::UnsupportedVersion(FORMAT_VERSION + 1)));
+    }
+
+    fn sealed(values: &[u8]) -> (Vec<u8>, FileRef) {
+        let mut w = crate::format::StateFileWriter::new(crate::format::FileKind::KeyedFull, 64);
+        for (i, v) in values.iter().enumerate() {
+            w.put(i as u32, &[i as u8], &[*v]);
+        }
+        let (bytes, seal) = w.finish();
+        let reference = FileRef::new("0-1-1.kv".into(), bytes.len() as u64, seal);
+        (bytes.to_vec(), reference)
+    }
+
+    #[test]
+    fn a_reference_names_one_state_file_not_any_intact_one() {
+        let (a, a_ref) = sealed(&[1, 2, 3]);
+        let (b, b_ref) = sealed(&[1, 2, 4]);
+        assert_eq!(a.len(), b.len());
+        assert_ne!(a_ref.crc32c, b_ref.crc32c, "files that differ are sealed differently");
+        a_ref.check(&FileDigest::of(&a)).unwrap();
+        b_ref.check(&FileDigest::of(&b)).unwrap();
+        // Both intact, of the same length: only the seal tells them apart.
+        let other = a_ref.check(&FileDigest::of(&b)).unwrap_err();
+        assert!(other.contains("another one"), "{other}");
+        let mut damaged = a.clone();
+        damaged[6] ^= 1;
+        let why = a_ref.check(&FileDigest::of(&damaged)).unwrap_err();
+        assert!(why.contains("damaged"), "{why}");
+        let why = a_ref.check(&FileDigest::of(&a[..a.len() - 1])).unwrap_err();
+        assert!(why.contains("metadata says"), "{why}");
+        // A checkpoint written before seals were recorded lists the residue: any intact state
+        // file of the length passes, as it did, and a damaged one still fails.
+        let old = FileRef::new(a_ref.path.clone(), a_ref.len, SEALED_RESIDUE);
+        old.check(&FileDigest::of(&a)).unwrap();
+        old.check(&FileDigest::of(&b)).unwrap();
+        assert!(old.check(&FileDigest::of(&damaged)).is_err());
+    }
+
+    #[test]
+    fn a_file_without_a_seal_is_named_by_its_whole_checksum() {
+        let table = b"not a state file: a rocksdb table".to_vec();
+        let reference = FileRef::new("t.sst".into(), table.len() as u64, crc32c::crc32c(&table));
+        reference.check(&FileDigest::of(&table)).unwrap();
+        let mut changed = table.clone();
+        changed[0] ^= 1;
+        assert!(reference.check(&FileDigest::of(&changed)).is_err());
+    }
+
+    #[test]
+    fn a_digest_taken_piece_by_piece_is_the_whole_files() {
+        let (file, _) = sealed(&(0..200).map(|i| i as u8).collect::<Vec<_>>());
+        let whole = FileDigest::of(&file);
+        assert_eq!(whole.tail, file[file.len() - 4..]);
+        for piece in [1, 2, 3, 5, 64, file.len()] {
+            let mut digest = FileDigest::default();
+            for chunk in file.chunks(piece) {
+                digest.update(chunk);
+                digest.update(&[]);
+            }
+            assert_eq!(digest, whole, "pieces of {piece}");
+        }
+        assert_eq!(FileDigest::from_parts(whole.len, whole.crc32c, &file), whole);
+        assert_eq!(FileDigest::of(b"ab").tail, [0, 0, b'a', b'b']);
     }
 }

@@ -487,34 +487,34 @@ impl Storage {
     }
 
     /// Copies an object into the local file `local` (created or truncated), streamed: the
-    /// object may be larger than memory. Returns its length and CRC-32C, computed on the way.
+    /// object may be larger than memory. Returns its digest (length, CRC-32C, last bytes),
+    /// computed on the way.
     ///
     /// On a local filesystem the object is hard-linked instead when it can be (same filesystem),
     /// and only read to compute its checksum: a copy would write every byte again. Deleting
     /// `local` later deletes the link, never the object.
-    pub async fn get_to_file(&self, rel: &str, local: &std::path::Path) -> Result<(u64, u32), StorageError> {
+    pub async fn get_to_file(&self, rel: &str, local: &std::path::Path) -> Result<crate::FileDigest, StorageError> {
         use futures::StreamExt;
         use std::io::Write;
         if let Some(root) = &self.local {
             let object = root.join(self.full(rel).as_ref());
             let _ = std::fs::remove_file(local);
             if std::fs::hard_link(&object, local).is_ok() {
-                return crate::local::file_len_and_crc32c(local).map_err(local_io("read", rel));
+                return crate::local::file_digest(local).map_err(local_io("read", rel));
             }
         }
         let res = self.store.get(&self.full(rel)).await.map_err(io("get", rel))?;
         // Synced as it goes: a copy may be larger than the process's memory limit.
         let mut out = crate::local::SyncedWriter::create(local).map_err(local_io("create", rel))?;
-        let (mut len, mut crc) = (0u64, 0u32);
+        let mut digest = crate::FileDigest::default();
         let mut chunks = res.into_stream();
         while let Some(chunk) = chunks.next().await {
             let chunk = chunk.map_err(io("read", rel))?;
-            crc = crc32c::crc32c_append(crc, &chunk);
-            len += chunk.len() as u64;
+            digest.update(&chunk);
             out.write_all(&chunk).map_err(local_io("write", rel))?;
         }
         out.flush().map_err(local_io("write", rel))?;
-        Ok((len, crc))
+        Ok(digest)
     }
 
     /// Size of an object, or `None` when it does not exist.
@@ -677,8 +677,7 @@ mod tests {
             s.put("chk-1/state", Bytes::from(data.clone())).await.unwrap();
             let local = work.path().join("copy");
             std::fs::write(&local, b"stale").unwrap();
-            let (len, crc) = s.get_to_file("chk-1/state", &local).await.unwrap();
-            assert_eq!((len, crc), (data.len() as u64, crc32c::crc32c(&data)));
+            assert_eq!(s.get_to_file("chk-1/state", &local).await.unwrap(), crate::FileDigest::of(&data));
             assert_eq!(std::fs::read(&local).unwrap(), data);
             std::fs::remove_file(&local).unwrap();
             assert_eq!(s.get("chk-1/state").await.unwrap(), data);
@@ -781,8 +780,7 @@ mod tests {
         s.put_file(name, &local).await.unwrap();
         std::fs::remove_file(&local).unwrap();
         assert_eq!(&s.get(name).await.unwrap()[..], b"put_file");
-        let (len, crc) = s.get_to_file(name, &local).await.unwrap();
-        assert_eq!((len, crc), (8, crc32c::crc32c(b"put_file")));
+        assert_eq!(s.get_to_file(name, &local).await.unwrap(), crate::FileDigest::of(b"put_file"));
         assert_eq!(s.list("out").await.unwrap(), vec![name.to_string()], "one object, not two");
         assert_eq!(s.list_dirs("out").await.unwrap(), vec!["we~ird 100%#1x".to_string()]);
         s.delete(name).await.unwrap();
