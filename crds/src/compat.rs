@@ -61,16 +61,37 @@ pub fn max_parallelism_conflict(held: u32, max_parallelism: u32) -> Option<Strin
     })
 }
 
-/// What the state of `job`'s operator `uid` holds ([`state_layout`]); `None` when the job has
-/// no stateful operator of that uid.
+/// Where a keyed operator's layout says how many fields key its state: `aggregate[count]/key[2]`.
+const KEY_PART: &str = "/key[";
+
+/// What the state of `job`'s operator `uid` holds ([`state_layout`]), and for a keyed operator
+/// how many fields key it (`aggregate[count]/key[2]`): a key of two values is found under
+/// another hash, in another key group, than a key of one, so a snapshot's keys are none of
+/// the job's once the keyBy's arity changed. `None` when the job has no stateful operator of
+/// that uid.
 pub fn state_layout_of(job: &ValidatedJob, uid: &str) -> Option<String> {
-    job.nodes.iter().filter(|n| n.uid.as_deref() == Some(uid)).find_map(|n| state_layout(&n.kind))
+    let node = job.nodes.iter().find(|n| n.uid.as_deref() == Some(uid) && state_layout(&n.kind).is_some())?;
+    let layout = state_layout(&node.kind)?;
+    Some(match node.key.len() {
+        0 => layout,
+        fields => format!("{layout}{KEY_PART}{fields}]"),
+    })
+}
+
+/// A layout's parts: what the state holds, and the number of key fields when recorded
+/// (layouts written before it was are the first part alone).
+fn layout_parts(layout: &str) -> (&str, Option<&str>) {
+    match layout.split_once(KEY_PART) {
+        Some((holds, key)) => (holds, Some(key.trim_end_matches(']'))),
+        None => (layout, None),
+    }
 }
 
 /// Why `job` cannot restore a snapshot holding state of the uids of `held` (each with the
 /// layout the snapshot recorded for it, `None` in snapshots written before layouts were
 /// recorded, which are not compared): an operator of a restored uid whose state holds
-/// something else, or state of a uid the job no longer has (unless `allow_non_restored_state`).
+/// something else or is keyed by another number of fields (compared when the snapshot
+/// recorded it), or state of a uid the job no longer has (unless `allow_non_restored_state`).
 /// `Ok` lists the uids whose state is dropped (allowed).
 pub fn restore_conflict(
     job: &ValidatedJob,
@@ -83,12 +104,24 @@ pub fn restore_conflict(
             dropped.push(uid.clone());
             continue;
         };
-        if let Some(held) = layout.as_ref().filter(|held| **held != wanted) {
+        let Some(held) = layout else { continue };
+        let ((held, held_key), (wanted, wanted_key)) = (layout_parts(held), layout_parts(&wanted));
+        if held != wanted {
             return Err(format!(
                 "operator uid `{uid}` holds {held} state in the snapshot and is {wanted} in the job, which \
                  cannot read it; keep its kind and aggregates, or give the changed operator a new uid \
                  (it then starts empty; allowNonRestoredState drops the old uid's state)"
             ));
+        }
+        if let (Some(held_key), Some(wanted_key)) = (held_key, wanted_key) {
+            if held_key != wanted_key {
+                return Err(format!(
+                    "operator uid `{uid}` holds state keyed by {held_key} field(s) in the snapshot and is keyed \
+                     by {wanted_key} in the job, whose keys would find none of it (a key of other values \
+                     falls in another key group); keep the keyBy's fields, or give the changed operator a \
+                     new uid (it then starts empty; allowNonRestoredState drops the old uid's state)"
+                ));
+            }
         }
     }
     if !dropped.is_empty() && !allow_non_restored_state {
@@ -107,6 +140,11 @@ mod tests {
     use crate::JobSpec;
 
     fn job(aggregates: &str) -> ValidatedJob {
+        job_keyed_by(aggregates, "word")
+    }
+
+    /// The job, its keyed operators keyed by `key` (fields of the words: `word`, `ts`).
+    fn job_keyed_by(aggregates: &str, key: &str) -> ValidatedJob {
         let yaml = format!(
             r#"
 name: layouts
@@ -119,18 +157,18 @@ sources:
 operators:
   - {{ name: words, flatMap: {{ split: {{ field: line, into: word }} }} }}
   - {{ name: kept, input: words, filter: {{ expr: "true" }} }}
-  - {{ name: by-word, input: kept, keyBy: {{ fields: [word] }} }}
+  - {{ name: by-word, input: kept, keyBy: {{ fields: [{key}] }} }}
   - name: counts
     uid: counts
     aggregate: {{ aggregates: [ {aggregates} ] }}
-  - {{ name: by-word-2, input: kept, keyBy: {{ fields: [word] }} }}
+  - {{ name: by-word-2, input: kept, keyBy: {{ fields: [{key}] }} }}
   - name: windows
     uid: windows
     window:
       type: tumbling
       size: 1s
       aggregates: [ {{ fn: min, field: ts, as: lo }}, {{ fn: max, field: ts, as: hi }} ]
-  - {{ name: by-word-3, input: kept, keyBy: {{ fields: [word] }} }}
+  - {{ name: by-word-3, input: kept, keyBy: {{ fields: [{key}] }} }}
   - {{ name: unique, uid: unique, dedupe: {{}} }}
 sinks:
   - {{ name: out, input: counts, uid: out, file: {{ path: /tmp/x }} }}
@@ -157,7 +195,9 @@ sinks:
         for node in &job.nodes {
             assert_eq!(state_layout(&node.kind).is_some(), node.kind.is_stateful(), "{}", node.name);
         }
-        assert_eq!(state_layout_of(&job, "counts").as_deref(), Some("aggregate[count,sum,avg]"));
+        assert_eq!(state_layout_of(&job, "counts").as_deref(), Some("aggregate[count,sum,avg]/key[1]"));
+        assert_eq!(state_layout_of(&job, "unique").as_deref(), Some("dedupe/key[1]"));
+        assert_eq!(state_layout_of(&job, "lines").as_deref(), Some("generator"));
         assert_eq!(state_layout_of(&job, "gone"), None);
     }
 
@@ -192,5 +232,34 @@ sinks:
         let err = restore_conflict(&job(THREE), &more, false).unwrap_err();
         assert!(err.contains("uid(s) gone that the job no longer has"), "{err}");
         assert_eq!(restore_conflict(&job(THREE), &more, true), Ok(vec!["gone".to_string()]));
+    }
+
+    /// A keyBy of another number of fields is a conflict (its keys hash elsewhere), named as
+    /// such; a snapshot that did not record its key fields is compared by what it holds only.
+    #[test]
+    fn a_keys_arity_changed_is_a_conflict_when_recorded() {
+        let held: BTreeMap<String, Option<String>> = job(THREE)
+            .nodes
+            .iter()
+            .filter_map(|n| Some((n.uid.clone()?, state_layout_of(&job(THREE), n.uid.as_deref()?))))
+            .collect();
+        assert_eq!(restore_conflict(&job(THREE), &held, false), Ok(vec![]));
+        let rekeyed = job_keyed_by(THREE, "word, ts");
+        assert_eq!(state_layout_of(&rekeyed, "counts").as_deref(), Some("aggregate[count,sum,avg]/key[2]"));
+        let err = restore_conflict(&rekeyed, &held, false).unwrap_err();
+        assert!(
+            err.starts_with("operator uid `counts` holds state keyed by 1 field(s) in the snapshot and is keyed by 2"),
+            "{err}"
+        );
+        assert!(restore_conflict(&rekeyed, &held, true).is_err(), "allowed or not");
+        // Written before key fields were recorded: what it holds is still compared.
+        let old: BTreeMap<String, Option<String>> =
+            job(THREE).nodes.iter().filter_map(|n| Some((n.uid.clone()?, state_layout(&n.kind)))).collect();
+        assert_eq!(restore_conflict(&rekeyed, &old, false), Ok(vec![]));
+        let err = restore_conflict(&job_keyed_by("{ fn: count, as: n }", "word, ts"), &old, false).unwrap_err();
+        assert!(
+            err.contains("holds aggregate[count,sum,avg] state in the snapshot and is aggregate[count] in"),
+            "{err}"
+        );
     }
 }

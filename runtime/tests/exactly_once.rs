@@ -575,8 +575,8 @@ fn restoring_a_changed_max_parallelism_is_refused() {
 
 /// An operator whose aggregates changed cannot read its old state: refused once, before
 /// anything runs, naming the uid and both layouts (it used to fail reading the state, three
-/// times, as a malformed file). Its fields and output names may change; so may its uid, which
-/// starts it empty.
+/// times, as a malformed file); so is one keyed by another number of fields. Its fields and
+/// output names may change; so may its uid, which starts it empty.
 #[test]
 fn restoring_changed_aggregates_is_refused_naming_the_operator() {
     let (p, _d, out, chk) = finished_small_job("aggchange");
@@ -600,6 +600,22 @@ fn restoring_changed_aggregates_is_refused_naming_the_operator() {
     let as_a_sum = yaml.replace(count, "aggregate: { aggregates: [ { fn: sum, field: amount, as: n } ] }");
     let err = InProcess::start(&as_a_sum, RunOptionsExt::restore_latest(opts(&chk))).join().0.unwrap_err().to_string();
     assert!(err.contains("holds aggregate[count] state in the snapshot and is aggregate[sum]"), "{err}");
+
+    // Keyed by two fields, its keys hash into other key groups and would find none of the
+    // snapshot's: refused the same way (it used to restore and count every user from zero).
+    let by_user = "keyBy: { fields: [user] }";
+    assert!(yaml.contains(by_user), "{yaml}");
+    let rekeyed = yaml.replace(by_user, "keyBy: { fields: [user, word] }");
+    let (r, m) = InProcess::start(&rekeyed, RunOptionsExt::restore_latest(opts(&chk))).join();
+    let err = r.unwrap_err().to_string();
+    assert!(
+        err.contains("operator uid `user-counts` holds state keyed by 1 field(s) in the snapshot and is keyed by 2"),
+        "{err}"
+    );
+    assert_eq!(m.restarts.get(), 0, "refused, not retried: {err}");
+    let other_field = yaml.replace(by_user, "keyBy: { fields: [word] }");
+    let (outcome, _) = run_to_end(&other_field, RunOptionsExt::restore_latest(opts(&chk)));
+    assert_eq!(outcome, JobOutcome::Finished, "a key of as many fields restores (the user's choice)");
 
     let renamed = yaml.replace(count, "aggregate: { aggregates: [ { fn: count, as: total } ] }");
     let (outcome, _) = run_to_end(&renamed, RunOptionsExt::restore_latest(opts(&chk)));
