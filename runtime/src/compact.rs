@@ -1022,31 +1022,39 @@ mod tests {
         }
     }
 
-    /// A chain file that is not what its checkpoint lists (damaged in storage) fails the merge,
-    /// naming the file; nothing is staged.
+    /// A chain file that is not what its checkpoint lists (damaged in storage, or another
+    /// intact state file of its length in its place) fails the merge, naming the file; nothing
+    /// is staged.
     #[test]
-    fn a_damaged_chain_file_fails_the_merge_and_stages_nothing() {
+    fn a_damaged_or_other_chain_file_fails_the_merge_and_stages_nothing() {
         let (_root, storage, local) = storage_and_scratch();
-        let mut w = StateFileWriter::new(FileKind::KeyedFull, 64);
-        w.put(1, b"k", b"v");
-        let (data, crc32c) = w.finish();
-        let rel = layout::shared_keyed_file("op", 0, 1, 1);
+        let file = |value: &[u8]| {
+            let mut w = StateFileWriter::new(FileKind::KeyedFull, 64);
+            w.put(1, b"k", value);
+            w.finish()
+        };
+        let (data, crc32c) = file(b"v");
+        let (other, _) = file(b"w");
         let mut damaged = data.to_vec();
         damaged[6] ^= 1;
-        crate::io().block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(1), &rel), damaged.into())).unwrap();
-        let request = MergeRequest {
-            uid: "op".into(),
-            subtask: 0,
-            checkpoint_id: 1,
-            chain: vec![FileRef::new(rel, data.len() as u64, crc32c)],
-            run: 0..1,
-            store_tables: false,
-        };
-        let pending = PendingFiles::default();
-        let err = merge(&storage, &pending, 1, local.path(), &request, &|| false).unwrap_err();
-        assert!(matches!(&err, MergeError::Mismatch { path, .. } if path.ends_with("0-1-1.kv")), "{err}");
-        assert!(staged_files(&storage).is_empty(), "{:?}", staged_files(&storage));
-        assert!(pending.snapshot().is_empty());
+        let rel = layout::shared_keyed_file("op", 0, 1, 1);
+        for (found, why) in [(damaged.into(), "damaged"), (other, "another one")] {
+            crate::io().block_on(storage.put(&layout::resolve(&layout::checkpoint_dir(1), &rel), found)).unwrap();
+            let request = MergeRequest {
+                uid: "op".into(),
+                subtask: 0,
+                checkpoint_id: 1,
+                chain: vec![FileRef::new(rel.clone(), data.len() as u64, crc32c)],
+                run: 0..1,
+                store_tables: false,
+            };
+            let pending = PendingFiles::default();
+            let err = merge(&storage, &pending, 1, local.path(), &request, &|| false).unwrap_err();
+            let MergeError::Mismatch { path, reason } = &err else { panic!("{err}") };
+            assert!(path.ends_with("0-1-1.kv") && reason.contains(why), "{err}");
+            assert!(staged_files(&storage).is_empty(), "{:?}", staged_files(&storage));
+            assert!(pending.snapshot().is_empty());
+        }
     }
 
     /// One full image of `entries` keys under `uid`, uploaded as checkpoint 1's file.
