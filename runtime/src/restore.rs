@@ -1417,6 +1417,7 @@ mod tests {
             // As a checkpoint written before seals were recorded lists it.
             let m = recovery::read_metadata(s, &layout::checkpoint_dir(2)).await.unwrap().unwrap();
             let mut old = m.clone();
+            old.format_version = 1;
             for op in old.operators.values_mut() {
                 for f in op.subtasks.iter_mut().flat_map(|t| t.keyed_state.iter_mut()) {
                     f.crc32c = crc32c::crc32c(&written);

@@ -7,8 +7,12 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-/// Current metadata format version.
-pub const FORMAT_VERSION: u32 = 1;
+/// Current metadata format version. 2: a state file's [`FileRef::crc32c`] is its seal (the
+/// CRC-32C it ends with); 1 held the whole file's CRC-32C, the same for every state file. A
+/// Weir that reads only version 1 refuses version 2 at its metadata, before it reads a file
+/// (where it would have found every state file's checksum wrong and recorded them damaged).
+/// Version 1 is still read.
+pub const FORMAT_VERSION: u32 = 2;
 const MAGIC: &str = "weir-checkpoint";
 
 /// Checkpoint or savepoint.
@@ -391,6 +395,9 @@ mod tests {
         let mut m = sample();
         m.format_version = FORMAT_VERSION + 1;
         assert_eq!(CheckpointMetadata::decode(&m.encode()), Err(MetadataError::UnsupportedVersion(FORMAT_VERSION + 1)));
+        // Version 1 (whole files' checksums) is still read.
+        m.format_version = 1;
+        assert_eq!(CheckpointMetadata::decode(&m.encode()), Ok(m.clone()));
     }
 
     fn sealed(values: &[u8]) -> (Vec<u8>, FileRef) {
