@@ -65,23 +65,30 @@ fn share_of(entries: u64) -> u64 {
     share + share / 16
 }
 
+/// The capacity each shard of a map that restores `entries` reserves
+/// ([`ShardedMap::reserve_prefaulted`]): its share, with a margin.
+fn restored_capacity(entries: u64) -> u64 {
+    share_of(entries)
+}
+
 /// The capacity shard `index` needs to hold `entries` below its growth point ([`grows_at`]).
 fn capacity_for(index: usize, entries: u64) -> u64 {
     entries * 4 * SHARDS as u64 / (3 * SHARDS + index + 1) as u64 + 1
 }
 
-/// The order in which an empty map that reserved `entries` ([`ShardedMap::reserve`], as a
-/// restore does) holds each key: [`storage_order`] with each shard's buckets. A merged image
-/// lists its entries in this order, so that a restore fills each shard front to back.
+/// The order in which an empty map that reserved `entries` for a restore
+/// ([`ShardedMap::reserve_prefaulted`]) holds each key: [`storage_order`] with each shard's
+/// buckets. A merged image lists its entries in this order, so that a restore fills each shard
+/// front to back.
 pub struct RestoreOrder {
     buckets: [u64; SHARDS],
 }
 
 impl RestoreOrder {
-    /// The order of a map that reserved `entries`.
+    /// The order of a map that reserved `entries` for a restore.
     pub fn for_entries(entries: u64) -> Self {
-        let share = share_of(entries);
-        RestoreOrder { buckets: std::array::from_fn(|index| super::heap_buckets(capacity_for(index, share))) }
+        let buckets = super::heap_buckets(restored_capacity(entries));
+        RestoreOrder { buckets: [buckets; SHARDS] }
     }
 
     /// Where the map holds a key of `hash`.
@@ -314,6 +321,22 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         }
     }
 
+    /// Inserts or replaces a restored entry whose [`hash_of`] the caller computed; the value
+    /// it replaced. Its shard grows only when full, not at its growth point ([`grows_at`]):
+    /// see [`Self::reserve_prefaulted`].
+    #[inline]
+    pub fn insert_restored_hashed(&mut self, hash: u64, key: K, value: V) -> Option<V> {
+        debug_assert_eq!(hash, hash_of(&key), "the hash given is the key's");
+        match self.shards[shard_of(hash)].entry(hash, |(k, _)| *k == key, |(k, _)| hash_of(k)) {
+            hash_table::Entry::Occupied(mut o) => Some(std::mem::replace(&mut o.get_mut().1, value)),
+            hash_table::Entry::Vacant(v) => {
+                v.insert((key, value));
+                self.len += 1;
+                None
+            }
+        }
+    }
+
     /// The shard of `hash` (of `shards`, this map's), grown first if an insert would take it past [`grows_at`].
     #[inline(always)]
     fn shard_to_insert_into(shards: &mut [HashTable<(K, V)>], hash: u64) -> &mut HashTable<(K, V)> {
@@ -384,10 +407,23 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         }
     }
 
-    /// [`Self::reserve`] for a restore about to fill the map: the tables it allocates are
-    /// faulted in first, on every core ([`crate::malloc::populate`]).
+    /// Makes room for `additional` more entries about to be restored: each shard its share
+    /// and a sixteenth ([`restored_capacity`]), in tables faulted in first, on every core
+    /// ([`crate::malloc::populate`]). A restore fills them through [`Self::fill_concurrently`]
+    /// or [`Self::insert_restored_hashed`], which grow a shard only when it is full; the shards
+    /// whose growth points ([`grows_at`]) fall below what they hold then grow at their next
+    /// insert of a new key, one by one as new keys come. Reserved below every shard's growth
+    /// point instead ([`Self::reserve`]), 90M keys took 8.2 GB of tables (a power of two of
+    /// buckets more for the first 15 shards) and restored in 2.9–3.8 s; reserved their share,
+    /// 6.6 GB and 2.0–2.1 s (`runtime/BENCHMARKS.md`, session 38).
     pub fn reserve_prefaulted(&mut self, additional: usize) {
-        let blocks = crate::malloc::record_tables(|| self.reserve(additional));
+        let capacity = restored_capacity(additional as u64) as usize;
+        let reserve = || {
+            for shard in self.shards.iter_mut() {
+                shard.reserve(capacity.saturating_sub(shard.len()), |(k, _)| hash_of(k));
+            }
+        };
+        let blocks = crate::malloc::record_tables(reserve);
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         crate::malloc::populate(&blocks, cores.min(MAX_POPULATING_THREADS));
     }
@@ -420,8 +456,8 @@ fn grow_if_due<K: Hash, V>(table: &mut HashTable<(K, V)>, index: usize) {
 /// A shard of a [`ConcurrentFill`]'s map.
 type ShardRef<'m, K, V> = &'m mut HashTable<(K, V)>;
 
-/// A [`ShardedMap`] that several threads change at once, each shard behind a lock
-/// ([`ShardedMap::fill_concurrently`]).
+/// A [`ShardedMap`] that several threads fill at once for a restore, each shard behind a lock
+/// ([`ShardedMap::fill_concurrently`]); its shards grow only when full.
 pub struct ConcurrentFill<'m, K, V> {
     shards: Box<[std::sync::Mutex<ShardRef<'m, K, V>>]>,
 }
@@ -454,7 +490,7 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
     pub fn try_apply(&mut self, hash: u64, key: K, value: Option<V>) -> Result<(), (u64, K, Option<V>)> {
         match self.shard(shard_of(hash), false) {
             Some(table) => {
-                let layout = change(table, shard_of(hash), hash, key, value);
+                let layout = change(table, hash, key, value);
                 self.layout = layout.or(self.layout);
                 Ok(())
             }
@@ -465,7 +501,7 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
     /// [`Self::try_apply`], waiting for the shard's lock.
     pub fn apply(&mut self, hash: u64, key: K, value: Option<V>) {
         if let Some(table) = self.shard(shard_of(hash), true) {
-            let layout = change(table, shard_of(hash), hash, key, value);
+            let layout = change(table, hash, key, value);
             self.layout = layout.or(self.layout);
         }
     }
@@ -509,14 +545,13 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
     }
 }
 
-/// Inserts or replaces (`Some`) or removes (`None`) a key in shard `index`'s `table`, which
-/// grows at its own point ([`grows_at`]) as [`ShardedMap`]'s shards do. After a put into a
-/// missing key's bucket, where the table (grown or not) keeps its control bytes and how many
-/// buckets it has (hashbrown keeps bucket `i` `i + 1` entries below the control bytes).
+/// Inserts or replaces (`Some`) or removes (`None`) a key in a restore's `table`, which grows
+/// only when full (see [`ShardedMap::reserve_prefaulted`]). After a put into a missing key's
+/// bucket, where the table (grown or not) keeps its control bytes and how many buckets it has
+/// (hashbrown keeps bucket `i` `i + 1` entries below the control bytes).
 #[inline(always)]
 fn change<K: Hash + Eq, V>(
     table: &mut HashTable<(K, V)>,
-    index: usize,
     hash: u64,
     key: K,
     value: Option<V>,
@@ -527,7 +562,6 @@ fn change<K: Hash + Eq, V>(
         }
         return None;
     };
-    grow_if_due(table, index);
     let put = match table.entry(hash, |(k, _)| *k == key, |(k, _)| hash_of(k)) {
         hash_table::Entry::Occupied(mut o) => {
             o.get_mut().1 = value;
@@ -542,6 +576,42 @@ fn change<K: Hash + Eq, V>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A map reserved for a restore takes its entries without a shard growing, in less room
+    /// than one reserved below every growth point; after it, a shard grows at its next new key
+    /// when it holds more than its growth point, and only then.
+    #[test]
+    fn a_restored_map_fills_its_share_and_its_shards_grow_later_one_by_one() {
+        // 6,562 keys a shard, each in 8,192 buckets (room for 7,168): above the growth points
+        // of the first shards, below the last ones'.
+        let n = 420_000u64;
+        let mut map: ShardedMap<u64, u64> = ShardedMap::default();
+        map.reserve_prefaulted(n as usize);
+        let reserved: Vec<usize> = map.shards.iter().map(HashTable::capacity).collect();
+        for k in 0..n {
+            assert_eq!(map.insert_restored_hashed(hash_of(&k), k, k), None);
+        }
+        assert_eq!(map.insert_restored_hashed(hash_of(&7), 7, 8), Some(7), "a later entry of a key replaces it");
+        assert_eq!(map.len(), n as usize);
+        assert_eq!(map.shards.iter().map(HashTable::capacity).collect::<Vec<_>>(), reserved, "no shard grew");
+        let mut staggered: ShardedMap<u64, u64> = ShardedMap::default();
+        staggered.reserve(n as usize);
+        assert!(map.capacity() <= staggered.capacity(), "{} > {}", map.capacity(), staggered.capacity());
+
+        let (mut next, mut grown) = (n, 0);
+        for index in 0..SHARDS {
+            let (held, capacity) = (map.shards[index].len(), map.shards[index].capacity());
+            while shard_of(hash_of(&next)) != index {
+                next += 1;
+            }
+            map.insert(next, next);
+            next += 1;
+            let grew = map.shards[index].capacity() > capacity;
+            assert_eq!(grew, held >= grows_at(index, capacity), "shard {index}: {held} of {capacity}");
+            grown += usize::from(grew);
+        }
+        assert!((1..SHARDS).contains(&grown), "{grown} shards grew");
+    }
 
     /// The control bytes' address [`ShardedMap::prefetch_probes`] takes from a shard's first
     /// full bucket gives every key's bucket where the key is (hashbrown's layout), and the
@@ -700,7 +770,7 @@ mod tests {
         }
         // A merged image's order is the layout of an empty map that reserved its entries.
         let mut restored: ShardedMap<u64, u64> = ShardedMap::default();
-        restored.reserve(100_000);
+        restored.reserve_prefaulted(100_000);
         let order = RestoreOrder::for_entries(100_000);
         for (index, shard) in restored.shards.iter().enumerate() {
             assert_eq!(super::super::heap_buckets(shard.capacity() as u64), order.buckets[index], "shard {index}");

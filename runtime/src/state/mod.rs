@@ -1204,7 +1204,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         for (hash, key_group, key, value) in batch.drain(..) {
             match value {
                 Some(value) => {
-                    self.map.insert_hashed(hash, key, Slot::restored(value, key_group));
+                    self.map.insert_restored_hashed(hash, key, Slot::restored(value, key_group));
                 }
                 None => {
                     self.map.remove_hashed(hash, &key);
