@@ -71,11 +71,6 @@ fn restored_capacity(entries: u64) -> u64 {
     share_of(entries)
 }
 
-/// The capacity shard `index` needs to hold `entries` below its growth point ([`grows_at`]).
-fn capacity_for(index: usize, entries: u64) -> u64 {
-    entries * 4 * SHARDS as u64 / (3 * SHARDS + index + 1) as u64 + 1
-}
-
 /// The order in which an empty map that reserved `entries` for a restore
 /// ([`ShardedMap::reserve_prefaulted`]) holds each key: [`storage_order`] with each shard's
 /// buckets. A merged image lists its entries in this order, so that a restore fills each shard
@@ -255,19 +250,9 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
     /// Inserts or replaces.
     #[inline]
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
-        self.insert_hashed(hash_of(&key), key, value)
-    }
-
-    /// Inserts or replaces a key whose [`hash_of`] the caller computed.
-    #[inline]
-    pub fn insert_hashed(&mut self, hash: u64, key: K, value: V) -> Option<V> {
-        match self.entry_hashed(hash, key) {
-            MapEntry::Occupied(o) => Some(std::mem::replace(o.into_mut(), value)),
-            MapEntry::Vacant(v) => {
-                v.insert(value);
-                None
-            }
-        }
+        let hash = hash_of(&key);
+        Self::shard_to_insert_into(&mut self.shards, hash);
+        self.insert_hashed(hash, key, value)
     }
 
     /// Removes a key.
@@ -321,11 +306,12 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         }
     }
 
-    /// Inserts or replaces a restored entry whose [`hash_of`] the caller computed; the value
-    /// it replaced. Its shard grows only when full, not at its growth point ([`grows_at`]):
-    /// see [`Self::reserve_prefaulted`].
+    /// Inserts or replaces a key whose [`hash_of`] the caller computed; the value it replaced.
+    /// Its shard grows only when full, not at its growth point ([`grows_at`]), as a restore
+    /// fills a map ([`Self::reserve_prefaulted`]); [`Self::insert`] grows it at the point
+    /// first.
     #[inline]
-    pub fn insert_restored_hashed(&mut self, hash: u64, key: K, value: V) -> Option<V> {
+    pub fn insert_hashed(&mut self, hash: u64, key: K, value: V) -> Option<V> {
         debug_assert_eq!(hash, hash_of(&key), "the hash given is the key's");
         match self.shards[shard_of(hash)].entry(hash, |(k, _)| *k == key, |(k, _)| hash_of(k)) {
             hash_table::Entry::Occupied(mut o) => Some(std::mem::replace(&mut o.get_mut().1, value)),
@@ -395,32 +381,20 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         self.iter_mut().map(|(_, v)| v)
     }
 
-    /// Makes room for `additional` more entries spread over the shards as hashes spread them
-    /// (with a margin: a shard gets its share plus a sixteenth), each shard below its own
-    /// growth point ([`grows_at`]): a restore that reserved its entries never grows a shard,
-    /// and the shards it leaves grow as spread out as the ones of a map that grew by inserts.
-    pub fn reserve(&mut self, additional: usize) {
-        let share = share_of(additional as u64);
-        for (index, shard) in self.shards.iter_mut().enumerate() {
-            let capacity = capacity_for(index, shard.len() as u64 + share) as usize;
-            shard.reserve(capacity.saturating_sub(shard.len()), |(k, _)| hash_of(k));
-        }
-    }
-
     /// Makes room for `additional` more entries about to be restored: each shard its share
     /// and a sixteenth ([`restored_capacity`]), in tables faulted in first, on every core
     /// ([`crate::malloc::populate`]). A restore fills them through [`Self::fill_concurrently`]
-    /// or [`Self::insert_restored_hashed`], which grow a shard only when it is full; the shards
+    /// or [`Self::insert_hashed`], which grow a shard only when it is full; the shards
     /// whose growth points ([`grows_at`]) fall below what they hold then grow at their next
     /// insert of a new key, one by one as new keys come. Reserved below every shard's growth
-    /// point instead ([`Self::reserve`]), 90M keys took 8.2 GB of tables (a power of two of
-    /// buckets more for the first 15 shards) and restored in 2.9–3.8 s; reserved their share,
-    /// 6.6 GB and 2.0–2.1 s (`runtime/BENCHMARKS.md`, session 38).
+    /// point instead, 90M keys took 8.2 GB of tables (a power of two of buckets more for the
+    /// first 15 shards) and restored in 2.9–3.8 s; reserved their share, 6.6 GB and 2.0–2.1 s
+    /// (`runtime/BENCHMARKS.md`, session 38).
     pub fn reserve_prefaulted(&mut self, additional: usize) {
-        let capacity = restored_capacity(additional as u64) as usize;
+        let share = restored_capacity(additional as u64) as usize;
         let reserve = || {
             for shard in self.shards.iter_mut() {
-                shard.reserve(capacity.saturating_sub(shard.len()), |(k, _)| hash_of(k));
+                shard.reserve(share, |(k, _)| hash_of(k));
             }
         };
         let blocks = crate::malloc::record_tables(reserve);
@@ -577,8 +551,8 @@ fn change<K: Hash + Eq, V>(
 mod tests {
     use super::*;
 
-    /// A map reserved for a restore takes its entries without a shard growing, in less room
-    /// than one reserved below every growth point; after it, a shard grows at its next new key
+    /// A map reserved for a restore takes its entries without a shard growing, in the fewest
+    /// buckets its share needs; after it, a shard grows at its next new key
     /// when it holds more than its growth point, and only then.
     #[test]
     fn a_restored_map_fills_its_share_and_its_shards_grow_later_one_by_one() {
@@ -589,14 +563,16 @@ mod tests {
         map.reserve_prefaulted(n as usize);
         let reserved: Vec<usize> = map.shards.iter().map(HashTable::capacity).collect();
         for k in 0..n {
-            assert_eq!(map.insert_restored_hashed(hash_of(&k), k, k), None);
+            assert_eq!(map.insert_hashed(hash_of(&k), k, k), None);
         }
-        assert_eq!(map.insert_restored_hashed(hash_of(&7), 7, 8), Some(7), "a later entry of a key replaces it");
+        assert_eq!(map.insert_hashed(hash_of(&7), 7, 8), Some(7), "a later entry of a key replaces it");
         assert_eq!(map.len(), n as usize);
         assert_eq!(map.shards.iter().map(HashTable::capacity).collect::<Vec<_>>(), reserved, "no shard grew");
-        let mut staggered: ShardedMap<u64, u64> = ShardedMap::default();
-        staggered.reserve(n as usize);
-        assert!(map.capacity() <= staggered.capacity(), "{} > {}", map.capacity(), staggered.capacity());
+        let fewest = super::super::heap_buckets(restored_capacity(n));
+        assert!(
+            map.shards.iter().all(|s| s.num_buckets() == fewest as usize),
+            "each shard the buckets its share needs"
+        );
 
         let (mut next, mut grown) = (n, 0);
         for index in 0..SHARDS {
@@ -762,11 +738,11 @@ mod tests {
         map.retain(|k, _| k % 2 == 0);
         assert_eq!(map.len(), model.keys().filter(|k| *k % 2 == 0).count());
         assert!(map.contains_key(&model.keys().copied().find(|k| k % 2 == 0).unwrap()));
-        map.reserve(100_000);
+        map.reserve_prefaulted(100_000);
         assert!(map.shards.iter().all(|s| s.capacity() >= 100_000 / SHARDS), "every shard has its share");
         for (index, shard) in map.shards.iter().enumerate() {
             let share = shard.len() + 100_000 / SHARDS;
-            assert!(grows_at(index, shard.capacity()) >= share, "shard {index} would grow before its share is in");
+            assert!(shard.capacity() >= share, "shard {index} would grow before its share is in");
         }
         // A merged image's order is the layout of an empty map that reserved its entries.
         let mut restored: ShardedMap<u64, u64> = ShardedMap::default();

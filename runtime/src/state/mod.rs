@@ -1065,7 +1065,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             let entry = entry?;
             puts += usize::from(entry.value.is_some() && owns(key_groups, entry.key_group));
         }
-        self.map.reserve(puts);
+        self.map.reserve_prefaulted(puts);
         Ok(())
     }
 
@@ -1204,7 +1204,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         for (hash, key_group, key, value) in batch.drain(..) {
             match value {
                 Some(value) => {
-                    self.map.insert_restored_hashed(hash, key, Slot::restored(value, key_group));
+                    self.map.insert_hashed(hash, key, Slot::restored(value, key_group));
                 }
                 None => {
                     self.map.remove_hashed(hash, &key);
