@@ -491,6 +491,53 @@ impl<const N: usize> AccState for AccNums<N> {
     }
 }
 
+/// A single count held in the map's entry as the integer alone: encoded as an [`AccList`] of one
+/// count, so state written by it restores on an [`AccOne`] or a list and the other way round.
+/// The keyed count's entry (key, count and the slot's flags) is 40 bytes with it instead of
+/// 48 with an [`AccOne`], whose tag (count, integer sum or float sum) pads it to 16 bytes: a
+/// restore faults in and fills a sixth less table (`runtime/BENCHMARKS.md`, session 39).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AccCount(pub i64);
+
+impl AccCount {
+    /// Whether an `AccCount` holds the accumulators of `specs`: a single count.
+    pub fn holds(specs: &[AggregateFn]) -> bool {
+        matches!(specs, [only] if only.function == AggregateKind::Count)
+    }
+}
+
+impl StateValue for AccCount {
+    fn encode(&self, e: &mut Encoder) {
+        AccNums([Num::Count(self.0)]).encode(e)
+    }
+
+    /// Reads an [`AccList`] of one count; another list is malformed here.
+    #[inline(always)]
+    fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
+        match AccOne::decode(d)? {
+            AccNums([Num::Count(n)]) => Ok(AccCount(n)),
+            _ => Err(FormatError::Malformed(d.position())),
+        }
+    }
+}
+
+impl AccState for AccCount {
+    fn init(aggregates: &Aggregates) -> Self {
+        debug_assert!(aggregates.len() == 1, "AccCount::holds the aggregates");
+        AccCount(0)
+    }
+
+    #[inline(always)]
+    fn add(&mut self, _: &Aggregates, _: &Record) {
+        self.0 += 1;
+    }
+
+    #[inline]
+    fn results(&self, out: &mut Fields) {
+        out.push(Value::Int(self.0));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -521,9 +568,15 @@ mod tests {
     /// the same bytes: written by one, read by the other.
     fn held_inline_as_a_list_does<const N: usize>(specs: &[AggregateFn]) {
         assert!(AccNums::<N>::holds(specs), "{specs:?}");
+        aggregates_and_encodes_as_a_list_does::<AccNums<N>>(specs);
+    }
+
+    /// `V` gives what a list of the accumulators of `specs` gives, record after record
+    /// (integers, floats that promote a sum, fields missing), and its state is the same bytes.
+    fn aggregates_and_encodes_as_a_list_does<V: AccState + PartialEq + std::fmt::Debug>(specs: &[AggregateFn]) {
         let input = ["x".to_string(), "y".to_string()];
         let a = Aggregates::new(specs, &input);
-        let (mut nums, mut list) = (AccNums::<N>::init(&a), AccList::init(&a));
+        let (mut nums, mut list) = (V::init(&a), AccList::init(&a));
         for i in 0..40i64 {
             let x = if i == 17 { Value::Float(0.25) } else { Value::Int(i * 3 - 50) };
             let y = if i % 5 == 0 { Value::Null } else { Value::Int(i) };
@@ -538,7 +591,7 @@ mod tests {
             nums.encode(&mut pe);
             list.encode(&mut le);
             assert_eq!(pe.buf, le.buf);
-            assert_eq!(AccNums::<N>::decode(&mut Decoder::new(&le.buf)).unwrap(), nums);
+            assert_eq!(V::decode(&mut Decoder::new(&le.buf)).unwrap(), nums);
             assert_eq!(AccList::decode(&mut Decoder::new(&pe.buf)).unwrap(), list);
         }
     }
@@ -582,6 +635,37 @@ mod tests {
         let mut e = Encoder::default();
         AccList(Accs::from(vec![Acc::Count(1)])).encode(&mut e);
         assert!(AccPair::decode(&mut Decoder::new(&e.buf)).is_err());
+    }
+
+    /// A count alone held as its integer ([`AccCount`], 8 bytes) counts and encodes as a list
+    /// of one count and as an [`AccOne`] do, and reads what they write; a sum, or a count
+    /// among others, is not its state.
+    #[test]
+    fn a_count_alone_is_held_as_its_integer_and_encodes_as_a_list_does() {
+        assert_eq!(std::mem::size_of::<AccCount>(), 8);
+        let count = [spec(AggregateKind::Count, None)];
+        assert!(AccCount::holds(&count));
+        aggregates_and_encodes_as_a_list_does::<AccCount>(&count);
+        let a = Aggregates::new(&count, &[]);
+        let mut alone = AccCount::init(&a);
+        for i in 0..300i64 {
+            alone.add(&a, &Record { time: i, fields: smallvec::smallvec![Value::Int(i)] });
+        }
+        let mut ae = Encoder::default();
+        alone.encode(&mut ae);
+        assert_eq!(AccOne::decode(&mut Decoder::new(&ae.buf)).unwrap(), AccNums([Num::Count(300)]));
+        for other in [
+            vec![spec(AggregateKind::Sum, Some("x"))],
+            vec![spec(AggregateKind::Count, None), spec(AggregateKind::Count, None)],
+            vec![],
+        ] {
+            assert!(!AccCount::holds(&other), "{other:?}");
+        }
+        for other in [vec![Acc::SumInt(3)], vec![Acc::Count(1), Acc::Count(2)], vec![Acc::Min(Value::Int(1))]] {
+            let mut e = Encoder::default();
+            AccList(Accs::from(other.clone())).encode(&mut e);
+            assert!(AccCount::decode(&mut Decoder::new(&e.buf)).is_err(), "{other:?}");
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@ use weir_crds::job::AggregateFn;
 
 use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
-use crate::operators::accumulators::{AccList, AccOne, AccPair, AccState, Aggregates};
+use crate::operators::accumulators::{AccCount, AccList, AccOne, AccPair, AccState, Aggregates};
 use crate::restore::{KeyedFile, KeyedRestore, LOCAL_COPY_PART_BYTES};
 use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings, PREFETCH_CHUNK};
 use crate::value::{Fields, Key, Record, StateKey};
@@ -292,15 +292,17 @@ impl<K: StateKey, V: AccState> AggregateOperator<K, V> {
 }
 
 /// A running aggregate of `specs` whose keys are held as `K`, its accumulators inline when
-/// they are one or two counts or sums ([`AccOne`], [`AccPair`]: no heap slice, smaller map
-/// entries), else as an [`AccList`].
+/// they are a count alone ([`AccCount`]) or one or two counts or sums ([`AccOne`], [`AccPair`]:
+/// no heap slice, smaller map entries), else as an [`AccList`].
 pub fn aggregate_operator<K: StateKey>(
     ctx: KeyedContext,
     specs: &[AggregateFn],
     input: &[String],
     restore: Option<&KeyedRestore>,
 ) -> Result<Box<dyn Operator>, TaskError> {
-    Ok(if AccOne::holds(specs) {
+    Ok(if AccCount::holds(specs) {
+        Box::new(AggregateOperator::<K, AccCount>::new(ctx, specs, input, restore)?)
+    } else if AccOne::holds(specs) {
         Box::new(AggregateOperator::<K, AccOne>::new(ctx, specs, input, restore)?)
     } else if AccPair::holds(specs) {
         Box::new(AggregateOperator::<K, AccPair>::new(ctx, specs, input, restore)?)
@@ -457,8 +459,8 @@ mod tests {
         assert_eq!(got, expected, "restored at parallelism 2, the aggregates go on");
     }
 
-    /// A count and a sum held inline ([`AccPair`]), and a count alone ([`AccOne`], the keyed
-    /// count's state) or a sum alone.
+    /// A count and a sum held inline ([`AccPair`]), a count or a sum alone ([`AccOne`]), and a
+    /// count alone as its integer ([`AccCount`], the keyed count's state).
     #[test]
     fn counts_and_sums_held_inline_aggregate_and_restore_as_a_list_does() {
         assert!(AccPair::holds(&count_and_sum()));
@@ -467,6 +469,9 @@ mod tests {
             assert!(AccOne::holds(std::slice::from_ref(&one)));
             held_inline_aggregates_and_restores_as_a_list_does::<AccOne>(&[one]);
         }
+        let count = &count_and_sum()[..1];
+        assert!(AccCount::holds(count), "{count:?}");
+        held_inline_aggregates_and_restores_as_a_list_does::<AccCount>(count);
     }
 
     /// A batch longer than several prefetch runs ([`PREFETCH_CHUNK`]), its keys repeated

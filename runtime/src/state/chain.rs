@@ -9,10 +9,13 @@
 //! Applied shard by shard, each file's entries of the shard in the chain's order, and within a
 //! shard window by window (a stable partition of those entries by the top bits of their bucket
 //! in the restoring table), all the files fill one window of the table while it is in the
-//! caches. Every key's entries fall in the same shard and window in every file, so each key
-//! still sees its changes in the chain's order. Whether a file is in shard order is checked
-//! entry by entry as it is applied: one that is not leaves the chain to the file by file
-//! restore.
+//! caches. Within a window, the entries are applied group of 16 buckets after group (a second
+//! stable partition), so that the window fills front to back as a full image in the table's
+//! order does: the 20M-key chain applied in 303–326 ms against 342–348 in window order (3
+//! alternating runs each, session 39). Every key's entries fall in the same shard, window and
+//! group in every file, so each key still sees its changes in the chain's order. Whether a file
+//! is in shard order is checked entry by entry as it is applied: one that is not leaves the
+//! chain to the file by file restore.
 
 use weir_checkpoint::format::{keyed_entries, Decoder};
 
@@ -201,6 +204,21 @@ struct WindowFill {
     window_starts: Vec<u32>,
     /// `found`, window after window, each window's in the chain's order.
     ordered: Vec<EntryRef>,
+    /// Where each group of buckets of a window starts in `in_window` ([`group_in_window`]).
+    by_group: Vec<u32>,
+    /// One window's entries of `ordered`, group of buckets after group, each group's in the
+    /// chain's order.
+    in_window: Vec<EntryRef>,
+}
+
+/// Buckets of a group that [`WindowFill`] applies in no particular order (hashbrown probes
+/// 16 control bytes at once).
+const GROUP_BUCKETS: usize = 16;
+
+/// The group of buckets of a key of `hash` in its window, in a table of `mask + 1` buckets.
+#[inline(always)]
+fn group_in_window(hash: u64, mask: usize) -> usize {
+    ((hash as usize & mask) / GROUP_BUCKETS) % (WINDOW_BUCKETS / GROUP_BUCKETS)
 }
 
 /// Where an entry of a shard is: its key's hash, its file (index into the parts), and its
@@ -262,8 +280,40 @@ impl WindowFill {
             self.ordered[*at as usize] = *found;
             *at += 1;
         }
-        for (n, at) in self.ordered.iter().enumerate() {
-            if let Some(ahead) = self.ordered.get(n + FILL_AHEAD) {
+        // Each window's entries by their group of buckets, stable: now `window_starts[w]` is
+        // where window `w` ends.
+        self.by_group.resize(WINDOW_BUCKETS / GROUP_BUCKETS + 1, 0);
+        let mut from = 0;
+        for w in 0..windows {
+            let to = self.window_starts[w] as usize;
+            self.by_group.fill(0);
+            for e in &self.ordered[from..to] {
+                self.by_group[group_in_window(e.hash, mask) + 1] += 1;
+            }
+            for g in 1..self.by_group.len() {
+                self.by_group[g] += self.by_group[g - 1];
+            }
+            self.in_window.clear();
+            self.in_window.resize(to - from, EntryRef::default());
+            for e in &self.ordered[from..to] {
+                let at = &mut self.by_group[group_in_window(e.hash, mask)];
+                self.in_window[*at as usize] = *e;
+                *at += 1;
+            }
+            from = to;
+            self.apply_in_order(filler, parts)?;
+        }
+        Ok(true)
+    }
+
+    /// Applies the entries of `in_window`, in their order.
+    fn apply_in_order<K: StateKey, V: StateValue>(
+        &self,
+        filler: &mut map::Filler<'_, '_, K, Slot<V>>,
+        parts: &[&[u8]],
+    ) -> Result<(), StoreError> {
+        for (n, at) in self.in_window.iter().enumerate() {
+            if let Some(ahead) = self.in_window.get(n + FILL_AHEAD) {
                 filler.prefetch(ahead.hash);
             }
             let part = parts[at.part as usize];
@@ -278,7 +328,7 @@ impl WindowFill {
             let slot = Slot::restored(V::decode(&mut Decoder::new(raw))?, entry.key_group);
             K::decode_then(entry.key, |key| filler.apply(at.hash, key, Some(slot)))?;
         }
-        Ok(true)
+        Ok(())
     }
 }
 

@@ -1577,13 +1577,14 @@ mod tests {
     }
 
     /// A running aggregate's entry of one accumulator under a single-field key is one cache
-    /// line, three quarters of one for a count or a sum; a dedupe's, under a composite key,
-    /// half of one.
+    /// line, three quarters of one for a count or a sum, five eighths for a count alone; a
+    /// dedupe's, under a composite key, half of one.
     #[test]
     fn state_entries_are_a_cache_line_or_less() {
-        use crate::operators::accumulators::{AccList, AccOne};
+        use crate::operators::accumulators::{AccCount, AccList, AccOne};
         assert_eq!(std::mem::size_of::<(Key, Slot<AccList>)>(), 64);
         assert_eq!(std::mem::size_of::<(Key, Slot<AccOne>)>(), 48);
+        assert_eq!(std::mem::size_of::<(Key, Slot<AccCount>)>(), 40);
         assert_eq!(std::mem::size_of::<(crate::value::PackedKey, Slot<()>)>(), 32);
     }
 
