@@ -103,12 +103,17 @@ pub struct StagedFile {
     pub first_key: Option<Vec<u8>>,
     /// A merged image, which lists each key once: 0 (see [`FileRef::puts_from`]).
     pub puts_from: Option<u64>,
+    /// A merged image for the heap backend: the bytes of each shard's entries (see
+    /// [`FileRef::shard_bytes`]).
+    pub shard_bytes: Option<Vec<u64>>,
 }
 
 impl StagedFile {
     /// The reference a checkpoint lists for it.
     pub fn listed(&self) -> FileRef {
-        let file = FileRef::new(self.rel.clone(), self.len, self.crc32c).with_puts_from(self.puts_from);
+        let file = FileRef::new(self.rel.clone(), self.len, self.crc32c)
+            .with_puts_from(self.puts_from)
+            .with_shard_bytes(self.shard_bytes.as_deref());
         match &self.first_key {
             Some(key) => file.with_first_key(key),
             None => file,
@@ -566,15 +571,22 @@ pub fn merge(
     let mut tables = with_tables.then(|| {
         crate::state::bulk::TableWriter::new(&scratch.0.join("tables"), &table_opts).with_max_entries(TABLE_ENTRIES)
     });
+    // In the heap backend's order: the bytes of each shard's entries.
+    let mut shard_bytes = vec![0u64; crate::state::map::SHARDS];
     load.into_live_entries(|raw, value| {
         entry_check()?;
         let store_key = &raw[bucket_bytes..];
+        let written = out.entries_len();
         #[cfg(feature = "rocksdb")]
         if let Some(tables) = tables.as_mut() {
             tables.put(store_key, value)?;
         }
         let (key_group, key) = StateStore::split_key(store_key)?;
-        out.put(key_group, key, value).map_err(StoreError::SpillImage)
+        out.put(key_group, key, value).map_err(StoreError::SpillImage)?;
+        if let Ok(order) = <[u8; 8]>::try_from(&raw[..bucket_bytes]) {
+            shard_bytes[RestoreOrder::shard_in(u64::from_be_bytes(order))] += out.entries_len() - written;
+        }
+        Ok(())
     })
     .map_err(merge_failed)?;
     #[cfg(feature = "rocksdb")]
@@ -600,7 +612,15 @@ pub fn merge(
      -> Result<StagedFile, MergeError> {
         check()?;
         let first_key = first_key.cloned();
-        let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c, first_key, puts_from: None };
+        let file = StagedFile {
+            path: layout::resolve(&dir, &rel),
+            rel,
+            len,
+            crc32c,
+            first_key,
+            puts_from: None,
+            shard_bytes: None,
+        };
         pending.add(&file.path);
         written.push(file.clone());
         crate::io().block_on(storage.put_file(&file.path, local)).map_err(|e| MergeError::Upload(Box::new(e)))?;
@@ -615,8 +635,9 @@ pub fn merge(
             tables.push(upload(table, rel, digest.len, digest.crc32c, Some(first_key))?);
         }
         let mut image = upload(&image, layout::shared_merged_file(uid, subtask, id, epoch), len, crc, None)?;
-        // The newest entry of each key, deletions left out.
+        // The newest entry of each key, deletions left out, shard after shard.
         image.puts_from = Some(0);
+        image.shard_bytes = (!with_tables).then(|| shard_bytes.clone());
         Ok((image, tables))
     };
     match upload_all() {
@@ -695,7 +716,15 @@ fn merge_increments(
     check()?;
     let rel = layout::shared_merged_increment(&request.uid, request.subtask, request.checkpoint_id, epoch);
     // A run's entries keep their order (a later entry of a key wins).
-    let file = StagedFile { path: layout::resolve(&dir, &rel), rel, len, crc32c, first_key: None, puts_from: None };
+    let file = StagedFile {
+        path: layout::resolve(&dir, &rel),
+        rel,
+        len,
+        crc32c,
+        first_key: None,
+        puts_from: None,
+        shard_bytes: None,
+    };
     // Protected from retention before it exists; a failed upload deletes what it may have left.
     pending.add(&file.path);
     if let Err(e) = crate::io().block_on(storage.put_file(&file.path, &local)) {
@@ -886,7 +915,11 @@ mod tests {
                 // files the store keys' order.
                 let restore_order = RestoreOrder::for_entries(written);
                 let mut last = (0, Vec::new());
-                for e in format::keyed_entries(body) {
+                let mut shard_bytes = vec![0u64; crate::state::map::SHARDS];
+                let mut entries = format::keyed_entries(body);
+                loop {
+                    let at = entries.position();
+                    let Some(e) = entries.next() else { break };
                     let e = e.unwrap();
                     let order = if with_tables {
                         (0, StateStore::key_of_encoded(e.key_group, e.key))
@@ -894,11 +927,25 @@ mod tests {
                         (restore_order.of(heap_hash(e.key).unwrap()), Vec::new())
                     };
                     assert!(order >= last, "seed {seed}: {order:?} after {last:?}");
+                    shard_bytes[RestoreOrder::shard_in(order.0)] += (entries.position() - at) as u64;
                     last = order;
                     let value = e.value.expect("a full image has no deletions").to_vec();
                     assert!(merged.insert((e.key_group, e.key.to_vec()), value).is_none(), "seed {seed}: a key twice");
                 }
                 assert_eq!(m.entries, merged.len() as u64);
+                // Without tables, the heap backend's order: the image says where its shards are.
+                let listed = m.file.listed();
+                assert_eq!(listed.shard_bytes.is_some(), !with_tables, "seed {seed}");
+                if !with_tables {
+                    let starts: Vec<u64> = std::iter::once(0)
+                        .chain(shard_bytes.iter().scan(0, |at, len| {
+                            *at += len;
+                            Some(*at)
+                        }))
+                        .collect();
+                    assert_eq!(listed.shard_starts(), Some(starts), "seed {seed}");
+                    assert_eq!(shard_bytes.iter().sum::<u64>(), body.len() as u64, "seed {seed}");
+                }
                 assert!(merged == model, "seed {seed}: the merged image differs from the chain applied in order");
                 assert_eq!(m.tables.is_empty(), !with_tables, "seed {seed}");
                 #[cfg(feature = "rocksdb")]

@@ -85,6 +85,9 @@ pub enum KeyedFile {
         /// An increment of the heap backend: where its puts start among its entries
         /// ([`FileRef::puts_from`]).
         puts_from: Option<u64>,
+        /// A file of the heap backend: where each shard's puts start among them, and where the
+        /// last one ends ([`FileRef::shard_starts`]).
+        shard_starts: Option<Vec<u64>>,
     },
     /// Copied to a local file (shared by the clones of a [`RestoredState`]).
     Local(Arc<LocalCopy>),
@@ -715,7 +718,7 @@ async fn load_keyed_file(
         KeyedFilesIn::Memory => {
             let data = read_verified(storage, found, f).await?;
             weir_checkpoint::format::open_verified(&data).map_err(|e| corrupt(storage, found, f, e))?;
-            (KeyedFile::Memory { data, puts_from: f.puts_from }, f.len)
+            (KeyedFile::Memory { data, puts_from: f.puts_from, shard_starts: f.shard_starts() }, f.len)
         }
         KeyedFilesIn::LocalDir(dir) => (KeyedFile::Local(copy_verified(storage, found, f, dir).await?), f.len),
     })
@@ -940,7 +943,7 @@ mod tests {
                 .into_iter()
                 .map(|(key_groups, keyed_entries)| RestoredSubtask {
                     key_groups,
-                    keyed_files: vec![KeyedFile::Memory { data: Bytes::new(), puts_from: None }],
+                    keyed_files: vec![KeyedFile::Memory { data: Bytes::new(), puts_from: None, shard_starts: None }],
                     keyed_refs: vec![FileRef::new("../shared/counts/0-1-1.kv".into(), 2_000, 0)],
                     keyed_entries,
                     ..Default::default()

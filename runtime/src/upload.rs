@@ -537,7 +537,9 @@ async fn upload(
                 // Its memory serves the next checkpoint's file (`weir_checkpoint::spare`).
                 weir_checkpoint::spare::give_back_bytes(keyed.data);
                 ack.bytes += len;
-                let file = FileRef::new(rel, len, crc).with_puts_from(keyed.puts_from);
+                let file = FileRef::new(rel, len, crc)
+                    .with_puts_from(keyed.puts_from)
+                    .with_shard_bytes(keyed.shard_bytes.as_deref());
                 if savepoint_dir.is_some() {
                     snap.keyed_state = vec![file];
                 } else {

@@ -779,6 +779,12 @@ impl<W: std::io::Write> StateFileStream<W> {
         self.entries
     }
 
+    /// Bytes of entries written so far (for a file without an index): where the next entry
+    /// starts among them.
+    pub fn entries_len(&self) -> u64 {
+        self.len + self.buf.buf.len() as u64 - HEADER_LEN as u64
+    }
+
     /// Seals the file with its checksum; returns the writer, the file's length and its seal
     /// (as [`StateFileWriter::finish`]).
     pub fn finish(mut self) -> std::io::Result<(W, u64, u32)> {

@@ -52,12 +52,39 @@ pub struct FileRef {
     /// files written before this field existed): the entries apply in file order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub puts_from: Option<u64>,
+    /// A keyed state file of the heap backend, which lists its entries by the shards of the
+    /// backend's map: the bytes of each shard's entries, in shard order, separated by spaces
+    /// (their sum is the entries' bytes, after the deletions of an increment). A restore that
+    /// applies a chain of files shard by shard takes each shard's entries from every file
+    /// without reading the files first to find them. Absent (other files, and files written
+    /// before this field existed), or not as the restore expects: it reads the files for them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_bytes: Option<String>,
 }
 
 impl FileRef {
     /// A reference to a file of `len` bytes whose CRC-32C is `crc32c`.
     pub fn new(path: String, len: u64, crc32c: u32) -> Self {
-        FileRef { path, len, crc32c, first_key: None, puts_from: None }
+        FileRef { path, len, crc32c, first_key: None, puts_from: None, shard_bytes: None }
+    }
+
+    /// The same reference, for a file whose shards' entries take `lens` bytes each (see
+    /// [`FileRef::shard_bytes`]).
+    pub fn with_shard_bytes(mut self, lens: Option<&[u64]>) -> Self {
+        self.shard_bytes = lens.map(|lens| lens.iter().map(u64::to_string).collect::<Vec<_>>().join(" "));
+        self
+    }
+
+    /// Where each shard's entries start, from the first put (bytes, in shard order), and where
+    /// the last one ends: [`FileRef::shard_bytes`] added up. `None` when the reference has none,
+    /// or one that is not a list of numbers.
+    pub fn shard_starts(&self) -> Option<Vec<u64>> {
+        let mut starts = vec![0u64];
+        for len in self.shard_bytes.as_deref()?.split(' ') {
+            let len: u64 = len.parse().ok()?;
+            starts.push(starts.last()?.checked_add(len)?);
+        }
+        Some(starts)
     }
 
     /// The same reference, for an increment whose puts start at `puts_from` among its entries
@@ -374,6 +401,27 @@ mod tests {
             assert_eq!(f.first_key_bytes(), None, "{bad}");
         }
         assert_eq!(FileRef::new("t.sst".into(), 4, 9).with_first_key(&[]).first_key_bytes(), Some(vec![]));
+    }
+
+    /// The bytes of a file's shards survive the document as one line, and read back as where
+    /// each shard starts; files written before the field existed have none, and a damaged list
+    /// reads as none (the restore then reads the files for them) rather than as other starts.
+    #[test]
+    fn shard_bytes_round_trip_as_starts_and_are_optional() {
+        let mut m = sample();
+        let file = &mut m.operators.get_mut("counts").unwrap().subtasks[0].keyed_state[0];
+        *file = file.clone().with_shard_bytes(Some(&[3, 0, 12, 7]));
+        assert_eq!(file.shard_bytes.as_deref(), Some("3 0 12 7"));
+        assert_eq!(file.shard_starts(), Some(vec![0, 3, 3, 15, 22]));
+        let text = String::from_utf8(m.encode()).unwrap();
+        assert!(text.contains(r#""shard_bytes": "3 0 12 7""#), "{text}");
+        assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
+        let old = r#"{"path":"a.kv","len":4,"crc32c":9,"puts_from":0}"#;
+        assert_eq!(serde_json::from_str::<FileRef>(old).unwrap().shard_starts(), None);
+        for bad in ["", "1  2", "1 -2", "x", "18446744073709551615 1"] {
+            let f = FileRef { shard_bytes: Some(bad.into()), ..FileRef::new("a.kv".into(), 4, 9) };
+            assert_eq!(f.shard_starts(), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -113,17 +113,18 @@ impl KeyedContext {
         if r.entries.is_none() || r.files.len() < 2 {
             return Ok(false);
         }
-        let mut bodies = Vec::with_capacity(r.files.len());
+        let (mut bodies, mut starts) = (Vec::with_capacity(r.files.len()), Vec::with_capacity(r.files.len()));
         for file in &r.files {
-            let KeyedFile::Memory { data, puts_from: Some(0) } = file else { return Ok(false) };
+            let KeyedFile::Memory { data, puts_from: Some(0), shard_starts } = file else { return Ok(false) };
             // A file that does not open is left to `restore_file`, which says why.
             let Ok((_, body)) = weir_checkpoint::format::open_verified(data) else { return Ok(false) };
             bodies.push(body);
+            starts.push(shard_starts.as_deref());
         }
         if bodies.iter().map(|b| b.len()).sum::<usize>() < CHAIN_BY_SHARD_MIN_BYTES {
             return Ok(false);
         }
-        state.restore_chain_by_shard(&bodies, self.key_groups).map_err(|e| self.restore_failed(e))
+        state.restore_chain_by_shard(&bodies, &starts, self.key_groups).map_err(|e| self.restore_failed(e))
     }
 
     /// A restore's failure: a file that does not decode says so; the store's own failures are
@@ -149,7 +150,7 @@ impl KeyedContext {
         let failed = |reason: String| TaskError::Restore { uid: self.uid.clone(), reason };
         let store_failed = |e: StoreError| self.restore_failed(e);
         match file {
-            KeyedFile::Memory { data, puts_from } => {
+            KeyedFile::Memory { data, puts_from, .. } => {
                 let (kind, body) = weir_checkpoint::format::open_verified(data).map_err(|e| failed(e.to_string()))?;
                 if kind == FileKind::KeyedFull && reserve_for_image {
                     state.reserve_for_full_image(body, self.key_groups).map_err(|e| failed(e.to_string()))?;
@@ -400,7 +401,11 @@ mod tests {
 
     fn restore_of(files: &[Bytes]) -> KeyedRestore {
         KeyedRestore {
-            files: files.iter().cloned().map(|data| KeyedFile::Memory { data, puts_from: None }).collect(),
+            files: files
+                .iter()
+                .cloned()
+                .map(|data| KeyedFile::Memory { data, puts_from: None, shard_starts: None })
+                .collect(),
             continue_chain: false,
             chain: vec![],
             chain_tables: vec![],

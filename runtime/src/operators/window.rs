@@ -357,7 +357,11 @@ mod tests {
     fn checkpoint_and_restore(w: &mut WindowOperator, spec: &WindowSpec) -> WindowOperator {
         let snap = w.snapshot(&Barrier { id: 1, target: crate::message::SnapshotTarget::Checkpoint }).unwrap();
         let restore = KeyedRestore {
-            files: vec![crate::restore::KeyedFile::Memory { data: snap.keyed.unwrap().data, puts_from: None }],
+            files: vec![crate::restore::KeyedFile::Memory {
+                data: snap.keyed.unwrap().data,
+                puts_from: None,
+                shard_starts: None,
+            }],
             continue_chain: true,
             chain: vec![],
             chain_tables: vec![],
@@ -567,7 +571,7 @@ mod tests {
                         .iter()
                         .map(|f| match store {
                             Some(settings) => KeyedFile::local_for_test(&settings.parent_dir, f),
-                            None => KeyedFile::Memory { data: f.clone(), puts_from: None },
+                            None => KeyedFile::Memory { data: f.clone(), puts_from: None, shard_starts: None },
                         })
                         .collect();
                     let restore = KeyedRestore {

@@ -88,10 +88,26 @@ fn shard_starts<K: StateKey>(body: &[u8]) -> Result<Vec<usize>, StoreError> {
     Ok(starts)
 }
 
-/// [`shard_starts`] of each of `bodies`, on up to `threads` threads that take the largest
-/// bodies first.
-fn all_shard_starts<K: StateKey>(bodies: &[&[u8]], threads: usize) -> Result<Vec<Vec<usize>>, StoreError> {
-    let mut largest_first: Vec<usize> = (0..bodies.len()).collect();
+/// Where each shard's entries start in each of `bodies`: as `recorded` by the writer
+/// ([`weir_checkpoint::metadata::FileRef::shard_starts`]) when those fit the body (a start per
+/// shard and its end, from 0 to the body's length, in order), else [`shard_starts`] of it, on
+/// up to `threads` threads that take the largest bodies first. Recorded starts saved the
+/// 20M-key chain's restore the 35–37 ms that 2 threads took to read every entry (session 39).
+fn all_shard_starts<K: StateKey>(
+    bodies: &[&[u8]],
+    recorded: &[Option<&[u64]>],
+    threads: usize,
+) -> Result<Vec<Vec<usize>>, StoreError> {
+    let fitting = |i: usize| -> Option<Vec<usize>> {
+        let starts = recorded.get(i).copied().flatten()?;
+        let fits = starts.len() == map::SHARDS + 1
+            && starts.first() == Some(&0)
+            && starts.last() == Some(&(bodies[i].len() as u64))
+            && starts.windows(2).all(|w| w[0] <= w[1]);
+        fits.then(|| starts.iter().map(|&at| at as usize).collect())
+    };
+    let mut starts: Vec<Vec<usize>> = (0..bodies.len()).map(|i| fitting(i).unwrap_or_default()).collect();
+    let mut largest_first: Vec<usize> = (0..bodies.len()).filter(|&i| starts[i].is_empty()).collect();
     largest_first.sort_by_key(|&i| std::cmp::Reverse(bodies[i].len()));
     let next = std::sync::atomic::AtomicUsize::new(0);
     let work = || -> Result<Vec<(usize, Vec<usize>)>, StoreError> {
@@ -101,9 +117,8 @@ fn all_shard_starts<K: StateKey>(bodies: &[&[u8]], threads: usize) -> Result<Vec
         }
         Ok(found)
     };
-    let mut starts = vec![Vec::new(); bodies.len()];
     std::thread::scope(|scope| {
-        let others: Vec<_> = (1..threads.min(bodies.len())).map(|_| scope.spawn(work)).collect();
+        let others: Vec<_> = (1..threads.min(largest_first.len())).map(|_| scope.spawn(work)).collect();
         let mut result = work();
         for other in others {
             let theirs = other.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
@@ -125,11 +140,18 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// Applies `bodies`, a restored chain's files in order (each listing each key's put once
     /// and no deletions: [`super::KeyedSnapshot::puts_from`] of 0), shard by shard, keeping
     /// only key groups in `key_groups`; false, with the map emptied again (its room kept), when
-    /// they are not all in shard order (then apply them file by file). On the heap backend only, into a map that
-    /// reserved room for the chain's keys first ([`Self::reserve_restored_entries`]): its
-    /// shards' buckets decide the windows. A thread per core finds the files' shard starts,
-    /// then a thread per core applies a range of shards.
-    pub fn restore_chain_by_shard(&mut self, bodies: &[&[u8]], key_groups: (u32, u32)) -> Result<bool, StoreError> {
+    /// they are not all in shard order, or a start `recorded_starts` gives for a file is not
+    /// where its shard starts (then apply them file by file). On the heap backend only, into
+    /// a map that reserved room for the chain's keys first ([`Self::reserve_restored_entries`]):
+    /// its shards' buckets decide the windows. A thread per core finds the shard starts the
+    /// files do not come with ([`all_shard_starts`]), then a thread per core applies a range of
+    /// shards.
+    pub fn restore_chain_by_shard(
+        &mut self,
+        bodies: &[&[u8]],
+        recorded_starts: &[Option<&[u64]>],
+        key_groups: (u32, u32),
+    ) -> Result<bool, StoreError> {
         // Entries are found by 32-bit offsets into a shard's part of a file.
         if self.spill.is_some() || V::only_value().is_some() || bodies.iter().any(|b| u32::try_from(b.len()).is_err()) {
             return Ok(false);
@@ -137,7 +159,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let started = std::time::Instant::now();
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         let threads = cores.clamp(1, map::SHARDS);
-        let starts = all_shard_starts::<K>(bodies, threads)?;
+        let starts = all_shard_starts::<K>(bodies, recorded_starts, threads)?;
         let starts_found = started.elapsed();
         let buckets: Vec<usize> = (0..map::SHARDS).map(|shard| self.map.shard_buckets(shard)).collect();
         let (starts, buckets) = (&starts, &buckets);
@@ -251,11 +273,14 @@ impl WindowFill {
             loop {
                 let offset = entries.position();
                 let Some(entry) = entries.next() else { break };
-                let entry = entry?;
+                // A part that does not read as entries of this shard was cut where no shard
+                // starts (a writer's wrong start): the file by file restore reads the files
+                // whole, and says what is malformed in them if anything is.
+                let Ok(entry) = entry else { return Ok(false) };
                 if !owns(key_groups, entry.key_group) {
                     continue;
                 }
-                let hash = K::decode_then(entry.key, |key| map::hash_of(&key))?;
+                let Ok(hash) = K::decode_then(entry.key, |key| map::hash_of(&key)) else { return Ok(false) };
                 if map::shard_of(hash) != shard {
                     return Ok(false);
                 }
@@ -342,23 +367,41 @@ mod tests {
         Key::One(Value::Int(i))
     }
 
+    /// A chain's files, and where each file's writer says each shard's entries start.
+    struct Chain {
+        files: Vec<bytes::Bytes>,
+        recorded: Vec<Vec<u64>>,
+    }
+
+    impl Chain {
+        fn recorded(&self) -> Vec<Option<&[u64]>> {
+            self.recorded.iter().map(|r| Some(r.as_slice())).collect()
+        }
+    }
+
     /// The files of a running sum over 5 rounds of 120K new keys each, every third key
-    /// changed again in each later round, so that the files repeat keys with other values: a
-    /// full image, then increments of puts only. And the keys the state holds at the end.
-    fn growing_chain() -> (Vec<bytes::Bytes>, u64) {
+    /// changed again in each later round, so that the files repeat keys with other values,
+    /// then a round that changes every hundredth key (an increment written from the list of
+    /// changed keys, the others from a scan of the map): a full image, then increments of puts
+    /// only. And the keys the state holds at the end.
+    fn growing_chain() -> (Chain, u64) {
         let mut s = KeyedState::<i64>::new(16, true, 100);
-        let mut chain = Vec::new();
+        let mut chain = Chain { files: Vec::new(), recorded: Vec::new() };
         let per_round = 120_000i64;
-        for round in 0..5i64 {
-            for i in round * per_round..(round + 1) * per_round {
+        for round in 0..6i64 {
+            let (new, every) = if round < 5 { (round * per_round..(round + 1) * per_round, 3) } else { (0..0, 100) };
+            for i in new {
                 *s.update(key(i), || 0).unwrap() += i;
             }
-            for i in (0..round * per_round).step_by(3) {
+            for i in (0..round.min(5) * per_round).step_by(every) {
                 *s.update(key(i), || 0).unwrap() += round;
             }
             let snapshot = s.snapshot_checkpoint().unwrap();
             assert_eq!(snapshot.puts_from, Some(0), "round {round}: puts only");
-            chain.push(snapshot.bytes());
+            let lens = snapshot.shard_bytes.clone().expect("the heap backend's files say where shards start");
+            let file = weir_checkpoint::FileRef::new(String::new(), 0, 0).with_shard_bytes(Some(&lens));
+            chain.recorded.push(file.shard_starts().unwrap());
+            chain.files.push(snapshot.bytes());
         }
         (chain, s.map.len() as u64)
     }
@@ -381,26 +424,77 @@ mod tests {
     }
 
     /// A chain applied shard by shard, window by window, restores what applying it file by
-    /// file restores, key-group filtering included: each key ends with its newest value.
+    /// file restores, key-group filtering included: each key ends with its newest value. Its
+    /// writer said where each shard starts in each file where reading the file finds it, and
+    /// the chain restores the same with the starts recorded or found.
     #[test]
     fn a_chain_applied_by_shard_restores_what_file_by_file_restores() {
-        let (files, live) = growing_chain();
+        let (chain, live) = growing_chain();
+        let files = &chain.files;
         assert!(files.len() >= 2 && files[0].len() > 1 << 20);
-        for range in [(0, 16), (3, 11)] {
+        for (body, recorded) in bodies(files).iter().zip(&chain.recorded) {
+            let found: Vec<u64> = shard_starts::<Key>(body).unwrap().into_iter().map(|at| at as u64).collect();
+            assert_eq!(recorded, &found);
+        }
+        for (range, recorded) in [((0, 16), false), ((3, 11), false), ((0, 16), true), ((2, 14), true)] {
             let mut by_file = KeyedState::<i64>::new(16, true, 100);
             by_file.reserve_restored_entries(live);
-            for body in bodies(&files) {
+            for body in bodies(files) {
                 by_file.restore_file(body, range).unwrap();
             }
             let mut by_shard = KeyedState::<i64>::new(16, true, 100);
             by_shard.reserve_restored_entries(live);
             let windows = (0..map::SHARDS).map(|s| by_shard.map.shard_buckets(s) / WINDOW_BUCKETS).max().unwrap();
             assert!(windows >= 2, "the shards' entries are applied in {windows} windows");
-            assert!(by_shard.restore_chain_by_shard(&bodies(&files), range).unwrap(), "{range:?}");
+            let starts = if recorded { chain.recorded() } else { vec![None; files.len()] };
+            assert!(by_shard.restore_chain_by_shard(&bodies(files), &starts, range).unwrap(), "{range:?}");
             let expected = sorted(&by_file);
             assert!(expected.len() as u64 > live / 2, "{range:?}: {} keys", expected.len());
             assert_eq!(sorted(&by_shard), expected, "{range:?}");
             assert_eq!(by_shard.cached_len(), expected.len(), "{range:?}: the map counts its entries");
+        }
+    }
+
+    /// Starts recorded wrongly for a file (one byte into an entry, a shard's start moved to
+    /// the next one's, a list of another length) never restore other entries: a start that
+    /// fits the file but cuts it where no shard starts is found out as its entries are taken,
+    /// the map is emptied again, and the chain applied file by file restores what it holds;
+    /// one that does not fit is not taken, and the file is read for its starts.
+    #[test]
+    fn starts_recorded_wrongly_restore_nothing_else() {
+        let (chain, live) = growing_chain();
+        let files = &chain.files;
+        let mut by_file = KeyedState::<i64>::new(16, true, 100);
+        for body in bodies(files) {
+            by_file.restore_file(body, (0, 16)).unwrap();
+        }
+        let expected = sorted(&by_file);
+        let (into_entry, moved, shorter, longer) = {
+            let mut r = [chain.recorded[1].clone(), chain.recorded[1].clone(), chain.recorded[2].clone()];
+            r[0][7] += 1;
+            r[1][7] = r[1][8];
+            let mut longer = chain.recorded[0].clone();
+            longer.insert(3, longer[3]);
+            (r[0].clone(), r[1].clone(), r[2][..map::SHARDS].to_vec(), longer)
+        };
+        for (n, (file, wrong, taken)) in
+            [(1, into_entry, true), (1, moved, true), (2, shorter, false), (0, longer, false)].into_iter().enumerate()
+        {
+            let mut starts = chain.recorded();
+            starts[file] = Some(&wrong);
+            let mut s = KeyedState::<i64>::new(16, true, 100);
+            s.reserve_restored_entries(live);
+            let room = s.map.capacity();
+            if taken {
+                assert!(!s.restore_chain_by_shard(&bodies(files), &starts, (0, 16)).unwrap(), "case {n}");
+                assert_eq!((s.cached_len(), s.map.capacity()), (0, room), "case {n}: emptied, its room kept");
+                for body in bodies(files) {
+                    s.restore_file(body, (0, 16)).unwrap();
+                }
+            } else {
+                assert!(s.restore_chain_by_shard(&bodies(files), &starts, (0, 16)).unwrap(), "case {n}");
+            }
+            assert_eq!(sorted(&s), expected, "case {n}");
         }
     }
 
@@ -415,12 +509,13 @@ mod tests {
             w.put_encoded(key(i).key_group(16), |e| key(i).encode(e), |e| (i + 7).encode(e));
         }
         let (file, _) = w.finish();
-        let (image, live) = growing_chain();
+        let (chain, live) = growing_chain();
+        let image = &chain.files[..1];
         let files = [image[0].clone(), file];
         let mut s = KeyedState::<i64>::new(16, true, 100);
         s.reserve_restored_entries(live + 1000);
         let room = s.map.capacity();
-        assert!(!s.restore_chain_by_shard(&bodies(&files), (0, 16)).unwrap());
+        assert!(!s.restore_chain_by_shard(&bodies(&files), &[None, None], (0, 16)).unwrap());
         assert_eq!((s.cached_len(), s.map.capacity()), (0, room), "emptied, its room kept");
         let mut by_file = KeyedState::<i64>::new(16, true, 100);
         for body in bodies(&files) {
@@ -430,6 +525,6 @@ mod tests {
         assert_eq!(sorted(&s), sorted(&by_file));
         assert_eq!(s.cached_len(), 120_000, "the first image's keys; the file's are among them");
         let mut set = KeyedState::<()>::new(16, true, 100);
-        assert!(!set.restore_chain_by_shard(&bodies(&image), (0, 16)).unwrap());
+        assert!(!set.restore_chain_by_shard(&bodies(image), &[None], (0, 16)).unwrap());
     }
 }

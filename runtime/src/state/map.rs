@@ -91,6 +91,12 @@ impl RestoreOrder {
     pub fn of(&self, hash: u64) -> u64 {
         storage_order(hash, self.buckets[shard_of(hash)])
     }
+
+    /// The shard of a place [`Self::of`] gave.
+    #[inline]
+    pub fn shard_in(order: u64) -> usize {
+        (order >> 58) as usize
+    }
 }
 
 /// The hash the map gives a key.
@@ -374,6 +380,12 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
     /// Every entry, for update.
     pub fn iter_mut(&mut self) -> impl Iterator<Item = (&K, &mut V)> {
         self.shards.iter_mut().flat_map(|s| s.iter_mut().map(|(k, v)| (&*k, v)))
+    }
+
+    /// The entries of shard `index` (of [`SHARDS`]), for update: [`Self::iter_mut`] lists them
+    /// shard after shard.
+    pub fn shard_iter_mut(&mut self, index: usize) -> impl Iterator<Item = (&K, &mut V)> {
+        self.shards[index].iter_mut().map(|(k, v)| (&*k, v))
     }
 
     /// Every value, for update.

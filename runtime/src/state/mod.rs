@@ -258,6 +258,10 @@ pub struct KeyedSnapshot {
     /// on the rocksdb backend, whose full images list a key twice when both its store and its
     /// cache hold it (the later entry wins).
     pub puts_from: Option<u64>,
+    /// (heap backend, except a set's increments) The bytes of each shard's puts, in shard
+    /// order: the file lists its puts shard after shard
+    /// ([`weir_checkpoint::metadata::FileRef::shard_bytes`]).
+    pub shard_bytes: Option<Vec<u64>>,
 }
 
 impl<V: StateValue, K: StateKey> KeyedState<V, K> {
@@ -760,12 +764,18 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             self.increments_since_full = 0;
             self.tracking_restarts();
             let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
-            for (k, s) in self.map.iter_mut() {
-                s.dirty = false;
-                w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+            let mut shard_bytes = Vec::with_capacity(map::SHARDS);
+            for shard in 0..map::SHARDS {
+                let from = w.entries_len();
+                for (k, s) in self.map.shard_iter_mut(shard) {
+                    s.dirty = false;
+                    w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+                }
+                shard_bytes.push((w.entries_len() - from) as u64);
             }
             // The map's keys, each once.
-            return Ok(KeyedSnapshot { puts_from: Some(0), ..finish(FileKind::KeyedFull, w) });
+            let shard_bytes = Some(shard_bytes);
+            return Ok(KeyedSnapshot { puts_from: Some(0), shard_bytes, ..finish(FileKind::KeyedFull, w) });
         }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.increment_capacity(0));
@@ -778,12 +788,17 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         // Each key once from here: the map's dirty entries, or a set's inserted keys (a key
         // inserted again is put again, with the same value).
         let puts_from = w.entries_len() as u64;
-        if let Some(value) = only_value {
-            self.write_inserted_keys(&mut w, &deleted, &value);
+        let mut shard_bytes = vec![0u64; map::SHARDS];
+        if let Some(value) = &only_value {
+            self.write_inserted_keys(&mut w, &deleted, value);
         } else if scan {
-            for (k, s) in self.map.iter_mut().filter(|(_, s)| s.dirty) {
-                s.dirty = false;
-                w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+            for (shard, bytes) in shard_bytes.iter_mut().enumerate() {
+                let from = w.entries_len();
+                for (k, s) in self.map.shard_iter_mut(shard).filter(|(_, s)| s.dirty) {
+                    s.dirty = false;
+                    w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+                }
+                *bytes = (w.entries_len() - from) as u64;
             }
             self.changed.clear();
         } else {
@@ -797,7 +812,10 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                     if let Some(s) = self.map.get_mut_hashed(hash, k) {
                         if s.dirty {
                             s.dirty = false;
+                            let from = w.entries_len();
                             w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+                            // In bucket order, shard after shard.
+                            shard_bytes[map::shard_of(hash)] += (w.entries_len() - from) as u64;
                         }
                     }
                 }
@@ -812,6 +830,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         self.deleted = deleted;
         let mut snapshot = finish(FileKind::KeyedIncrement, w);
         snapshot.puts_from = Some(puts_from);
+        snapshot.shard_bytes = only_value.is_none().then_some(shard_bytes);
         Ok(self.increment_written(snapshot))
     }
 
@@ -1032,6 +1051,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             entries,
             live_entries: None,
             puts_from: None,
+            shard_bytes: None,
         })
     }
 
@@ -1473,7 +1493,7 @@ fn owns(key_groups: (u32, u32), key_group: u32) -> bool {
 fn finish(kind: FileKind, w: StateFileWriter) -> KeyedSnapshot {
     let entries = w.entries();
     let (data, crc32c) = w.finish();
-    KeyedSnapshot { kind, data, file: None, crc32c, entries, live_entries: None, puts_from: None }
+    KeyedSnapshot { kind, data, file: None, crc32c, entries, live_entries: None, puts_from: None, shard_bytes: None }
 }
 
 /// A state file written to local disk, deleted when dropped (once uploaded, or when its
