@@ -422,9 +422,10 @@ impl Num {
 ///   per key (the CEL pipeline's `counts`) read that slice on every record: a second cache
 ///   miss per record, which was 63% of the lookups' time (`perf`).
 /// - One ([`AccOne`], 16 bytes): a list holds one accumulator inline, but as an [`Acc`] of 32
-///   bytes (its minimum and maximum are values). The keyed count's map entry (key, value and
+///   bytes (its minimum and maximum are values). A running sum's map entry (key, value and
 ///   the slot's flags) is 48 bytes with it instead of 64: a quarter less memory to fill on a
-///   restore and to miss in the caches on every record (`runtime/BENCHMARKS.md`).
+///   restore and to miss in the caches on every record (`runtime/BENCHMARKS.md`). A count
+///   alone is held in 8 ([`AccCount`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AccNums<const N: usize>(pub [Num; N]);
 
@@ -511,13 +512,14 @@ impl StateValue for AccCount {
         AccNums([Num::Count(self.0)]).encode(e)
     }
 
-    /// Reads an [`AccList`] of one count; another list is malformed here.
+    /// Reads an [`AccList`] of one count ([`Acc::encode`]'s tag 0 and the count); another
+    /// list is malformed here.
     #[inline(always)]
     fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
-        match AccOne::decode(d)? {
-            AccNums([Num::Count(n)]) => Ok(AccCount(n)),
-            _ => Err(FormatError::Malformed(d.position())),
+        if d.varint()? != 1 || d.u8()? != 0 {
+            return Err(FormatError::Malformed(d.position()));
         }
+        Ok(AccCount(d.svarint()?))
     }
 }
 
