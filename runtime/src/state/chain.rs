@@ -351,8 +351,11 @@ impl WindowFill {
             let Some(raw) = entry.value else {
                 return Err(StoreError::Decode(weir_checkpoint::format::FormatError::Malformed(at.offset as usize)));
             };
-            let slot = Slot::restored(V::decode(&mut Decoder::new(raw))?, entry.key_group);
-            K::decode_then(entry.key, |key| filler.apply(at.hash, key, Some(slot)))?;
+            // The slot is made inside the closure: made outside, the closure read it back from
+            // memory with a load that waited for the writes that made it (`perf`: a quarter of
+            // the apply's samples).
+            let (value, key_group) = (V::decode(&mut Decoder::new(raw))?, entry.key_group);
+            K::decode_then(entry.key, |key| filler.apply(at.hash, key, Some(Slot::restored(value, key_group))))?;
         }
         Ok(())
     }

@@ -485,6 +485,7 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
     }
 
     /// [`Self::try_apply`], waiting for the shard's lock.
+    #[inline(always)]
     pub fn apply(&mut self, hash: u64, key: K, value: Option<V>) {
         if let Some(table) = self.shard(shard_of(hash), true) {
             let layout = change(table, hash, key, value);
