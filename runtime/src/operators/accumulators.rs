@@ -512,14 +512,13 @@ impl StateValue for AccCount {
         AccNums([Num::Count(self.0)]).encode(e)
     }
 
-    /// Reads an [`AccList`] of one count ([`Acc::encode`]'s tag 0 and the count); another
-    /// list is malformed here.
+    /// Reads an [`AccList`] of one count; another list is malformed here.
     #[inline(always)]
     fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
-        if d.varint()? != 1 || d.u8()? != 0 {
-            return Err(FormatError::Malformed(d.position()));
+        match AccOne::decode(d)? {
+            AccNums([Num::Count(n)]) => Ok(AccCount(n)),
+            _ => Err(FormatError::Malformed(d.position())),
         }
-        Ok(AccCount(d.svarint()?))
     }
 }
 

@@ -221,14 +221,12 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 struct WindowFill {
     /// The shard's entries in the chain's order: hash, file and offset in the file's part.
     found: Vec<EntryRef>,
-    /// The window of each entry of `found`.
-    windows: Vec<u32>,
-    /// Where each window's entries go in `ordered`.
-    window_starts: Vec<u32>,
+    /// Where each window's entries end in `ordered`.
+    window_ends: Vec<u32>,
     /// `found`, window after window, each window's in the chain's order.
     ordered: Vec<EntryRef>,
-    /// Where each group of buckets of a window starts in `in_window` ([`group_in_window`]).
-    by_group: Vec<u32>,
+    /// Where each group of buckets of a window ends in `in_window` ([`group_in_window`]).
+    group_ends: Vec<u32>,
     /// One window's entries of `ordered`, group of buckets after group, each group's in the
     /// chain's order.
     in_window: Vec<EntryRef>,
@@ -242,6 +240,32 @@ const GROUP_BUCKETS: usize = 16;
 #[inline(always)]
 fn group_in_window(hash: u64, mask: usize) -> usize {
     ((hash as usize & mask) / GROUP_BUCKETS) % (WINDOW_BUCKETS / GROUP_BUCKETS)
+}
+
+/// `from`'s references into `into`, part after part by `part_of` their hash (below `parts`),
+/// each part's in `from`'s order (a counting sort); then `ends[p]` is where part `p` ends.
+fn partition_stably(
+    from: &[EntryRef],
+    into: &mut Vec<EntryRef>,
+    ends: &mut Vec<u32>,
+    parts: usize,
+    part_of: impl Fn(u64) -> usize,
+) {
+    ends.clear();
+    ends.resize(parts + 1, 0);
+    for e in from {
+        ends[part_of(e.hash) + 1] += 1;
+    }
+    for p in 1..=parts {
+        ends[p] += ends[p - 1];
+    }
+    into.clear();
+    into.resize(from.len(), EntryRef::default());
+    for e in from {
+        let at = &mut ends[part_of(e.hash)];
+        into[*at as usize] = *e;
+        *at += 1;
+    }
 }
 
 /// Where an entry of a shard is: its key's hash, its file (index into the parts), and its
@@ -268,7 +292,6 @@ impl WindowFill {
         let mask = buckets.max(1) - 1;
         let shift = WINDOW_BUCKETS.trailing_zeros();
         self.found.clear();
-        self.windows.clear();
         for (index, part) in parts.iter().enumerate() {
             let mut entries = keyed_entries(part);
             loop {
@@ -285,47 +308,19 @@ impl WindowFill {
                 if map::shard_of(hash) != shard {
                     return Ok(false);
                 }
-                self.windows.push((((hash as usize) & mask) >> shift) as u32);
                 self.found.push(EntryRef { hash, part: index as u32, offset: offset as u32 });
             }
         }
-        // A counting sort by window, stable: each window's entries stay in the chain's order.
+        // Window by window, then within each window group by group; each in the chain's order.
         let windows = (buckets >> shift).max(1);
-        self.window_starts.clear();
-        self.window_starts.resize(windows + 1, 0);
-        for &w in &self.windows {
-            self.window_starts[w as usize + 1] += 1;
-        }
-        for w in 1..=windows {
-            self.window_starts[w] += self.window_starts[w - 1];
-        }
-        self.ordered.clear();
-        self.ordered.resize(self.found.len(), EntryRef::default());
-        for (found, &w) in self.found.iter().zip(&self.windows) {
-            let at = &mut self.window_starts[w as usize];
-            self.ordered[*at as usize] = *found;
-            *at += 1;
-        }
-        // Each window's entries by their group of buckets, stable: now `window_starts[w]` is
-        // where window `w` ends.
-        self.by_group.resize(WINDOW_BUCKETS / GROUP_BUCKETS + 1, 0);
+        let window_of = |hash: u64| ((hash as usize) & mask) >> shift;
+        partition_stably(&self.found, &mut self.ordered, &mut self.window_ends, windows, window_of);
         let mut from = 0;
         for w in 0..windows {
-            let to = self.window_starts[w] as usize;
-            self.by_group.fill(0);
-            for e in &self.ordered[from..to] {
-                self.by_group[group_in_window(e.hash, mask) + 1] += 1;
-            }
-            for g in 1..self.by_group.len() {
-                self.by_group[g] += self.by_group[g - 1];
-            }
-            self.in_window.clear();
-            self.in_window.resize(to - from, EntryRef::default());
-            for e in &self.ordered[from..to] {
-                let at = &mut self.by_group[group_in_window(e.hash, mask)];
-                self.in_window[*at as usize] = *e;
-                *at += 1;
-            }
+            let to = self.window_ends[w] as usize;
+            let group_of = |hash: u64| group_in_window(hash, mask);
+            let groups = WINDOW_BUCKETS / GROUP_BUCKETS;
+            partition_stably(&self.ordered[from..to], &mut self.in_window, &mut self.group_ends, groups, group_of);
             from = to;
             self.apply_in_order(filler, parts)?;
         }

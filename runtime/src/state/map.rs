@@ -48,8 +48,11 @@ pub fn shard_of(hash: u64) -> usize {
 /// `hash`: shard, then bucket. Entries restored in this order fill each shard front to back.
 #[inline]
 fn storage_order(hash: u64, buckets_per_shard: u64) -> u64 {
-    ((shard_of(hash) as u64) << 58) | (hash & (buckets_per_shard - 1))
+    ((shard_of(hash) as u64) << SHARD_IN_ORDER) | (hash & (buckets_per_shard - 1))
 }
+
+/// Where [`storage_order`] puts the shard: above any bucket's index.
+const SHARD_IN_ORDER: u32 = 58;
 
 /// How many entries shard `index` of `capacity` holds when the next new key makes it grow: from
 /// three quarters of its capacity (shard 0) to all of it (the last shard).
@@ -95,7 +98,7 @@ impl RestoreOrder {
     /// The shard of a place [`Self::of`] gave.
     #[inline]
     pub fn shard_in(order: u64) -> usize {
-        (order >> 58) as usize
+        (order >> SHARD_IN_ORDER) as usize
     }
 }
 

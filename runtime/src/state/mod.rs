@@ -764,17 +764,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             self.increments_since_full = 0;
             self.tracking_restarts();
             let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
-            let mut shard_bytes = Vec::with_capacity(map::SHARDS);
-            for shard in 0..map::SHARDS {
-                let from = w.entries_len();
-                for (k, s) in self.map.shard_iter_mut(shard) {
-                    s.dirty = false;
-                    w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
-                }
-                shard_bytes.push((w.entries_len() - from) as u64);
-            }
             // The map's keys, each once.
-            let shard_bytes = Some(shard_bytes);
+            let shard_bytes = Some(self.put_by_shard(&mut w, false));
             return Ok(KeyedSnapshot { puts_from: Some(0), shard_bytes, ..finish(FileKind::KeyedFull, w) });
         }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
@@ -792,14 +783,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         if let Some(value) = &only_value {
             self.write_inserted_keys(&mut w, &deleted, value);
         } else if scan {
-            for (shard, bytes) in shard_bytes.iter_mut().enumerate() {
-                let from = w.entries_len();
-                for (k, s) in self.map.shard_iter_mut(shard).filter(|(_, s)| s.dirty) {
-                    s.dirty = false;
-                    w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
-                }
-                *bytes = (w.entries_len() - from) as u64;
-            }
+            shard_bytes = self.put_by_shard(&mut w, true);
             self.changed.clear();
         } else {
             // The increment then lists its entries in bucket order, as a restore fills its map.
@@ -832,6 +816,21 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         snapshot.puts_from = Some(puts_from);
         snapshot.shard_bytes = only_value.is_none().then_some(shard_bytes);
         Ok(self.increment_written(snapshot))
+    }
+
+    /// Puts the map's entries (`only_dirty`: the changed ones) into `w` shard after shard,
+    /// each then clean; the bytes of each shard's.
+    fn put_by_shard(&mut self, w: &mut StateFileWriter, only_dirty: bool) -> Vec<u64> {
+        (0..map::SHARDS)
+            .map(|shard| {
+                let from = w.entries_len();
+                for (k, s) in self.map.shard_iter_mut(shard).filter(|(_, s)| s.dirty || !only_dirty) {
+                    s.dirty = false;
+                    w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+                }
+                (w.entries_len() - from) as u64
+            })
+            .collect()
     }
 
     /// `snapshot` with the number of keys the state holds now: on the heap backend the map's,
