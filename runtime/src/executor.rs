@@ -264,13 +264,15 @@ pub fn run_job(
             })
             .collect::<Result<_, _>>()?,
     };
-    let (initial, mut restore_reason) = exec.initial_restore()?;
-    let mut restore = initial.clone();
+    let (mut restore, mut restore_reason) = exec.initial_restore()?;
+    // Only where the run started from is kept: each attempt drops its state once its tasks
+    // hold it (a heap restore's files are about as large as the state they fill).
+    let initial = restore.as_ref().map(RunRestorePoint::of);
     let mut restarts = 0u32;
     loop {
         metrics.set_state(JobState::Starting);
         metrics.board().restored_from = restore.as_ref().map(|r| r.path.clone());
-        let end = exec.attempt(restore.as_ref(), &restore_reason);
+        let end = exec.attempt(restore.take(), &restore_reason);
         match end {
             AttemptEnd::Fenced(e) => {
                 tracing::error!(error = %e, "fenced by a newer run of this job: stopping without writing more");
@@ -341,6 +343,24 @@ pub fn run_job(
                 );
             }
         }
+    }
+}
+
+/// Where a run started from, without its state: what a restart in the same process needs to
+/// take it again ([`Executor::failover_restore`]).
+#[derive(Clone, Debug)]
+struct RunRestorePoint {
+    /// Its checkpoint id: a restart takes none older.
+    checkpoint_id: u64,
+    /// Where it is ([`RestoredState::path`]), read again when no newer one will do.
+    path: String,
+    /// [`RestoredState::in_job_root`], as the run's start decided it.
+    in_job_root: bool,
+}
+
+impl RunRestorePoint {
+    fn of(r: &RestoredState) -> RunRestorePoint {
+        RunRestorePoint { checkpoint_id: r.checkpoint_id, path: r.path.clone(), in_job_root: r.in_job_root }
     }
 }
 
@@ -502,10 +522,10 @@ impl Executor<'_> {
     }
 
     /// After a failure in this process: the newest valid restore point at or above the one
-    /// the run started from (or that one itself, when it lives outside the job's root). When
-    /// the run took the newest valid one (`--restore latest`) and a lazy restore has since found
-    /// that one damaged, the newest valid one below it, as a new process would take.
-    fn failover_restore(&self, initial: Option<&RestoredState>) -> Result<(Option<RestoredState>, String), JobError> {
+    /// the run started from (or that one itself, read again, when it lives outside the job's
+    /// root). When the run took the newest valid one (`--restore latest`) and a lazy restore has
+    /// since found that one damaged, the newest valid one below it, as a new process would take.
+    fn failover_restore(&self, initial: Option<&RunRestorePoint>) -> Result<(Option<RestoredState>, String), JobError> {
         let floor = initial.map_or(0, |r| r.checkpoint_id);
         let keyed_in = self.keyed_files_in();
         let selection = match crate::io().block_on(newest_valid(&self.storage, floor, &keyed_in)) {
@@ -523,7 +543,23 @@ impl Executor<'_> {
         let reason = selection.reason();
         match selection.restored {
             Some(r) => Ok((Some(r), reason)),
-            None => Ok((initial.cloned(), "restarted from the restore point of the run".to_string())),
+            None => {
+                let reason = "restarted from the restore point of the run".to_string();
+                let Some(point) = initial else { return Ok((None, reason)) };
+                let (storage, found) = crate::io().block_on(open_path(&point.path))?;
+                let mut r = crate::io().block_on(RestoredState::load(&storage, &found, &keyed_in))?;
+                if r.checkpoint_id != point.checkpoint_id {
+                    return Err(JobError::Restore(RestoreError::Invalid {
+                        path: point.path.clone(),
+                        reason: format!(
+                            "it held checkpoint {} when the run started and holds {} now",
+                            point.checkpoint_id, r.checkpoint_id
+                        ),
+                    }));
+                }
+                r.in_job_root = point.in_job_root;
+                Ok((Some(r), reason))
+            }
         }
     }
 
@@ -648,7 +684,8 @@ impl Executor<'_> {
         Ok(())
     }
 
-    fn attempt(&mut self, restored: Option<&RestoredState>, reason: &str) -> AttemptEnd {
+    fn attempt(&mut self, restored_state: Option<RestoredState>, reason: &str) -> AttemptEnd {
+        let restored = restored_state.as_ref();
         // Merges the last attempt wrote and never got listed are orphans from now on (its
         // checkpoints are over); a retention pass it started may still rely on them being
         // protected, so it ends first.
@@ -682,6 +719,9 @@ impl Executor<'_> {
             Ok(r) => r,
             Err(e) => return AttemptEnd::Failed(e.to_string()),
         };
+        // The tasks hold what they restored: the files it came from are not needed any more
+        // (a restart reads its restore point again).
+        drop(restored_state);
         self.metrics.set_state(JobState::Running);
         let end = self.coordinate(&running, &events);
         running.stop();

@@ -857,6 +857,29 @@ fn a_checkpoint_of_another_root_restores_into_checkpoints_that_stand_on_their_ow
     }
 }
 
+/// A run restored from another root's checkpoint that fails before it checkpointed in its own
+/// root restarts from that checkpoint, read again: a run keeps where it started from, not the
+/// files it read (a heap restore's files are about as large as the state they fill, and were
+/// held for the whole run). The failure comes at the first batch, before any checkpoint.
+#[test]
+fn a_restart_before_the_first_checkpoint_reads_the_runs_restore_point_again() {
+    let mut p = JobParams::new("read-again");
+    p.rate = Some(8_000);
+    let golden = golden_output(&p);
+    let (d, out, chk) = workdir("read-again");
+    let yaml = job_yaml(&p, &out);
+    cancel_after_three_checkpoints(&yaml, opts(&chk));
+    let other_root = newest_checkpoint(&chk);
+    let own = d.path().join("own-root");
+    let plan = FaultPlan { seed: 3, task_panic: 1.0, max_faults: 1, ..Default::default() };
+    let run = RunOptionsExt::with_faults(opts(&own).restore_path(other_root.to_str().unwrap()), plan);
+    let (outcome, m) = run_to_end(&yaml, run);
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert_eq!((m.injected_faults.get(), m.restarts.get()), (1, 1));
+    assert_eq!(m.board().restored_from.as_deref(), Some(other_root.to_str().unwrap()));
+    assert_same_output(&golden, &committed(&out), "restarted from another root's checkpoint");
+}
+
 #[test]
 fn stop_with_drain_flushes_every_open_window_into_the_savepoint_commit() {
     let (_d, out, chk) = workdir("drain");
