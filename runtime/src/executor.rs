@@ -74,6 +74,18 @@ pub struct RunOptions {
     pub holder: Option<String>,
     /// Test hook.
     pub faults: Option<FaultPlan>,
+    /// Most bytes of keyed state files a heap backend's restore holds in memory; a larger
+    /// restore reads them in parts from local files (`None`: a quarter of the memory the
+    /// process may use, [`default_restore_files_in_memory_max`]).
+    pub restore_files_in_memory_max: Option<u64>,
+}
+
+/// A quarter of the memory this process may use ([`crate::memory_limit::process_memory_limit`]):
+/// the most bytes of keyed state files a heap backend's restore holds in memory by default.
+/// Files in memory are applied on every core, but stay there next to the state they fill
+/// until it is built; a job whose state fits in its limit must restore within it too.
+pub fn default_restore_files_in_memory_max() -> u64 {
+    crate::memory_limit::process_memory_limit().map_or(u64::MAX, |limit| limit / 4)
 }
 
 /// An instruction from the control API.
@@ -564,11 +576,15 @@ impl Executor<'_> {
     }
 
     /// Where a restore keeps keyed state files: on local disk for the rocksdb backend, whose
-    /// state (and so its checkpoint) may be larger than memory.
+    /// state (and so its checkpoint) may be larger than memory; in memory for the heap backend
+    /// up to [`RunOptions::restore_files_in_memory_max`].
     fn keyed_files_in(&self) -> KeyedFilesIn {
         match self.job.spec.state_backend {
             StateBackendKind::Rocksdb => KeyedFilesIn::LocalDir(local_state_dir()),
-            StateBackendKind::Heap => KeyedFilesIn::Memory,
+            StateBackendKind::Heap => KeyedFilesIn::MemoryUpTo {
+                bytes: self.opts.restore_files_in_memory_max.unwrap_or_else(default_restore_files_in_memory_max),
+                dir: local_state_dir(),
+            },
         }
     }
 

@@ -10,6 +10,7 @@ pub mod faults;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod malloc;
+pub mod memory_limit;
 pub mod message;
 pub mod metrics;
 pub mod operator;

@@ -72,6 +72,42 @@ pub enum KeyedFilesIn {
     /// In local files under this directory, read back in parts (the rocksdb backend, whose
     /// state may be larger than memory).
     LocalDir(PathBuf),
+    /// In memory while a restore's keyed state files take at most `bytes` in all, else in
+    /// local files under `dir` (the heap backend). Files in memory are applied on every core,
+    /// but stay there until the state they fill is built: a restore whose files are about as
+    /// large as its state (long values) needed twice its memory. Local files are read back in
+    /// parts; on a local filesystem they are hard links to the checkpoint's files, read once
+    /// to verify them.
+    MemoryUpTo {
+        /// Most bytes of keyed state files held in memory.
+        bytes: u64,
+        /// Where larger restores keep them.
+        dir: PathBuf,
+    },
+    /// (A larger restore of [`Self::MemoryUpTo`]) In local files under this directory, read
+    /// back in parts. On a local filesystem they are hard links to the snapshot's files,
+    /// verified as the restore reads them ([`LocalCopy::verify_read`]) rather than read once
+    /// more before: a state that fills memory leaves no page cache to read them from twice.
+    LocalReadOnce(PathBuf),
+}
+
+impl KeyedFilesIn {
+    /// Where a restore of the snapshot `m` keeps its keyed state files: [`Self::MemoryUpTo`]
+    /// decided by the bytes of all of them.
+    pub fn for_snapshot(&self, m: &weir_checkpoint::CheckpointMetadata) -> KeyedFilesIn {
+        let KeyedFilesIn::MemoryUpTo { bytes, dir } = self else { return self.clone() };
+        let keyed: u64 =
+            m.operators.values().flat_map(|op| &op.subtasks).flat_map(|s| &s.keyed_state).map(|f| f.len).sum();
+        if keyed <= *bytes {
+            return KeyedFilesIn::Memory;
+        }
+        tracing::info!(
+            keyed_bytes = keyed,
+            in_memory_max = bytes,
+            "the restore's keyed state files are read in parts from local files, not held in memory"
+        );
+        KeyedFilesIn::LocalReadOnce(dir.clone())
+    }
 }
 
 /// A verified keyed state file of a restore.
@@ -266,6 +302,80 @@ pub struct LocalCopy {
     pub path: PathBuf,
     /// Its length.
     pub len: u64,
+    /// A file of the heap backend: where its puts start among its entries
+    /// ([`FileRef::puts_from`]), so that its parts are applied on every core.
+    pub puts_from: Option<u64>,
+    /// A link to a snapshot's file that was not read yet: verified as it is read.
+    pub unverified: Option<Box<UnverifiedLink>>,
+}
+
+/// Where a [`LocalCopy`] linked unread came from, to verify it against and to record its
+/// damage in ([`weir_checkpoint::layout::DAMAGED`]).
+#[derive(Debug)]
+pub struct UnverifiedLink {
+    storage: Storage,
+    /// The file's path from the storage root.
+    path: String,
+    file: FileRef,
+}
+
+impl LocalCopy {
+    /// Whether the copy is a link that must be verified as it is read.
+    pub fn unverified(&self) -> bool {
+        self.unverified.is_some()
+    }
+
+    /// After the whole of an unverified copy was read, what was read (`digest`) against the
+    /// snapshot's reference: a mismatch is recorded as the file's damage, so that no later
+    /// restore picks a snapshot that needs it, and returned. A verified copy passes.
+    pub fn verify_read(&self, digest: &weir_checkpoint::FileDigest) -> Result<(), String> {
+        let Some(link) = &self.unverified else { return Ok(()) };
+        let Err(why) = link.file.check(digest) else { return Ok(()) };
+        let url = link.storage.url_of(&link.path);
+        let record = weir_checkpoint::layout::damage_record(&link.path);
+        tracing::error!(
+            file = %url,
+            %why,
+            "a state file of the restore is damaged; no later restore will pick a snapshot that needs it"
+        );
+        let put = retrying(&record, || async { Ok(link.storage.put(&record, Bytes::from(why.clone())).await?) });
+        if let Err(e) = crate::io().block_on(put) {
+            tracing::error!(record = %link.storage.url_of(&record), error = %e, "recording the damage failed");
+        }
+        Err(format!("{url}: {why}"))
+    }
+
+    /// [`Self::verify_read`] of the whole file read again: for a read that stopped early.
+    pub fn verify_whole(&self) -> Result<(), String> {
+        if self.unverified.is_none() {
+            return Ok(());
+        }
+        let digest = weir_checkpoint::local::file_digest(&self.path)
+            .map_err(|e| format!("reading the local copy {}: {e}", self.path.display()))?;
+        self.verify_read(&digest)
+    }
+}
+
+/// Reads through to `inner`, computing the digest of every byte read.
+pub struct DigestingReader<R> {
+    inner: R,
+    /// Of the bytes read so far.
+    pub digest: weir_checkpoint::FileDigest,
+}
+
+impl<R> DigestingReader<R> {
+    /// Nothing read yet.
+    pub fn new(inner: R) -> Self {
+        DigestingReader { inner, digest: weir_checkpoint::FileDigest::default() }
+    }
+}
+
+impl<R: std::io::Read> std::io::Read for DigestingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.digest.update(&buf[..n]);
+        Ok(n)
+    }
 }
 
 impl Drop for LocalCopy {
@@ -284,7 +394,7 @@ impl KeyedFile {
         let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("restore-{}-{n}", std::process::id()));
         std::fs::write(&path, data).unwrap();
-        KeyedFile::Local(Arc::new(LocalCopy { path, len: data.len() as u64 }))
+        KeyedFile::Local(Arc::new(LocalCopy { path, len: data.len() as u64, puts_from: None, unverified: None }))
     }
 }
 
@@ -523,6 +633,7 @@ impl RestoredState {
         keyed_in: &KeyedFilesIn,
     ) -> Result<RestoredState, RestoreError> {
         let m = &found.metadata;
+        let keyed_in = &keyed_in.for_snapshot(m);
         let damaged = damaged_files(storage).await?;
         let mut operators = BTreeMap::new();
         let mut stored = Vec::new();
@@ -715,12 +826,14 @@ async fn load_keyed_file(
         }
     }
     Ok(match keyed_in {
-        KeyedFilesIn::Memory => {
+        // `MemoryUpTo` was decided for the whole snapshot before ([`KeyedFilesIn::for_snapshot`]).
+        KeyedFilesIn::Memory | KeyedFilesIn::MemoryUpTo { .. } => {
             let data = read_verified(storage, found, f).await?;
             weir_checkpoint::format::open_verified(&data).map_err(|e| corrupt(storage, found, f, e))?;
             (KeyedFile::Memory { data, puts_from: f.puts_from, shard_starts: f.shard_starts() }, f.len)
         }
         KeyedFilesIn::LocalDir(dir) => (KeyedFile::Local(copy_verified(storage, found, f, dir).await?), f.len),
+        KeyedFilesIn::LocalReadOnce(dir) => (KeyedFile::Local(link_unread(storage, found, f, dir).await?), f.len),
     })
 }
 
@@ -768,7 +881,8 @@ async fn copy_verified(
     // are deleted with its stores.
     let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
     // Deleted by its drop if anything below fails.
-    let copy = LocalCopy { path: dir.join(format!("restore-{}-{n}", std::process::id())), len: f.len };
+    let copy_path = dir.join(format!("restore-{}-{n}", std::process::id()));
+    let copy = LocalCopy { path: copy_path, len: f.len, puts_from: f.puts_from, unverified: None };
     let digest = match storage.get_to_file(&path, &copy.path).await {
         Ok(got) => got,
         Err(StorageError::NotFound(_)) => {
@@ -778,6 +892,41 @@ async fn copy_verified(
     };
     f.check(&digest).map_err(|reason| RestoreError::CorruptFile { path: storage.url_of(&path), reason })?;
     Ok(Arc::new(copy))
+}
+
+/// A state file linked to a new local file under `dir` unread, its length checked, to be
+/// verified as it is read ([`LocalCopy::verify_read`]); where it cannot be linked, copied and
+/// verified ([`copy_verified`]).
+async fn link_unread(
+    storage: &Storage,
+    found: &Restorable,
+    f: &FileRef,
+    dir: &std::path::Path,
+) -> Result<Arc<LocalCopy>, RestoreError> {
+    let path = found.resolve(&f.path);
+    let local_failed = |e: std::io::Error| RestoreError::LocalCopy { dir: dir.display().to_string(), source: e };
+    std::fs::create_dir_all(dir).map_err(local_failed)?;
+    let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
+    let link_path = dir.join(format!("restore-{}-{n}", std::process::id()));
+    let linked = match storage.link_to_file(&path, &link_path) {
+        Ok(linked) => linked,
+        Err(StorageError::NotFound(_)) => {
+            return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() })
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let Some(len) = linked else { return copy_verified(storage, found, f, dir).await };
+    let link = LocalCopy {
+        path: link_path,
+        len: f.len,
+        puts_from: f.puts_from,
+        unverified: Some(Box::new(UnverifiedLink { storage: storage.clone(), path: path.clone(), file: f.clone() })),
+    };
+    if len != f.len {
+        let reason = format!("{len} bytes where the metadata says {}", f.len);
+        return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason });
+    }
+    Ok(Arc::new(link))
 }
 
 /// Opens a snapshot named by path or URL: a `.../checkpoints/chk-<N>` directory (whose shared
@@ -1267,6 +1416,55 @@ mod tests {
     /// fetched when asked, from the copy once it is there; a damaged or missing one is
     /// recorded, and from then on no restore picks a checkpoint that needs the file: the next
     /// one falls back to an older checkpoint, naming the damage.
+    /// A heap restore over its budget of files in memory (`KeyedFilesIn::MemoryUpTo`) links a
+    /// local checkpoint's files unread; one within it reads them into memory. A link read whole
+    /// verifies against the metadata; damaged in place (its length kept), it fails naming the
+    /// file and records the damage, so that the next selection passes over the checkpoint. The
+    /// link goes with the restore; the checkpoint's file stays.
+    #[test]
+    fn heap_restores_over_their_budget_link_files_unread_and_verify_them_as_read() {
+        let root = tempfile::tempdir().unwrap();
+        let s = Storage::open(root.path().to_str().unwrap()).unwrap();
+        let file = crate::io().block_on(keyed_checkpoint(&s, 1, 50));
+        let local = tempfile::tempdir().unwrap();
+        let up_to = |bytes| KeyedFilesIn::MemoryUpTo { bytes, dir: local.path().to_path_buf() };
+        let load = |keyed_in| crate::io().block_on(newest_valid(&s, 0, &keyed_in));
+        let within = load(up_to(file.len)).unwrap().restored.unwrap();
+        let files = within.keyed_for("counts", (0, 8), 1).unwrap().files;
+        assert!(matches!(files.as_slice(), [KeyedFile::Memory { .. }]), "{files:?}");
+
+        let over = load(up_to(file.len - 1)).unwrap().restored.unwrap();
+        assert_eq!(over.bytes, file.len);
+        let keyed = over.keyed_for("counts", (0, 8), 1).unwrap();
+        let [KeyedFile::Local(link)] = keyed.files.as_slice() else { panic!("{:?}", keyed.files) };
+        assert!(link.unverified());
+        let object = root.path().join(layout::resolve(&layout::checkpoint_dir(1), &file.path));
+        use std::os::unix::fs::MetadataExt;
+        let inode = |p: &std::path::Path| std::fs::metadata(p).unwrap().ino();
+        assert_eq!(inode(&link.path), inode(&object), "linked, not copied");
+        let read_whole = |path: &std::path::Path| {
+            let mut read = DigestingReader::new(std::fs::File::open(path).unwrap());
+            std::io::copy(&mut read, &mut std::io::sink()).unwrap();
+            read.digest
+        };
+        link.verify_read(&read_whole(&link.path)).unwrap();
+        link.verify_whole().unwrap();
+
+        let mut bytes = std::fs::read(&object).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0x01;
+        std::fs::write(&object, bytes).unwrap();
+        let why = link.verify_read(&read_whole(&link.path)).unwrap_err();
+        assert!(why.contains("counts-1.wst") && why.contains("crc32c"), "{why}");
+        assert!(link.verify_whole().is_err());
+        let refused = load(up_to(0)).unwrap_err().to_string();
+        assert!(refused.contains("damaged"), "{refused}");
+        let link_path = link.path.clone();
+        drop((keyed, over));
+        assert!(!link_path.exists(), "the link goes with the restore");
+        assert!(object.exists(), "the checkpoint's file stays");
+    }
+
     #[test]
     fn increments_by_key_group_stay_in_storage_and_a_recorded_damage_refuses_their_checkpoints() {
         use crate::state::bulk::StoredIncrement;

@@ -289,6 +289,17 @@ fn same_output_under_faults(
     seeds: &[u64],
     job: impl Fn(&std::path::Path) -> String,
 ) {
+    same_output_under_faults_with(golden, name, seeds, job, opts)
+}
+
+/// [`same_output_under_faults`], each run with `options` for its checkpoint directory.
+fn same_output_under_faults_with(
+    golden: &std::collections::BTreeMap<String, Vec<String>>,
+    name: &str,
+    seeds: &[u64],
+    job: impl Fn(&std::path::Path) -> String,
+    options: impl Fn(&std::path::Path) -> weir_runtime::executor::RunOptions,
+) {
     for &seed in seeds {
         let (_d, out, chk) = workdir(&format!("{name}-{seed}"));
         let plan = FaultPlan {
@@ -299,7 +310,7 @@ fn same_output_under_faults(
             max_faults: 6,
             ..FaultPlan::default()
         };
-        let (outcome, m) = run_to_end(&job(&out), RunOptionsExt::with_faults(opts(&chk), plan));
+        let (outcome, m) = run_to_end(&job(&out), RunOptionsExt::with_faults(options(&chk), plan));
         assert_eq!(outcome, JobOutcome::Finished);
         record_faults(m.injected_faults.get());
         let restarts = m.restarts.get();
@@ -420,6 +431,52 @@ fn long_chains_restored_shard_by_shard_are_exactly_once() {
     assert_same_output(&golden, &committed(&out), "cancelled three times and restored from long chains");
     // Restarted in the process after task panics, failed uploads and crashes before commits.
     same_output_under_faults(&golden, "chain-restores", &[5, 13], |out| job(out, ""));
+}
+
+/// A heap restore whose files take more than it may hold in memory
+/// (`RunOptions::restore_files_in_memory_max`, here nothing) reads them in parts from local
+/// links to the checkpoint's files, verified as they are read. Cancelled and restored that way
+/// twice, then restored from a newest checkpoint whose largest file had a byte flipped (found
+/// while it is read: recorded as damaged, and the restart takes an older checkpoint), and
+/// under task panics, failed uploads and crashes before commits, the job's output equals an
+/// undisturbed run's, record by record.
+#[test]
+fn heap_restores_read_in_parts_are_exactly_once_and_find_a_damaged_file_as_they_read() {
+    let job = |out: &std::path::Path, rate: &str| {
+        running_count_job("parts-restores", "interval: 200ms, tolerableFailures: 3", 200_000, out, rate)
+    };
+    let in_parts = |chk: &std::path::Path| weir_runtime::executor::RunOptions {
+        restore_files_in_memory_max: Some(0),
+        ..opts(chk)
+    };
+    let (_d, out, chk) = workdir("parts-restores-golden");
+    let (outcome, _) = run_to_end(&job(&out, ""), opts(&chk));
+    assert_eq!(outcome, JobOutcome::Finished);
+    let golden = committed(&out);
+
+    let (_d, out, chk) = workdir("parts-restores-cancelled");
+    for round in 0..3 {
+        let options = if round == 0 { in_parts(&chk) } else { in_parts(&chk).restore_latest() };
+        let run = InProcess::start(&job(&out, "ratePerSecond: 150000, "), options);
+        run.wait_for_checkpoints(4, Duration::from_secs(60));
+        run.requests.send(Request::Cancel).unwrap();
+        assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+    }
+    let newest = newest_checkpoint(&chk);
+    let target = largest_file_referenced(&chk, &newest);
+    let mut bytes = std::fs::read(&target).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&target, bytes).unwrap();
+    let (outcome, m) = run_to_end(&job(&out, ""), in_parts(&chk).restore_latest());
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert!(m.restarts.get() >= 1, "the damaged file failed the first attempt's restore");
+    let damage_records = std::fs::read_dir(chk.join(weir_checkpoint::layout::DAMAGED)).map_or(0, |d| d.count());
+    assert!(damage_records >= 1, "the damage is recorded for later restores");
+    assert_ne!(m.board().restored_from.as_deref(), Some(newest.to_str().unwrap()));
+    record_faults(1);
+    assert_same_output(&golden, &committed(&out), "restored in parts, the newest checkpoint damaged");
+    same_output_under_faults_with(&golden, "parts-restores", &[7, 17], |out| job(out, ""), in_parts);
 }
 
 #[test]

@@ -517,6 +517,22 @@ impl Storage {
         Ok(digest)
     }
 
+    /// On a local filesystem, hard-links an object to the local file `local` (replaced if
+    /// there) without reading it, and returns the object's length; `None` where it cannot be
+    /// linked (an object store, or another filesystem). Deleting `local` later deletes the link,
+    /// never the object.
+    pub fn link_to_file(&self, rel: &str, local: &std::path::Path) -> Result<Option<u64>, StorageError> {
+        let Some(root) = &self.local else { return Ok(None) };
+        let object = root.join(self.full(rel).as_ref());
+        let len = match std::fs::metadata(&object) {
+            Ok(meta) => meta.len(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(StorageError::NotFound(rel.to_string())),
+            Err(e) => return Err(local_io("stat", rel)(e)),
+        };
+        let _ = std::fs::remove_file(local);
+        Ok(std::fs::hard_link(&object, local).is_ok().then_some(len))
+    }
+
     /// Size of an object, or `None` when it does not exist.
     pub async fn size(&self, rel: &str) -> Result<Option<u64>, StorageError> {
         match self.store.head(&self.full(rel)).await {
@@ -687,6 +703,27 @@ mod tests {
         Storage::open(dir.path().to_str().unwrap()).unwrap().get_to_file("chk-1/state", &local).await.unwrap();
         use std::os::unix::fs::MetadataExt;
         assert_eq!(std::fs::metadata(&local).unwrap().ino(), std::fs::metadata(&linked).unwrap().ino(), "linked");
+    }
+
+    /// `link_to_file` links a local object without reading it and gives its length; a missing
+    /// object is not found, an object store links nothing, and deleting the link keeps the
+    /// object.
+    #[tokio::test]
+    async fn local_objects_are_linked_unread_and_object_stores_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = tempfile::tempdir().unwrap();
+        let s = Storage::open(dir.path().to_str().unwrap()).unwrap();
+        s.put("chk-1/state", Bytes::from_static(b"twelve bytes")).await.unwrap();
+        let local = work.path().join("link");
+        std::fs::write(&local, b"stale").unwrap();
+        assert_eq!(s.link_to_file("chk-1/state", &local).unwrap(), Some(12));
+        assert_eq!(std::fs::read(&local).unwrap(), b"twelve bytes");
+        std::fs::remove_file(&local).unwrap();
+        assert_eq!(s.get("chk-1/state").await.unwrap(), &b"twelve bytes"[..]);
+        assert!(matches!(s.link_to_file("chk-1/none", &local), Err(StorageError::NotFound(_))));
+        let memory = Storage::open("memory://m").unwrap();
+        memory.put("chk-1/state", Bytes::from_static(b"x")).await.unwrap();
+        assert_eq!(memory.link_to_file("chk-1/state", &local).unwrap(), None);
     }
 
     /// A local file put as an object (linked on a filesystem, streamed elsewhere) stays the

@@ -203,15 +203,32 @@ impl KeyedContext {
                         return Ok(());
                     }
                 }
-                let read = open()?;
-                let parts = weir_checkpoint::format::read_keyed_parts(read, copy.len, LOCAL_COPY_PART_BYTES, |body| {
-                    state.restore_file(body, self.key_groups)
-                });
+                let mut read = crate::restore::DigestingReader::new(open()?);
+                // Where the part starts among the file's entries.
+                let mut part_at = 0u64;
+                let parts =
+                    weir_checkpoint::format::read_keyed_parts(&mut read, copy.len, LOCAL_COPY_PART_BYTES, |part| {
+                        let applied = match copy.puts_from {
+                            Some(puts_from) => state.restore_unordered_part(part, part_at, puts_from, self.key_groups),
+                            None => state.restore_file(part, self.key_groups),
+                        };
+                        part_at += part.len() as u64;
+                        applied
+                    });
+                let read_failed =
+                    |e: std::io::Error| failed(format!("reading the local copy {}: {e}", copy.path.display()));
+                if parts.is_ok() && copy.unverified() {
+                    // The trailing checksum too: the whole file against the snapshot's reference.
+                    std::io::copy(&mut read, &mut std::io::sink()).map_err(read_failed)?;
+                    copy.verify_read(&read.digest).map_err(failed)?;
+                }
+                // A file that did not read to its end is damaged, or its reading failed.
+                if parts.is_err() {
+                    copy.verify_whole().map_err(failed)?;
+                }
                 match parts {
                     Ok(_) => Ok(()),
-                    Err(PartsError::Read(e)) => {
-                        Err(failed(format!("reading the local copy {}: {e}", copy.path.display())))
-                    }
+                    Err(PartsError::Read(e)) => Err(read_failed(e)),
                     Err(PartsError::Format(e)) => Err(failed(FormatError::to_string(&e))),
                     Err(PartsError::Consume(e)) => Err(store_failed(e)),
                 }

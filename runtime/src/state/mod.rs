@@ -1182,6 +1182,21 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// Applies entries whose order does not matter: a body of [`RESTORE_CONCURRENT_MIN_BYTES`]
     /// or more on a thread per core (see [`Self::restore_unordered`]); a smaller one, or on the
     /// rocksdb backend, as [`Self::restore_file`] does.
+    /// [`Self::restore_unordered`] of one part of a file's entries (read in parts from a local
+    /// file), `part_at` bytes into them: the parts in file order, each on several threads.
+    pub fn restore_unordered_part(
+        &mut self,
+        part: &[u8],
+        part_at: u64,
+        puts_from: u64,
+        key_groups: (u32, u32),
+    ) -> Result<(), StoreError> {
+        let split = puts_from.saturating_sub(part_at).min(part.len() as u64) as usize;
+        let (deletions, puts) = part.split_at(split);
+        self.restore_commuting(deletions, key_groups)?;
+        self.restore_commuting(puts, key_groups)
+    }
+
     fn restore_commuting(&mut self, body: &[u8], key_groups: (u32, u32)) -> Result<(), StoreError> {
         if self.spill.is_some() || body.len() < RESTORE_CONCURRENT_MIN_BYTES {
             return self.restore_file(body, key_groups);
@@ -1950,6 +1965,22 @@ mod tests {
                 .count();
             assert_eq!((halves.map.len(), halves.entries().len()), (expected, expected), "key groups {range:?}");
             assert_eq!(halves.get(&key(3)).unwrap().copied(), owns(range, key(3).key_group(16)).then_some(7));
+            // Read in parts (a local file's), one straddling where the puts start: the same.
+            for part_bytes in [300_000, 1 << 20] {
+                let mut parts = KeyedState::<i64>::new(16, true, 100);
+                parts.restore_unordered(image, 0, range).unwrap();
+                let (mut part_at, mut straddled) = (0u64, false);
+                let read = weir_checkpoint::format::read_entry_parts(body, body.len() as u64, part_bytes, |part| {
+                    let end = part_at + part.len() as u64;
+                    straddled |= part_at < puts_from as u64 && end > puts_from as u64;
+                    let applied = parts.restore_unordered_part(part, part_at, puts_from as u64, range);
+                    part_at = end;
+                    applied
+                });
+                assert!(read.is_ok(), "{part_bytes}-byte parts");
+                assert!(straddled, "{part_bytes}-byte parts: one holds deletions and puts");
+                assert!(sorted(&parts) == in_order_all, "key groups {range:?}, {part_bytes}-byte parts");
+            }
         }
         let mut r = KeyedState::<i64>::new(16, true, 100);
         assert!(r.restore_unordered(body, body.len() as u64 + 1, (0, 16)).is_err(), "puts past the end");
