@@ -867,6 +867,22 @@ async fn copy_verified_retrying(
     retrying(&what, || copy_verified(storage, found, f, dir)).await
 }
 
+/// A new local copy's path under `dir` (created): named like the state stores
+/// (`<label>-<pid>-<n>`), so that the copies of a killed process are deleted with its stores.
+fn new_local_copy_path(dir: &std::path::Path) -> Result<PathBuf, RestoreError> {
+    std::fs::create_dir_all(dir).map_err(|e| RestoreError::LocalCopy { dir: dir.display().to_string(), source: e })?;
+    let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
+    Ok(dir.join(format!("restore-{}-{n}", std::process::id())))
+}
+
+/// A storage error reading the state file `path`: a missing one is a corrupt snapshot.
+fn missing_or_failed(storage: &Storage, path: &str, e: StorageError) -> RestoreError {
+    match e {
+        StorageError::NotFound(_) => RestoreError::CorruptFile { path: storage.url_of(path), reason: "missing".into() },
+        e => e.into(),
+    }
+}
+
 /// Copies a state file to a new local file under `dir`, verified like [`read_verified`].
 async fn copy_verified(
     storage: &Storage,
@@ -875,21 +891,9 @@ async fn copy_verified(
     dir: &std::path::Path,
 ) -> Result<Arc<LocalCopy>, RestoreError> {
     let path = found.resolve(&f.path);
-    let local_failed = |e: std::io::Error| RestoreError::LocalCopy { dir: dir.display().to_string(), source: e };
-    std::fs::create_dir_all(dir).map_err(local_failed)?;
-    // Named like the state stores (`<label>-<pid>-<n>`), so that the copies of a killed process
-    // are deleted with its stores.
-    let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
     // Deleted by its drop if anything below fails.
-    let copy_path = dir.join(format!("restore-{}-{n}", std::process::id()));
-    let copy = LocalCopy { path: copy_path, len: f.len, puts_from: f.puts_from, unverified: None };
-    let digest = match storage.get_to_file(&path, &copy.path).await {
-        Ok(got) => got,
-        Err(StorageError::NotFound(_)) => {
-            return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() })
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let copy = LocalCopy { path: new_local_copy_path(dir)?, len: f.len, puts_from: f.puts_from, unverified: None };
+    let digest = storage.get_to_file(&path, &copy.path).await.map_err(|e| missing_or_failed(storage, &path, e))?;
     f.check(&digest).map_err(|reason| RestoreError::CorruptFile { path: storage.url_of(&path), reason })?;
     Ok(Arc::new(copy))
 }
@@ -904,17 +908,8 @@ async fn link_unread(
     dir: &std::path::Path,
 ) -> Result<Arc<LocalCopy>, RestoreError> {
     let path = found.resolve(&f.path);
-    let local_failed = |e: std::io::Error| RestoreError::LocalCopy { dir: dir.display().to_string(), source: e };
-    std::fs::create_dir_all(dir).map_err(local_failed)?;
-    let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
-    let link_path = dir.join(format!("restore-{}-{n}", std::process::id()));
-    let linked = match storage.link_to_file(&path, &link_path) {
-        Ok(linked) => linked,
-        Err(StorageError::NotFound(_)) => {
-            return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() })
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let link_path = new_local_copy_path(dir)?;
+    let linked = storage.link_to_file(&path, &link_path).map_err(|e| missing_or_failed(storage, &path, e))?;
     let Some(len) = linked else { return copy_verified(storage, found, f, dir).await };
     let link = LocalCopy {
         path: link_path,
