@@ -106,6 +106,8 @@ impl KeyedFilesIn {
             in_memory_max = bytes,
             "the restore's keyed state files are read in parts from local files, not held in memory"
         );
+        // A heap job opens no state store, which would delete what killed processes left.
+        crate::state::store::remove_stores_of_dead_processes(dir);
         KeyedFilesIn::LocalReadOnce(dir.clone())
     }
 }
@@ -1422,17 +1424,22 @@ mod tests {
         let s = Storage::open(root.path().to_str().unwrap()).unwrap();
         let file = crate::io().block_on(keyed_checkpoint(&s, 1, 50));
         let local = tempfile::tempdir().unwrap();
+        // Left by a killed process (pid 4294967295 is never one): deleted by the next such restore.
+        let dead_copy = local.path().join("restore-4294967295-0");
+        std::fs::write(&dead_copy, b"copy").unwrap();
         let up_to = |bytes| KeyedFilesIn::MemoryUpTo { bytes, dir: local.path().to_path_buf() };
         let load = |keyed_in| crate::io().block_on(newest_valid(&s, 0, &keyed_in));
         let within = load(up_to(file.len)).unwrap().restored.unwrap();
         let files = within.keyed_for("counts", (0, 8), 1).unwrap().files;
         assert!(matches!(files.as_slice(), [KeyedFile::Memory { .. }]), "{files:?}");
+        assert!(dead_copy.exists(), "a restore in memory leaves the directory alone");
 
         let over = load(up_to(file.len - 1)).unwrap().restored.unwrap();
         assert_eq!(over.bytes, file.len);
         let keyed = over.keyed_for("counts", (0, 8), 1).unwrap();
         let [KeyedFile::Local(link)] = keyed.files.as_slice() else { panic!("{:?}", keyed.files) };
         assert!(link.unverified());
+        assert!(!dead_copy.exists(), "a dead process's copy is deleted");
         let object = root.path().join(layout::resolve(&layout::checkpoint_dir(1), &file.path));
         use std::os::unix::fs::MetadataExt;
         let inode = |p: &std::path::Path| std::fs::metadata(p).unwrap().ino();
