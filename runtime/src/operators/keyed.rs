@@ -203,7 +203,7 @@ impl KeyedContext {
                         return Ok(());
                     }
                 }
-                let mut read = crate::restore::DigestingReader::new(open()?);
+                let mut read = crate::restore::DigestingReader::new(open()?, copy.unverified());
                 // Where the part starts among the file's entries.
                 let mut part_at = 0u64;
                 let parts =
@@ -218,9 +218,10 @@ impl KeyedContext {
                 let read_failed =
                     |e: std::io::Error| failed(format!("reading the local copy {}: {e}", copy.path.display()));
                 if parts.is_ok() && copy.unverified() {
-                    // The trailing checksum too: the whole file against the snapshot's reference.
+                    // The trailing checksum too: the whole file against the snapshot's reference
+                    // (a digest not computed is of nothing, and fails).
                     std::io::copy(&mut read, &mut std::io::sink()).map_err(read_failed)?;
-                    copy.verify_read(&read.digest).map_err(failed)?;
+                    copy.verify_read(&read.digest.unwrap_or_default()).map_err(failed)?;
                 }
                 // A file that did not read to its end is damaged, or its reading failed.
                 if parts.is_err() {
