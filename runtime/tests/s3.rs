@@ -125,7 +125,7 @@ async fn a_local_file_is_streamed_to_storage_byte_for_byte() {
 
 #[test]
 fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
-    sigkill_campaign_on_s3("on-s3", false);
+    sigkill_campaign_on_s3("on-s3", false, &[]);
 }
 
 /// The rocksdb backend with full images merged in the background: its restores fetch the
@@ -133,7 +133,7 @@ fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
 /// of its key.
 #[test]
 fn rocksdb_state_and_its_table_files_on_s3_survive_sigkill() {
-    let restores_with_tables = sigkill_campaign_on_s3("rocks-on-s3", true);
+    let restores_with_tables = sigkill_campaign_on_s3("rocks-on-s3", true, &[]);
     assert!(restores_with_tables > 0, "no restore found a merged image's table files (with first keys) on S3");
 }
 
@@ -173,8 +173,8 @@ impl S3Job {
 /// latest` (on the rocksdb backend at half the rate: its first kill waits for a merged image),
 /// and checks its committed output record by record against an undisturbed run's;
 /// returns how many restarts restored from a checkpoint that lists table files with their
-/// first keys (a lazy restore).
-fn sigkill_campaign_on_s3(name: &str, rocksdb: bool) -> u64 {
+/// first keys (a lazy restore). `args` go to each run's command line.
+fn sigkill_campaign_on_s3(name: &str, rocksdb: bool, args: &[&str]) -> u64 {
     let srv = server();
     let S3Job { golden, out, chk, job_file, _dir } = S3Job::new(name, rocksdb, if rocksdb { 2_000 } else { 4_000 });
     let storage = Storage::open(&chk).unwrap();
@@ -196,6 +196,7 @@ fn sigkill_campaign_on_s3(name: &str, rocksdb: bool) -> u64 {
             }
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_weir-runtime"));
             cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", &chk, "--restore", "latest", "--quiet"])
+                .args(args)
                 .envs(s3_env(&srv.endpoint));
             cmd
         },
@@ -229,6 +230,83 @@ fn sigkill_campaign_on_s3(name: &str, rocksdb: bool) -> u64 {
     let text = String::from_utf8_lossy(&listing.stdout);
     assert!(listing.status.success() && text.contains("yes"), "{text}{}", String::from_utf8_lossy(&listing.stderr));
     restores_with_tables.get()
+}
+
+/// A heap restore over its budget of files in memory (here any: `restore_files_in_memory_max`
+/// 0) downloads its files from the S3 server while it applies them, each verified as it is
+/// read. Restored from a newest checkpoint whose largest keyed file had a byte flipped, the
+/// damage is found as the file is read and recorded, and the restart takes an older
+/// checkpoint; rescaled from two subtasks to three through a savepoint (three readers of
+/// copies still downloading); SIGKILLed at random moments and restarted: each time the output
+/// equals an undisturbed run's, record by record.
+#[test]
+fn heap_restores_download_from_s3_as_they_apply_exactly_once_and_find_damage_as_they_read() {
+    use weir_runtime::executor::{JobOutcome, Request, RunOptions};
+    let _ = server();
+    let in_parts = |chk: &str| RunOptions {
+        checkpoint_dir: Some(chk.to_string()),
+        restore_files_in_memory_max: Some(0),
+        ..RunOptions::default()
+    };
+    let sinks = ["counts", "windows", "ids"];
+
+    let name = "parts-damaged-s3";
+    let mut p = JobParams::new(name);
+    p.count = 8_000;
+    let golden = golden_output(&p);
+    p.rate = Some(4_000);
+    let (out, chk) = (format!("s3://{BUCKET}/out-{name}"), format!("s3://{BUCKET}/jobs/{name}"));
+    let yaml = job_yaml(&p, std::path::Path::new(&out));
+    for round in 0..2 {
+        let options = if round == 0 { in_parts(&chk) } else { in_parts(&chk).restore_latest() };
+        let run = InProcess::start(&yaml, options);
+        run.wait_for_checkpoints(4, Duration::from_secs(60));
+        run.requests.send(Request::Cancel).unwrap();
+        assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+    }
+    let storage = Storage::open(&chk).unwrap();
+    let newest = newest_complete(&storage);
+    let dir = weir_checkpoint::layout::checkpoint_dir(newest);
+    let metadata =
+        weir_runtime::io().block_on(weir_checkpoint::recovery::read_metadata(&storage, &dir)).unwrap().unwrap();
+    let largest = metadata
+        .operators
+        .values()
+        .flat_map(|o| &o.subtasks)
+        .flat_map(|s| &s.keyed_state)
+        .max_by_key(|f| f.len)
+        .unwrap();
+    let victim = weir_checkpoint::layout::resolve(&dir, &largest.path);
+    let mut bytes = weir_runtime::io().block_on(storage.get(&victim)).unwrap().to_vec();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    weir_runtime::io().block_on(storage.put(&victim, Bytes::from(bytes))).unwrap();
+    let (outcome, m) = run_to_end(&yaml, in_parts(&chk).restore_latest());
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert!(m.restarts.get() >= 1, "the damaged file failed the first attempt's restore");
+    let record = weir_checkpoint::layout::damage_record(&victim);
+    assert!(weir_runtime::io().block_on(storage.get(&record)).is_ok(), "the damage of {victim} is recorded");
+    let restored_from = m.board().restored_from.clone().unwrap_or_default();
+    assert!(!restored_from.ends_with(&dir), "{restored_from}: not the damaged checkpoint");
+    assert_same_output(&golden, &committed_at(&out, &sinks), "restored in parts from S3, the newest damaged");
+
+    let name = "parts-rescale-s3";
+    let mut p = JobParams::new(name);
+    p.count = 8_000;
+    let golden = golden_output(&JobParams { parallelism: 1, ..p.clone() });
+    p.rate = Some(4_000);
+    let (out, chk) = (format!("s3://{BUCKET}/out-{name}"), format!("s3://{BUCKET}/jobs/{name}"));
+    let run = InProcess::start(&job_yaml(&p, std::path::Path::new(&out)), in_parts(&chk));
+    run.wait_for_checkpoints(3, Duration::from_secs(60));
+    run.request_savepoint(true, false);
+    let JobOutcome::Stopped { savepoint } = run.join().0.unwrap() else { panic!("expected a stop with savepoint") };
+    p.parallelism = 3;
+    let (outcome, m) = run_to_end(&job_yaml(&p, std::path::Path::new(&out)), in_parts(&chk).restore_path(&savepoint));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert_eq!(m.board().restored_from.as_deref(), Some(savepoint.as_str()));
+    assert_same_output(&golden, &committed_at(&out, &sinks), "rescaled 2 → 3 in parts from S3");
+
+    sigkill_campaign_on_s3("parts-on-s3", false, &["--restore-files-in-memory-max", "0"]);
 }
 
 /// An increment ordered by key group is read from the S3 server a stretch at a time by a lazy

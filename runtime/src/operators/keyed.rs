@@ -178,9 +178,9 @@ impl KeyedContext {
                 self.restore_file(state, &KeyedFile::Local(copy), reserve_for_image)
             }
             KeyedFile::Local(copy) => {
+                // Its bytes as they arrive when it is still downloading.
                 let open = || {
-                    std::fs::File::open(&copy.path)
-                        .map_err(|e| failed(format!("opening the local copy {}: {e}", copy.path.display())))
+                    copy.reader().map_err(|e| failed(format!("opening the local copy {}: {e}", copy.path.display())))
                 };
                 // An increment ordered by key group stays where it is when the store restores
                 // lazily: its loaders read each range's stretch of it.
@@ -193,6 +193,8 @@ impl KeyedContext {
                     Err(PartsError::Consume(never)) => match never {},
                 };
                 if let Some(index) = index {
+                    // Its loaders read stretches of the file by path.
+                    copy.wait_arrived().map_err(failed)?;
                     let increment = crate::state::bulk::IncrementByKeyGroup {
                         file: crate::state::bulk::IncrementFile::Local(copy.path.clone()),
                         index,
