@@ -2,8 +2,9 @@
 //! and CRC-32C), so that a corrupt snapshot is rejected as a whole and recovery can fall back to
 //! an older one. Files held in memory or copied for the rocksdb backend are verified before any
 //! task starts; the local copies of a heap restore larger than its budget of files in memory
-//! (links to a local checkpoint's files, or downloads that run while the tasks read them:
-//! [`arriving`]) are verified as the tasks read them, a mismatch recorded as the file's damage.
+//! (links to a local checkpoint's files, or files read from object storage as they are
+//! applied: [`streamed`]) are verified as the tasks read them, a mismatch recorded as the
+//! file's damage.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,7 +16,7 @@ use futures::{StreamExt, TryStreamExt};
 use weir_checkpoint::recovery::{self, Restorable, Verdict};
 use weir_checkpoint::{FileDigest, FileRef, SnapshotKind, Storage, StorageError};
 
-pub mod arriving;
+pub mod streamed;
 
 /// Why a snapshot could not be restored.
 #[derive(Debug, thiserror::Error)]
@@ -134,6 +135,9 @@ pub enum KeyedFile {
     },
     /// Copied to a local file (shared by the clones of a [`RestoredState`]).
     Local(Arc<LocalCopy>),
+    /// (heap backend, a restore over its budget of files in memory, from object storage) Read
+    /// from storage by the restore as it applies it, and verified as it is read.
+    Streamed(Arc<streamed::StreamedFile>),
     /// (rocksdb backend, restoring lazily) An increment ordered by key group left where the
     /// snapshot keeps it: its length and index were verified, and each range's loader fetches
     /// and verifies its stretch of it ([`crate::state::bulk::StoredIncrement`]).
@@ -315,40 +319,35 @@ pub struct LocalCopy {
     /// A file of the heap backend: where its puts start among its entries
     /// ([`FileRef::puts_from`]), so that its parts are applied on every core.
     pub puts_from: Option<u64>,
-    /// A link to a snapshot's file that was not read yet, or a copy still downloading:
-    /// verified as it is read.
-    pub unverified: Option<Box<UnverifiedLink>>,
-    /// A copy handed over while its download runs ([`arriving`]): its readers wait for its
-    /// bytes.
-    pub arriving: Option<Arc<arriving::Arrival>>,
+    /// A link to a snapshot's file that was not read yet: verified as it is read.
+    pub unverified: Option<Box<SnapshotFile>>,
 }
 
-/// Reads a [`LocalCopy`]: the file, or the bytes of it that have arrived.
-#[derive(Debug)]
-pub enum LocalCopyReader {
-    /// A copy whose bytes are all there.
-    Whole(std::fs::File),
-    /// A copy still downloading.
-    Arriving(arriving::ArrivingReader),
-}
-
-impl std::io::Read for LocalCopyReader {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match self {
-            LocalCopyReader::Whole(file) => file.read(buf),
-            LocalCopyReader::Arriving(reader) => reader.read(buf),
-        }
-    }
-}
-
-/// Where a [`LocalCopy`] linked unread came from, to verify it against and to record its
-/// damage in ([`weir_checkpoint::layout::DAMAGED`]).
-#[derive(Debug)]
-pub struct UnverifiedLink {
+/// A snapshot's state file that a restore reads unverified (a [`LocalCopy`] linked unread, a
+/// [`streamed::StreamedFile`]): what to verify it against once read, and where to record its
+/// damage ([`weir_checkpoint::layout::DAMAGED`]).
+#[derive(Clone, Debug)]
+pub struct SnapshotFile {
     storage: Storage,
     /// The file's path from the storage root.
     path: String,
     file: FileRef,
+}
+
+impl SnapshotFile {
+    /// Its URL, for messages.
+    pub fn url(&self) -> String {
+        self.storage.url_of(&self.path)
+    }
+
+    /// After the whole file was read, what was read (`digest`) against the snapshot's
+    /// reference: a mismatch is recorded as the file's damage, so that no later restore picks
+    /// a snapshot that needs it, and returned.
+    pub fn verify(&self, digest: &weir_checkpoint::FileDigest) -> Result<(), String> {
+        let Err(why) = self.file.check(digest) else { return Ok(()) };
+        crate::io().block_on(record_damage(&self.storage, &self.path, &why));
+        Err(format!("{}: {why}", self.url()))
+    }
 }
 
 impl LocalCopy {
@@ -357,32 +356,14 @@ impl LocalCopy {
         self.unverified.is_some()
     }
 
-    /// Opens the copy to read it from its start, its bytes as they arrive.
-    pub fn reader(&self) -> std::io::Result<LocalCopyReader> {
-        let file = std::fs::File::open(&self.path)?;
-        Ok(match &self.arriving {
-            Some(arrival) => LocalCopyReader::Arriving(arriving::ArrivingReader::new(file, self.len, arrival.clone())),
-            None => LocalCopyReader::Whole(file),
-        })
-    }
-
-    /// Blocks until the whole copy is there (at once for a copy not downloading), or says why
-    /// it will not be.
-    pub fn wait_arrived(&self) -> Result<(), String> {
-        match &self.arriving {
-            Some(arrival) => arrival.wait_whole(self.len),
-            None => Ok(()),
-        }
-    }
-
     /// After the whole of an unverified copy was read, what was read (`digest`) against the
     /// snapshot's reference: a mismatch is recorded as the file's damage, so that no later
     /// restore picks a snapshot that needs it, and returned. A verified copy passes.
     pub fn verify_read(&self, digest: &weir_checkpoint::FileDigest) -> Result<(), String> {
-        let Some(link) = &self.unverified else { return Ok(()) };
-        let Err(why) = link.file.check(digest) else { return Ok(()) };
-        crate::io().block_on(record_damage(&link.storage, &link.path, &why));
-        Err(format!("{}: {why}", link.storage.url_of(&link.path)))
+        match &self.unverified {
+            Some(link) => link.verify(digest),
+            None => Ok(()),
+        }
     }
 
     /// [`Self::verify_read`] of the whole file read again: for a read that stopped early.
@@ -390,7 +371,6 @@ impl LocalCopy {
         if self.unverified.is_none() {
             return Ok(());
         }
-        self.wait_arrived()?;
         let digest = weir_checkpoint::local::file_digest(&self.path)
             .map_err(|e| format!("reading the local copy {}: {e}", self.path.display()))?;
         self.verify_read(&digest)
@@ -437,13 +417,7 @@ impl KeyedFile {
         let n = NEXT_LOCAL_COPY.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("restore-{}-{n}", std::process::id()));
         std::fs::write(&path, data).unwrap();
-        KeyedFile::Local(Arc::new(LocalCopy {
-            path,
-            len: data.len() as u64,
-            puts_from: None,
-            unverified: None,
-            arriving: None,
-        }))
+        KeyedFile::Local(Arc::new(LocalCopy { path, len: data.len() as u64, puts_from: None, unverified: None }))
     }
 }
 
@@ -686,7 +660,6 @@ impl RestoredState {
         let damaged = damaged_files(storage).await?;
         let mut operators = BTreeMap::new();
         let mut stored = Vec::new();
-        let mut downloads = Vec::new();
         let mut bytes = 0;
         for (uid, op) in &m.operators {
             let mut subtasks = Vec::new();
@@ -745,17 +718,14 @@ impl RestoredState {
                     (KeyedFilesIn::LocalDir(dir), Some(_)) => Some(dir),
                     _ => None,
                 };
-                let loaded: Vec<LoadedKeyedFile> = futures::stream::iter(
+                let loaded: Vec<(KeyedFile, u64)> = futures::stream::iter(
                     chain.iter().map(|f| load_keyed_file(storage, found, keyed_in, stored_in, f)),
                 )
                 .buffered(FILES_IN_FLIGHT)
                 .try_collect()
                 .await?;
-                bytes += loaded.iter().map(|l| l.bytes).sum::<u64>();
-                let (files, chain_downloads): (Vec<KeyedFile>, Vec<Option<arriving::Download>>) =
-                    loaded.into_iter().map(|l| (l.file, l.download)).unzip();
-                sub.keyed_files = files;
-                downloads.push(chain_downloads.into_iter().flatten().collect());
+                bytes += loaded.iter().map(|(_, read)| read).sum::<u64>();
+                sub.keyed_files = loaded.into_iter().map(|(file, _)| file).collect();
                 stored.extend(sub.keyed_files.iter().filter_map(|f| match f {
                     KeyedFile::Stored(stored) => Some(stored.clone()),
                     _ => None,
@@ -770,7 +740,6 @@ impl RestoredState {
         }
         // Only once the whole snapshot loaded: a restore point passed over copies nothing.
         copy_stored_in_background(stored);
-        arriving::download_in_background(storage, downloads);
         Ok(RestoredState {
             checkpoint_id: m.checkpoint_id,
             kind: m.kind,
@@ -864,15 +833,6 @@ async fn damaged_files(storage: &Storage) -> Result<std::collections::BTreeSet<S
 /// time.
 const FILES_IN_FLIGHT: usize = 8;
 
-/// A keyed state file as a restore keeps it.
-struct LoadedKeyedFile {
-    file: KeyedFile,
-    /// Bytes counted as read.
-    bytes: u64,
-    /// Its download, to start once the whole snapshot loaded (a copy handed over empty).
-    download: Option<arriving::Download>,
-}
-
 /// A keyed state file where `keyed_in` keeps it, verified like [`read_verified`], and the bytes
 /// read. With `stored_in` (a lazy restore's local directory), an increment that can be read by
 /// stretches stays where it is ([`KeyedFile::Stored`]): only its start is read.
@@ -882,26 +842,25 @@ async fn load_keyed_file(
     keyed_in: &KeyedFilesIn,
     stored_in: Option<&PathBuf>,
     f: &FileRef,
-) -> Result<LoadedKeyedFile, RestoreError> {
+) -> Result<(KeyedFile, u64), RestoreError> {
     if let Some(dir) = stored_in {
         if let Some(stored) = StoredIncrementFile::of(storage, found, f, dir).await? {
-            return Ok(LoadedKeyedFile { file: KeyedFile::Stored(Arc::new(stored)), bytes: 0, download: None });
+            return Ok((KeyedFile::Stored(Arc::new(stored)), 0));
         }
     }
-    let (file, download) = match keyed_in {
+    Ok(match keyed_in {
         // `MemoryUpTo` was decided for the whole snapshot before ([`KeyedFilesIn::for_snapshot`]).
         KeyedFilesIn::Memory | KeyedFilesIn::MemoryUpTo { .. } => {
             let data = read_verified(storage, found, f).await?;
             weir_checkpoint::format::open_verified(&data).map_err(|e| corrupt(storage, found, f, e))?;
-            (KeyedFile::Memory { data, puts_from: f.puts_from, shard_starts: f.shard_starts() }, None)
+            (KeyedFile::Memory { data, puts_from: f.puts_from, shard_starts: f.shard_starts() }, f.len)
         }
-        KeyedFilesIn::LocalDir(dir) => (KeyedFile::Local(copy_verified(storage, found, f, dir).await?), None),
-        KeyedFilesIn::LocalReadOnce(dir) => {
-            let (copy, download) = link_unread(storage, found, f, dir).await?;
-            (KeyedFile::Local(copy), download)
-        }
-    };
-    Ok(LoadedKeyedFile { file, bytes: f.len, download })
+        KeyedFilesIn::LocalDir(dir) => (KeyedFile::Local(copy_verified(storage, found, f, dir).await?), f.len),
+        KeyedFilesIn::LocalReadOnce(dir) => match link_unread(storage, found, f, dir).await? {
+            Some(link) => (KeyedFile::Local(link), f.len),
+            None => (KeyedFile::Streamed(Arc::new(streamed::StreamedFile::of(storage, found, f).await?)), f.len),
+        },
+    })
 }
 
 /// Copies every table file to local files under `dir`, verified like [`read_verified`],
@@ -959,64 +918,35 @@ async fn copy_verified(
 ) -> Result<Arc<LocalCopy>, RestoreError> {
     let path = found.resolve(&f.path);
     // Deleted by its drop if anything below fails.
-    let copy = LocalCopy {
-        path: new_local_copy_path(dir)?,
-        len: f.len,
-        puts_from: f.puts_from,
-        unverified: None,
-        arriving: None,
-    };
+    let copy = LocalCopy { path: new_local_copy_path(dir)?, len: f.len, puts_from: f.puts_from, unverified: None };
     let digest = storage.get_to_file(&path, &copy.path).await.map_err(|e| missing_or_failed(storage, &path, e))?;
     f.check(&digest).map_err(|reason| RestoreError::CorruptFile { path: storage.url_of(&path), reason })?;
     Ok(Arc::new(copy))
 }
 
 /// A state file linked to a new local file under `dir` unread, its length checked, to be
-/// verified as it is read ([`LocalCopy::verify_read`]); where it cannot be linked (object
-/// storage, another filesystem), a copy that is downloaded as it is read ([`arriving`]), its
-/// download returned to be started once the whole snapshot loaded, and verified the same way.
+/// verified as it is read ([`LocalCopy::verify_read`]); `None` where it cannot be linked
+/// (object storage, another filesystem).
 async fn link_unread(
     storage: &Storage,
     found: &Restorable,
     f: &FileRef,
     dir: &std::path::Path,
-) -> Result<(Arc<LocalCopy>, Option<arriving::Download>), RestoreError> {
+) -> Result<Option<Arc<LocalCopy>>, RestoreError> {
     let path = found.resolve(&f.path);
-    let local_path = new_local_copy_path(dir)?;
-    let linked = storage.link_to_file(&path, &local_path).map_err(|e| missing_or_failed(storage, &path, e))?;
-    let (len, arrival) = match linked {
-        Some(len) => (len, None),
-        None => {
-            let size = retrying(&storage.url_of(&path), || async { Ok(storage.size(&path).await?) }).await?;
-            (size.ok_or_else(|| corrupt(storage, found, f, "missing"))?, Some(Arc::new(arriving::Arrival::default())))
-        }
-    };
-    // Created empty for the download, so that a reader can open it before its first byte.
-    let file = match &arrival {
-        Some(_) => Some(
-            std::fs::File::create(&local_path)
-                .map_err(|e| RestoreError::LocalCopy { dir: dir.display().to_string(), source: e })?,
-        ),
-        None => None,
-    };
-    let copy = Arc::new(LocalCopy {
-        path: local_path,
+    let link_path = new_local_copy_path(dir)?;
+    let linked = storage.link_to_file(&path, &link_path).map_err(|e| missing_or_failed(storage, &path, e))?;
+    let Some(len) = linked else { return Ok(None) };
+    let link = LocalCopy {
+        path: link_path,
         len: f.len,
         puts_from: f.puts_from,
-        unverified: Some(Box::new(UnverifiedLink { storage: storage.clone(), path: path.clone(), file: f.clone() })),
-        arriving: arrival.clone(),
-    });
+        unverified: Some(Box::new(SnapshotFile { storage: storage.clone(), path, file: f.clone() })),
+    };
     if len != f.len {
         return Err(corrupt(storage, found, f, format!("{len} bytes where the metadata says {}", f.len)));
     }
-    let download = arrival.zip(file).map(|(arrival, file)| arriving::Download {
-        copy: Arc::downgrade(&copy),
-        file,
-        arrival,
-        path,
-        len: f.len,
-    });
-    Ok((copy, download))
+    Ok(Some(Arc::new(link)))
 }
 
 /// Opens a snapshot named by path or URL: a `.../checkpoints/chk-<N>` directory (whose shared
@@ -1393,7 +1323,7 @@ mod tests {
         let read = |f: &KeyedFile| match f {
             KeyedFile::Local(c) => std::fs::read(&c.path).unwrap(),
             KeyedFile::Memory { data, .. } => data.to_vec(),
-            KeyedFile::Stored(f) => panic!("{f:?} is not read here"),
+            KeyedFile::Stored(_) | KeyedFile::Streamed(_) => panic!("{f:?} is not read here"),
         };
 
         let copies = || std::fs::read_dir(local.path()).unwrap().count();
@@ -1560,63 +1490,61 @@ mod tests {
         assert!(object.exists(), "the checkpoint's file stays");
     }
 
-    /// From object storage, a heap restore over its budget hands its tasks copies at once, each
-    /// downloaded behind them in ranges. Read as they arrive, they hold the snapshot's bytes
-    /// and verify; damaged in place, one fails as it is read, naming the file, and records the
-    /// damage; one whose ranges cannot be fetched fails its reader once the retries are spent.
-    /// The copies go with the restore.
+    /// From object storage, a heap restore over its budget keeps no copy of its files: each
+    /// reader fetches its file in ranges as it reads. Read whole, a file holds the snapshot's
+    /// bytes and verifies; damaged in place, it fails as it is read, naming the file, and
+    /// records the damage; one whose ranges cannot be fetched fails its reader once the retries
+    /// are spent, and that is no damage.
     #[test]
-    fn heap_restores_over_their_budget_from_object_storage_read_copies_as_they_download() {
+    fn heap_restores_over_their_budget_from_object_storage_read_their_files_as_they_apply_them() {
         use std::io::Read;
         let (store, s) = store();
         let file = crate::io().block_on(keyed_checkpoint(&s, 1, 5000));
-        assert!(file.len > 4 * arriving::RANGE_BYTES, "{} bytes: several ranges", file.len);
+        assert!(file.len > 4 * streamed::RANGE_BYTES, "{} bytes: several ranges", file.len);
         let object = layout::resolve(&layout::checkpoint_dir(1), &file.path);
         let data = crate::io().block_on(s.get(&object)).unwrap();
         let local = tempfile::tempdir().unwrap();
         let over = KeyedFilesIn::MemoryUpTo { bytes: file.len - 1, dir: local.path().to_path_buf() };
         let load = || crate::io().block_on(newest_valid(&s, 0, &over)).map(|sel| sel.restored.unwrap());
-        let read_whole = |copy: &LocalCopy| -> std::io::Result<(Vec<u8>, FileDigest)> {
-            let mut read = DigestingReader::new(copy.reader()?, true);
+        let streamed_of = |restored: &RestoredState| {
+            let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
+            let [KeyedFile::Streamed(streamed)] = keyed.files.as_slice() else { panic!("{:?}", keyed.files) };
+            streamed.clone()
+        };
+        let read_whole = |streamed: &streamed::StreamedFile| -> std::io::Result<(Vec<u8>, FileDigest)> {
+            let mut read = DigestingReader::new(streamed.reader(), true);
             let mut bytes = Vec::new();
             read.read_to_end(&mut bytes)?;
             Ok((bytes, read.digest.unwrap()))
         };
-        let copy_of = |restored: &RestoredState| {
-            let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
-            let [KeyedFile::Local(copy)] = keyed.files.as_slice() else { panic!("{:?}", keyed.files) };
-            copy.clone()
-        };
 
         let restored = load().unwrap();
         assert_eq!(restored.bytes, file.len);
-        let copy = copy_of(&restored);
-        assert!(copy.arriving.is_some() && copy.unverified(), "{copy:?}");
-        let (bytes, digest) = read_whole(&copy).unwrap();
-        assert!(bytes == data[..], "the copy holds the snapshot's bytes");
-        copy.verify_read(&digest).unwrap();
-        copy.verify_whole().unwrap();
-        drop((copy, restored));
-        assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "the copy goes with the restore");
+        let streamed = streamed_of(&restored);
+        assert_eq!(streamed.len(), file.len);
+        let (bytes, digest) = read_whole(&streamed).unwrap();
+        assert!(bytes == data[..], "the reader reads the snapshot's bytes");
+        streamed.source.verify(&digest).unwrap();
+        assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "no local copy");
 
         *store.failing.lock().unwrap() = Some(file.path.clone());
-        let restored = load().unwrap();
-        let e = read_whole(&copy_of(&restored)).unwrap_err();
+        let e = read_whole(&streamed).unwrap_err();
         assert!(e.to_string().contains("connection reset by peer"), "{e}");
-        assert!(copy_of(&restored).verify_whole().is_err());
         *store.failing.lock().unwrap() = None;
-        assert!(load().is_ok(), "a failed download is no damage");
+        assert!(load().is_ok(), "a failed read is no damage");
 
         let mut damaged = data.to_vec();
         damaged[data.len() / 2] ^= 0x01;
         crate::io().block_on(s.put(&object, Bytes::from(damaged))).unwrap();
-        let restored = load().unwrap();
-        let copy = copy_of(&restored);
-        let (_, digest) = read_whole(&copy).unwrap();
-        let why = copy.verify_read(&digest).unwrap_err();
+        let (_, digest) = read_whole(&streamed).unwrap();
+        let why = streamed.source.verify(&digest).unwrap_err();
         assert!(why.contains("counts-1.wst") && why.contains("crc32c"), "{why}");
         let refused = load().unwrap_err().to_string();
         assert!(refused.contains("damaged"), "{refused}");
+        crate::io().block_on(s.delete(&layout::damage_record(&object))).unwrap();
+        crate::io().block_on(s.put(&object, data.slice(..data.len() - 1))).unwrap();
+        let shorter = load().unwrap_err().to_string();
+        assert!(shorter.contains("bytes where the metadata says"), "{shorter}");
     }
 
     #[test]

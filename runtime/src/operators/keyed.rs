@@ -57,7 +57,7 @@ impl KeyedContext {
                     .iter()
                     .filter_map(|t| match t {
                         KeyedFile::Local(copy) => Some(copy.path.clone()),
-                        KeyedFile::Memory { .. } | KeyedFile::Stored(_) => None,
+                        KeyedFile::Memory { .. } | KeyedFile::Stored(_) | KeyedFile::Streamed(_) => None,
                     })
                     .collect();
                 if paths.len() != tables.len() || !state.restore_tables(&paths, *source, self.key_groups) {
@@ -84,7 +84,11 @@ impl KeyedContext {
                 state.reserve_restored_entries(entries);
             }
             if !self.restore_chain_by_shard(&mut state, r)? {
-                for file in &r.files {
+                for (i, file) in r.files.iter().enumerate() {
+                    // The next file's first ranges come while this one is applied.
+                    if let Some(KeyedFile::Streamed(next)) = r.files.get(i + 1) {
+                        next.prefetch();
+                    }
                     self.restore_file(&mut state, file, r.entries.is_none())?;
                 }
             }
@@ -146,7 +150,7 @@ impl KeyedContext {
         file: &KeyedFile,
         reserve_for_image: bool,
     ) -> Result<(), TaskError> {
-        use weir_checkpoint::format::{FileKind, FormatError, PartsError};
+        use weir_checkpoint::format::{FileKind, PartsError};
         let failed = |reason: String| TaskError::Restore { uid: self.uid.clone(), reason };
         let store_failed = |e: StoreError| self.restore_failed(e);
         match file {
@@ -178,9 +182,9 @@ impl KeyedContext {
                 self.restore_file(state, &KeyedFile::Local(copy), reserve_for_image)
             }
             KeyedFile::Local(copy) => {
-                // Its bytes as they arrive when it is still downloading.
                 let open = || {
-                    copy.reader().map_err(|e| failed(format!("opening the local copy {}: {e}", copy.path.display())))
+                    std::fs::File::open(&copy.path)
+                        .map_err(|e| failed(format!("opening the local copy {}: {e}", copy.path.display())))
                 };
                 // An increment ordered by key group stays where it is when the store restores
                 // lazily: its loaders read each range's stretch of it.
@@ -193,8 +197,6 @@ impl KeyedContext {
                     Err(PartsError::Consume(never)) => match never {},
                 };
                 if let Some(index) = index {
-                    // Its loaders read stretches of the file by path.
-                    copy.wait_arrived().map_err(failed)?;
                     let increment = crate::state::bulk::IncrementByKeyGroup {
                         file: crate::state::bulk::IncrementFile::Local(copy.path.clone()),
                         index,
@@ -205,37 +207,68 @@ impl KeyedContext {
                         return Ok(());
                     }
                 }
-                let mut read = crate::restore::DigestingReader::new(open()?, copy.unverified());
-                // Where the part starts among the file's entries.
-                let mut part_at = 0u64;
-                let parts =
-                    weir_checkpoint::format::read_keyed_parts(&mut read, copy.len, LOCAL_COPY_PART_BYTES, |part| {
-                        let applied = match copy.puts_from {
-                            Some(puts_from) => state.restore_unordered_part(part, part_at, puts_from, self.key_groups),
-                            None => state.restore_file(part, self.key_groups),
-                        };
-                        part_at += part.len() as u64;
-                        applied
-                    });
-                let read_failed =
-                    |e: std::io::Error| failed(format!("reading the local copy {}: {e}", copy.path.display()));
-                if parts.is_ok() && copy.unverified() {
-                    // The trailing checksum too: the whole file against the snapshot's reference
-                    // (a digest not computed is of nothing, and fails).
-                    std::io::copy(&mut read, &mut std::io::sink()).map_err(read_failed)?;
-                    copy.verify_read(&read.digest.unwrap_or_default()).map_err(failed)?;
-                }
-                // A file that did not read to its end is damaged, or its reading failed.
-                if parts.is_err() {
-                    copy.verify_whole().map_err(failed)?;
-                }
-                match parts {
-                    Ok(_) => Ok(()),
-                    Err(PartsError::Read(e)) => Err(read_failed(e)),
-                    Err(PartsError::Format(e)) => Err(failed(FormatError::to_string(&e))),
-                    Err(PartsError::Consume(e)) => Err(store_failed(e)),
-                }
+                let verify = |digest: &weir_checkpoint::FileDigest| copy.verify_read(digest);
+                let checks = FileChecks {
+                    what: format!("the local copy {}", copy.path.display()),
+                    verify: copy.unverified().then_some(&verify),
+                    verify_whole: &|| copy.verify_whole(),
+                };
+                self.restore_in_parts(state, open()?, copy.len, copy.puts_from, &checks)
             }
+            // Only a heap restore streams its files, and the heap state never restores lazily.
+            KeyedFile::Streamed(file) => {
+                let verify = |digest: &weir_checkpoint::FileDigest| file.source.verify(digest);
+                let checks = FileChecks {
+                    what: file.source.url(),
+                    verify: Some(&verify),
+                    verify_whole: &|| file.verify_whole(),
+                };
+                self.restore_in_parts(state, file.reader(), file.len(), file.puts_from(), &checks)
+            }
+        }
+    }
+
+    /// Applies the keyed state file `read` (`len` bytes) in parts of [`LOCAL_COPY_PART_BYTES`],
+    /// so that a state larger than memory restores within it: `puts_from` as
+    /// [`KeyedFile::Memory`]'s. An unverified file is verified once read to its end; one that
+    /// was not (damaged, or its reading failed) is verified whole, so that a damage is
+    /// recorded.
+    fn restore_in_parts<V: StateValue, K: StateKey>(
+        &self,
+        state: &mut KeyedState<V, K>,
+        read: impl std::io::Read,
+        len: u64,
+        puts_from: Option<u64>,
+        checks: &FileChecks<'_>,
+    ) -> Result<(), TaskError> {
+        use weir_checkpoint::format::{FormatError, PartsError};
+        let failed = |reason: String| TaskError::Restore { uid: self.uid.clone(), reason };
+        let mut read = crate::restore::DigestingReader::new(read, checks.verify.is_some());
+        // Where the part starts among the file's entries.
+        let mut part_at = 0u64;
+        let parts = weir_checkpoint::format::read_keyed_parts(&mut read, len, LOCAL_COPY_PART_BYTES, |part| {
+            let applied = match puts_from {
+                Some(puts_from) => state.restore_unordered_part(part, part_at, puts_from, self.key_groups),
+                None => state.restore_file(part, self.key_groups),
+            };
+            part_at += part.len() as u64;
+            applied
+        });
+        let read_failed = |e: std::io::Error| failed(format!("reading {}: {e}", checks.what));
+        if let (Ok(_), Some(verify)) = (&parts, checks.verify) {
+            // The trailing checksum too: the whole file against the snapshot's reference (a
+            // digest not computed is of nothing, and fails).
+            std::io::copy(&mut read, &mut std::io::sink()).map_err(read_failed)?;
+            verify(&read.digest.unwrap_or_default()).map_err(failed)?;
+        }
+        if parts.is_err() {
+            (checks.verify_whole)().map_err(failed)?;
+        }
+        match parts {
+            Ok(_) => Ok(()),
+            Err(PartsError::Read(e)) => Err(read_failed(e)),
+            Err(PartsError::Format(e)) => Err(failed(FormatError::to_string(&e))),
+            Err(PartsError::Consume(e)) => Err(self.restore_failed(e)),
         }
     }
 
@@ -287,6 +320,19 @@ impl KeyedContext {
             ..StateParts::default()
         })
     }
+}
+
+/// Checks a whole file's digest against the snapshot's reference; says why not.
+type VerifyDigest<'a> = &'a dyn Fn(&weir_checkpoint::FileDigest) -> Result<(), String>;
+
+/// How a keyed state file applied in parts is checked ([`KeyedContext::restore_in_parts`]).
+struct FileChecks<'a> {
+    /// The file, for messages.
+    what: String,
+    /// For a file not verified yet: its digest, once read whole, against the snapshot's.
+    verify: Option<VerifyDigest<'a>>,
+    /// The whole file read again and verified: for a reading that stopped early.
+    verify_whole: &'a dyn Fn() -> Result<(), String>,
 }
 
 /// Running aggregates per key, emitted (key fields + aggregates) on every update. Keys are held
