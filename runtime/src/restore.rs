@@ -78,22 +78,21 @@ pub enum KeyedFilesIn {
     /// In local files under this directory, read back in parts (the rocksdb backend, whose
     /// state may be larger than memory).
     LocalDir(PathBuf),
-    /// In memory while a restore's keyed state files take at most `bytes` in all, else in
-    /// local files under `dir` (the heap backend). Files in memory are applied on every core,
-    /// but stay there until the state they fill is built: a restore whose files are about as
-    /// large as its state (long values) needed twice its memory. Local files are read back in
-    /// parts; on a local filesystem they are hard links to the checkpoint's files, read once
-    /// to verify them.
+    /// In memory while a restore's keyed state files take at most `bytes` in all, else read
+    /// in parts as [`Self::LocalReadOnce`] (the heap backend). Files in memory are applied on
+    /// every core, but stay there until the state they fill is built: a restore whose files
+    /// are about as large as its state (long values) needed twice its memory.
     MemoryUpTo {
         /// Most bytes of keyed state files held in memory.
         bytes: u64,
         /// Where larger restores keep them.
         dir: PathBuf,
     },
-    /// (A larger restore of [`Self::MemoryUpTo`]) In local files under this directory, read
-    /// back in parts. On a local filesystem they are hard links to the snapshot's files,
-    /// verified as the restore reads them ([`LocalCopy::verify_read`]) rather than read once
-    /// more before: a state that fills memory leaves no page cache to read them from twice.
+    /// (A larger restore of [`Self::MemoryUpTo`]) Read in parts, each file once, and verified
+    /// as the restore reads it rather than before: a state that fills memory leaves no page
+    /// cache to read its files from twice. On a local filesystem from hard links under this
+    /// directory to the snapshot's files ([`LocalCopy::verify_read`]); from object storage
+    /// from the storage itself, with no copy ([`streamed`]).
     LocalReadOnce(PathBuf),
 }
 

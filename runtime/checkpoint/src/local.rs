@@ -169,12 +169,7 @@ pub struct SyncedWriter {
 impl SyncedWriter {
     /// Creates (or truncates) the file at `path`.
     pub fn create(path: &Path) -> std::io::Result<Self> {
-        Ok(Self::on(File::create(path)?))
-    }
-
-    /// Writes to `file` (opened for writing, at its start).
-    pub fn on(file: File) -> Self {
-        SyncedWriter { out: BufWriter::with_capacity(1 << 20, file), unsynced: 0, sync_every: SYNC_EVERY_BYTES }
+        Self::with_limits(path, 1 << 20, SYNC_EVERY_BYTES)
     }
 
     /// [`Self::create`] with a buffer of `buffer` bytes, syncing every `sync_every` bytes: for
