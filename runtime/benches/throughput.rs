@@ -261,6 +261,7 @@ fn restored_counts(
         incremental: true,
         full_every: 10,
         background_full_image_above: u64::MAX,
+        full_images: Default::default(),
         store: stores.map(|parent_dir| weir_runtime::state::StoreSettings {
             parent_dir,
             cache_entries: 1_000_000,

@@ -74,17 +74,20 @@ pub struct RunOptions {
     pub holder: Option<String>,
     /// Test hook.
     pub faults: Option<FaultPlan>,
-    /// Most bytes of keyed state files a heap backend's restore holds in memory; a larger
-    /// restore reads them in parts from local files (`None`: a quarter of the memory the
-    /// process may use, [`default_restore_files_in_memory_max`]).
-    pub restore_files_in_memory_max: Option<u64>,
+    /// Most bytes of keyed state files the heap backend holds in memory: a restore's files (a
+    /// larger restore reads them in parts from local files), and each keyed subtask's share of
+    /// it, at most 64 MiB, for a full image it writes (a larger one goes to a local file).
+    /// `None`: a quarter of the memory the process may use, [`default_state_files_in_memory_max`].
+    pub state_files_in_memory_max: Option<u64>,
 }
 
 /// A quarter of the memory this process may use ([`crate::memory_limit::process_memory_limit`]):
-/// the most bytes of keyed state files a heap backend's restore holds in memory by default.
-/// Files in memory are applied on every core, but stay there next to the state they fill
-/// until it is built; a job whose state fits in its limit must restore within it too.
-pub fn default_restore_files_in_memory_max() -> u64 {
+/// the most bytes of keyed state files the heap backend holds in memory by default. A
+/// restore's files in memory are applied on every core, but stay there next to the state they
+/// fill until it is built; a full image in memory stays next to the state it was taken of
+/// until it is uploaded. A job whose state fits in its limit must restore and checkpoint
+/// within it too.
+pub fn default_state_files_in_memory_max() -> u64 {
     crate::memory_limit::process_memory_limit().map_or(u64::MAX, |limit| limit / 4)
 }
 
@@ -575,14 +578,31 @@ impl Executor<'_> {
         }
     }
 
+    /// Each keyed subtask's bound on the full images it holds in memory: its share of
+    /// [`RunOptions::state_files_in_memory_max`] (the subtasks of a checkpoint may all write one
+    /// at once, the first after a restore from elsewhere, and a savepoint takes one from each),
+    /// at most [`crate::state::HEAP_FULL_IMAGE_IN_MEMORY`].
+    fn full_image_budget(&self, vertices: &[Vertex]) -> crate::state::FullImageBudget {
+        let keyed_subtasks: u64 = vertices
+            .iter()
+            .map(|v| {
+                let keyed = v.nodes.iter().filter(|&&n| holds_keyed_state(&self.job.nodes[n].kind)).count();
+                keyed as u64 * u64::from(v.parallelism)
+            })
+            .sum();
+        let bytes = self.opts.state_files_in_memory_max.unwrap_or_else(default_state_files_in_memory_max);
+        let share = (bytes / keyed_subtasks.max(1)).min(crate::state::HEAP_FULL_IMAGE_IN_MEMORY);
+        crate::state::FullImageBudget { in_memory_max: share, dir: local_state_dir() }
+    }
+
     /// Where a restore keeps keyed state files: on local disk for the rocksdb backend, whose
     /// state (and so its checkpoint) may be larger than memory; in memory for the heap backend
-    /// up to [`RunOptions::restore_files_in_memory_max`].
+    /// up to [`RunOptions::state_files_in_memory_max`].
     fn keyed_files_in(&self) -> KeyedFilesIn {
         match self.job.spec.state_backend {
             StateBackendKind::Rocksdb => KeyedFilesIn::LocalDir(local_state_dir()),
             StateBackendKind::Heap => KeyedFilesIn::MemoryUpTo {
-                bytes: self.opts.restore_files_in_memory_max.unwrap_or_else(default_restore_files_in_memory_max),
+                bytes: self.opts.state_files_in_memory_max.unwrap_or_else(default_state_files_in_memory_max),
                 dir: local_state_dir(),
             },
         }
@@ -777,6 +797,7 @@ impl Executor<'_> {
             file_sinks: &self.file_sinks,
             epoch: self.epoch,
             restores_loading: &running.restores_loading,
+            full_images: self.full_image_budget(&vertices),
         };
         let mut chains_built = factory.build_chains(&vertices, restored).into_iter();
         let mut built = Vec::new();
@@ -1239,6 +1260,8 @@ struct OperatorFactory<'a> {
     epoch: u64,
     /// Counts the attempt's state stores that are restoring lazily.
     restores_loading: &'a Arc<std::sync::atomic::AtomicUsize>,
+    /// Each keyed subtask's bound on the full images it holds in memory.
+    full_images: crate::state::FullImageBudget,
 }
 
 /// A task's chained operators, and the keyed-state chains its uploader continues (by uid).
@@ -1315,6 +1338,7 @@ impl OperatorFactory<'_> {
             incremental: job.spec.checkpointing.incremental && job.spec.checkpointing.enabled,
             full_every: job.spec.checkpointing.full_every,
             background_full_image_above: job.spec.checkpointing.background_full_image_above,
+            full_images: self.full_images.clone(),
             store: (job.spec.state_backend == StateBackendKind::Rocksdb).then(|| StoreSettings {
                 parent_dir: local_state_dir(),
                 cache_entries: job.spec.state_cache_entries.try_into().unwrap_or(usize::MAX),
@@ -1400,6 +1424,11 @@ fn fenced_or_failed(e: epoch::EpochError) -> AttemptEnd {
 
 /// Where the rocksdb backend's stores go: `weir-state` in the temporary directory (`TMPDIR`,
 /// else `/tmp`; in a pod, the `scratch` emptyDir volume mounted there).
+/// Whether an operator of `kind` keeps keyed state (and so writes full images).
+fn holds_keyed_state(kind: &NodeKind) -> bool {
+    matches!(kind, NodeKind::Window(_) | NodeKind::Aggregate(_) | NodeKind::Dedupe)
+}
+
 fn local_state_dir() -> std::path::PathBuf {
     std::env::temp_dir().join("weir-state")
 }

@@ -51,11 +51,14 @@ enum Command {
         /// No progress lines.
         #[arg(long)]
         quiet: bool,
-        /// Most bytes of keyed state files a heap backend's restore holds in memory; a larger
-        /// restore reads them in parts from local files under the temporary directory (default:
-        /// a quarter of the memory the process may use, its cgroup's limit or the machine's).
-        #[arg(long, env = "WEIR_RESTORE_FILES_IN_MEMORY_MAX")]
-        restore_files_in_memory_max: Option<u64>,
+        /// Most bytes of keyed state files the heap backend holds in memory: a restore's files
+        /// (a larger restore reads them in parts from local files under the temporary
+        /// directory), and each keyed subtask's share of it, at most 64 MiB, for a full image it
+        /// writes (a savepoint's, or the first checkpoint's after a restore from elsewhere; a
+        /// larger image is written to a local file there). Default: a quarter of the memory the
+        /// process may use, its cgroup's limit or the machine's.
+        #[arg(long, env = "WEIR_STATE_FILES_IN_MEMORY_MAX", alias = "restore-files-in-memory-max")]
+        state_files_in_memory_max: Option<u64>,
         /// File to write how the job ended into (Kubernetes' termination message,
         /// `/dev/termination-log`): `savepoint=<path>` after a stop with savepoint, the error
         /// when it failed.
@@ -107,11 +110,11 @@ fn main() -> ExitCode {
             control_addr,
             token_file,
             quiet,
-            restore_files_in_memory_max,
+            state_files_in_memory_max,
             termination_log,
         } => run(
             &job,
-            RunArgs { checkpoint_dir, restore, allow: allow_non_restored_state, fresh, restore_files_in_memory_max },
+            RunArgs { checkpoint_dir, restore, allow: allow_non_restored_state, fresh, state_files_in_memory_max },
             control_addr,
             token_file,
             quiet,
@@ -171,7 +174,7 @@ struct RunArgs {
     restore: Option<String>,
     allow: bool,
     fresh: bool,
-    restore_files_in_memory_max: Option<u64>,
+    state_files_in_memory_max: Option<u64>,
 }
 
 fn run(
@@ -208,7 +211,7 @@ fn run(
         fresh: args.fresh,
         holder: Some(format!("{host} pid {}", std::process::id())),
         faults,
-        restore_files_in_memory_max: args.restore_files_in_memory_max,
+        state_files_in_memory_max: args.state_files_in_memory_max,
     };
     let job_id = format!(
         "{:016x}",

@@ -434,7 +434,7 @@ fn long_chains_restored_shard_by_shard_are_exactly_once() {
 }
 
 /// A heap restore whose files take more than it may hold in memory
-/// (`RunOptions::restore_files_in_memory_max`, here nothing) reads them in parts from local
+/// (`RunOptions::state_files_in_memory_max`, here nothing) reads them in parts from local
 /// links to the checkpoint's files, verified as they are read. Cancelled and restored that way
 /// twice, then restored from a newest checkpoint whose largest file had a byte flipped (found
 /// while it is read: recorded as damaged, and the restart takes an older checkpoint), and
@@ -445,10 +445,8 @@ fn heap_restores_read_in_parts_are_exactly_once_and_find_a_damaged_file_as_they_
     let job = |out: &std::path::Path, rate: &str| {
         running_count_job("parts-restores", "interval: 200ms, tolerableFailures: 3", 200_000, out, rate)
     };
-    let in_parts = |chk: &std::path::Path| weir_runtime::executor::RunOptions {
-        restore_files_in_memory_max: Some(0),
-        ..opts(chk)
-    };
+    let in_parts =
+        |chk: &std::path::Path| weir_runtime::executor::RunOptions { state_files_in_memory_max: Some(0), ..opts(chk) };
     let (_d, out, chk) = workdir("parts-restores-golden");
     let (outcome, _) = run_to_end(&job(&out, ""), opts(&chk));
     assert_eq!(outcome, JobOutcome::Finished);

@@ -232,7 +232,7 @@ fn sigkill_campaign_on_s3(name: &str, rocksdb: bool, args: &[&str]) -> u64 {
     restores_with_tables.get()
 }
 
-/// A heap restore over its budget of files in memory (here any: `restore_files_in_memory_max`
+/// A heap restore over its budget of files in memory (here any: `state_files_in_memory_max`
 /// 0) downloads its files from the S3 server while it applies them, each verified as it is
 /// read. Restored from a newest checkpoint whose largest keyed file had a byte flipped, the
 /// damage is found as the file is read and recorded, and the restart takes an older
@@ -245,7 +245,7 @@ fn heap_restores_download_from_s3_as_they_apply_exactly_once_and_find_damage_as_
     let _ = server();
     let in_parts = |chk: &str| RunOptions {
         checkpoint_dir: Some(chk.to_string()),
-        restore_files_in_memory_max: Some(0),
+        state_files_in_memory_max: Some(0),
         ..RunOptions::default()
     };
     let sinks = ["counts", "windows", "ids"];
@@ -306,7 +306,7 @@ fn heap_restores_download_from_s3_as_they_apply_exactly_once_and_find_damage_as_
     assert_eq!(m.board().restored_from.as_deref(), Some(savepoint.as_str()));
     assert_same_output(&golden, &committed_at(&out, &sinks), "rescaled 2 → 3 in parts from S3");
 
-    sigkill_campaign_on_s3("parts-on-s3", false, &["--restore-files-in-memory-max", "0"]);
+    sigkill_campaign_on_s3("parts-on-s3", false, &["--state-files-in-memory-max", "0"]);
 }
 
 /// An increment ordered by key group is read from the S3 server a stretch at a time by a lazy

@@ -111,6 +111,30 @@ impl Encoder {
         self.varint(b.len() as u64);
         self.buf.extend_from_slice(b);
     }
+
+    /// Writes what `write` encodes behind its exact length, as [`Self::bytes`] would. The bytes
+    /// are encoded in place behind a one-byte length that is patched afterwards; the rare key
+    /// or value of 128 bytes or more moves its bytes to make room for a longer varint.
+    #[inline]
+    pub fn length_prefixed(&mut self, write: impl FnOnce(&mut Encoder)) {
+        let at = self.buf.len();
+        self.buf.push(0);
+        write(self);
+        let len = self.buf.len() - at - 1;
+        if len < 0x80 {
+            self.buf[at] = len as u8;
+        } else {
+            self.widen_length(at, len);
+        }
+    }
+
+    /// Replaces the one-byte length at `at` by the varint of `len` (128 or more).
+    #[cold]
+    fn widen_length(&mut self, at: usize, len: usize) {
+        let mut prefix = Encoder::with_capacity(10);
+        prefix.varint(len as u64);
+        self.buf.splice(at..=at, prefix.buf);
+    }
 }
 
 /// Reads what [`Encoder`] wrote.
@@ -233,7 +257,6 @@ const HEADER_LEN: usize = MAGIC.len() + 1;
 #[derive(Debug)]
 pub struct StateFileWriter {
     enc: Encoder,
-    scratch: Encoder,
     entries: u64,
     /// For an increment ordered by key group: each entry's key group and length, in the
     /// order written (the file is ordered when finished).
@@ -256,7 +279,7 @@ impl StateFileWriter {
         };
         enc.buf.extend_from_slice(MAGIC);
         enc.u8(kind as u8);
-        StateFileWriter { enc, scratch: Encoder::with_capacity(64), entries: 0, by_key_group: None }
+        StateFileWriter { enc, entries: 0, by_key_group: None }
     }
 
     /// Starts an increment ordered by key group, with an index of where each key group's
@@ -309,9 +332,9 @@ impl StateFileWriter {
     pub fn put_encoded(&mut self, key_group: u32, key: impl FnOnce(&mut Encoder), value: impl FnOnce(&mut Encoder)) {
         let at = self.enc.buf.len();
         self.enc.varint(u64::from(key_group));
-        self.length_prefixed(key);
+        self.enc.length_prefixed(key);
         self.enc.u8(1);
-        self.length_prefixed(value);
+        self.enc.length_prefixed(value);
         self.entry_written(key_group, at);
     }
 
@@ -320,27 +343,9 @@ impl StateFileWriter {
     pub fn delete_encoded(&mut self, key_group: u32, key: impl FnOnce(&mut Encoder)) {
         let at = self.enc.buf.len();
         self.enc.varint(u64::from(key_group));
-        self.length_prefixed(key);
+        self.enc.length_prefixed(key);
         self.enc.u8(0);
         self.entry_written(key_group, at);
-    }
-
-    /// Writes what `write` encodes behind its exact length, as [`Encoder::bytes`] would. The
-    /// bytes are encoded in place behind a one-byte length that is patched afterwards; the rare
-    /// key or value of 128 bytes or more moves its bytes to make room for a longer varint.
-    #[inline]
-    fn length_prefixed(&mut self, write: impl FnOnce(&mut Encoder)) {
-        let at = self.enc.buf.len();
-        self.enc.buf.push(0);
-        write(&mut self.enc);
-        let len = self.enc.buf.len() - at - 1;
-        if len < 0x80 {
-            self.enc.buf[at] = len as u8;
-        } else {
-            self.scratch.buf.clear();
-            self.scratch.varint(len as u64);
-            self.enc.buf.splice(at..=at, self.scratch.buf.iter().copied());
-        }
     }
 
     /// Sets the operator-state document (for [`FileKind::OperatorState`] files).
@@ -756,6 +761,26 @@ impl<W: std::io::Write> StateFileStream<W> {
         Ok(())
     }
 
+    /// Adds a keyed put whose key and value are encoded in place, as
+    /// [`StateFileWriter::put_encoded`] does.
+    #[inline]
+    pub fn put_encoded(
+        &mut self,
+        key_group: u32,
+        key: impl FnOnce(&mut Encoder),
+        value: impl FnOnce(&mut Encoder),
+    ) -> std::io::Result<()> {
+        self.buf.varint(u64::from(key_group));
+        self.buf.length_prefixed(key);
+        self.buf.u8(1);
+        self.buf.length_prefixed(value);
+        self.entries += 1;
+        if self.buf.buf.len() >= Self::FLUSH_AT {
+            self.flush_buf()?;
+        }
+        Ok(())
+    }
+
     /// Appends `count` entries encoded by [`StateFileWriter::into_entries`].
     pub fn put_entries(&mut self, encoded: &[u8], count: u64) -> std::io::Result<()> {
         self.flush_buf()?;
@@ -1163,6 +1188,33 @@ mod tests {
         let (out, len, crc) = stream.finish().unwrap();
         let (bytes, whole_crc) = whole.finish();
         assert_eq!((&out[..], len, crc), (&bytes[..], bytes.len() as u64, whole_crc));
+    }
+
+    /// Entries encoded in place by a stream, across its flushes and with values whose length
+    /// takes more than one byte, are the bytes the writer makes of them.
+    #[test]
+    fn a_stream_encoding_in_place_equals_the_writer() {
+        let mut whole = StateFileWriter::new(FileKind::KeyedFull, 64);
+        let mut stream = StateFileStream::new(FileKind::KeyedFull, Vec::new());
+        let mut entries_len = Vec::new();
+        for i in 0..3000u32 {
+            // 0 to 1499 bytes: one-byte and two-byte lengths; 2 MB in all, past a flush.
+            let value = vec![i as u8; (i as usize * 7) % 1500];
+            let key = |e: &mut Encoder| e.varint(u64::from(i) << 20);
+            whole.put_encoded(i % 128, key, |e| e.buf.extend_from_slice(&value));
+            stream.put_encoded(i % 128, key, |e| e.buf.extend_from_slice(&value)).unwrap();
+            entries_len.push((whole.entries_len() as u64, stream.entries_len()));
+        }
+        assert!(entries_len.iter().all(|(w, s)| w == s), "where each entry ends");
+        assert_eq!((stream.entries(), whole.entries()), (3000, 3000));
+        let (out, len, crc) = stream.finish().unwrap();
+        let (bytes, whole_crc) = whole.finish();
+        assert!(bytes.len() > 2 << 20);
+        assert_eq!((len, crc), (bytes.len() as u64, whole_crc));
+        assert!(out == bytes[..], "the same bytes");
+        let (_, body) = open(&out).unwrap();
+        let values: Vec<usize> = keyed_entries(body).map(|e| e.unwrap().value.unwrap().len()).collect();
+        assert_eq!(values, (0..3000).map(|i| (i * 7) % 1500).collect::<Vec<_>>());
     }
 
     #[test]

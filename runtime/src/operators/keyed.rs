@@ -6,7 +6,7 @@ use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
 use crate::operators::accumulators::{AccCount, AccList, AccOne, AccPair, AccState, Aggregates};
 use crate::restore::{KeyedFile, KeyedRestore, LOCAL_COPY_PART_BYTES};
-use crate::state::{KeyedState, StateStore, StateValue, StoreError, StoreSettings, PREFETCH_CHUNK};
+use crate::state::{FullImageBudget, KeyedState, StateStore, StateValue, StoreError, StoreSettings, PREFETCH_CHUNK};
 use crate::value::{Fields, Key, Record, StateKey};
 
 /// Below this many bytes of files a restored chain is applied file by file: a shard by shard
@@ -33,6 +33,8 @@ pub struct KeyedContext {
     /// entry), periodic full images are merged by the uploader in the background instead of
     /// written by the task.
     pub background_full_image_above: u64,
+    /// Where full images written by the task go: memory up to a bound, local disk beyond.
+    pub full_images: FullImageBudget,
     /// The rocksdb backend's settings; `None` for the heap backend.
     pub store: Option<StoreSettings>,
 }
@@ -44,7 +46,8 @@ impl KeyedContext {
         restore: Option<&KeyedRestore>,
     ) -> Result<KeyedState<V, K>, TaskError> {
         let mut state = KeyedState::new(self.max_parallelism, self.incremental, self.full_every)
-            .with_background_full_image_above(self.background_full_image_above);
+            .with_background_full_image_above(self.background_full_image_above)
+            .with_full_image_budget(self.full_images.clone());
         if let Some(settings) = &self.store {
             let label = format!("{}-kg{}", self.uid, self.key_groups.0);
             let mut store = StateStore::open(&settings.parent_dir, &label).map_err(|e| self.state_failed(e))?;
@@ -445,6 +448,9 @@ mod tests {
             incremental: true,
             full_every: 3,
             background_full_image_above: u64::MAX,
+            // Full images over 256 bytes go to local files, so that the operators' tests
+            // restore from those too.
+            full_images: FullImageBudget { in_memory_max: 256, dir: std::env::temp_dir().join("weir-state-tests") },
             store: None,
         }
     }
@@ -609,7 +615,7 @@ mod tests {
     }
 
     fn checkpoint(op: &mut dyn Operator, id: u64) -> Bytes {
-        op.snapshot(&Barrier { id, target: SnapshotTarget::Checkpoint }).unwrap().keyed.unwrap().data
+        op.snapshot(&Barrier { id, target: SnapshotTarget::Checkpoint }).unwrap().keyed.unwrap().bytes()
     }
 
     /// A composite key held packed gives what the same key held as values gives: the same

@@ -348,6 +348,7 @@ mod tests {
             incremental: true,
             full_every: 5,
             background_full_image_above: u64::MAX,
+            full_images: Default::default(),
             store: None,
         };
         WindowOperator::new(ctx, &spec(kind, size, slide), &["k".to_string(), "v".to_string()], None).unwrap()
@@ -592,6 +593,7 @@ mod tests {
                         incremental: true,
                         full_every: 3,
                         background_full_image_above: u64::MAX,
+                        full_images: Default::default(),
                         store: store.clone(),
                     };
                     let op = WindowOperator::new(

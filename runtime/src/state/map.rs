@@ -385,6 +385,12 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         self.shards.iter_mut().flat_map(|s| s.iter_mut().map(|(k, v)| (&*k, v)))
     }
 
+    /// The entries of shard `index` (of [`SHARDS`]): [`Self::iter`] lists them shard after
+    /// shard.
+    pub fn shard_iter(&self, index: usize) -> impl Iterator<Item = (&K, &V)> {
+        self.shards[index].iter().map(|(k, v)| (k, v))
+    }
+
     /// The entries of shard `index` (of [`SHARDS`]), for update: [`Self::iter_mut`] lists them
     /// shard after shard.
     pub fn shard_iter_mut(&mut self, index: usize) -> impl Iterator<Item = (&K, &mut V)> {

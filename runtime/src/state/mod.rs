@@ -34,6 +34,14 @@ use crate::value::{Key, StateKey};
 /// The largest full image the rocksdb backend keeps in memory; larger ones go to local disk.
 pub const FULL_IMAGE_IN_MEMORY: usize = 8 << 20;
 
+/// The largest full image the heap backend's task keeps in memory by default; larger ones go
+/// to local disk. The keyed count's periodic images of 1M keys (about 20 MB) stay in memory;
+/// a state of long values, whose image is about as large as the state, does not need twice
+/// its memory when it writes one (a savepoint's, or the first after a restore from elsewhere).
+/// Written to disk an image costs a sequential write, and on a local checkpoint directory
+/// nothing more: it is linked there, not copied.
+pub const HEAP_FULL_IMAGE_IN_MEMORY: u64 = 64 << 20;
+
 /// A state value that can be written to and read from state files.
 pub trait StateValue: Clone + Send + 'static {
     /// Binary encoding.
@@ -93,8 +101,6 @@ struct Spill<K> {
     /// batch's updates create them without reading the store again. A key leaves the set when
     /// it is inserted (it may be evicted to the store later in the batch).
     absent: FxHashSet<K>,
-    /// Full images larger than this many bytes are written to a file, not held in memory.
-    full_image_in_memory: usize,
     /// A restore's entries, loaded into the store by [`KeyedState::after_restore`].
     restoring: Option<bulk::BulkLoad>,
     /// A restore's table files (local copies), taken into the store first by
@@ -233,7 +239,30 @@ pub struct KeyedState<V, K = Key> {
     /// one doubling at a time into fresh memory.
     increment_entry_bytes: usize,
     force_full: Arc<AtomicBool>,
+    /// Where the full images the task writes (forced ones, savepoints') go.
+    images: FullImageBudget,
     spill: Option<Spill<K>>,
+}
+
+/// Where a full image written by the task goes: held in memory up to a number of bytes, moved
+/// to a local file beyond that and written on there (deleted once uploaded). A heap state of
+/// long values is about as large as its full image: the first checkpoint after a restore
+/// from another root, or a savepoint, held in memory next to the state, would need twice
+/// the state's memory.
+#[derive(Clone, Debug)]
+pub struct FullImageBudget {
+    /// Most bytes of a full image held in memory.
+    pub in_memory_max: u64,
+    /// Where larger ones are written (files named `full-image-<pid>-<n>`: a killed process's
+    /// are deleted by the next process that spills an image or opens a state store there).
+    pub dir: std::path::PathBuf,
+}
+
+impl Default for FullImageBudget {
+    /// Every image in memory.
+    fn default() -> Self {
+        FullImageBudget { in_memory_max: u64::MAX, dir: std::env::temp_dir().join("weir-state") }
+    }
 }
 
 /// A snapshot of keyed state, already encoded as a state file by the task thread (encoding the
@@ -284,18 +313,29 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             increment_entry_bytes: 16,
             // The first checkpoint of a run is always a full image.
             force_full: Arc::new(AtomicBool::new(true)),
+            images: FullImageBudget::default(),
             spill: None,
         }
+    }
+
+    /// Full images written by the task (heap backend) held in memory up to `budget`, on
+    /// local disk beyond it.
+    pub fn with_full_image_budget(mut self, budget: FullImageBudget) -> Self {
+        self.images = budget;
+        self
     }
 
     /// Empty state on the rocksdb backend: at most `cache_entries` entries in memory, the rest
     /// in `store`.
     pub fn on_store(mut self, store: StateStore, cache_entries: usize) -> Self {
+        self.images = FullImageBudget {
+            in_memory_max: self.images.in_memory_max.min(FULL_IMAGE_IN_MEMORY as u64),
+            dir: store.parent_dir().to_path_buf(),
+        };
         self.spill = Some(Spill {
             store,
             cache_entries: cache_entries.max(1),
             absent: FxHashSet::default(),
-            full_image_in_memory: FULL_IMAGE_IN_MEMORY,
             restoring: None,
             restoring_tables: Vec::new(),
             restoring_key_groups: None,
@@ -763,10 +803,17 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         if full {
             self.increments_since_full = 0;
             self.tracking_restarts();
-            let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
+            let mut w = StateFileStream::new(FileKind::KeyedFull, self.image_out());
+            let mut shard_bytes = Vec::with_capacity(map::SHARDS);
+            for shard in 0..map::SHARDS {
+                let entries = self.map.shard_iter_mut(shard).map(|(k, s)| {
+                    s.dirty = false;
+                    (k, &*s)
+                });
+                shard_bytes.push(put_shard(&mut w, entries).map_err(StoreError::SpillImage)?);
+            }
             // The map's keys, each once.
-            let shard_bytes = Some(self.put_by_shard(&mut w, false));
-            return Ok(KeyedSnapshot { puts_from: Some(0), shard_bytes, ..finish(FileKind::KeyedFull, w) });
+            return Ok(KeyedSnapshot { puts_from: Some(0), shard_bytes: Some(shard_bytes), ..sealed_image(w)? });
         }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.increment_capacity(0));
@@ -783,7 +830,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         if let Some(value) = &only_value {
             self.write_inserted_keys(&mut w, &deleted, value);
         } else if scan {
-            shard_bytes = self.put_by_shard(&mut w, true);
+            shard_bytes = self.put_dirty_by_shard(&mut w);
             self.changed.clear();
         } else {
             // The increment then lists its entries in bucket order, as a restore fills its map.
@@ -818,13 +865,13 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         Ok(self.increment_written(snapshot))
     }
 
-    /// Puts the map's entries (`only_dirty`: the changed ones) into `w` shard after shard,
-    /// each then clean; the bytes of each shard's.
-    fn put_by_shard(&mut self, w: &mut StateFileWriter, only_dirty: bool) -> Vec<u64> {
+    /// Puts the map's changed entries into `w` shard after shard, each then clean; the bytes of
+    /// each shard's.
+    fn put_dirty_by_shard(&mut self, w: &mut StateFileWriter) -> Vec<u64> {
         (0..map::SHARDS)
             .map(|shard| {
                 let from = w.entries_len();
-                for (k, s) in self.map.shard_iter_mut(shard).filter(|(_, s)| s.dirty || !only_dirty) {
+                for (k, s) in self.map.shard_iter_mut(shard).filter(|(_, s)| s.dirty) {
                     s.dirty = false;
                     w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
                 }
@@ -1007,21 +1054,16 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// keeps the cached value; no stored key has to be looked up in the cache.
     fn full_image(&self) -> Result<KeyedSnapshot, StoreError> {
         let Some(spill) = &self.spill else {
-            let mut w = StateFileWriter::new(FileKind::KeyedFull, self.map.len() * 16);
-            for (k, s) in self.map.iter() {
-                w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
-            }
+            let mut w = StateFileStream::new(FileKind::KeyedFull, self.image_out());
+            let shard_bytes = (0..map::SHARDS)
+                .map(|shard| put_shard(&mut w, self.map.shard_iter(shard)))
+                .collect::<std::io::Result<Vec<u64>>>()
+                .map_err(StoreError::SpillImage)?;
             // The map's keys, each once (the rocksdb backend's below may list a key twice).
-            return Ok(KeyedSnapshot { puts_from: Some(0), ..finish(FileKind::KeyedFull, w) });
-        };
-        let out = SpillingBuffer {
-            memory: Vec::new(),
-            bound: spill.full_image_in_memory,
-            dir: spill.store.parent_dir().to_path_buf(),
-            file: None,
+            return Ok(KeyedSnapshot { puts_from: Some(0), shard_bytes: Some(shard_bytes), ..sealed_image(w)? });
         };
         let spill_failed = |e: std::io::Error| StoreError::SpillImage(e);
-        let mut w = StateFileStream::new(FileKind::KeyedFull, out);
+        let mut w = StateFileStream::new(FileKind::KeyedFull, self.image_out());
         spill.store.scan(|raw_key, raw_value| {
             let (key_group, encoded_key) = StateStore::split_key(raw_key)?;
             w.put(key_group, encoded_key, raw_value).map_err(spill_failed)
@@ -1032,26 +1074,16 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         }
         let (cached, cached_entries) = cached.into_entries();
         w.put_entries(&cached, cached_entries).map_err(spill_failed)?;
-        let entries = w.entries();
-        let (out, len, crc32c) = w.finish().map_err(spill_failed)?;
-        let (data, file) = match out.file {
-            Some((f, path)) => {
-                let file = LocalStateFile { path, len };
-                f.sync_all().map_err(spill_failed)?;
-                (bytes::Bytes::new(), Some(file))
-            }
-            None => (bytes::Bytes::from(out.memory), None),
-        };
-        Ok(KeyedSnapshot {
-            kind: FileKind::KeyedFull,
-            data,
-            file,
-            crc32c,
-            entries,
-            live_entries: None,
-            puts_from: None,
-            shard_bytes: None,
-        })
+        sealed_image(w)
+    }
+
+    /// Where the task's next full image goes: memory up to the budget, then a local file.
+    fn image_out(&self) -> SpillingBuffer {
+        let bound = usize::try_from(self.images.in_memory_max).unwrap_or(usize::MAX);
+        // The heap map's image takes at least 16 bytes an entry (sized as the increments'
+        // buffers are, it would not be grown one doubling at a time from empty).
+        let guess = if self.spill.is_none() { self.map.len().saturating_mul(16) } else { 0 };
+        SpillingBuffer { memory: Vec::with_capacity(guess.min(bound)), bound, dir: self.images.dir.clone(), file: None }
     }
 
     /// A full image for a savepoint; change tracking is left as it is.
@@ -1512,6 +1544,43 @@ fn owns(key_groups: (u32, u32), key_group: u32) -> bool {
     (key_groups.0..key_groups.1).contains(&key_group)
 }
 
+/// Puts `entries` (one shard's, in its order) into a full image; the bytes they took.
+fn put_shard<'a, K: StateKey + 'a, V: StateValue + 'a, W: std::io::Write>(
+    w: &mut StateFileStream<W>,
+    entries: impl Iterator<Item = (&'a K, &'a Slot<V>)>,
+) -> std::io::Result<u64> {
+    let from = w.entries_len();
+    for (k, s) in entries {
+        w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e))?;
+    }
+    Ok(w.entries_len() - from)
+}
+
+/// The full image written to `w`, sealed: in memory, or in its local file (synced).
+fn sealed_image(w: StateFileStream<SpillingBuffer>) -> Result<KeyedSnapshot, StoreError> {
+    let entries = w.entries();
+    let (out, len, crc32c) = w.finish().map_err(StoreError::SpillImage)?;
+    let (data, file) = match out.file {
+        Some((f, path)) => {
+            // Deleted when dropped, also when the sync fails.
+            let file = LocalStateFile { path, len };
+            f.sync_all().map_err(StoreError::SpillImage)?;
+            (bytes::Bytes::new(), Some(file))
+        }
+        None => (bytes::Bytes::from(out.memory), None),
+    };
+    Ok(KeyedSnapshot {
+        kind: FileKind::KeyedFull,
+        data,
+        file,
+        crc32c,
+        entries,
+        live_entries: None,
+        puts_from: None,
+        shard_bytes: None,
+    })
+}
+
 fn finish(kind: FileKind, w: StateFileWriter) -> KeyedSnapshot {
     let entries = w.entries();
     let (data, crc32c) = w.finish();
@@ -1569,6 +1638,8 @@ impl std::io::Write for SpillingBuffer {
             static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
             let n = NEXT.fetch_add(1, Ordering::Relaxed);
             std::fs::create_dir_all(&self.dir)?;
+            // A heap job opens no state store, which would delete what killed processes left.
+            crate::state::store::remove_stores_of_dead_processes(&self.dir);
             let path = self.dir.join(format!("full-image-{}-{n}", std::process::id()));
             let mut f = SyncedWriter::create(&path)?;
             f.write_all(&std::mem::take(&mut self.memory))?;
@@ -1603,7 +1674,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     pub(crate) fn on_test_store(self, cache_entries: usize) -> Self {
         let store = StateStore::open(&std::env::temp_dir().join("weir-state-tests"), "test").expect("a store opens");
         let mut state = self.on_store(store, cache_entries);
-        state.spill.as_mut().expect("on a store").full_image_in_memory = 64;
+        state.images.in_memory_max = 64;
         state
     }
 }
@@ -1684,6 +1755,73 @@ mod tests {
         for (i, n) in model {
             assert_eq!(restored.get(&key(i)).unwrap(), Some(&n), "key {i}");
         }
+    }
+
+    /// A heap full image larger than the task may hold in memory (a forced one: the first
+    /// after a restore from elsewhere, and a savepoint's) goes to a local file: the same bytes,
+    /// checksum, shard starts and counts as the image in memory, a file deleted with the
+    /// snapshot, changes tracked after it as after an image in memory, and a chain over it
+    /// restores to the state. A killed process's image left in the directory is deleted.
+    #[test]
+    fn heap_full_images_over_their_budget_go_to_local_files_with_the_same_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        // Left by a killed process (pid 4294967295 is never one).
+        let dead = dir.path().join("full-image-4294967295-0");
+        std::fs::write(&dead, b"image").unwrap();
+        let budget = |bytes| FullImageBudget { in_memory_max: bytes, dir: dir.path().to_path_buf() };
+        let mut s = KeyedState::<i64>::new(16, true, 100);
+        for i in 0..50_000i64 {
+            *s.update(key(i), || 0).unwrap() += i;
+        }
+        let same = |a: &KeyedSnapshot, b: &KeyedSnapshot| {
+            assert_eq!((a.kind, a.crc32c, a.entries, a.live_entries), (b.kind, b.crc32c, b.entries, b.live_entries));
+            assert_eq!((a.puts_from, &a.shard_bytes), (b.puts_from, &b.shard_bytes));
+            assert!(a.bytes() == b.bytes(), "the same bytes");
+        };
+        // The map's order (its shards, in order) is the same for each image of the same state.
+        let in_memory = s.snapshot_full_copy().unwrap();
+        assert!(in_memory.file.is_none(), "by default every image is in memory");
+        s = s.with_full_image_budget(budget(4096));
+        let savepoint = s.snapshot_full_copy().unwrap();
+        let file = savepoint.file.as_ref().expect("a savepoint's image over the budget is on disk").path.clone();
+        assert!(file.starts_with(dir.path()) && savepoint.data.is_empty());
+        assert!(!dead.exists(), "a killed process's image is deleted");
+        same(&in_memory, &savepoint);
+        drop(savepoint);
+        assert!(!file.exists(), "deleted with its snapshot");
+
+        // The first checkpoint of a run is a forced full image.
+        let image = s.snapshot_checkpoint().unwrap();
+        assert!(image.file.is_some());
+        assert_eq!(image.kind, FileKind::KeyedFull);
+        let body_len = image.len() - 5 - 4;
+        assert_eq!(
+            image.shard_bytes.as_ref().map(|s| s.iter().sum::<u64>()),
+            Some(body_len),
+            "all but header and seal"
+        );
+        same(&in_memory, &image);
+        // Its entries are clean: the next increment holds the changes since, and nothing more.
+        for i in (0..50_000i64).step_by(10) {
+            *s.update(key(i), || 0).unwrap() += 1;
+        }
+        let increment = s.snapshot_checkpoint().unwrap();
+        assert_eq!((increment.kind, increment.entries), (FileKind::KeyedIncrement, 5_000));
+        let mut restored = restore_chain(&[image.bytes(), increment.bytes()], (0, 16));
+        assert_eq!(restored.entries().len(), 50_000);
+        for i in 0..50_000i64 {
+            assert_eq!(restored.get(&key(i)).unwrap(), Some(&(i + i64::from(i % 10 == 0))), "key {i}");
+        }
+
+        // Within the budget an image stays in memory.
+        s.images.in_memory_max = u64::MAX;
+        let unbounded = s.snapshot_full_copy().unwrap();
+        s = s.with_full_image_budget(budget(1 << 30));
+        let within = s.snapshot_full_copy().unwrap();
+        assert!(within.file.is_none());
+        same(&unbounded, &within);
+        drop(image);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no image left behind");
     }
 
     fn restore_chain(files: &[bytes::Bytes], range: (u32, u32)) -> KeyedState<i64> {

@@ -119,9 +119,20 @@ pub fn run_until(
     extra: &[&str],
     kill_when: impl Fn(&Path) -> bool,
 ) -> (ExitStatus, u64, Duration) {
+    run_in_root_until(cgroup, yaml, dir, &dir.join("state"), extra, kill_when)
+}
+
+/// [`run_until`] with the job's checkpoints under `chk` instead of `dir/state`.
+pub fn run_in_root_until(
+    cgroup: &MemoryCgroup,
+    yaml: &str,
+    dir: &Path,
+    chk: &Path,
+    extra: &[&str],
+    kill_when: impl Fn(&Path) -> bool,
+) -> (ExitStatus, u64, Duration) {
     let job_file = dir.join("job.yaml");
     std::fs::write(&job_file, yaml).unwrap();
-    let chk = dir.join("state");
     let started = Instant::now();
     let mut child = cgroup
         .command(
@@ -138,7 +149,7 @@ pub fn run_until(
         if let Some(status) = child.try_wait().unwrap() {
             break status;
         }
-        if kill_when(&chk) {
+        if kill_when(chk) {
             child.kill().unwrap(); // SIGKILL
             break child.wait().unwrap();
         }
@@ -158,9 +169,9 @@ pub fn run_until(
     (status, peak_kib * 1024, started.elapsed())
 }
 
-/// Bytes of the newest complete checkpoint's keyed state of `counts` (its whole chain).
-pub fn newest_chain_bytes(chk: &Path) -> u64 {
-    let Ok(dirs) = std::fs::read_dir(chk.join("checkpoints")) else { return 0 };
+/// The directory of the newest complete checkpoint under the job root `chk`.
+pub fn newest_checkpoint(chk: &Path) -> Option<PathBuf> {
+    let dirs = std::fs::read_dir(chk.join("checkpoints")).ok()?;
     let newest = dirs
         .flatten()
         .filter_map(|d| weir_checkpoint::layout::parse_checkpoint_dir(&d.file_name().to_string_lossy()))
@@ -168,10 +179,14 @@ pub fn newest_chain_bytes(chk: &Path) -> u64 {
             let dir = weir_checkpoint::layout::checkpoint_dir(*id);
             chk.join(dir).join(weir_checkpoint::layout::METADATA).exists()
         })
-        .max();
-    let Some(id) = newest else { return 0 };
-    let path = chk.join(weir_checkpoint::layout::checkpoint_dir(id)).join(weir_checkpoint::layout::METADATA);
-    let Ok(m) = std::fs::read(path)
+        .max()?;
+    Some(chk.join(weir_checkpoint::layout::checkpoint_dir(newest)))
+}
+
+/// Bytes of the newest complete checkpoint's keyed state of `counts` (its whole chain).
+pub fn newest_chain_bytes(chk: &Path) -> u64 {
+    let Some(newest) = newest_checkpoint(chk) else { return 0 };
+    let Ok(m) = std::fs::read(newest.join(weir_checkpoint::layout::METADATA))
         .map_err(|_| ())
         .and_then(|b| weir_checkpoint::CheckpointMetadata::decode(&b).map_err(|_| ()))
     else {
