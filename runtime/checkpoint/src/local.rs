@@ -202,8 +202,110 @@ impl Write for SyncedWriter {
     }
 }
 
+/// Bytes a [`WriterThread`] holds that its thread has not written yet, at most.
+pub const WRITER_THREAD_IN_FLIGHT: usize = 16 << 20;
+
+/// A [`SyncedWriter`] on a thread of its own: [`Write::write`] hands the bytes over and
+/// returns, waiting only while [`WRITER_THREAD_IN_FLIGHT`] bytes are still to be written, so
+/// that whoever makes a large file (a task encoding a full image) and the disk work at once.
+pub struct WriterThread {
+    chunks: Option<std::sync::mpsc::SyncSender<Vec<u8>>>,
+    written: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+/// Bytes handed to a [`WriterThread`]'s thread at a time.
+const WRITER_THREAD_CHUNK: usize = 1 << 20;
+
+impl WriterThread {
+    /// Creates (or truncates) the file at `path` and starts its thread, `name`d.
+    pub fn create(path: &Path, name: &str) -> std::io::Result<Self> {
+        let mut out = SyncedWriter::create(path)?;
+        let (chunks, to_write) =
+            std::sync::mpsc::sync_channel::<Vec<u8>>(WRITER_THREAD_IN_FLIGHT / WRITER_THREAD_CHUNK);
+        let written = std::thread::Builder::new().name(name.into()).spawn(move || {
+            for chunk in to_write {
+                out.write_all(&chunk)?;
+            }
+            out.sync_all()
+        })?;
+        Ok(WriterThread { chunks: Some(chunks), written: Some(written) })
+    }
+
+    /// Waits until every byte is written and the file synced (data and metadata).
+    pub fn finish(mut self) -> std::io::Result<()> {
+        self.chunks = None;
+        self.outcome()
+    }
+
+    /// The thread's outcome, once it ended (its channel closed, or it failed).
+    fn outcome(&mut self) -> std::io::Result<()> {
+        match self.written.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(outcome)) => outcome,
+            Some(Err(_)) => Err(std::io::Error::other("the file's writer thread panicked")),
+            None => Err(std::io::Error::other("the file's writer thread already ended")),
+        }
+    }
+}
+
+impl Write for WriterThread {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        for chunk in bytes.chunks(WRITER_THREAD_CHUNK) {
+            let sent = self.chunks.as_ref().map(|c| c.send(chunk.to_vec()));
+            if !matches!(sent, Some(Ok(()))) {
+                // The thread stopped at an error: that error.
+                self.chunks = None;
+                return Err(match self.outcome() {
+                    Err(e) => e,
+                    Ok(()) => std::io::Error::other("the file's writer thread ended early"),
+                });
+            }
+        }
+        Ok(bytes.len())
+    }
+
+    /// Nothing to do: [`Self::finish`] waits for the bytes.
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for WriterThread {
+    fn drop(&mut self) {
+        self.chunks = None;
+        let _ = self.outcome();
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    /// A writer thread's file holds every byte handed to it, in order, once finished; a write
+    /// after its thread failed returns that failure.
+    #[test]
+    fn a_writer_thread_writes_every_byte_and_reports_its_failure() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("image");
+        let mut w = super::WriterThread::create(&path, "test-writer").unwrap();
+        let mut expected = Vec::new();
+        for i in 0..40u32 {
+            // Past the bytes in flight, in pieces smaller and larger than a chunk.
+            let piece: Vec<u8> = (0..(i as usize * 97_003) % 3_000_000).map(|b| (b as u32 ^ i) as u8).collect();
+            w.write_all(&piece).unwrap();
+            expected.extend_from_slice(&piece);
+        }
+        w.finish().unwrap();
+        assert!(expected.len() > 2 * super::WRITER_THREAD_IN_FLIGHT);
+        assert!(std::fs::read(&path).unwrap() == expected, "the same bytes in the same order");
+
+        // /dev/full refuses every write with ENOSPC.
+        if std::path::Path::new("/dev/full").exists() {
+            let mut full = super::WriterThread::create(std::path::Path::new("/dev/full"), "test-full").unwrap();
+            let failed = (0..64).find_map(|_| full.write_all(&[7u8; 1 << 20]).err());
+            let failed = failed.or_else(|| full.finish().err()).expect("a full device fails the writer");
+            assert_eq!(failed.raw_os_error(), Some(28), "{failed}");
+        }
+    }
+
     /// Direct writes hold exactly the bytes given, at lengths around the block and buffer
     /// sizes, on the disk's filesystem and on tmpfs (which refuses direct I/O); an existing
     /// file is never overwritten.

@@ -25,7 +25,7 @@ use rustc_hash::FxHashSet;
 use weir_checkpoint::format::{
     keyed_entries, keyed_entries_in, Decoder, Encoder, FileKind, FormatError, StateFileStream, StateFileWriter,
 };
-use weir_checkpoint::local::SyncedWriter;
+use weir_checkpoint::local::WriterThread;
 
 pub use store::{StateStore, StoreError, StoreSettings};
 
@@ -1564,7 +1564,7 @@ fn sealed_image(w: StateFileStream<SpillingBuffer>) -> Result<KeyedSnapshot, Sto
         Some((f, path)) => {
             // Deleted when dropped, also when the sync fails.
             let file = LocalStateFile { path, len };
-            f.sync_all().map_err(StoreError::SpillImage)?;
+            f.finish().map_err(StoreError::SpillImage)?;
             (bytes::Bytes::new(), Some(file))
         }
         None => (bytes::Bytes::from(out.memory), None),
@@ -1624,12 +1624,13 @@ impl KeyedSnapshot {
 }
 
 /// An [`std::io::Write`] that keeps the bytes in memory up to a bound, then moves them to a file
-/// (synced as it is written) and streams the rest there.
+/// (synced as it is written, by a thread of its own, so that the encoding and the disk's
+/// writing overlap) and streams the rest there.
 struct SpillingBuffer {
     memory: Vec<u8>,
     bound: usize,
     dir: std::path::PathBuf,
-    file: Option<(SyncedWriter, std::path::PathBuf)>,
+    file: Option<(WriterThread, std::path::PathBuf)>,
 }
 
 impl std::io::Write for SpillingBuffer {
@@ -1641,7 +1642,7 @@ impl std::io::Write for SpillingBuffer {
             // A heap job opens no state store, which would delete what killed processes left.
             crate::state::store::remove_stores_of_dead_processes(&self.dir);
             let path = self.dir.join(format!("full-image-{}-{n}", std::process::id()));
-            let mut f = SyncedWriter::create(&path)?;
+            let mut f = WriterThread::create(&path, "weir-image-writer")?;
             f.write_all(&std::mem::take(&mut self.memory))?;
             self.file = Some((f, path));
         }
