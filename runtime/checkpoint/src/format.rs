@@ -113,27 +113,51 @@ impl Encoder {
     }
 
     /// Writes what `write` encodes behind its exact length, as [`Self::bytes`] would. The bytes
-    /// are encoded in place behind a one-byte length that is patched afterwards; the rare key
-    /// or value of 128 bytes or more moves its bytes to make room for a longer varint.
+    /// are encoded in place behind `*prefix` bytes reserved for the length, patched afterwards:
+    /// the caller keeps `*prefix` per field, the size of that field's last length, so that
+    /// fields of similar lengths never move. A length of another size moves the bytes once and
+    /// updates `*prefix` (a 630-byte value behind a one-byte guess was copied twice, half of
+    /// a full image's encoding of long values).
     #[inline]
-    pub fn length_prefixed(&mut self, write: impl FnOnce(&mut Encoder)) {
+    pub fn length_prefixed(&mut self, prefix: &mut usize, write: impl FnOnce(&mut Encoder)) {
         let at = self.buf.len();
-        self.buf.push(0);
+        let reserved = *prefix;
+        if reserved == 1 {
+            self.buf.push(0);
+        } else {
+            self.buf.resize(at + reserved, 0);
+        }
         write(self);
-        let len = self.buf.len() - at - 1;
-        if len < 0x80 {
+        let len = self.buf.len() - at - reserved;
+        if reserved == 1 && len < 0x80 {
             self.buf[at] = len as u8;
         } else {
-            self.widen_length(at, len);
+            self.patch_length(at, reserved, len, prefix);
         }
     }
 
-    /// Replaces the one-byte length at `at` by the varint of `len` (128 or more).
-    #[cold]
-    fn widen_length(&mut self, at: usize, len: usize) {
-        let mut prefix = Encoder::with_capacity(10);
-        prefix.varint(len as u64);
-        self.buf.splice(at..=at, prefix.buf);
+    /// Writes the varint of `len` at `at`, where `reserved` bytes were kept for it, moving the
+    /// `len` bytes behind them when it takes another size (then `*prefix` becomes that size).
+    fn patch_length(&mut self, at: usize, reserved: usize, len: usize, prefix: &mut usize) {
+        let mut varint = [0u8; 10];
+        let (mut v, mut n) = (len as u64, 0);
+        while v >= 0x80 {
+            varint[n] = (v as u8) | 0x80;
+            v >>= 7;
+            n += 1;
+        }
+        varint[n] = v as u8;
+        n += 1;
+        if n != reserved {
+            let end = self.buf.len();
+            if n > reserved {
+                self.buf.resize(end + n - reserved, 0);
+            }
+            self.buf.copy_within(at + reserved..end, at + n);
+            self.buf.truncate(end + n - reserved);
+            *prefix = n;
+        }
+        self.buf[at..at + n].copy_from_slice(&varint[..n]);
     }
 }
 
@@ -257,6 +281,9 @@ const HEADER_LEN: usize = MAGIC.len() + 1;
 #[derive(Debug)]
 pub struct StateFileWriter {
     enc: Encoder,
+    /// The length sizes reserved for the next key and value ([`Encoder::length_prefixed`]).
+    key_prefix: usize,
+    value_prefix: usize,
     entries: u64,
     /// For an increment ordered by key group: each entry's key group and length, in the
     /// order written (the file is ordered when finished).
@@ -279,7 +306,7 @@ impl StateFileWriter {
         };
         enc.buf.extend_from_slice(MAGIC);
         enc.u8(kind as u8);
-        StateFileWriter { enc, entries: 0, by_key_group: None }
+        StateFileWriter { enc, key_prefix: 1, value_prefix: 1, entries: 0, by_key_group: None }
     }
 
     /// Starts an increment ordered by key group, with an index of where each key group's
@@ -332,9 +359,9 @@ impl StateFileWriter {
     pub fn put_encoded(&mut self, key_group: u32, key: impl FnOnce(&mut Encoder), value: impl FnOnce(&mut Encoder)) {
         let at = self.enc.buf.len();
         self.enc.varint(u64::from(key_group));
-        self.enc.length_prefixed(key);
+        self.enc.length_prefixed(&mut self.key_prefix, key);
         self.enc.u8(1);
-        self.enc.length_prefixed(value);
+        self.enc.length_prefixed(&mut self.value_prefix, value);
         self.entry_written(key_group, at);
     }
 
@@ -343,7 +370,7 @@ impl StateFileWriter {
     pub fn delete_encoded(&mut self, key_group: u32, key: impl FnOnce(&mut Encoder)) {
         let at = self.enc.buf.len();
         self.enc.varint(u64::from(key_group));
-        self.enc.length_prefixed(key);
+        self.enc.length_prefixed(&mut self.key_prefix, key);
         self.enc.u8(0);
         self.entry_written(key_group, at);
     }
@@ -734,6 +761,9 @@ pub struct StateFileStream<W: std::io::Write> {
     crc: u32,
     len: u64,
     entries: u64,
+    /// The length sizes reserved for the next key and value ([`Encoder::length_prefixed`]).
+    key_prefix: usize,
+    value_prefix: usize,
 }
 
 impl<W: std::io::Write> StateFileStream<W> {
@@ -745,7 +775,7 @@ impl<W: std::io::Write> StateFileStream<W> {
         let mut buf = Encoder::with_capacity(Self::FLUSH_AT + 4096);
         buf.buf.extend_from_slice(MAGIC);
         buf.u8(kind as u8);
-        StateFileStream { out, buf, crc: 0, len: 0, entries: 0 }
+        StateFileStream { out, buf, crc: 0, len: 0, entries: 0, key_prefix: 1, value_prefix: 1 }
     }
 
     /// Adds a keyed put of an encoded key and value.
@@ -771,9 +801,9 @@ impl<W: std::io::Write> StateFileStream<W> {
         value: impl FnOnce(&mut Encoder),
     ) -> std::io::Result<()> {
         self.buf.varint(u64::from(key_group));
-        self.buf.length_prefixed(key);
+        self.buf.length_prefixed(&mut self.key_prefix, key);
         self.buf.u8(1);
-        self.buf.length_prefixed(value);
+        self.buf.length_prefixed(&mut self.value_prefix, value);
         self.entries += 1;
         if self.buf.buf.len() >= Self::FLUSH_AT {
             self.flush_buf()?;
@@ -1197,10 +1227,13 @@ mod tests {
         let mut whole = StateFileWriter::new(FileKind::KeyedFull, 64);
         let mut stream = StateFileStream::new(FileKind::KeyedFull, Vec::new());
         let mut entries_len = Vec::new();
+        // 0 to 1499 bytes, one-byte and two-byte lengths, and a few three-byte ones: every
+        // guess of a length's size wrong now and then, in both directions; 2 MB, past a flush.
+        let len_of = |i: usize| if i % 500 == 499 { 20_000 + i } else { (i * 7) % 1500 };
         for i in 0..3000u32 {
-            // 0 to 1499 bytes: one-byte and two-byte lengths; 2 MB in all, past a flush.
-            let value = vec![i as u8; (i as usize * 7) % 1500];
-            let key = |e: &mut Encoder| e.varint(u64::from(i) << 20);
+            let value = vec![i as u8; len_of(i as usize)];
+            // Keys of one to five bytes.
+            let key = |e: &mut Encoder| e.varint(u64::from(i) << (i % 25));
             whole.put_encoded(i % 128, key, |e| e.buf.extend_from_slice(&value));
             stream.put_encoded(i % 128, key, |e| e.buf.extend_from_slice(&value)).unwrap();
             entries_len.push((whole.entries_len() as u64, stream.entries_len()));
@@ -1214,7 +1247,7 @@ mod tests {
         assert!(out == bytes[..], "the same bytes");
         let (_, body) = open(&out).unwrap();
         let values: Vec<usize> = keyed_entries(body).map(|e| e.unwrap().value.unwrap().len()).collect();
-        assert_eq!(values, (0..3000).map(|i| (i * 7) % 1500).collect::<Vec<_>>());
+        assert_eq!(values, (0..3000).map(len_of).collect::<Vec<_>>());
     }
 
     #[test]
