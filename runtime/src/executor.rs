@@ -1422,13 +1422,13 @@ fn fenced_or_failed(e: epoch::EpochError) -> AttemptEnd {
     }
 }
 
-/// Where the rocksdb backend's stores go: `weir-state` in the temporary directory (`TMPDIR`,
-/// else `/tmp`; in a pod, the `scratch` emptyDir volume mounted there).
 /// Whether an operator of `kind` keeps keyed state (and so writes full images).
 fn holds_keyed_state(kind: &NodeKind) -> bool {
     matches!(kind, NodeKind::Window(_) | NodeKind::Aggregate(_) | NodeKind::Dedupe)
 }
 
+/// Where the rocksdb backend's stores go: `weir-state` in the temporary directory (`TMPDIR`,
+/// else `/tmp`; in a pod, the `scratch` emptyDir volume mounted there).
 fn local_state_dir() -> std::path::PathBuf {
     std::env::temp_dir().join("weir-state")
 }

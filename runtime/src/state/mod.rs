@@ -794,27 +794,24 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let periodic = self.increments_since_full + 1 >= self.full_every
             && self.full_image_cost_in_entries() <= self.background_full_image_above;
         let full = !self.incremental || self.force_full.swap(false, Ordering::AcqRel) || periodic || self.untracked;
+        if full {
+            self.increments_since_full = 0;
+            self.tracking_restarts();
+            for s in self.map.values_mut() {
+                s.dirty = false;
+            }
+            if let Some(spill) = &mut self.spill {
+                // In the store, which the image reads whole.
+                spill.evicted_changes.clear();
+            }
+            return self.full_image();
+        }
         if self.spill.is_some() {
-            return self.snapshot_checkpoint_on_store(full);
+            return self.snapshot_checkpoint_on_store();
         }
         // A set of keys writes its increment from the changed list alone, however long.
         let only_value = V::only_value().filter(|_| !self.scan);
         let scan = std::mem::take(&mut self.scan) || (only_value.is_none() && self.changed.len() * 4 > self.map.len());
-        if full {
-            self.increments_since_full = 0;
-            self.tracking_restarts();
-            let mut w = StateFileStream::new(FileKind::KeyedFull, self.image_out());
-            let mut shard_bytes = Vec::with_capacity(map::SHARDS);
-            for shard in 0..map::SHARDS {
-                let entries = self.map.shard_iter_mut(shard).map(|(k, s)| {
-                    s.dirty = false;
-                    (k, &*s)
-                });
-                shard_bytes.push(put_shard(&mut w, entries).map_err(StoreError::SpillImage)?);
-            }
-            // The map's keys, each once.
-            return Ok(KeyedSnapshot { puts_from: Some(0), shard_bytes: Some(shard_bytes), ..sealed_image(w)? });
-        }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
         let mut w = StateFileWriter::new(FileKind::KeyedIncrement, self.increment_capacity(0));
         // Deletions first: a key removed and inserted again since the previous snapshot is in
@@ -966,16 +963,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     }
 
     /// [`Self::snapshot_checkpoint`] on the rocksdb backend.
-    fn snapshot_checkpoint_on_store(&mut self, full: bool) -> Result<KeyedSnapshot, StoreError> {
+    fn snapshot_checkpoint_on_store(&mut self) -> Result<KeyedSnapshot, StoreError> {
         let evicted_changes = std::mem::take(&mut self.spill.as_mut().expect("on the rocksdb backend").evicted_changes);
-        if full {
-            self.increments_since_full = 0;
-            self.tracking_restarts();
-            for s in self.map.values_mut() {
-                s.dirty = false;
-            }
-            return self.full_image();
-        }
         self.increments_since_full = self.increments_since_full.saturating_add(1);
         // Ordered by key group when finished, so that a lazy restore reads a range's part of it
         // without the rest (`bulk::RangeGroups::take_range_by_key_group`).
