@@ -1345,14 +1345,21 @@ impl OperatorFactory<'_> {
                 restores_loading: self.restores_loading.clone(),
             }),
         };
-        let keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
+        let mut keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
         let composite_key = keyed().composite();
-        if let Some(k) = &keyed_restore {
+        if let Some(k) = &mut keyed_restore {
+            // The heap backend goes on from a chain of another root: its files are copied by
+            // the first checkpoint instead of a full image written by the stopped task.
+            let copy_from = match job.spec.state_backend {
+                StateBackendKind::Heap => k.adopt_chain(),
+                StateBackendKind::Rocksdb => None,
+            };
             if k.continue_chain {
                 let chain = crate::upload::RestoredChain {
                     files: k.chain.clone(),
                     tables: k.chain_tables.clone(),
                     tables_fell_back: k.lazy_tables.first().map(|(_, t)| t.fell_back_flag()),
+                    copy_from,
                 };
                 chains.insert(uid.clone(), chain);
             }

@@ -16,12 +16,13 @@ use crossbeam_channel::{Receiver, Sender};
 use weir_checkpoint::format::{FileKind, StateFileWriter};
 use weir_checkpoint::protocol::TaskId;
 use weir_checkpoint::retention::PendingFiles;
-use weir_checkpoint::{layout, FileRef, Storage, SubtaskSnapshot};
+use weir_checkpoint::{layout, CopiedBy, FileRef, Storage, SubtaskSnapshot};
 
 use crate::compact::{InFlight, MergeOutcome, MergeRequest, Merger};
 use crate::faults::{Fault, Faults};
 use crate::message::{Barrier, Event, OperatorAck, SnapshotTarget, TaskAck};
 use crate::operator::{StagedWrite, StateParts};
+use crate::restore::ChainSource;
 
 /// A snapshot handed from a task to its uploader.
 pub struct UploadJob {
@@ -49,6 +50,8 @@ struct Chain {
     tables: Vec<FileRef>,
     /// See [`RestoredChain::tables_fell_back`].
     tables_fell_back: Option<Arc<AtomicBool>>,
+    /// See [`RestoredChain::copy_from`]; `None` once copied.
+    copy_from: Option<ChainSource>,
     broken: bool,
 }
 
@@ -79,6 +82,11 @@ pub struct RestoredChain {
     /// Raised when the restore could not take one of `tables` in and read its range from the
     /// image: from the next checkpoint on, the chain lists no table files.
     pub tables_fell_back: Option<Arc<AtomicBool>>,
+    /// Where `files` are when they lie outside the job's root (a chain restored from another
+    /// job's checkpoint or from a savepoint, [`crate::restore::KeyedRestore::adopt_chain`]):
+    /// the first checkpoint copies them into the root's shared directory before it writes the
+    /// increment that builds on them, and lists the copies. The originals are only read.
+    pub copy_from: Option<ChainSource>,
 }
 
 /// A chain of more than `fullEvery` files is merged once its increments hold at least this
@@ -140,7 +148,13 @@ pub fn run(
     let mut chains: HashMap<String, Chain> = restored_chains
         .into_iter()
         .map(|(uid, c)| {
-            let chain = Chain { files: c.files, tables: c.tables, tables_fell_back: c.tables_fell_back, broken: false };
+            let chain = Chain {
+                files: c.files,
+                tables: c.tables,
+                tables_fell_back: c.tables_fell_back,
+                copy_from: c.copy_from,
+                broken: false,
+            };
             (uid, chain)
         })
         .collect();
@@ -518,6 +532,14 @@ async fn upload(
                 if savepoint_dir.is_none() && kind == FileKind::KeyedIncrement && chain.broken {
                     return Err(format!("`{uid}`: an earlier increment was lost; waiting for a full image"));
                 }
+                if let (None, FileKind::KeyedIncrement, Some(source)) = (&savepoint_dir, kind, &chain.copy_from) {
+                    // Before the increment that builds on them; a failure fails the
+                    // checkpoint, and the next snapshot is a full image.
+                    let (id, subtask) = (job.barrier.id, job.subtask);
+                    chain.files =
+                        copy_restored_chain(storage, source, &chain.files, &uid, subtask, id, epoch, faults).await?;
+                    chain.copy_from = None;
+                }
                 let (len, crc) = (keyed.len(), keyed.crc32c);
                 snap.keyed_entries = keyed.live_entries;
                 let rel = match &savepoint_dir {
@@ -554,6 +576,7 @@ async fn upload(
                         chain.files.clear();
                         chain.tables.clear();
                         chain.tables_fell_back = None;
+                        chain.copy_from = None;
                         chain.broken = false;
                     }
                     chain.files.push(file);
@@ -577,6 +600,63 @@ async fn upload(
         return Err(reason);
     }
     Ok(ack)
+}
+
+/// Copies `files`, a keyed-state chain of another root (see [`RestoredChain::copy_from`]), into
+/// the job's root as checkpoint `id`'s ([`layout::shared_adopted_file`]), and returns the
+/// references to the copies: the same lengths, checksums and shard starts. A copy whose bytes
+/// passed through this process is checked against its reference (the restore checked the
+/// originals as it read them; a link or a copy inside the store has the same bytes).
+#[allow(clippy::too_many_arguments)]
+async fn copy_restored_chain(
+    storage: &Storage,
+    source: &ChainSource,
+    files: &[FileRef],
+    uid: &str,
+    subtask: u32,
+    id: u64,
+    epoch: u64,
+    faults: &Faults,
+) -> Result<Vec<FileRef>, String> {
+    let started = std::time::Instant::now();
+    let dir = layout::checkpoint_dir(id);
+    let mut copies = Vec::with_capacity(files.len());
+    let mut how = Vec::with_capacity(files.len());
+    for (index, f) in files.iter().enumerate() {
+        let rel = layout::shared_adopted_file(uid, subtask, id, epoch, index);
+        if faults.fires(Fault::Upload) {
+            return Err(format!("injected fault: copying the restored keyed state of `{uid}` to {rel} failed"));
+        }
+        let from = source.resolve(&f.path);
+        let failed = |reason: String| {
+            format!(
+                "copying the restored keyed state of `{uid}` from {} into the job's root: {reason}",
+                source.storage.url_of(&from)
+            )
+        };
+        let copied = storage.copy_from(&source.storage, &from, &layout::resolve(&dir, &rel)).await;
+        match copied.map_err(|e| failed(e.to_string()))? {
+            CopiedBy::Streaming(digest) => {
+                f.check(&digest).map_err(failed)?;
+                how.push("streamed");
+            }
+            CopiedBy::Link => how.push("linked"),
+            CopiedBy::Store => how.push("copied by the store"),
+        }
+        copies.push(FileRef { path: rel, ..f.clone() });
+    }
+    how.dedup();
+    tracing::info!(
+        uid,
+        subtask,
+        checkpoint = id,
+        files = files.len(),
+        bytes = files.iter().map(|f| f.len).sum::<u64>(),
+        how = how.join(", "),
+        ms = started.elapsed().as_millis() as u64,
+        "keyed state: the chain restored from another root copied into the job's root"
+    );
+    Ok(copies)
 }
 
 #[cfg(test)]
@@ -795,6 +875,103 @@ mod tests {
         assert!(!flag.load(Ordering::Acquire));
     }
 
+    /// A keyed snapshot of `kind` whose file holds `data`.
+    fn keyed_job(id: u64, kind: FileKind, data: &'static [u8], force_full: &Arc<AtomicBool>) -> UploadJob {
+        let keyed = crate::state::KeyedSnapshot {
+            kind,
+            data: bytes::Bytes::from_static(data),
+            file: None,
+            crc32c: crc32c::crc32c(data),
+            entries: 1,
+            live_entries: Some(1),
+            puts_from: Some(0),
+            shard_bytes: None,
+        };
+        let parts = StateParts { keyed: Some(keyed), force_full: Some(force_full.clone()), ..StateParts::default() };
+        UploadJob {
+            barrier: Barrier { id, target: SnapshotTarget::Checkpoint },
+            task: 0,
+            subtask: 0,
+            parallelism: 1,
+            key_groups: (0, 64),
+            parts: vec![("counts".to_string(), parts)],
+            alignment_ms: 0,
+        }
+    }
+
+    /// A chain restored from another root is copied into the job's root by the first
+    /// increment's upload, before the increment, and listed under the copies' names with the
+    /// originals' lengths and checksums; the originals stay. A copy that fails fails the
+    /// checkpoint: the chain waits for a full image, which drops the restored files.
+    #[test]
+    fn the_first_increment_copies_a_chain_restored_from_another_root_into_the_job_root() {
+        let faults = Faults::none(Arc::new(crate::metrics::JobMetrics::new("t", "t")));
+        let io = crate::io();
+        let source = Storage::open("memory://other").unwrap();
+        let originals =
+            [("savepoints/sp-1/counts/0.kv", &b"image"[..]), ("checkpoints/shared/counts/0-2-1.kv", b"inc")];
+        for (path, data) in originals {
+            io.block_on(source.put(path, bytes::Bytes::from_static(data))).unwrap();
+        }
+        let refs: Vec<FileRef> = [("counts/0.kv", &b"image"[..]), ("../../checkpoints/shared/counts/0-2-1.kv", b"inc")]
+            .iter()
+            .map(|(path, data)| {
+                FileRef::new(path.to_string(), data.len() as u64, crc32c::crc32c(data)).with_puts_from(Some(0))
+            })
+            .collect();
+        let from = ChainSource { storage: source.clone(), dir: "savepoints/sp-1".into() };
+        let restored = |copy_from| Chain { files: refs.clone(), copy_from, ..Chain::default() };
+        let storage = Storage::open("memory://job").unwrap();
+        let flag = Arc::new(AtomicBool::new(false));
+        let mut chains: HashMap<String, Chain> = [("counts".to_string(), restored(Some(from.clone())))].into();
+        let job = keyed_job(7, FileKind::KeyedIncrement, b"changes", &flag);
+        let ack = io.block_on(upload(&storage, 3, &faults, &mut chains, &mut Vec::new(), None, job)).unwrap();
+        let listed = &ack.operators[0].snapshot.keyed_state;
+        let paths: Vec<&str> = listed.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            ["../shared/counts/0-7-3-adopted-0.kv", "../shared/counts/0-7-3-adopted-1.kv", "../shared/counts/0-7-3.kv"]
+        );
+        for ((copy, restored_ref), (original, data)) in listed.iter().zip(&refs).zip(originals) {
+            assert_eq!(
+                (copy.len, copy.crc32c, copy.puts_from),
+                (restored_ref.len, restored_ref.crc32c, restored_ref.puts_from)
+            );
+            let copied = io.block_on(storage.get(&layout::resolve("checkpoints/chk-7", &copy.path))).unwrap();
+            assert_eq!(&copied[..], data);
+            assert_eq!(&io.block_on(source.get(original)).unwrap()[..], data, "the original stays");
+        }
+        assert!(chains["counts"].copy_from.is_none(), "copied once");
+        let next = io.block_on(upload(
+            &storage,
+            3,
+            &faults,
+            &mut chains,
+            &mut Vec::new(),
+            None,
+            keyed_job(8, FileKind::KeyedIncrement, b"more", &flag),
+        ));
+        assert_eq!(next.unwrap().operators[0].snapshot.keyed_state.len(), 4, "the copies, then both increments");
+
+        // The second original is gone: the copy fails, and so does the checkpoint.
+        io.block_on(source.delete(originals[1].0)).unwrap();
+        let mut chains: HashMap<String, Chain> = [("counts".to_string(), restored(Some(from)))].into();
+        let job = keyed_job(9, FileKind::KeyedIncrement, b"changes", &flag);
+        let failed = io.block_on(upload(&storage, 4, &faults, &mut chains, &mut Vec::new(), None, job)).unwrap_err();
+        assert!(
+            failed.contains("copying the restored keyed state of `counts`") && failed.contains("not found"),
+            "{failed}"
+        );
+        assert!(flag.load(Ordering::Acquire) && chains["counts"].broken, "the next snapshot must be full");
+        let job = keyed_job(10, FileKind::KeyedIncrement, b"changes", &flag);
+        assert!(io.block_on(upload(&storage, 4, &faults, &mut chains, &mut Vec::new(), None, job)).is_err());
+        let job = keyed_job(11, FileKind::KeyedFull, b"everything", &flag);
+        let ack = io.block_on(upload(&storage, 4, &faults, &mut chains, &mut Vec::new(), None, job)).unwrap();
+        let paths: Vec<String> = ack.operators[0].snapshot.keyed_state.iter().map(|f| f.path.clone()).collect();
+        assert_eq!(paths, ["../shared/counts/0-11-4.kv"]);
+        assert!(chains["counts"].copy_from.is_none() && !chains["counts"].broken);
+    }
+
     /// A continued chain lists its restored table files until its restore could not take one
     /// in; from then on it lists none, even once the flag is down again.
     #[test]
@@ -805,6 +982,7 @@ mod tests {
             files: vec![FileRef::new("image.kv".into(), 100, 0)],
             tables: tables.clone(),
             tables_fell_back: Some(fell_back.clone()),
+            copy_from: None,
             broken: false,
         };
         assert_eq!(chain.listed_tables(), tables);

@@ -869,12 +869,14 @@ fn restore_from_an_explicit_checkpoint_path() {
 
 /// A job restored from a checkpoint of another storage root (another job's retained
 /// checkpoint, as `initialSavepoint` allows) writes checkpoints that stand on their own: its
-/// incremental chain starts with a full image in its own root instead of referencing files of
-/// the other root (whose references would not even resolve in its own). The other root is
-/// deleted before the job restores again from its own checkpoints, and the output is still
-/// exactly the undisturbed run's. Before, every checkpoint of the new root up to its next
-/// full image was invalid ("missing file ../shared/..."). On both backends; on rocksdb with
-/// merged images in the background, whose table files a restore takes in lazily.
+/// incremental chain starts in its own root instead of referencing files of the other root
+/// (whose references would not even resolve in its own). On the heap backend the first
+/// checkpoint copies (here links) the restored chain's files into the job's root and goes on
+/// with increments; on rocksdb it starts with a full image. The other root is deleted before
+/// the job restores again from its own checkpoints, and the output is still exactly the
+/// undisturbed run's. Before, every checkpoint of the new root up to its next full image was
+/// invalid ("missing file ../shared/..."). On both backends; on rocksdb with merged images in
+/// the background, whose table files a restore takes in lazily.
 #[test]
 fn a_checkpoint_of_another_root_restores_into_checkpoints_that_stand_on_their_own() {
     for rocksdb in [false, true] {
@@ -884,11 +886,19 @@ fn a_checkpoint_of_another_root_restores_into_checkpoints_that_stand_on_their_ow
         let golden = golden_output(&p);
         let backend = if rocksdb { "stateBackend: rocksdb\nstateCacheEntries: 100\n" } else { "" };
         let (d, out, chk) = workdir(&format!("other-root-{rocksdb}"));
-        let yaml = job_yaml(&p, &out) + backend;
+        // No periodic full image in the second run, which would replace the copies.
+        let yaml = job_yaml(&p, &out).replace("fullEvery: 4", "fullEvery: 50") + backend;
         cancel_after_three_checkpoints(&yaml, opts(&chk));
         let other_root = newest_checkpoint(&chk);
         let own = d.path().join("own-root");
         cancel_after_three_checkpoints(&yaml, opts(&own).restore_path(other_root.to_str().unwrap()));
+        let adopted = adopted_chains(&newest_checkpoint(&own));
+        match rocksdb {
+            false => {
+                assert!(adopted.contains(&"user-counts".to_string()), "the heap chains were not adopted: {adopted:?}")
+            }
+            true => assert!(adopted.is_empty(), "rocksdb chains adopted: {adopted:?}"),
+        }
         std::fs::remove_dir_all(&chk).unwrap();
         let storage = weir_checkpoint::Storage::open(&own.display().to_string()).unwrap();
         let listed = weir_runtime::io().block_on(weir_checkpoint::recovery::list_checkpoints(&storage)).unwrap();
@@ -910,6 +920,60 @@ fn a_checkpoint_of_another_root_restores_into_checkpoints_that_stand_on_their_ow
             &format!("rocksdb {rocksdb}: restored from another root, then from its own"),
         );
     }
+}
+
+/// The uids whose keyed-state chain in the checkpoint at `dir` begins with files copied from
+/// another root ([`weir_checkpoint::layout::shared_adopted_file`]).
+fn adopted_chains(dir: &std::path::Path) -> Vec<String> {
+    let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(dir.join("_metadata")).unwrap()).unwrap();
+    meta.operators
+        .iter()
+        .filter(|(_, op)| {
+            op.subtasks.iter().any(|s| s.keyed_state.first().is_some_and(|f| f.path.contains("-adopted-")))
+        })
+        .map(|(uid, _)| uid.clone())
+        .collect()
+}
+
+/// A stateful upgrade as GitOps does it: stop with a savepoint, start the new version from it
+/// in a new root. The heap backend's first checkpoint there copies (links) the savepoint's
+/// files into the new root and goes on with increments, where the task used to stop and write
+/// the whole state again. The new root must then stand on its own: the savepoint and the old
+/// root are deleted (as their owner may), and the job, failing at random (tasks panic, uploads
+/// fail; the seed is printed), restarts from the new root's checkpoints to the end; its output
+/// is exactly the undisturbed run's, record by record.
+#[test]
+fn a_savepoint_restored_into_a_new_root_is_adopted_and_that_root_stands_without_it() {
+    let mut p = JobParams::new("adopt-savepoint");
+    p.rate = Some(8_000);
+    let golden = golden_output(&p);
+    let (d, out, chk) = workdir("adopt-savepoint");
+    let yaml = job_yaml(&p, &out).replace("fullEvery: 4", "fullEvery: 50");
+    let run = InProcess::start(&yaml, opts(&chk));
+    run.wait_for_checkpoints(3, Duration::from_secs(60));
+    run.request_savepoint(true, false);
+    let (outcome, _) = run.join();
+    let JobOutcome::Stopped { savepoint } = outcome.unwrap() else { panic!("not stopped with a savepoint") };
+    let new_root = d.path().join("new-root");
+    cancel_after_three_checkpoints(&yaml, opts(&new_root).restore_path(&savepoint));
+    let adopted = adopted_chains(&newest_checkpoint(&new_root));
+    assert!(adopted.contains(&"user-counts".to_string()), "the savepoint's chains were not adopted: {adopted:?}");
+    std::fs::remove_dir_all(&savepoint).unwrap();
+    std::fs::remove_dir_all(&chk).unwrap();
+    let seed = std::env::var("WEIR_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(11);
+    eprintln!("seed {seed} (WEIR_SEED)");
+    let plan = FaultPlan { seed, task_panic: 0.02, upload_failure: 0.05, max_faults: 6, ..FaultPlan::default() };
+    let (outcome, m) = run_to_end(&yaml, RunOptionsExt::with_faults(opts(&new_root), plan).restore_latest());
+    assert_eq!(outcome, JobOutcome::Finished, "seed {seed}");
+    let faults = m.injected_faults.get();
+    eprintln!("seed {seed}: {faults} faults, {} restarts", m.restarts.get());
+    assert!(faults >= 1, "seed {seed}: no fault fired");
+    assert!(m.board().restored_from.as_deref().is_some_and(|p| p.starts_with(new_root.to_str().unwrap())));
+    assert_same_output(
+        &golden,
+        &committed(&out),
+        &format!("seed {seed}: restored from its own root after a savepoint's"),
+    );
 }
 
 /// A run restored from another root's checkpoint that fails before it checkpointed in its own

@@ -309,6 +309,64 @@ fn heap_restores_download_from_s3_as_they_apply_exactly_once_and_find_damage_as_
     sigkill_campaign_on_s3("parts-on-s3", false, &["--state-files-in-memory-max", "0"]);
 }
 
+/// A savepoint on the S3 server restored into another root, as a stateful upgrade does: the
+/// heap backend's first checkpoint copies the savepoint's files into that root (inside the
+/// bucket by the server's own copy, or streamed into a local directory, verified against their
+/// checksums) and goes on with increments, instead of the task writing the whole state again.
+/// The savepoint deleted (as its owner may), the new root restores on its own, and the output
+/// is exactly an undisturbed run's, record by record.
+#[test]
+fn a_savepoint_on_s3_is_copied_into_the_root_it_is_restored_into_which_then_stands_without_it() {
+    use weir_runtime::executor::{JobOutcome, Request, RunOptions};
+    let _ = server();
+    let local = tempfile::tempdir().unwrap();
+    let sinks = ["counts", "windows", "ids"];
+    let in_bucket = format!("s3://{BUCKET}/jobs/adopt-in-bucket-new");
+    let to_local = local.path().join("new-root").display().to_string();
+    for (name, new_root) in [("adopt-in-bucket", in_bucket), ("adopt-to-local", to_local)] {
+        let mut p = JobParams::new(name);
+        p.count = 8_000;
+        let golden = golden_output(&p);
+        p.rate = Some(4_000);
+        let (out, chk) = (format!("s3://{BUCKET}/out-{name}"), format!("s3://{BUCKET}/jobs/{name}"));
+        // No periodic full image in the second run, which would replace the copies.
+        let yaml = job_yaml(&p, std::path::Path::new(&out)).replace("fullEvery: 4", "fullEvery: 50");
+        let options = |root: &str| RunOptions { checkpoint_dir: Some(root.to_string()), ..RunOptions::default() };
+        let run = InProcess::start(&yaml, options(&chk));
+        run.wait_for_checkpoints(3, Duration::from_secs(60));
+        run.request_savepoint(true, false);
+        let JobOutcome::Stopped { savepoint } = run.join().0.unwrap() else { panic!("{name}: not stopped") };
+        let run = InProcess::start(&yaml, options(&new_root).restore_path(&savepoint));
+        run.wait_for_checkpoints(3, Duration::from_secs(60));
+        run.requests.send(Request::Cancel).unwrap();
+        assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+
+        let storage = Storage::open(&new_root).unwrap();
+        let dir = weir_checkpoint::layout::checkpoint_dir(newest_complete(&storage));
+        let metadata =
+            weir_runtime::io().block_on(weir_checkpoint::recovery::read_metadata(&storage, &dir)).unwrap().unwrap();
+        let counts = &metadata.operators["user-counts"];
+        assert!(
+            counts.subtasks.iter().all(|s| s.keyed_state[0].path.contains("-adopted-")),
+            "{name}: the savepoint's chain was not adopted: {:?}",
+            counts.subtasks.iter().map(|s| &s.keyed_state).collect::<Vec<_>>()
+        );
+        let saved = Storage::open(&savepoint).unwrap();
+        for f in weir_runtime::io().block_on(saved.list("")).unwrap() {
+            weir_runtime::io().block_on(saved.delete(&f)).unwrap();
+        }
+        assert!(weir_runtime::io().block_on(saved.list("")).unwrap().is_empty(), "{name}: the savepoint is gone");
+        let (outcome, m) = run_to_end(&yaml, options(&new_root).restore_latest());
+        assert_eq!(outcome, JobOutcome::Finished);
+        assert!(m.board().restored_from.as_deref().is_some_and(|r| r.starts_with(&new_root)), "{name}");
+        assert_same_output(
+            &golden,
+            &committed_at(&out, &sinks),
+            &format!("{name}: the savepoint adopted, then deleted"),
+        );
+    }
+}
+
 /// An increment ordered by key group is read from the S3 server a stretch at a time by a lazy
 /// restore, after the job has started. One damaged in place (same length, the index intact,
 /// so only its key group's checksum can tell) fails the attempt when its range loads; the

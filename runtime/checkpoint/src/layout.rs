@@ -116,6 +116,14 @@ pub fn shared_merged_table(uid: &str, subtask: u32, id: u64, epoch: u64, index: 
     format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-merged-{index}.sst")
 }
 
+/// File `index` of a keyed-state chain restored from another root (another job's, a
+/// savepoint), copied into this root by checkpoint `id` in `epoch` so that the job's chain can
+/// go on from it (relative to a checkpoint directory). Named for the checkpoint that copies it,
+/// as its increment is: retention keeps it while a checkpoint lists it, like any shared file.
+pub fn shared_adopted_file(uid: &str, subtask: u32, id: u64, epoch: u64, index: usize) -> String {
+    format!("../{SHARED}/{uid}/{subtask}-{id}-{epoch}-adopted-{index}.kv")
+}
+
 /// A shared file's name without its kind: `.kv` (state files) or `.sst` (table files).
 fn shared_stem(file_name: &str) -> Option<&str> {
     file_name.strip_suffix(".kv").or_else(|| file_name.strip_suffix(".sst"))
@@ -179,6 +187,8 @@ mod tests {
         assert_eq!((shared_file_creator(increment), shared_file_epoch(increment)), (Some(17), Some(9)));
         let table = &shared_merged_table("op", 3, 17, 9, 4)["../shared/op/".len()..];
         assert_eq!((shared_file_creator(table), shared_file_epoch(table)), (Some(17), Some(9)));
+        let adopted = &shared_adopted_file("op", 3, 17, 9, 2)["../shared/op/".len()..];
+        assert_eq!((shared_file_creator(adopted), shared_file_epoch(adopted)), (Some(17), Some(9)));
         assert_eq!(parse_epoch_claim("12"), None);
         assert_eq!(parse_checkpoint_dir("chk-x"), None);
     }

@@ -41,6 +41,18 @@ pub enum StorageError {
     },
 }
 
+/// How [`Storage::copy_from`] copied an object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopiedBy {
+    /// A hard link: both roots are directories on one filesystem.
+    Link,
+    /// The object store copied it itself (both roots are in one bucket).
+    Store,
+    /// Its bytes were read and written through this process; their digest, for the caller to
+    /// check against the reference it copied.
+    Streaming(crate::FileDigest),
+}
+
 /// Whether the environment names S3 credentials: static keys, web identity (EKS IRSA), a
 /// container credentials endpoint (ECS/EKS pod identity), or an explicit opt-in to the instance
 /// metadata service. Without one of them object_store would fall back to instance metadata on
@@ -385,16 +397,32 @@ impl Storage {
             }
         }
         let mut file = std::fs::File::open(local).map_err(local_io("open", rel))?;
+        let parts = std::iter::from_fn(move || {
+            let mut part = Vec::with_capacity(FILE_PART_BYTES);
+            match (&mut file).take(FILE_PART_BYTES as u64).read_to_end(&mut part) {
+                Ok(0) => None,
+                Ok(_) => Some(Ok(part)),
+                Err(e) => Some(Err(local_io("read", rel)(e))),
+            }
+        });
+        self.put_parts(rel, futures::stream::iter(parts)).await
+    }
+
+    /// Writes `parts` (of about [`FILE_PART_BYTES`] each, the last one shorter) as the one
+    /// object `rel` by a multipart upload, [`FILE_PARTS_IN_FLIGHT`] parts at a time; the first
+    /// part that fails to come or to go fails the upload, which is aborted.
+    async fn put_parts(
+        &self,
+        rel: &str,
+        parts: impl futures::Stream<Item = Result<Vec<u8>, StorageError>>,
+    ) -> Result<(), StorageError> {
         let mut upload = self.store.put_multipart(&self.full(rel)).await.map_err(io("put", rel))?;
         let sent: Result<(), StorageError> = async {
+            let mut parts = std::pin::pin!(parts);
             let mut in_flight: futures::stream::FuturesUnordered<object_store::UploadPart> =
                 futures::stream::FuturesUnordered::new();
-            loop {
-                let mut part = Vec::with_capacity(FILE_PART_BYTES);
-                (&mut file).take(FILE_PART_BYTES as u64).read_to_end(&mut part).map_err(local_io("read", rel))?;
-                if part.is_empty() {
-                    break;
-                }
+            while let Some(part) = parts.next().await {
+                let part = part?;
                 if in_flight.len() >= FILE_PARTS_IN_FLIGHT {
                     if let Some(sent) = in_flight.next().await {
                         sent.map_err(io("put part of", rel))?;
@@ -533,6 +561,75 @@ impl Storage {
         Ok(std::fs::hard_link(&object, local).is_ok().then_some(len))
     }
 
+    /// Copies object `from` of `source` (another root, or this one) to `to` under this root,
+    /// replacing whatever is there, and says how: a hard link where both roots are directories
+    /// on one filesystem, a copy inside the store where both are the same bucket of one object
+    /// store (S3 copies up to 5 GiB in one request), else the bytes streamed through this
+    /// process in parts ([`FILE_PART_BYTES`]; a file may be larger than memory), with their
+    /// digest, for the caller to check against the reference it copies. A copy inside the store
+    /// that the store refuses (too large, another account's bucket) is streamed instead.
+    /// The source is only read: deleting it later leaves the copy whole.
+    pub async fn copy_from(&self, source: &Storage, from: &str, to: &str) -> Result<CopiedBy, StorageError> {
+        if let (Some(root), Some(source_root)) = (&self.local, &source.local) {
+            let original = source_root.join(source.full(from).as_ref());
+            let object = self.local_object(root, to)?;
+            let _ = std::fs::remove_file(&object);
+            match std::fs::hard_link(&original, &object) {
+                Ok(()) => return self.sync_local(&[to]).map(|()| CopiedBy::Link).map_err(local_io("fsync", to)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(StorageError::NotFound(from.into())),
+                // Another filesystem: streamed below.
+                Err(_) => {}
+            }
+        } else if self.same_store(source) {
+            match self.store.copy(&source.full(from), &self.full(to)).await {
+                Ok(()) => return Ok(CopiedBy::Store),
+                Err(object_store::Error::NotFound { .. }) => return Err(StorageError::NotFound(from.into())),
+                // Refused (S3 copies at most 5 GiB at once; another account's bucket): streamed.
+                Err(_) => {}
+            }
+        }
+        let res = source.store.get(&source.full(from)).await.map_err(io("get", from))?;
+        let digest = std::sync::Mutex::new(crate::FileDigest::default());
+        let parts = futures::stream::unfold((res.into_stream(), false), |(mut chunks, ended)| {
+            let digest = &digest;
+            async move {
+                if ended {
+                    return None;
+                }
+                let mut part = Vec::with_capacity(FILE_PART_BYTES);
+                while part.len() < FILE_PART_BYTES {
+                    match chunks.next().await {
+                        Some(Ok(chunk)) => {
+                            digest.lock().unwrap_or_else(std::sync::PoisonError::into_inner).update(&chunk);
+                            part.extend_from_slice(&chunk);
+                        }
+                        Some(Err(e)) => return Some((Err(io("read", from)(e)), (chunks, true))),
+                        None => return (!part.is_empty()).then_some((Ok(part), (chunks, true))),
+                    }
+                }
+                Some((Ok(part), (chunks, false)))
+            }
+        });
+        self.put_parts(to, parts).await?;
+        Ok(CopiedBy::Streaming(digest.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)))
+    }
+
+    /// Whether `other` is a root in the same bucket (or container) of the same object store, so
+    /// that this root's store can copy its objects: the same in-memory store, or object store
+    /// URLs with the same scheme and bucket. Not for local roots (linked instead).
+    fn same_store(&self, other: &Storage) -> bool {
+        if self.local.is_some() || other.local.is_some() {
+            return false;
+        }
+        if self.url.starts_with("memory://") || other.url.starts_with("memory://") {
+            return Arc::ptr_eq(&self.store, &other.store);
+        }
+        fn bucket(url: &str) -> Option<(&str, &str)> {
+            url.split_once("://").map(|(scheme, rest)| (scheme, rest.split('/').next().unwrap_or("")))
+        }
+        bucket(&self.url).is_some_and(|b| Some(b) == bucket(&other.url))
+    }
+
     /// Size of an object, or `None` when it does not exist.
     pub async fn size(&self, rel: &str) -> Result<Option<u64>, StorageError> {
         match self.store.head(&self.full(rel)).await {
@@ -615,6 +712,49 @@ fn decoded(listed: &str) -> String {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// Copies between roots: a link between two directories (the copy outlives the original's
+    /// deletion), a copy inside one in-memory store, the bytes streamed in parts between a
+    /// directory and another store, with their digest; a missing source is `NotFound` and
+    /// leaves nothing behind.
+    #[tokio::test]
+    async fn copies_between_roots_link_copy_in_the_store_or_stream_with_their_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        let (a, b) =
+            (Storage::open(&a.display().to_string()).unwrap(), Storage::open(&b.display().to_string()).unwrap());
+        // Over two parts of a streamed copy.
+        let data: Bytes = (0..(FILE_PART_BYTES + 12_345) as u64).map(|i| ((i * 2_654_435_761) >> 13) as u8).collect();
+        a.put("savepoints/sp-1/op/0.kv", data.clone()).await.unwrap();
+        let how = b.copy_from(&a, "savepoints/sp-1/op/0.kv", "checkpoints/shared/op/0-1-1-adopted-0.kv").await.unwrap();
+        assert_eq!(how, CopiedBy::Link);
+        a.delete("savepoints/sp-1/op/0.kv").await.unwrap();
+        assert_eq!(
+            b.get("checkpoints/shared/op/0-1-1-adopted-0.kv").await.unwrap(),
+            data,
+            "the link outlives the original"
+        );
+
+        let memory = Storage::open("memory://one/x").unwrap();
+        let other = Storage { prefix: "y".into(), url: "memory://one/y".into(), ..memory.clone() };
+        let streamed = memory.copy_from(&b, "checkpoints/shared/op/0-1-1-adopted-0.kv", "f").await.unwrap();
+        assert_eq!(streamed, CopiedBy::Streaming(crate::FileDigest::of(&data)));
+        assert_eq!(memory.get("f").await.unwrap(), data);
+        assert_eq!(other.copy_from(&memory, "f", "g").await.unwrap(), CopiedBy::Store);
+        assert_eq!(other.get("g").await.unwrap(), data);
+        let back = a.copy_from(&other, "g", "h").await.unwrap();
+        assert_eq!(back, CopiedBy::Streaming(crate::FileDigest::of(&data)));
+        assert_eq!(a.get("h").await.unwrap(), data);
+        // Another in-memory store is not the same store, whatever its name.
+        let elsewhere = Storage::open("memory://one/y").unwrap();
+        assert!(matches!(elsewhere.copy_from(&memory, "f", "f").await.unwrap(), CopiedBy::Streaming(_)));
+
+        for (to, from) in [(&b, &a), (&memory, &b), (&other, &memory)] {
+            let missing = to.copy_from(from, "nothing/here", "copy-of-nothing").await;
+            assert!(matches!(missing, Err(StorageError::NotFound(_))), "{missing:?}");
+            assert_eq!(to.size("copy-of-nothing").await.unwrap(), None);
+        }
+    }
 
     /// A directory is its root however it is named (a path, `file://`, a trailing slash, a
     /// `..` on the way), and not a directory inside it or next to it.

@@ -485,6 +485,7 @@ mod tests {
             lazy_tables: vec![],
             operator_docs: vec![],
             entries: None,
+            adoptable: None,
         }
     }
 

@@ -370,6 +370,7 @@ mod tests {
             lazy_tables: vec![],
             operator_docs: vec![(w.ctx.key_groups, snap.operator_doc.unwrap())],
             entries: None,
+            adoptable: None,
         };
         WindowOperator::new(w.ctx.clone(), spec, &["k".to_string(), "v".to_string()], Some(&restore)).unwrap()
     }
@@ -584,6 +585,7 @@ mod tests {
                         lazy_tables: vec![],
                         operator_docs: overlapping.iter().map(|(r, _, doc)| (*r, doc.clone())).collect(),
                         entries: None,
+                        adoptable: None,
                     };
                     let ctx = KeyedContext {
                         uid: "w".into(),

@@ -183,14 +183,25 @@ pub fn newest_checkpoint(chk: &Path) -> Option<PathBuf> {
     Some(chk.join(weir_checkpoint::layout::checkpoint_dir(newest)))
 }
 
-/// Bytes of the newest complete checkpoint's keyed state of `counts` (its whole chain).
-pub fn newest_chain_bytes(chk: &Path) -> u64 {
-    let Some(newest) = newest_checkpoint(chk) else { return 0 };
+/// The files of the `counts` operator's chains (every subtask's) in `chk`'s newest complete
+/// checkpoint; none when there is none.
+fn newest_counts_chain(chk: &Path) -> Vec<weir_checkpoint::FileRef> {
+    let Some(newest) = newest_checkpoint(chk) else { return Vec::new() };
     let Ok(m) = std::fs::read(newest.join(weir_checkpoint::layout::METADATA))
         .map_err(|_| ())
         .and_then(|b| weir_checkpoint::CheckpointMetadata::decode(&b).map_err(|_| ()))
     else {
-        return 0;
+        return Vec::new();
     };
-    m.operators.get("counts").map_or(0, |op| op.subtasks.iter().flat_map(|s| &s.keyed_state).map(|f| f.len).sum())
+    m.operators.get("counts").map_or(Vec::new(), |op| op.subtasks.iter().flat_map(|s| s.keyed_state.clone()).collect())
+}
+
+/// The paths of the files of the `counts` operator's chains in `chk`'s newest checkpoint.
+pub fn newest_chain_files(chk: &Path) -> Vec<String> {
+    newest_counts_chain(chk).into_iter().map(|f| f.path).collect()
+}
+
+/// Bytes of the newest complete checkpoint's keyed state of `counts` (its whole chain).
+pub fn newest_chain_bytes(chk: &Path) -> u64 {
+    newest_counts_chain(chk).iter().map(|f| f.len).sum()
 }
