@@ -288,6 +288,16 @@ pub fn run_job(
         metrics.set_state(JobState::Starting);
         metrics.board().restored_from = restore.as_ref().map(|r| r.path.clone());
         let end = exec.attempt(restore.take(), &restore_reason);
+        let failure = match &end {
+            AttemptEnd::Fenced(e) => format!("the run was fenced before it completed: {e}"),
+            AttemptEnd::Done(JobOutcome::Finished) => "the job finished before it completed".to_string(),
+            AttemptEnd::Done(JobOutcome::Cancelled) => "the job was cancelled before it completed".to_string(),
+            AttemptEnd::Done(JobOutcome::Stopped { savepoint }) => {
+                format!("the job stopped with another savepoint ({savepoint}) before it completed")
+            }
+            AttemptEnd::Failed(reason) => format!("the job attempt failed before it completed: {reason}"),
+        };
+        metrics.fail_savepoints_in_progress(&failure);
         match end {
             AttemptEnd::Fenced(e) => {
                 tracing::error!(error = %e, "fenced by a newer run of this job: stopping without writing more");

@@ -266,6 +266,25 @@ impl JobMetrics {
         self.savepoint_changed.notify_waiters();
     }
 
+    /// Marks every savepoint request still in progress failed, `failure` saying why: its attempt
+    /// ended without it, and the next attempt's coordinator does not know it (whoever asked
+    /// must ask again). Before, such a request stayed in progress for good, and a caller
+    /// waiting for it (the control API's `wait`, an operator's savepoint before an upgrade)
+    /// waited until its own timeout.
+    pub fn fail_savepoints_in_progress(&self, failure: &str) {
+        let mut board = self.board();
+        let mut changed = false;
+        for s in board.savepoints.values_mut().filter(|s| s.outcome == CheckpointOutcome::InProgress) {
+            s.outcome = CheckpointOutcome::Failed;
+            s.failure = Some(failure.to_string());
+            changed = true;
+        }
+        drop(board);
+        if changed {
+            self.savepoint_changed.notify_waiters();
+        }
+    }
+
     /// The newest completed checkpoint or savepoint.
     pub fn latest_completed(&self) -> Option<CheckpointInfo> {
         self.board().latest_completed()

@@ -1068,6 +1068,33 @@ fn a_savepoint_that_does_not_stop_the_job_publishes_nothing() {
     assert!(committed(&out).values().all(|lines| lines.is_empty()), "a plain savepoint published output");
 }
 
+/// A savepoint in progress when its job attempt fails is reported failed, saying why, so that
+/// whoever waits for it (the control API's `wait`, the operator before an upgrade) learns it
+/// must ask again: the next attempt's coordinator does not know the request. Before, it stayed
+/// in progress for good (found with a savepoint whose image filled the disk: the CLI's wait
+/// ran into its two-minute timeout). Every task panics at its first batch, once; the request
+/// is queued before the coordinator's first look at its requests.
+#[test]
+fn a_savepoint_in_progress_when_its_attempt_fails_is_reported_failed() {
+    let mut p = JobParams::new("sp-attempt-fails");
+    p.rate = Some(8_000);
+    let golden = golden_output(&p);
+    let (_d, out, chk) = workdir("sp-attempt-fails");
+    let plan = FaultPlan { seed: 5, task_panic: 1.0, max_faults: 1, ..FaultPlan::default() };
+    let run = InProcess::start(&job_yaml(&p, &out), RunOptionsExt::with_faults(opts(&chk), plan));
+    let (reply, accepted) = tokio::sync::oneshot::channel();
+    run.requests.send(Request::Savepoint { stop: false, drain: false, reply }).unwrap();
+    let request = weir_runtime::io().block_on(accepted).expect("the request was accepted");
+    let (r, m) = run.join();
+    assert_eq!(r.unwrap(), JobOutcome::Finished);
+    assert_eq!(m.restarts.get(), 1);
+    let status = m.board().savepoints.get(&request).cloned().unwrap();
+    assert_eq!(status.outcome, weir_crds::control::CheckpointOutcome::Failed, "{status:?}");
+    let failure = status.failure.unwrap_or_default();
+    assert!(failure.contains("the job attempt failed before it completed"), "{failure}");
+    assert_same_output(&golden, &committed(&out), "after a savepoint lost with its attempt");
+}
+
 /// A savepoint whose upload fails leaves the records it closed pending in the sink: the next
 /// checkpoint must stage and commit them. (The failure used to drop their staged data while
 /// the sink still listed the transaction, so every later commit and restore failed: found by
