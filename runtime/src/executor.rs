@@ -802,7 +802,6 @@ impl Executor<'_> {
             metrics: &self.metrics,
             #[cfg(feature = "kafka")]
             faults: &self.faults,
-            #[cfg(feature = "kafka")]
             storage: &self.storage,
             file_sinks: &self.file_sinks,
             epoch: self.epoch,
@@ -1263,8 +1262,7 @@ struct OperatorFactory<'a> {
     /// For the Kafka sink.
     #[cfg(feature = "kafka")]
     faults: &'a Faults,
-    /// For the Kafka sink.
-    #[cfg(feature = "kafka")]
+    /// The job's root: the Kafka sink's, and where adopted chains are copied to.
     storage: &'a Storage,
     file_sinks: &'a [FileSinkDir],
     epoch: u64,
@@ -1358,11 +1356,15 @@ impl OperatorFactory<'_> {
         let mut keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
         let composite_key = keyed().composite();
         if let Some(k) = &mut keyed_restore {
-            // The heap backend goes on from a chain of another root: its files are copied by
-            // the first checkpoint instead of a full image written by the stopped task.
+            // The heap backend goes on from a chain of another root when its files can be
+            // copied without passing through the process (linked, or copied by the store): the
+            // first checkpoint copies them instead of the stopped task writing a full image.
+            // Streamed, the copy would take about as long as the restore's reading.
+            let largest = k.chain.iter().map(|f| f.len).max().unwrap_or(0);
+            let cheap = k.adoptable.as_ref().is_some_and(|s| self.storage.copies_cheaply_from(&s.storage, largest));
             let copy_from = match job.spec.state_backend {
-                StateBackendKind::Heap => k.adopt_chain(),
-                StateBackendKind::Rocksdb => None,
+                StateBackendKind::Heap if cheap => k.adopt_chain(),
+                StateBackendKind::Heap | StateBackendKind::Rocksdb => None,
             };
             if k.continue_chain {
                 let chain = crate::upload::RestoredChain {

@@ -602,6 +602,9 @@ async fn upload(
     Ok(ack)
 }
 
+/// Files of a restored chain copied into the job's root at once ([`copy_restored_chain`]).
+const COPIES_IN_FLIGHT: usize = 8;
+
 /// Copies `files`, a keyed-state chain of another root (see [`RestoredChain::copy_from`]), into
 /// the job's root as checkpoint `id`'s ([`layout::shared_adopted_file`]), and returns the
 /// references to the copies: the same lengths, checksums and shard starts. A copy whose bytes
@@ -618,33 +621,40 @@ async fn copy_restored_chain(
     epoch: u64,
     faults: &Faults,
 ) -> Result<Vec<FileRef>, String> {
+    use futures::{StreamExt, TryStreamExt};
     let started = std::time::Instant::now();
     let dir = layout::checkpoint_dir(id);
-    let mut copies = Vec::with_capacity(files.len());
-    let mut how = Vec::with_capacity(files.len());
-    for (index, f) in files.iter().enumerate() {
+    let copy = |(index, f): (usize, &FileRef)| {
         let rel = layout::shared_adopted_file(uid, subtask, id, epoch, index);
-        if faults.fires(Fault::Upload) {
-            return Err(format!("injected fault: copying the restored keyed state of `{uid}` to {rel} failed"));
-        }
         let from = source.resolve(&f.path);
-        let failed = |reason: String| {
-            format!(
-                "copying the restored keyed state of `{uid}` from {} into the job's root: {reason}",
-                source.storage.url_of(&from)
-            )
-        };
-        let copied = storage.copy_from(&source.storage, &from, &layout::resolve(&dir, &rel)).await;
-        match copied.map_err(|e| failed(e.to_string()))? {
-            CopiedBy::Streaming(digest) => {
-                f.check(&digest).map_err(failed)?;
-                how.push("streamed");
+        let target = layout::resolve(&dir, &rel);
+        let fault = faults.fires(Fault::Upload);
+        let f = f.clone();
+        async move {
+            let failed = |reason: String| {
+                let url = source.storage.url_of(&from);
+                format!("copying the restored keyed state of `{uid}` from {url} into the job's root: {reason}")
+            };
+            if fault {
+                return Err(failed(format!("injected fault: the copy to {rel} failed")));
             }
-            CopiedBy::Link => how.push("linked"),
-            CopiedBy::Store => how.push("copied by the store"),
+            let how =
+                match storage.copy_from(&source.storage, &from, &target).await.map_err(|e| failed(e.to_string()))? {
+                    CopiedBy::Streaming(digest) => {
+                        f.check(&digest).map_err(failed)?;
+                        "streamed"
+                    }
+                    CopiedBy::Link => "linked",
+                    CopiedBy::Store => "copied by the store",
+                };
+            Ok((FileRef { path: rel, ..f }, how))
         }
-        copies.push(FileRef { path: rel, ..f.clone() });
-    }
+    };
+    // A store copies several objects at once as it copies one (the S3 server of the tests:
+    // 10.7 GB in 7 files, 16.5 s one at a time).
+    let copied: Vec<(FileRef, &str)> =
+        futures::stream::iter(files.iter().enumerate()).map(copy).buffered(COPIES_IN_FLIGHT).try_collect().await?;
+    let (copies, mut how): (Vec<FileRef>, Vec<&str>) = copied.into_iter().unzip();
     how.dedup();
     tracing::info!(
         uid,
