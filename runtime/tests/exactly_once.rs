@@ -892,7 +892,7 @@ fn a_checkpoint_of_another_root_restores_into_checkpoints_that_stand_on_their_ow
         let other_root = newest_checkpoint(&chk);
         let own = d.path().join("own-root");
         cancel_after_three_checkpoints(&yaml, opts(&own).restore_path(other_root.to_str().unwrap()));
-        let adopted = adopted_chains(&newest_checkpoint(&own));
+        let adopted = adopted_chains(&own);
         match rocksdb {
             false => {
                 assert!(adopted.contains(&"user-counts".to_string()), "the heap chains were not adopted: {adopted:?}")
@@ -922,10 +922,10 @@ fn a_checkpoint_of_another_root_restores_into_checkpoints_that_stand_on_their_ow
     }
 }
 
-/// The uids whose keyed-state chain in the checkpoint at `dir` begins with files copied from
-/// another root ([`weir_checkpoint::layout::shared_adopted_file`]).
-fn adopted_chains(dir: &std::path::Path) -> Vec<String> {
-    let meta = weir_checkpoint::CheckpointMetadata::decode(&std::fs::read(dir.join("_metadata")).unwrap()).unwrap();
+/// The uids whose keyed-state chain in the newest checkpoint of `chk` begins with files copied
+/// from another root ([`weir_checkpoint::layout::shared_adopted_file`]).
+fn adopted_chains(chk: &std::path::Path) -> Vec<String> {
+    let meta = newest_metadata(chk).expect("a complete checkpoint");
     meta.operators
         .iter()
         .filter(|(_, op)| {
@@ -956,7 +956,7 @@ fn a_savepoint_restored_into_a_new_root_is_adopted_and_that_root_stands_without_
     let JobOutcome::Stopped { savepoint } = outcome.unwrap() else { panic!("not stopped with a savepoint") };
     let new_root = d.path().join("new-root");
     cancel_after_three_checkpoints(&yaml, opts(&new_root).restore_path(&savepoint));
-    let adopted = adopted_chains(&newest_checkpoint(&new_root));
+    let adopted = adopted_chains(&new_root);
     assert!(adopted.contains(&"user-counts".to_string()), "the savepoint's chains were not adopted: {adopted:?}");
     std::fs::remove_dir_all(&savepoint).unwrap();
     std::fs::remove_dir_all(&chk).unwrap();

@@ -139,17 +139,14 @@ impl Encoder {
     /// Writes the varint of `len` at `at`, where `reserved` bytes were kept for it, moving the
     /// `len` bytes behind them when it takes another size (then `*prefix` becomes that size).
     fn patch_length(&mut self, at: usize, reserved: usize, len: usize, prefix: &mut usize) {
+        // Encoded at the end, then taken off again.
+        let end = self.buf.len();
+        self.varint(len as u64);
         let mut varint = [0u8; 10];
-        let (mut v, mut n) = (len as u64, 0);
-        while v >= 0x80 {
-            varint[n] = (v as u8) | 0x80;
-            v >>= 7;
-            n += 1;
-        }
-        varint[n] = v as u8;
-        n += 1;
+        let n = self.buf.len() - end;
+        varint[..n].copy_from_slice(&self.buf[end..]);
+        self.buf.truncate(end);
         if n != reserved {
-            let end = self.buf.len();
             if n > reserved {
                 self.buf.resize(end + n - reserved, 0);
             }

@@ -395,9 +395,7 @@ impl Storage {
     pub async fn put_file(&self, rel: &str, local: &std::path::Path) -> Result<(), StorageError> {
         use std::io::Read;
         if let Some(root) = &self.local {
-            let object = self.local_object(root, rel)?;
-            let _ = std::fs::remove_file(&object);
-            if std::fs::hard_link(local, &object).is_ok() {
+            if self.link_local(root, rel, local)?.is_ok() {
                 return self.sync_local(&[rel]).map_err(local_io("fsync", rel));
             }
         }
@@ -453,6 +451,20 @@ impl Storage {
             return Err(failed);
         }
         self.sync_local(&[rel]).map_err(local_io("fsync", rel))
+    }
+
+    /// Hard-links the local file `original` as object `rel` under the local root `root`,
+    /// replacing whatever is there (its directory created); the link's own result is returned
+    /// for the caller to fall back on a copy (another filesystem).
+    fn link_local(
+        &self,
+        root: &std::path::Path,
+        rel: &str,
+        original: &std::path::Path,
+    ) -> Result<std::io::Result<()>, StorageError> {
+        let object = self.local_object(root, rel)?;
+        let _ = std::fs::remove_file(&object);
+        Ok(std::fs::hard_link(original, &object))
     }
 
     /// Writes an object only if none exists under that name (S3 `If-None-Match: *`, a hard
@@ -577,9 +589,7 @@ impl Storage {
     pub async fn copy_from(&self, source: &Storage, from: &str, to: &str) -> Result<CopiedBy, StorageError> {
         if let (Some(root), Some(source_root)) = (&self.local, &source.local) {
             let original = source_root.join(source.full(from).as_ref());
-            let object = self.local_object(root, to)?;
-            let _ = std::fs::remove_file(&object);
-            match std::fs::hard_link(&original, &object) {
+            match self.link_local(root, to, &original)? {
                 Ok(()) => return self.sync_local(&[to]).map(|()| CopiedBy::Link).map_err(local_io("fsync", to)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(StorageError::NotFound(from.into())),
                 // Another filesystem: streamed below.
