@@ -13,7 +13,9 @@
 //! on the CEL pipeline (8M keys in its dedupe) zeroing pages was 7% of the CPU samples.
 //!
 //! The heap backend's hash tables come from [`TableAlloc`]: the same allocator, with the tables
-//! a restore reserves faulted in on every core before the restore fills them.
+//! a restore reserves faulted in on every core before the restore fills them. A heap restore
+//! asks the kernel for huge pages where it allocates the state ([`HugePageHeaps`], and the
+//! tables in [`populate`]): a page fault per 2 MiB instead of per 4 KiB.
 //!
 //! One of two modules allowed `unsafe` (with `prefetch`): calls into the C library, and the
 //! allocator trait.
@@ -101,6 +103,16 @@ pub fn populate(blocks: &[(usize, usize)], threads: usize) -> usize {
             (start..end.max(start)).step_by(CHUNK).map(move |at| (at, CHUNK.min(end - at)))
         })
         .collect();
+    if HUGE_PAGES.load(Ordering::Relaxed) {
+        // A block from MAPPED_FROM_BYTES up is a mapping of its own (an arena's smaller block
+        // shares its heap's, which `HugePageHeaps` advises as a whole).
+        for &(address, len) in blocks.iter().filter(|&&(_, len)| len >= MAPPED_FROM_BYTES as usize) {
+            let start = address.next_multiple_of(page);
+            // SAFETY: as for MADV_POPULATE_WRITE below; MADV_HUGEPAGE changes how the kernel
+            // backs the pages it faults in, not their contents.
+            unsafe { libc::madvise(start as *mut libc::c_void, address + len - start, libc::MADV_HUGEPAGE) };
+        }
+    }
     let (next, refused, populated) = (AtomicUsize::new(0), AtomicBool::new(false), AtomicUsize::new(0));
     let work = || {
         while !refused.load(Ordering::Relaxed) {
@@ -166,8 +178,32 @@ const MAPPED_FROM_BYTES: i32 = 32 << 20;
 /// Free memory at the top of an arena that is kept rather than returned.
 const KEPT_FREE_BYTES: i32 = 256 << 20;
 
+/// What a malloc heap grows by beyond the allocation that grows it while a restore fills the
+/// heaps ([`HugePageHeaps`]). glibc's default ([`DEFAULT_TOP_PAD_BYTES`]) leaves a thread's
+/// arena to grow its heap a page at a time, each by an `mprotect` that moves the end of the
+/// heap's mapping, and the kernel backs none of it with huge pages (a huge page must lie inside
+/// one mapping). Padded, a thread's new heap is readable and writable in whole (glibc's 64
+/// MiB, [`HEAP_BYTES`]) from its creation.
+///
+/// Not kept once the restores end: glibc unmaps a thread arena's heap that has become free only
+/// while the heap below it has more room than the pad, so a pad this large keeps every freed
+/// heap (a parallelism-2 restore under a memory limit peaked 20–40 MiB higher,
+/// `large_heap_restore.rs`).
+const TOP_PAD_BYTES: i32 = 64 << 20;
+
+/// glibc's own pad (`DEFAULT_TOP_PAD`), set back when no restore fills the heaps.
+const DEFAULT_TOP_PAD_BYTES: i32 = 128 << 10;
+
+/// Whether [`keep_freed_memory_for_reuse`] was asked for, which enables [`HugePageHeaps`] and
+/// the tables' advice in [`populate`].
+static HUGE_PAGES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The [`HugePageHeaps`] alive: while any is, the heaps are padded by [`TOP_PAD_BYTES`].
+static PADDING_HEAPS: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
+
 /// Keeps memory freed in the process for its next allocations ([`MAPPED_FROM_BYTES`],
-/// [`KEPT_FREE_BYTES`]), for jobs on the heap backend. The CEL pipeline took about 2% less
+/// [`KEPT_FREE_BYTES`]), and lets restores ask for huge pages ([`HugePageHeaps`], [`populate`]),
+/// for jobs on the heap backend. The CEL pipeline took about 2% less
 /// CPU (its system time 0.68–0.73 s → 0.44–0.48 s) and peaked at 4% more resident memory; the
 /// 1M-key count no more CPU (`runtime/BENCHMARKS.md`, session 29). Does nothing where the C
 /// library is not glibc, and should not be called in a process that runs a job on the rocksdb
@@ -177,6 +213,8 @@ pub fn keep_freed_memory_for_reuse() {
     SET.call_once(|| {
         if TRIMS && !reuse_freed_memory() {
             tracing::warn!("the C library refused to keep freed memory for reuse");
+        } else if TRIMS {
+            HUGE_PAGES.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     });
 }
@@ -197,6 +235,119 @@ fn reuse_freed_memory() -> bool {
 fn reuse_freed_memory() -> bool {
     true
 }
+
+/// The size of a heap of a thread's malloc arena, and its alignment: glibc's `HEAP_MAX_SIZE`
+/// on 64-bit (twice its largest mapping threshold, 32 MiB). Each is a mapping of its own.
+const HEAP_BYTES: usize = 64 << 20;
+
+/// Asks the kernel to back with transparent huge pages the malloc heaps a thread fills, for a
+/// thread that allocates gigabytes it keeps: a heap restore's decoding threads, which allocate
+/// every long value of the state. A fresh page costs the kernel a fault and its zeroing; a
+/// 10 GiB restore faulted in 3.3M pages of 4 KiB, and zeroing them was 42% of the process's
+/// samples (`perf`; `runtime/BENCHMARKS.md`, session 44). Huge pages take one fault per 2 MiB.
+///
+/// While one is alive the heaps grow by [`TOP_PAD_BYTES`]. glibc does the like when told to at
+/// the process's start (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`), for all it allocates in every
+/// job the process runs; this applies to the threads that ask, after the heap backend asked
+/// for it ([`keep_freed_memory_for_reuse`]), and does nothing where the kernel's transparent
+/// huge pages are off (`never`) or the C library is not glibc.
+#[derive(Debug)]
+pub struct HugePageHeaps {
+    /// The heap advised last, by its address.
+    advised: usize,
+    /// Whether this one counts in [`PADDING_HEAPS`].
+    padding: bool,
+}
+
+impl HugePageHeaps {
+    /// Pads the heaps until this and every other one are dropped, if the heap backend asked for
+    /// huge pages.
+    pub fn new() -> Self {
+        let padding = HUGE_PAGES.load(std::sync::atomic::Ordering::Relaxed);
+        if padding {
+            let mut alive = PADDING_HEAPS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *alive == 0 {
+                set_top_pad(TOP_PAD_BYTES);
+            }
+            *alive += 1;
+        }
+        Self { advised: 0, padding }
+    }
+
+    /// Advises the heap this thread's allocations come from now, if it was not advised yet.
+    /// Call it every few hundred allocations: the pages of a new heap that were touched
+    /// before the call stay small (at most the first 2 MiB of each 64 MiB heap when called
+    /// every 256 values of the 10 GiB restore).
+    pub fn advise_current(&mut self) {
+        if self.padding {
+            advise_current_heap(&mut self.advised);
+        }
+    }
+}
+
+impl Default for HugePageHeaps {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for HugePageHeaps {
+    fn drop(&mut self) {
+        if self.padding {
+            let mut alive = PADDING_HEAPS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            *alive -= 1;
+            if *alive == 0 {
+                set_top_pad(DEFAULT_TOP_PAD_BYTES);
+            }
+        }
+    }
+}
+
+/// Sets glibc's `M_TOP_PAD`.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn set_top_pad(bytes: i32) {
+    // SAFETY: mallopt takes two integers and the arenas' locks itself (MT-Safe).
+    unsafe { libc::mallopt(libc::M_TOP_PAD, bytes) };
+}
+
+/// Nothing to pad outside glibc.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn set_top_pad(_bytes: i32) {}
+
+/// Finds the heap the arena allocates from by a probe of 128 KiB (above what glibc caches per
+/// thread, and seldom found free in the arena's bins, so it is split from the top of the
+/// current heap, or makes the next heap), freed at once (back into the top), and advises that
+/// heap with `MADV_HUGEPAGE` if it is a thread arena's: one below the program break is the
+/// main arena's, which grows by `brk` and is left alone.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn advise_current_heap(advised: &mut usize) {
+    const PROBE_BYTES: usize = 128 << 10;
+    // SAFETY: the probe is allocated and freed by the C library and never read or written;
+    // sbrk(0) only reads the program break; madvise takes an address range, reads or writes
+    // no memory through it, and MADV_HUGEPAGE changes how the kernel backs the pages it
+    // faults in later, not their contents (it fails where nothing is mapped).
+    unsafe {
+        let probe = libc::malloc(PROBE_BYTES);
+        if probe.is_null() {
+            return;
+        }
+        let at = probe as usize;
+        libc::free(probe);
+        let heap = at & !(HEAP_BYTES - 1);
+        if heap == *advised {
+            return;
+        }
+        *advised = heap;
+        if at < libc::sbrk(0) as usize {
+            return;
+        }
+        libc::madvise(heap as *mut libc::c_void, HEAP_BYTES, libc::MADV_HUGEPAGE);
+    }
+}
+
+/// Nothing to advise outside glibc on Linux.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn advise_current_heap(_advised: &mut usize) {}
 
 /// Whether [`trim`] returns memory on this platform.
 const TRIMS: bool = cfg!(all(target_os = "linux", target_env = "gnu"));
@@ -317,6 +468,68 @@ mod tests {
         let failed = unsafe { libc::mincore(start as *mut libc::c_void, pages * 4096, resident.as_mut_ptr()) } != 0;
         assert!(!failed, "mincore: {}", std::io::Error::last_os_error());
         resident.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    /// The heap backend's huge-page advice: a thread arena's heaps that [`HugePageHeaps`]
+    /// was asked about while they filled, and a table over [`MAPPED_FROM_BYTES`] that
+    /// [`populate`] faults in, are marked for huge pages (`hg` in their mapping's `VmFlags`,
+    /// set whether or not the kernel then finds huge pages to back them with).
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn heaps_filled_by_a_restore_and_large_tables_are_advised_for_huge_pages() {
+        let _alone = MAPPING_TESTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        keep_freed_memory_for_reuse();
+        std::thread::spawn(|| {
+            let mut heaps = HugePageHeaps::new();
+            // 96 MiB of values of 1,000 bytes, as a restore decodes them: two heaps or more.
+            let values: Vec<Vec<u8>> = (0..(96 << 20) / 1000)
+                .map(|i| {
+                    if i % 256 == 0 {
+                        heaps.advise_current();
+                    }
+                    vec![i as u8; 1000]
+                })
+                .collect();
+            let (first, last) = (values[300].as_ptr() as usize, values.last().unwrap().as_ptr() as usize);
+            // A process with more threads than arenas may hand this one the main arena, which
+            // grows by brk and is left alone: nothing to check then.
+            // SAFETY: sbrk(0) only reads the program break.
+            if last < unsafe { libc::sbrk(0) } as usize {
+                return;
+            }
+            assert_ne!(first / HEAP_BYTES, last / HEAP_BYTES, "the values filled more than one heap");
+            for at in [first, last] {
+                let flags = vm_flags_of(at);
+                assert!(flags.split_whitespace().any(|f| f == "hg"), "heap at {at:#x}: VmFlags {flags}");
+            }
+        })
+        .join()
+        .unwrap();
+        let mut table = allocator_api2::vec::Vec::<u64, TableAlloc>::new_in(TableAlloc);
+        let blocks = record_tables(|| table.reserve(5 << 20)); // 40 MiB
+        assert_eq!(blocks.len(), 1, "{blocks:?}");
+        let before = vm_flags_of(blocks[0].0 + (20 << 20));
+        assert!(!before.split_whitespace().any(|f| f == "hg"), "advised before populate: {before}");
+        populate(&blocks, 2);
+        let after = vm_flags_of(blocks[0].0 + (20 << 20));
+        assert!(after.split_whitespace().any(|f| f == "hg"), "table: VmFlags {after}");
+    }
+
+    /// The `VmFlags` of the mapping holding `address` (`/proc/self/smaps`).
+    fn vm_flags_of(address: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().and_then(|r| r.split_once('-'));
+            if let Some((Ok(start), Ok(end))) =
+                range.map(|(s, e)| (usize::from_str_radix(s, 16), usize::from_str_radix(e, 16)))
+            {
+                inside = (start..end).contains(&address);
+            } else if let (true, Some(flags)) = (inside, line.strip_prefix("VmFlags:")) {
+                return flags.trim().to_string();
+            }
+        }
+        panic!("no mapping holds {address:#x}");
     }
 
     fn resident_kib() -> u64 {

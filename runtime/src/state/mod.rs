@@ -1433,11 +1433,15 @@ fn decode_in_batches<K: StateKey, V: StateValue>(
     mut take: impl FnMut(&mut Vec<Restored<K, V>>) -> bool,
 ) -> Result<(), StoreError> {
     let mut batch = Vec::with_capacity(RESTORE_BATCH);
+    let mut heaps = crate::malloc::HugePageHeaps::new();
     for entry in keyed_entries(body) {
         if let Some(decoded) = decode_restored::<K, V>(entry?, key_groups)? {
             batch.push(decoded);
-            if batch.len() == RESTORE_BATCH && !take(&mut batch) {
-                return Ok(());
+            if batch.len() == RESTORE_BATCH {
+                heaps.advise_current();
+                if !take(&mut batch) {
+                    return Ok(());
+                }
             }
         }
     }
@@ -1495,12 +1499,17 @@ fn fill_from_entries<K: StateKey, V: StateValue>(
     let mut later = Vec::new();
     let mut ahead = std::collections::VecDeque::with_capacity(FILL_AHEAD + 1);
     let mut entries = keyed_entries_in(body, stretch.0, stretch.1);
+    let (mut heaps, mut decoded) = (crate::malloc::HugePageHeaps::new(), 0usize);
     loop {
         let next = entries.next();
         if let Some(entry) = next {
             let entry = entry?;
             if !owns(key_groups, entry.key_group) {
                 continue;
+            }
+            decoded += 1;
+            if decoded % RESTORE_BATCH == 0 {
+                heaps.advise_current();
             }
             let value = match entry.value {
                 Some(raw) => Some(V::decode(&mut Decoder::new(raw))?),
