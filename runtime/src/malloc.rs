@@ -104,8 +104,8 @@ pub fn populate(blocks: &[(usize, usize)], threads: usize) -> usize {
         })
         .collect();
     if HUGE_PAGES.load(Ordering::Relaxed) {
-        // A block from MAPPED_FROM_BYTES up is a mapping of its own (an arena's smaller block
-        // shares its heap's, which `HugePageHeaps` advises as a whole).
+        // A block from MAPPED_FROM_BYTES up is a mapping of its own, or the free top of a
+        // padded heap (`HugePageHeaps`) that it fills; a smaller one shares an arena's heap.
         for &(address, len) in blocks.iter().filter(|&&(_, len)| len >= MAPPED_FROM_BYTES as usize) {
             let start = address.next_multiple_of(page);
             // SAFETY: as for MADV_POPULATE_WRITE below; MADV_HUGEPAGE changes how the kernel
@@ -447,7 +447,10 @@ mod tests {
         let populated = populate(&blocks, 3);
         assert!(populated >= (32 << 20) - 8192, "{populated} bytes faulted in");
         let (after, pages) = (resident_pages(address, len), len / 4096);
-        assert!(after + 2 >= pages && after > before, "{before} then {after} of {pages} pages resident");
+        // Mapped on its own, the block is not resident before; while a restore elsewhere in
+        // this process pads the heaps (`HugePageHeaps`), it may come from the free top of one,
+        // already resident.
+        assert!(after + 2 >= pages, "{before} then {after} of {pages} pages resident");
 
         let value = |i: u64| i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
         let blocks = record_tables(|| filled.reserve(4 << 20));
@@ -505,13 +508,13 @@ mod tests {
         })
         .join()
         .unwrap();
+        // 160 MiB: more than a thread arena's heap holds, so not from one that a restore
+        // elsewhere in this process advised.
         let mut table = allocator_api2::vec::Vec::<u64, TableAlloc>::new_in(TableAlloc);
-        let blocks = record_tables(|| table.reserve(5 << 20)); // 40 MiB
+        let blocks = record_tables(|| table.reserve(20 << 20));
         assert_eq!(blocks.len(), 1, "{blocks:?}");
-        let before = vm_flags_of(blocks[0].0 + (20 << 20));
-        assert!(!before.split_whitespace().any(|f| f == "hg"), "advised before populate: {before}");
         populate(&blocks, 2);
-        let after = vm_flags_of(blocks[0].0 + (20 << 20));
+        let after = vm_flags_of(blocks[0].0 + (80 << 20));
         assert!(after.split_whitespace().any(|f| f == "hg"), "table: VmFlags {after}");
     }
 
