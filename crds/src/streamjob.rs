@@ -246,7 +246,10 @@ pub struct CheckpointSettings {
     /// exactly-once (aligned barriers) or at-least-once.
     #[serde(default)]
     pub mode: CheckpointMode,
-    /// A checkpoint not complete after this long is aborted.
+    /// A checkpoint not complete after this long is aborted. When an attempt fails because
+    /// its checkpoints expired before any of them completed, the next attempt in the same
+    /// process allows twice as long, up to 8 times this (the first checkpoint after a restore
+    /// that cannot go on from the restored files writes every key).
     #[serde(default = "default_timeout")]
     #[x_kube(validation = Rule::new(POSITIVE).message(POSITIVE_MESSAGE))]
     pub timeout: HumanDuration,

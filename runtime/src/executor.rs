@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
-use weir_checkpoint::protocol::{Action, Coordinator, CoordinatorConfig, TaskId, TriggerKind};
+use weir_checkpoint::protocol::{timeout_scale_after, Action, Coordinator, CoordinatorConfig, TaskId, TriggerKind};
 use weir_checkpoint::{
     epoch, layout, recovery, retention, CheckpointMetadata, OperatorSnapshot, SnapshotKind, Storage,
 };
@@ -278,6 +278,9 @@ pub fn run_job(
                 _ => None,
             })
             .collect::<Result<_, _>>()?,
+        checkpoint_timeout_scale: 1,
+        completed_in_attempt: false,
+        expired_before_any_completed: false,
     };
     let (mut restore, mut restore_reason) = exec.initial_restore()?;
     // Only where the run started from is kept: each attempt drops its state once its tasks
@@ -288,6 +291,11 @@ pub fn run_job(
         metrics.set_state(JobState::Starting);
         metrics.board().restored_from = restore.as_ref().map(|r| r.path.clone());
         let end = exec.attempt(restore.take(), &restore_reason);
+        exec.checkpoint_timeout_scale = timeout_scale_after(
+            exec.checkpoint_timeout_scale,
+            exec.expired_before_any_completed,
+            exec.completed_in_attempt,
+        );
         let failure = match &end {
             AttemptEnd::Fenced(e) => format!("the run was fenced before it completed: {e}"),
             AttemptEnd::Done(JobOutcome::Finished) => "the job finished before it completed".to_string(),
@@ -364,6 +372,7 @@ pub fn run_job(
                 tracing::info!(
                     restarts,
                     from = restore.as_ref().map(|r| r.path.as_str()).unwrap_or("scratch"),
+                    checkpoint_timeout_ms = exec.checkpoint_timeout_ms(),
                     "restarting job"
                 );
             }
@@ -413,6 +422,12 @@ struct Executor<'a> {
     commits: CommitTracker,
     /// The job's file sinks with their output directories, opened once per run.
     file_sinks: Vec<FileSinkDir>,
+    /// What this attempt multiplies the checkpoint timeout by ([`timeout_scale_after`]).
+    checkpoint_timeout_scale: u64,
+    /// Whether a checkpoint of this attempt completed.
+    completed_in_attempt: bool,
+    /// Whether this attempt failed because its checkpoints expired before any completed.
+    expired_before_any_completed: bool,
 }
 
 /// Deletes the abandoned staging files under each of `dirs` ([`STAGING_IDLE`]), off the async
@@ -432,7 +447,7 @@ async fn discard_abandoned_staging(dirs: Vec<Storage>) {
     }
 }
 
-/// A file sink node and its output directory./// A file sink node and its output directory.
+/// A file sink node and its output directory.
 struct FileSinkDir {
     node: usize,
     uid: String,
@@ -496,6 +511,11 @@ impl CommitTracker {
 }
 
 impl Executor<'_> {
+    /// This attempt's checkpoint timeout: the job's, times [`Self::checkpoint_timeout_scale`].
+    fn checkpoint_timeout_ms(&self) -> u64 {
+        self.job.spec.checkpointing.timeout.as_millis().saturating_mul(self.checkpoint_timeout_scale)
+    }
+
     /// What the first attempt restores, and why: the request, or nothing for a fresh start
     /// (refused when the root already holds restore points, unless `fresh`).
     fn initial_restore(&mut self) -> Result<(Option<RestoredState>, String), JobError> {
@@ -737,6 +757,7 @@ impl Executor<'_> {
         // protected, so it ends first.
         self.wait_for_retention();
         self.pending_files.clear();
+        (self.completed_in_attempt, self.expired_before_any_completed) = (false, false);
         let holder = self.opts.holder.clone().unwrap_or_else(|| format!("pid {}", std::process::id()));
         self.epoch = match crate::io().block_on(epoch::claim(&self.storage, &holder, self.restored_from(restored))) {
             Ok(e) => e,
@@ -939,7 +960,7 @@ impl Executor<'_> {
             periodic: c.enabled,
             interval_ms: c.interval.as_millis(),
             min_pause_ms: c.min_pause.as_millis(),
-            timeout_ms: c.timeout.as_millis(),
+            timeout_ms: self.checkpoint_timeout_ms(),
             max_concurrent: c.max_concurrent,
             tolerable_failures: c.tolerable_failures,
         };
@@ -1076,6 +1097,7 @@ impl Executor<'_> {
                     Err(e) => return Ok(coord.completion_failed(id, &e.to_string(), now_ms())),
                 }
                 let mut more = coord.completed(id, now_ms());
+                self.completed_in_attempt |= !kind.is_savepoint();
                 let path = self.storage.url_of(&dir);
                 self.record(id, kind, &dir, t0, CheckpointOutcome::Completed, bytes, None);
                 tracing::debug!(
@@ -1127,7 +1149,18 @@ impl Executor<'_> {
                 running.send_all(&TaskControl::Abort(id));
                 Ok(Vec::new())
             }
-            Action::FailJob { reason } => Err(AttemptEnd::Failed(reason)),
+            Action::FailJob { mut reason, expired_before_any_completed } => {
+                if expired_before_any_completed {
+                    self.expired_before_any_completed = true;
+                    let next = timeout_scale_after(self.checkpoint_timeout_scale, true, false);
+                    reason.push_str(&format!(
+                        "; no checkpoint of this attempt completed: a restart allows each {} ms \
+                         (checkpointing.timeout × {next})",
+                        self.job.spec.checkpointing.timeout.as_millis().saturating_mul(next)
+                    ));
+                }
+                Err(AttemptEnd::Failed(reason))
+            }
         }
     }
 

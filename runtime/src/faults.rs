@@ -1,6 +1,7 @@
 //! The fault-injection test hook. Off unless a [`FaultPlan`] is given (the CLI reads one from
 //! `WEIR_FAULTS`, e.g. `seed=7,panic=0.002,upload=0.05,commit-crash=0.2,max=20`). Every
-//! injected fault is counted in the job's metrics.
+//! injected fault is counted in the job's metrics; `upload-delay=<ms>` (slow storage) is not a
+//! fault and is not counted.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -35,6 +36,8 @@ pub struct FaultPlan {
     pub stall_in_transaction: f64,
     /// Most faults injected in total (0 = no limit).
     pub max_faults: u64,
+    /// Every upload of a subtask's keyed state waits this long first, as on a slow store.
+    pub upload_delay_ms: u64,
 }
 
 impl FaultPlan {
@@ -55,6 +58,9 @@ impl FaultPlan {
                 "txn-abort-committed" => plan.abort_after_transaction = num(v)?,
                 "txn-stall" => plan.stall_in_transaction = num(v)?,
                 "max" => plan.max_faults = v.parse().map_err(|_| format!("`{part}`: not an integer"))?,
+                "upload-delay" => {
+                    plan.upload_delay_ms = v.parse().map_err(|_| format!("`{part}`: not a number of milliseconds"))?
+                }
                 other => {
                     return Err(format!(
                         "unknown fault `{other}` (panic, upload, commit-crash, commit-abort, savepoint, \
@@ -107,6 +113,12 @@ impl Faults {
         Faults { plan: plan.map(Arc::new), draws: Arc::new(AtomicU64::new(0)), metrics }
     }
 
+    /// How long each upload of keyed state waits first ([`FaultPlan::upload_delay_ms`]).
+    pub fn upload_delay(&self) -> Option<std::time::Duration> {
+        let ms = self.plan.as_ref()?.upload_delay_ms;
+        (ms > 0).then(|| std::time::Duration::from_millis(ms))
+    }
+
     /// Whether `fault` fires now (and counts it when it does).
     pub fn fires(&self, fault: Fault) -> bool {
         let Some(plan) = &self.plan else { return false };
@@ -154,5 +166,10 @@ mod tests {
         assert!(!f.fires(Fault::Upload), "probability 0");
         assert_eq!(m.injected_faults.get(), 2);
         assert!(FaultPlan::parse("boom=1").unwrap_err().contains("unknown fault"));
+        let slow = Faults::new(Some(FaultPlan::parse("upload-delay=250").unwrap()), m.clone());
+        assert_eq!(slow.upload_delay(), Some(std::time::Duration::from_millis(250)));
+        assert!(!slow.fires(Fault::Upload), "a delay is not a fault");
+        assert_eq!(f.upload_delay(), None);
+        assert!(FaultPlan::parse("upload-delay=soon").unwrap_err().contains("milliseconds"));
     }
 }

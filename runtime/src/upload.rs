@@ -549,6 +549,9 @@ async fn upload(
                 if faults.fires(Fault::Upload) {
                     return Err(format!("injected fault: upload of {rel} failed"));
                 }
+                if let Some(delay) = faults.upload_delay() {
+                    tokio::time::sleep(delay).await;
+                }
                 let target = layout::resolve(&base, &rel);
                 match &keyed.file {
                     // A full image larger than memory, streamed from local disk.

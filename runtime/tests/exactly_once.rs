@@ -922,6 +922,38 @@ fn a_checkpoint_of_another_root_restores_into_checkpoints_that_stand_on_their_ow
     }
 }
 
+/// Checkpoints that expire before any of an attempt completed do not expire the same way at
+/// every restart: the first checkpoint after a restore that cannot go on from the restored
+/// files writes every key and may need longer than the job's increments, and with
+/// `tolerableFailures: 0` each restart restored the same checkpoint and expired again until
+/// the restarts ran out (after a stateful upgrade, for good). Here storage is slow (every
+/// keyed upload waits 200 ms, longer than the 150 ms timeout), each failed attempt doubles
+/// the next one's timeout, and the job finishes with its output
+/// exactly the undisturbed run's, record by record.
+#[test]
+fn checkpoints_that_expire_before_any_completed_get_a_longer_timeout_at_each_restart() {
+    let mut p = JobParams::new("slow-first");
+    p.rate = Some(8_000);
+    p.tolerable_failures = 0;
+    let golden = golden_output(&p);
+    let (d, out, chk) = workdir("slow-first");
+    let yaml = job_yaml(&p, &out);
+    cancel_after_three_checkpoints(&yaml, opts(&chk));
+    let other_root = newest_checkpoint(&chk);
+    let slow = yaml.replace("timeout: 10s", "timeout: 150ms").replace("attempts: 1000", "attempts: 4");
+    let plan = FaultPlan { upload_delay_ms: 200, ..FaultPlan::default() };
+    let run =
+        RunOptionsExt::with_faults(opts(&d.path().join("new-root")).restore_path(other_root.to_str().unwrap()), plan);
+    let (outcome, m) = run_to_end(&slow, run);
+    assert_eq!(outcome, JobOutcome::Finished, "the restarts ran out: {:?}", m.board().last_error);
+    let restarts = m.restarts.get();
+    eprintln!("{restarts} restarts; the last failure: {:?}", m.board().last_error);
+    assert!((1..=3).contains(&restarts), "{restarts} restarts");
+    let last_error = m.board().last_error.clone().unwrap_or_default();
+    assert!(last_error.contains("expired after") && last_error.contains("checkpointing.timeout ×"), "{last_error}");
+    assert_same_output(&golden, &committed(&out), &format!("restored onto slow storage, {restarts} restarts"));
+}
+
 /// The uids whose keyed-state chain in the newest checkpoint of `chk` begins with files copied
 /// from another root ([`weir_checkpoint::layout::shared_adopted_file`]).
 fn adopted_chains(chk: &std::path::Path) -> Vec<String> {

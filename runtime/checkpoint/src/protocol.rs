@@ -11,7 +11,9 @@
 //!   lets the job finish;
 //! - a pending checkpoint older than `timeout`, or declined by a task, is aborted;
 //! - more than `tolerable_failures` consecutive failed checkpoints fail the job (failed
-//!   savepoints are reported to their requester and do not count);
+//!   savepoints are reported to their requester and do not count); when they expired before
+//!   any checkpoint of the coordinator completed, the next attempt allows its checkpoints
+//!   twice as long ([`timeout_scale_after`], up to [`MAX_TIMEOUT_SCALE`] times the timeout);
 //! - completing N aborts (subsumes) every pending checkpoint older than N;
 //! - while checkpoints are held (a restore is still bringing in state it has not read and
 //!   verified yet), neither periodic nor final checkpoints start: a checkpoint must not
@@ -100,6 +102,9 @@ pub enum Action<A> {
     FailJob {
         /// Why.
         reason: String,
+        /// The last failure was a checkpoint that expired, and no checkpoint of this
+        /// coordinator completed ([`timeout_scale_after`]).
+        expired_before_any_completed: bool,
     },
 }
 
@@ -192,7 +197,7 @@ impl<A> Coordinator<A> {
             .collect();
         for id in timed_out {
             let reason = format!("checkpoint {id} expired after {} ms", self.config.timeout_ms);
-            self.fail(id, reason, now_ms, &mut actions);
+            self.fail(id, reason, true, now_ms, &mut actions);
         }
         if self.stopping {
             return actions;
@@ -267,7 +272,7 @@ impl<A> Coordinator<A> {
     pub fn decline(&mut self, id: u64, task: TaskId, reason: &str, now_ms: u64) -> Vec<Action<A>> {
         let mut actions = Vec::new();
         if self.pending.contains_key(&id) {
-            self.fail(id, format!("task {task} declined checkpoint {id}: {reason}"), now_ms, &mut actions);
+            self.fail(id, format!("task {task} declined checkpoint {id}: {reason}"), false, now_ms, &mut actions);
         }
         actions
     }
@@ -295,12 +300,13 @@ impl<A> Coordinator<A> {
     pub fn completion_failed(&mut self, id: u64, reason: &str, now_ms: u64) -> Vec<Action<A>> {
         let mut actions = Vec::new();
         if self.pending.contains_key(&id) {
-            self.fail(id, format!("could not write metadata of checkpoint {id}: {reason}"), now_ms, &mut actions);
+            let reason = format!("could not write metadata of checkpoint {id}: {reason}");
+            self.fail(id, reason, false, now_ms, &mut actions);
         }
         actions
     }
 
-    fn fail(&mut self, id: u64, reason: String, now_ms: u64, actions: &mut Vec<Action<A>>) {
+    fn fail(&mut self, id: u64, reason: String, expired: bool, now_ms: u64, actions: &mut Vec<Action<A>>) {
         let Some(p) = self.pending.remove(&id) else { return };
         self.last_end_ms = Some(now_ms);
         if let TriggerKind::Savepoint { stop: true, .. } = p.kind {
@@ -317,9 +323,34 @@ impl<A> Coordinator<A> {
                         "{} consecutive checkpoint failures exceed tolerableFailures={} (last: {reason})",
                         self.consecutive_failures, self.config.tolerable_failures
                     ),
+                    expired_before_any_completed: expired && self.latest_completed.is_none(),
                 });
             }
         }
+    }
+}
+
+/// The most [`timeout_scale_after`] multiplies a job's checkpoint timeout by: 8 minutes for
+/// the default of 60 s.
+pub const MAX_TIMEOUT_SCALE: u64 = 8;
+
+/// What the next attempt multiplies the checkpoint timeout by, after an attempt that ran with
+/// `scale` ended. An attempt that failed because its checkpoints expired before any completed
+/// doubles it (up to [`MAX_TIMEOUT_SCALE`]); one that completed a checkpoint resets it to 1;
+/// any other end keeps it.
+///
+/// The first checkpoint after a restore that cannot go on from the restored files (a
+/// savepoint or another job's checkpoint into a new root, another parallelism, another store)
+/// writes every key, and may take longer than the timeout the job's increments need. With
+/// the same timeout each attempt restored from the same checkpoint and expired again: the job
+/// failed, and restarted, after every stateful upgrade for good.
+pub fn timeout_scale_after(scale: u64, expired_before_any_completed: bool, completed_any: bool) -> u64 {
+    if completed_any {
+        1
+    } else if expired_before_any_completed {
+        scale.saturating_mul(2).clamp(1, MAX_TIMEOUT_SCALE)
+    } else {
+        scale.max(1)
     }
 }
 
@@ -427,7 +458,34 @@ mod tests {
         assert!(!a.iter().any(|x| matches!(x, Action::FailJob { .. })), "first failure tolerated");
         assert_eq!(triggers(&a), vec![2], "next one triggered right away since the interval passed");
         let b = c.decline(2, 0, "upload failed", 6100);
-        assert!(matches!(b.last(), Some(Action::FailJob { .. })), "{b:?}");
+        assert!(matches!(b.last(), Some(Action::FailJob { expired_before_any_completed: false, .. })), "{b:?}");
+    }
+
+    /// A job that fails because its checkpoints expire before any completed says so, and the
+    /// next attempt's timeout doubles until one completes; a completed checkpoint, or another
+    /// failure, does not double it.
+    #[test]
+    fn checkpoints_that_expire_before_any_completed_double_the_next_attempts_timeout() {
+        let mut c = Coordinator::<()>::new(config(), [0], 1, 0);
+        c.poll(1000);
+        let a = c.poll(6000);
+        assert!(a.iter().any(|x| matches!(x, Action::FailJob { expired_before_any_completed: true, .. })), "{a:?}");
+
+        let mut c = Coordinator::<()>::new(CoordinatorConfig { tolerable_failures: 1, ..config() }, [0], 1, 0);
+        c.poll(1000);
+        complete_all(&mut c, 1, &[0]);
+        c.completed(1, 1100);
+        c.poll(2000);
+        c.poll(7000);
+        let a = c.poll(12_000);
+        assert!(a.iter().any(|x| matches!(x, Action::FailJob { expired_before_any_completed: false, .. })), "{a:?}");
+
+        let scales: Vec<u64> =
+            std::iter::successors(Some(1), |&s| Some(timeout_scale_after(s, true, false))).take(6).collect();
+        assert_eq!(scales, vec![1, 2, 4, 8, 8, 8]);
+        assert_eq!(timeout_scale_after(4, true, true), 1, "a checkpoint completed");
+        assert_eq!(timeout_scale_after(4, false, false), 4, "a task failed before any completed");
+        assert_eq!(timeout_scale_after(4, false, true), 1);
     }
 
     #[test]
