@@ -113,8 +113,9 @@ pub struct CheckpointingSpec {
     pub mode: CheckpointMode,
     /// A checkpoint not complete after this long is aborted. When an attempt fails because
     /// its checkpoints expired before any of them completed, the next attempt in the same
-    /// process allows twice as long, up to 8 times this (the first checkpoint after a restore
-    /// that cannot go on from the restored files writes every key).
+    /// process allows twice as long, up to 8 times this and within what an exactly-once Kafka
+    /// sink's `transactionTimeout` outlives (the first checkpoint after a restore that cannot
+    /// go on from the restored files writes every key).
     #[serde(default = "default_timeout")]
     pub timeout: HumanDuration,
     /// Least time between the end of one checkpoint and the start of the next.

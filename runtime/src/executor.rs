@@ -380,6 +380,27 @@ pub fn run_job(
     }
 }
 
+/// The checkpoint timeout of an attempt at `scale` ([`timeout_scale_after`]): the job's, times
+/// `scale`, but never so long that a Kafka transaction (`transactionTimeout`, which validation
+/// makes exceed `interval + timeout + restart.maxDelay` for the job's own timeout) could be
+/// aborted by its broker while its checkpoint is still allowed to complete.
+fn scaled_checkpoint_timeout_ms(spec: &weir_crds::JobSpec, scale: u64) -> u64 {
+    let timeout = spec.checkpointing.timeout.as_millis();
+    let outlived_by_transactions = spec
+        .sinks
+        .iter()
+        .filter_map(|s| s.kafka.as_ref())
+        .filter(|k| k.delivery == weir_crds::job::KafkaDelivery::ExactlyOnce)
+        .map(|k| {
+            k.transaction_timeout
+                .as_millis()
+                .saturating_sub(spec.checkpointing.interval.as_millis() + spec.restart.max_delay.as_millis() + 1)
+        })
+        .min()
+        .unwrap_or(u64::MAX);
+    timeout.saturating_mul(scale).min(outlived_by_transactions.max(timeout))
+}
+
 /// Where a run started from, without its state: what a restart in the same process needs to
 /// take it again ([`Executor::failover_restore`]).
 #[derive(Clone, Debug)]
@@ -511,9 +532,14 @@ impl CommitTracker {
 }
 
 impl Executor<'_> {
-    /// This attempt's checkpoint timeout: the job's, times [`Self::checkpoint_timeout_scale`].
+    /// This attempt's checkpoint timeout ([`scaled_checkpoint_timeout_ms`]).
     fn checkpoint_timeout_ms(&self) -> u64 {
-        self.job.spec.checkpointing.timeout.as_millis().saturating_mul(self.checkpoint_timeout_scale)
+        self.checkpoint_timeout_ms_at(self.checkpoint_timeout_scale)
+    }
+
+    /// [`Self::checkpoint_timeout_ms`] at `scale`.
+    fn checkpoint_timeout_ms_at(&self, scale: u64) -> u64 {
+        scaled_checkpoint_timeout_ms(&self.job.spec, scale)
     }
 
     /// What the first attempt restores, and why: the request, or nothing for a fresh start
@@ -1153,10 +1179,14 @@ impl Executor<'_> {
                 if expired_before_any_completed {
                     self.expired_before_any_completed = true;
                     let next = timeout_scale_after(self.checkpoint_timeout_scale, true, false);
+                    let (allowed, scaled) = (
+                        self.checkpoint_timeout_ms_at(next),
+                        self.job.spec.checkpointing.timeout.as_millis().saturating_mul(next),
+                    );
+                    let capped = if allowed < scaled { ", less so that Kafka transactions outlive it" } else { "" };
                     reason.push_str(&format!(
-                        "; no checkpoint of this attempt completed: a restart allows each {} ms \
-                         (checkpointing.timeout × {next})",
-                        self.job.spec.checkpointing.timeout.as_millis().saturating_mul(next)
+                        "; no checkpoint of this attempt completed: a restart allows each {allowed} ms \
+                         (checkpointing.timeout × {next}{capped})"
                     ));
                 }
                 Err(AttemptEnd::Failed(reason))
@@ -1483,4 +1513,38 @@ fn holds_keyed_state(kind: &NodeKind) -> bool {
 /// else `/tmp`; in a pod, the `scratch` emptyDir volume mounted there).
 fn local_state_dir() -> std::path::PathBuf {
     std::env::temp_dir().join("weir-state")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A restart after expired checkpoints scales the job's timeout, up to what an
+    /// exactly-once Kafka sink's transactions outlive (`transactionTimeout` less the interval
+    /// and the longest restart delay); never below the job's own timeout.
+    #[test]
+    fn a_scaled_checkpoint_timeout_stays_within_what_kafka_transactions_outlive() {
+        let job = |sink: &str| {
+            weir_crds::JobSpec::from_yaml(&format!(
+                "name: t\ncheckpointing: {{ interval: 1s, timeout: 5s }}\n\
+                 restart: {{ strategy: exponential-backoff, maxDelay: 2s }}\n\
+                 sources: [ {{ name: s, generator: {{ count: 1, fields: [ {{ name: n, sequence: {{}} }} ] }} }} ]\n\
+                 sinks: [ {sink} ]\n"
+            ))
+            .unwrap()
+        };
+        let files = job("{ name: out, uid: out, file: { path: /tmp/out } }");
+        let scales: Vec<u64> = [1, 2, 8].iter().map(|&s| scaled_checkpoint_timeout_ms(&files, s)).collect();
+        assert_eq!(scales, vec![5_000, 10_000, 40_000]);
+        let kafka = |delivery: &str| {
+            job(&format!(
+                "{{ name: out, uid: out, kafka: {{ bootstrapServers: \"k:9092\", topic: t, delivery: {delivery}, \
+                 transactionTimeout: 20s }} }}"
+            ))
+        };
+        let exactly_once = kafka("exactly-once");
+        let scales: Vec<u64> = [1, 2, 8].iter().map(|&s| scaled_checkpoint_timeout_ms(&exactly_once, s)).collect();
+        assert_eq!(scales, vec![5_000, 10_000, 20_000 - 1_000 - 2_000 - 1]);
+        assert_eq!(scaled_checkpoint_timeout_ms(&kafka("at-least-once"), 8), 40_000, "no transactions");
+    }
 }
