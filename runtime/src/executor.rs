@@ -279,8 +279,6 @@ pub fn run_job(
             })
             .collect::<Result<_, _>>()?,
         checkpoint_timeout_scale: 1,
-        completed_in_attempt: false,
-        expired_before_any_completed: false,
     };
     let (mut restore, mut restore_reason) = exec.initial_restore()?;
     // Only where the run started from is kept: each attempt drops its state once its tasks
@@ -291,11 +289,6 @@ pub fn run_job(
         metrics.set_state(JobState::Starting);
         metrics.board().restored_from = restore.as_ref().map(|r| r.path.clone());
         let end = exec.attempt(restore.take(), &restore_reason);
-        exec.checkpoint_timeout_scale = timeout_scale_after(
-            exec.checkpoint_timeout_scale,
-            exec.expired_before_any_completed,
-            exec.completed_in_attempt,
-        );
         let failure = match &end {
             AttemptEnd::Fenced(e) => format!("the run was fenced before it completed: {e}"),
             AttemptEnd::Done(JobOutcome::Finished) => "the job finished before it completed".to_string(),
@@ -443,12 +436,9 @@ struct Executor<'a> {
     commits: CommitTracker,
     /// The job's file sinks with their output directories, opened once per run.
     file_sinks: Vec<FileSinkDir>,
-    /// What this attempt multiplies the checkpoint timeout by ([`timeout_scale_after`]).
+    /// What the checkpoint timeout is multiplied by ([`timeout_scale_after`]): for the
+    /// attempt that starts next, set as the current one completes a checkpoint or fails.
     checkpoint_timeout_scale: u64,
-    /// Whether a checkpoint of this attempt completed.
-    completed_in_attempt: bool,
-    /// Whether this attempt failed because its checkpoints expired before any completed.
-    expired_before_any_completed: bool,
 }
 
 /// Deletes the abandoned staging files under each of `dirs` ([`STAGING_IDLE`]), off the async
@@ -532,14 +522,9 @@ impl CommitTracker {
 }
 
 impl Executor<'_> {
-    /// This attempt's checkpoint timeout ([`scaled_checkpoint_timeout_ms`]).
+    /// The next attempt's checkpoint timeout ([`scaled_checkpoint_timeout_ms`]).
     fn checkpoint_timeout_ms(&self) -> u64 {
-        self.checkpoint_timeout_ms_at(self.checkpoint_timeout_scale)
-    }
-
-    /// [`Self::checkpoint_timeout_ms`] at `scale`.
-    fn checkpoint_timeout_ms_at(&self, scale: u64) -> u64 {
-        scaled_checkpoint_timeout_ms(&self.job.spec, scale)
+        scaled_checkpoint_timeout_ms(&self.job.spec, self.checkpoint_timeout_scale)
     }
 
     /// What the first attempt restores, and why: the request, or nothing for a fresh start
@@ -783,7 +768,6 @@ impl Executor<'_> {
         // protected, so it ends first.
         self.wait_for_retention();
         self.pending_files.clear();
-        (self.completed_in_attempt, self.expired_before_any_completed) = (false, false);
         let holder = self.opts.holder.clone().unwrap_or_else(|| format!("pid {}", std::process::id()));
         self.epoch = match crate::io().block_on(epoch::claim(&self.storage, &holder, self.restored_from(restored))) {
             Ok(e) => e,
@@ -1123,7 +1107,9 @@ impl Executor<'_> {
                     Err(e) => return Ok(coord.completion_failed(id, &e.to_string(), now_ms())),
                 }
                 let mut more = coord.completed(id, now_ms());
-                self.completed_in_attempt |= !kind.is_savepoint();
+                if !kind.is_savepoint() {
+                    self.checkpoint_timeout_scale = timeout_scale_after(self.checkpoint_timeout_scale, false, true);
+                }
                 let path = self.storage.url_of(&dir);
                 self.record(id, kind, &dir, t0, CheckpointOutcome::Completed, bytes, None);
                 tracing::debug!(
@@ -1177,12 +1163,10 @@ impl Executor<'_> {
             }
             Action::FailJob { mut reason, expired_before_any_completed } => {
                 if expired_before_any_completed {
-                    self.expired_before_any_completed = true;
                     let next = timeout_scale_after(self.checkpoint_timeout_scale, true, false);
-                    let (allowed, scaled) = (
-                        self.checkpoint_timeout_ms_at(next),
-                        self.job.spec.checkpointing.timeout.as_millis().saturating_mul(next),
-                    );
+                    self.checkpoint_timeout_scale = next;
+                    let allowed = self.checkpoint_timeout_ms();
+                    let scaled = self.job.spec.checkpointing.timeout.as_millis().saturating_mul(next);
                     let capped = if allowed < scaled { ", less so that Kafka transactions outlive it" } else { "" };
                     reason.push_str(&format!(
                         "; no checkpoint of this attempt completed: a restart allows each {allowed} ms \

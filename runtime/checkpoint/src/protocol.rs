@@ -103,7 +103,7 @@ pub enum Action<A> {
         /// Why.
         reason: String,
         /// The last failure was a checkpoint that expired, and no checkpoint of this
-        /// coordinator completed ([`timeout_scale_after`]).
+        /// coordinator completed (a savepoint may have: [`timeout_scale_after`]).
         expired_before_any_completed: bool,
     },
 }
@@ -128,6 +128,8 @@ pub struct Coordinator<A> {
     last_trigger_ms: Option<u64>,
     last_end_ms: Option<u64>,
     consecutive_failures: u32,
+    /// Whether a checkpoint (not a savepoint) completed.
+    checkpoint_completed: bool,
     /// Periodic and final checkpoints wait ([`Self::hold_checkpoints`]).
     held: bool,
     queued_savepoints: VecDeque<TriggerKind>,
@@ -148,6 +150,7 @@ impl<A> Coordinator<A> {
             last_trigger_ms: Some(now_ms),
             last_end_ms: None,
             consecutive_failures: 0,
+            checkpoint_completed: false,
             held: false,
             queued_savepoints: VecDeque::new(),
             sources_finished: false,
@@ -285,6 +288,7 @@ impl<A> Coordinator<A> {
         self.latest_completed = Some(self.latest_completed.map_or(id, |l| l.max(id)));
         if !p.kind.is_savepoint() {
             self.consecutive_failures = 0;
+            self.checkpoint_completed = true;
         }
         let older: Vec<u64> =
             self.pending.range(..id).filter(|(_, p)| !p.kind.is_savepoint()).map(|(i, _)| *i).collect();
@@ -323,7 +327,7 @@ impl<A> Coordinator<A> {
                         "{} consecutive checkpoint failures exceed tolerableFailures={} (last: {reason})",
                         self.consecutive_failures, self.config.tolerable_failures
                     ),
-                    expired_before_any_completed: expired && self.latest_completed.is_none(),
+                    expired_before_any_completed: expired && !self.checkpoint_completed,
                 });
             }
         }
@@ -479,6 +483,16 @@ mod tests {
         c.poll(7000);
         let a = c.poll(12_000);
         assert!(a.iter().any(|x| matches!(x, Action::FailJob { expired_before_any_completed: false, .. })), "{a:?}");
+
+        // A savepoint that completed is no checkpoint of the job's root.
+        let mut c = Coordinator::<()>::new(config(), [0], 1, 0);
+        c.request_savepoint(7, false, false);
+        c.poll(10);
+        complete_all(&mut c, 1, &[0]);
+        c.completed(1, 20);
+        assert_eq!(triggers(&c.poll(1100)), vec![2]);
+        let a = c.poll(6200);
+        assert!(a.iter().any(|x| matches!(x, Action::FailJob { expired_before_any_completed: true, .. })), "{a:?}");
 
         let scales: Vec<u64> =
             std::iter::successors(Some(1), |&s| Some(timeout_scale_after(s, true, false))).take(6).collect();

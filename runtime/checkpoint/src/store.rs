@@ -640,7 +640,8 @@ impl Storage {
         if let (Some(a), Some(b)) = (&self.local, &source.local) {
             use std::os::unix::fs::MetadataExt;
             let device = |dir: &std::path::Path| std::fs::metadata(dir).map(|m| m.dev()).ok();
-            return device(a).is_some() && device(a) == device(b);
+            let (into, from) = (device(a), device(b));
+            return into.is_some() && into == from;
         }
         self.same_store(source) && largest <= COPY_IN_STORE_MAX
     }
