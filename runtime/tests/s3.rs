@@ -265,22 +265,7 @@ fn heap_restores_download_from_s3_as_they_apply_exactly_once_and_find_damage_as_
         assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
     }
     let storage = Storage::open(&chk).unwrap();
-    let newest = newest_complete(&storage);
-    let dir = weir_checkpoint::layout::checkpoint_dir(newest);
-    let metadata =
-        weir_runtime::io().block_on(weir_checkpoint::recovery::read_metadata(&storage, &dir)).unwrap().unwrap();
-    let largest = metadata
-        .operators
-        .values()
-        .flat_map(|o| &o.subtasks)
-        .flat_map(|s| &s.keyed_state)
-        .max_by_key(|f| f.len)
-        .unwrap();
-    let victim = weir_checkpoint::layout::resolve(&dir, &largest.path);
-    let mut bytes = weir_runtime::io().block_on(storage.get(&victim)).unwrap().to_vec();
-    let middle = bytes.len() / 2;
-    bytes[middle] ^= 0x40;
-    weir_runtime::io().block_on(storage.put(&victim, Bytes::from(bytes))).unwrap();
+    let (dir, _, victim) = damage_the_newest_checkpoints_largest_keyed_file(&storage);
     let (outcome, m) = run_to_end(&yaml, in_parts(&chk).restore_latest());
     assert_eq!(outcome, JobOutcome::Finished);
     assert!(m.restarts.get() >= 1, "the damaged file failed the first attempt's restore");
@@ -307,6 +292,98 @@ fn heap_restores_download_from_s3_as_they_apply_exactly_once_and_find_damage_as_
     assert_same_output(&golden, &committed_at(&out, &sinks), "rescaled 2 → 3 in parts from S3");
 
     sigkill_campaign_on_s3("parts-on-s3", false, &["--state-files-in-memory-max", "0"]);
+}
+
+/// A heap state of long values well within its budget of files in memory, restored from the
+/// S3 server: its files are read in ranges as they are applied
+/// (`weir_runtime::restore::STREAMED_FROM_BYTES_PER_KEY`), so a byte flipped in the newest
+/// checkpoint is found as it is read, which fails the attempt, records the damage and restarts
+/// from the checkpoint before (held in memory, the load would have skipped it before any
+/// attempt: no restart); the output is exactly an undisturbed run's, record by record.
+#[test]
+fn long_values_restored_from_s3_within_the_budget_are_read_as_applied_exactly_once() {
+    use weir_runtime::executor::{JobOutcome, Request, RunOptions};
+    use weir_runtime::restore::KeyedFilesIn;
+    let _ = server();
+    let name = "long-values-s3";
+    let yaml = |out: &str, rate: &str| {
+        format!(
+            // Every record a key of its own: a running max's outputs would otherwise depend on
+            // the order a key's records come in, which the generator's rate changes.
+            r#"name: {name}
+parallelism: 2
+maxParallelism: 64
+checkpointing: {{ interval: 100ms, timeout: 10s, mode: exactly-once, retained: 3, fullEvery: 4 }}
+restart: {{ strategy: fixed-delay, attempts: 1000, delay: 10ms }}
+sources:
+  - name: lines
+    uid: lines
+    generator:
+      count: 6000
+      {rate}
+      fields:
+        - {{ name: key, sequence: {{}} }}
+        - {{ name: line, text: {{ words: 128, vocabulary: 1000 }} }}
+operators:
+  - {{ name: by-key, keyBy: {{ fields: [key] }} }}
+  - {{ name: longest, uid: longest, aggregate: {{ aggregates: [ {{ fn: max, field: line, as: m }} ] }} }}
+sinks:
+  - {{ name: out, input: longest, uid: out, file: {{ path: {out}/out }} }}
+"#
+        )
+    };
+    let (_d, golden_out, golden_chk) = workdir(name);
+    let (outcome, _) = run_to_end(&yaml(&golden_out.display().to_string(), ""), opts(&golden_chk));
+    assert_eq!(outcome, JobOutcome::Finished);
+    let golden = committed_at(&golden_out.display().to_string(), &["out"]);
+
+    let (out, chk) = (format!("s3://{BUCKET}/out-{name}"), format!("s3://{BUCKET}/jobs/{name}"));
+    let on_s3 = || RunOptions { checkpoint_dir: Some(chk.clone()), ..RunOptions::default() };
+    let run = InProcess::start(&yaml(&out, "ratePerSecond: 3000"), on_s3());
+    run.wait_for_checkpoints(6, Duration::from_secs(60));
+    run.requests.send(Request::Cancel).unwrap();
+    assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+
+    let storage = Storage::open(&chk).unwrap();
+    let (dir, metadata, victim) = damage_the_newest_checkpoints_largest_keyed_file(&storage);
+    let local = tempfile::tempdir().unwrap();
+    let within_any_budget = KeyedFilesIn::MemoryUpTo { bytes: u64::MAX, dir: local.path().to_path_buf() };
+    assert!(
+        matches!(within_any_budget.for_snapshot(&metadata, true), KeyedFilesIn::LocalReadOnce(_)),
+        "long values from object storage are read as they are applied: {metadata:?}"
+    );
+
+    let (outcome, m) = run_to_end(&yaml(&out, "ratePerSecond: 3000"), on_s3().restore_latest());
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert!(m.restarts.get() >= 1, "the damage was found as the file was read, by the first attempt");
+    let record = weir_checkpoint::layout::damage_record(&victim);
+    assert!(weir_runtime::io().block_on(storage.get(&record)).is_ok(), "the damage of {victim} is recorded");
+    let restored_from = m.board().restored_from.clone().unwrap_or_default();
+    assert!(!restored_from.ends_with(&dir), "{restored_from}: not the damaged checkpoint");
+    assert_same_output(&golden, &committed_at(&out, &["out"]), "long values restored from S3 as read");
+}
+
+/// Flips a byte in the middle of the largest keyed state file of the newest complete checkpoint
+/// in `storage`; that checkpoint's directory, its metadata and the damaged file's path.
+fn damage_the_newest_checkpoints_largest_keyed_file(
+    storage: &Storage,
+) -> (String, weir_checkpoint::CheckpointMetadata, String) {
+    let dir = weir_checkpoint::layout::checkpoint_dir(newest_complete(storage));
+    let metadata =
+        weir_runtime::io().block_on(weir_checkpoint::recovery::read_metadata(storage, &dir)).unwrap().unwrap();
+    let largest = metadata
+        .operators
+        .values()
+        .flat_map(|o| &o.subtasks)
+        .flat_map(|s| &s.keyed_state)
+        .max_by_key(|f| f.len)
+        .unwrap();
+    let victim = weir_checkpoint::layout::resolve(&dir, &largest.path);
+    let mut bytes = weir_runtime::io().block_on(storage.get(&victim)).unwrap().to_vec();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    weir_runtime::io().block_on(storage.put(&victim, Bytes::from(bytes))).unwrap();
+    (dir, metadata, victim)
 }
 
 /// A savepoint on the S3 server restored into another root, as a stateful upgrade does. Into a

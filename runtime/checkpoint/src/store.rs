@@ -302,6 +302,11 @@ impl Storage {
         &self.url
     }
 
+    /// Whether this root is a directory of a local filesystem (not object storage nor memory).
+    pub fn is_local_filesystem(&self) -> bool {
+        self.local.is_some()
+    }
+
     /// Whether `other` is this root: the same canonical directory, the same in-memory store
     /// (each `memory://` root opened is a store of its own), or the same object store URL up
     /// to trailing slashes. Roots named differently (a bucket's endpoint spelled two ways)
