@@ -52,9 +52,9 @@ enum Command {
         #[arg(long)]
         quiet: bool,
         /// Most bytes of keyed state files the heap backend holds in memory: a restore's files
-        /// (a larger restore reads them in parts from local files under the temporary
-        /// directory, or in ranges from object storage, as does a restore of long values from
-        /// object storage), and each keyed subtask's share of it, at most 64 MiB, for a full image it
+        /// (a larger restore, or one of long values from object storage, reads them in parts:
+        /// from local files under the temporary directory, or in ranges from object storage),
+        /// and each keyed subtask's share of it, at most 64 MiB, for a full image it
         /// writes (a savepoint's, or the first checkpoint's after a restore from elsewhere; a
         /// larger image is written to a local file there). Default: a quarter of the memory the
         /// process may use, its cgroup's limit or the machine's.

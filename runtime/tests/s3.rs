@@ -268,11 +268,7 @@ fn heap_restores_download_from_s3_as_they_apply_exactly_once_and_find_damage_as_
     let (dir, _, victim) = damage_the_newest_checkpoints_largest_keyed_file(&storage);
     let (outcome, m) = run_to_end(&yaml, in_parts(&chk).restore_latest());
     assert_eq!(outcome, JobOutcome::Finished);
-    assert!(m.restarts.get() >= 1, "the damaged file failed the first attempt's restore");
-    let record = weir_checkpoint::layout::damage_record(&victim);
-    assert!(weir_runtime::io().block_on(storage.get(&record)).is_ok(), "the damage of {victim} is recorded");
-    let restored_from = m.board().restored_from.clone().unwrap_or_default();
-    assert!(!restored_from.ends_with(&dir), "{restored_from}: not the damaged checkpoint");
+    assert_the_damage_was_found_as_read(&storage, &m, &dir, &victim);
     assert_same_output(&golden, &committed_at(&out, &sinks), "restored in parts from S3, the newest damaged");
 
     let name = "parts-rescale-s3";
@@ -355,12 +351,24 @@ sinks:
 
     let (outcome, m) = run_to_end(&yaml(&out, "ratePerSecond: 3000"), on_s3().restore_latest());
     assert_eq!(outcome, JobOutcome::Finished);
-    assert!(m.restarts.get() >= 1, "the damage was found as the file was read, by the first attempt");
-    let record = weir_checkpoint::layout::damage_record(&victim);
+    assert_the_damage_was_found_as_read(&storage, &m, &dir, &victim);
+    assert_same_output(&golden, &committed_at(&out, &["out"]), "long values restored from S3 as read");
+}
+
+/// After a restore of the checkpoint `dir` whose file `victim` was damaged: the damage was found
+/// as the file was read (by the first attempt, which failed: at least one restart), recorded
+/// beside the file, and the run restored from another checkpoint.
+fn assert_the_damage_was_found_as_read(
+    storage: &Storage,
+    m: &weir_runtime::metrics::JobMetrics,
+    dir: &str,
+    victim: &str,
+) {
+    assert!(m.restarts.get() >= 1, "the damage was found as the file was read, failing the first attempt");
+    let record = weir_checkpoint::layout::damage_record(victim);
     assert!(weir_runtime::io().block_on(storage.get(&record)).is_ok(), "the damage of {victim} is recorded");
     let restored_from = m.board().restored_from.clone().unwrap_or_default();
-    assert!(!restored_from.ends_with(&dir), "{restored_from}: not the damaged checkpoint");
-    assert_same_output(&golden, &committed_at(&out, &["out"]), "long values restored from S3 as read");
+    assert!(!restored_from.ends_with(dir), "{restored_from}: not the damaged checkpoint");
 }
 
 /// Flips a byte in the middle of the largest keyed state file of the newest complete checkpoint
