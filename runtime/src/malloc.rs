@@ -13,9 +13,9 @@
 //! on the CEL pipeline (8M keys in its dedupe) zeroing pages was 7% of the CPU samples.
 //!
 //! The heap backend's hash tables come from [`TableAlloc`]: the same allocator, with the tables
-//! a restore reserves faulted in on every core before the restore fills them. A heap restore
-//! asks the kernel for huge pages where it allocates the state ([`HugePageHeaps`], and the
-//! tables in [`populate`]): a page fault per 2 MiB instead of per 4 KiB.
+//! a restore reserves faulted in on every core before the restore fills them, on small pages
+//! ([`populate`]). A heap restore asks the kernel for huge pages where it allocates the long
+//! values of the state ([`HugePageHeaps`]): a page fault per 2 MiB instead of per 4 KiB.
 //!
 //! One of two modules allowed `unsafe` (with `prefetch`): calls into the C library, and the
 //! allocator trait.
@@ -89,6 +89,14 @@ pub fn record_tables(reserve: impl FnOnce()) -> Vec<(usize, usize)> {
 /// 0.25 s), a 20M-key image restored in a median 0.94 s instead of 1.07 s, a 13-file chain of
 /// the same keys in 1.93 s instead of 2.35 s (same CPU time).
 ///
+/// Blocks that are mappings of their own are advised `MADV_NOHUGEPAGE` first. On this VM a
+/// huge page comes from a free 2 MiB block, which the balloon driver reports to the host and
+/// the host backs again page by page at the first touch: the keyed count's 90M-key chain
+/// faulted its 5.5 GB of tables in 1.6–1.75 s on huge pages against 0.66–0.69 s on small ones
+/// (5 alternating runs each; the first run after an idle minute 6.9 s against 0.66), and the
+/// restore took 4.5–4.65 s against 3.67–3.77 (`runtime/BENCHMARKS.md`, session 46). The small
+/// pages' misses in the translation cache cost the apply 0.1 s of that.
+///
 /// Stops at the first refusal (an older kernel, or memory not mapped): the pages not reached
 /// are faulted in where they are first written.
 #[cfg(target_os = "linux")]
@@ -103,15 +111,13 @@ pub fn populate(blocks: &[(usize, usize)], threads: usize) -> usize {
             (start..end.max(start)).step_by(CHUNK).map(move |at| (at, CHUNK.min(end - at)))
         })
         .collect();
-    if HUGE_PAGES.load(Ordering::Relaxed) {
-        // A block from MAPPED_FROM_BYTES up is a mapping of its own, or the free top of a
-        // padded heap (`HugePageHeaps`) that it fills; a smaller one shares an arena's heap.
-        for &(address, len) in blocks.iter().filter(|&&(_, len)| len >= MAPPED_FROM_BYTES as usize) {
-            let start = address.next_multiple_of(page);
-            // SAFETY: as for MADV_POPULATE_WRITE below; MADV_HUGEPAGE changes how the kernel
-            // backs the pages it faults in, not their contents.
-            unsafe { libc::madvise(start as *mut libc::c_void, address + len - start, libc::MADV_HUGEPAGE) };
-        }
+    // A block from MAPPED_FROM_BYTES up is a mapping of its own: small pages for it, whatever
+    // the kernel's default (see the function's doc); a smaller one shares an arena's heap.
+    for &(address, len) in blocks.iter().filter(|&&(_, len)| len >= MAPPED_FROM_BYTES as usize) {
+        let start = address.next_multiple_of(page);
+        // SAFETY: as for MADV_POPULATE_WRITE below; MADV_NOHUGEPAGE changes how the kernel
+        // backs the pages it faults in, not their contents.
+        unsafe { libc::madvise(start as *mut libc::c_void, address + len - start, libc::MADV_NOHUGEPAGE) };
     }
     let (next, refused, populated) = (AtomicUsize::new(0), AtomicBool::new(false), AtomicUsize::new(0));
     let work = || {
@@ -194,15 +200,14 @@ const TOP_PAD_BYTES: i32 = 64 << 20;
 /// glibc's own pad (`DEFAULT_TOP_PAD`), set back when no restore fills the heaps.
 const DEFAULT_TOP_PAD_BYTES: i32 = 128 << 10;
 
-/// Whether [`keep_freed_memory_for_reuse`] was asked for, which enables [`HugePageHeaps`] and
-/// the tables' advice in [`populate`].
+/// Whether [`keep_freed_memory_for_reuse`] was asked for, which enables [`HugePageHeaps`].
 static HUGE_PAGES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The [`HugePageHeaps`] alive: while any is, the heaps are padded by [`TOP_PAD_BYTES`].
 static PADDING_HEAPS: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
 
 /// Keeps memory freed in the process for its next allocations ([`MAPPED_FROM_BYTES`],
-/// [`KEPT_FREE_BYTES`]), and lets restores ask for huge pages ([`HugePageHeaps`], [`populate`]),
+/// [`KEPT_FREE_BYTES`]), and lets restores ask for huge pages ([`HugePageHeaps`]),
 /// for jobs on the heap backend. The CEL pipeline took about 2% less
 /// CPU (its system time 0.68–0.73 s → 0.44–0.48 s) and peaked at 4% more resident memory; the
 /// 1M-key count no more CPU (`runtime/BENCHMARKS.md`, session 29). Does nothing where the C
@@ -473,13 +478,14 @@ mod tests {
         resident.iter().filter(|&&b| b & 1 == 1).count()
     }
 
-    /// The heap backend's huge-page advice: a thread arena's heaps that [`HugePageHeaps`]
-    /// was asked about while they filled, and a table over [`MAPPED_FROM_BYTES`] that
-    /// [`populate`] faults in, are marked for huge pages (`hg` in their mapping's `VmFlags`,
-    /// set whether or not the kernel then finds huge pages to back them with).
+    /// The heap backend's page advice: a thread arena's heaps that [`HugePageHeaps`] was asked
+    /// about while they filled are marked for huge pages (`hg` in their mapping's `VmFlags`,
+    /// set whether or not the kernel then finds huge pages to back them with), and a table
+    /// over [`MAPPED_FROM_BYTES`] that [`populate`] faults in is marked for small ones (`nh`),
+    /// even where the kernel would give any mapping huge pages.
     #[test]
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    fn heaps_filled_by_a_restore_and_large_tables_are_advised_for_huge_pages() {
+    fn heaps_filled_by_a_restore_get_huge_pages_and_large_tables_small_ones() {
         let _alone = MAPPING_TESTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         keep_freed_memory_for_reuse();
         std::thread::spawn(|| {
@@ -515,7 +521,8 @@ mod tests {
         assert_eq!(blocks.len(), 1, "{blocks:?}");
         populate(&blocks, 2);
         let after = vm_flags_of(blocks[0].0 + (80 << 20));
-        assert!(after.split_whitespace().any(|f| f == "hg"), "table: VmFlags {after}");
+        assert!(after.split_whitespace().any(|f| f == "nh"), "table: VmFlags {after}");
+        assert!(!after.split_whitespace().any(|f| f == "hg"), "table: VmFlags {after}");
     }
 
     /// The `VmFlags` of the mapping holding `address` (`/proc/self/smaps`).
