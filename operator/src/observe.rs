@@ -194,6 +194,7 @@ mod tests {
                         keyed_state: vec![file],
                         store_tables: Vec::new(),
                         keyed_entries: None,
+                        int_keys: false,
                     }],
                     state_layout: Some("aggregate[count]".into()),
                 },

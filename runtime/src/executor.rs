@@ -20,7 +20,9 @@ use crate::faults::{Fault, FaultPlan, Faults};
 use crate::message::{Barrier, Event, SnapshotTarget, TaskAck, TaskControl};
 use crate::metrics::JobMetrics;
 use crate::operator::{ChainedOperator, Operator, TaskError};
-use crate::operators::keyed::{aggregate_operator, DedupeOperator, KeyedContext};
+use crate::operators::keyed::{
+    aggregate_operator, aggregate_operator_while_int_keys, DedupeOperator, IntKeysWhileIntegers, KeyedContext,
+};
 use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
 use crate::operators::window::WindowOperator;
 use crate::plan::{self, Vertex};
@@ -1402,6 +1404,11 @@ impl OperatorFactory<'_> {
         };
         let mut keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
         let composite_key = keyed().composite();
+        // A one-field key on the heap backend is held as an integer while it is one, unless a
+        // restored chain holds keys of other values.
+        let int_keys = !composite_key
+            && job.spec.state_backend == StateBackendKind::Heap
+            && keyed_restore.as_ref().is_none_or(|r| r.int_keys);
         if let Some(k) = &mut keyed_restore {
             // The heap backend goes on from a chain of another root when its files can be
             // copied without passing through the process (linked, or copied by the store): the
@@ -1435,6 +1442,8 @@ impl OperatorFactory<'_> {
                 let (specs, restore) = (&a.aggregates, keyed_restore.as_ref());
                 if composite_key {
                     aggregate_operator::<PackedKey>(keyed(), specs, input_schema, restore)?
+                } else if int_keys {
+                    aggregate_operator_while_int_keys(keyed(), specs, input_schema, restore)?
                 } else {
                     aggregate_operator::<Key>(keyed(), specs, input_schema, restore)?
                 }
@@ -1442,6 +1451,9 @@ impl OperatorFactory<'_> {
             NodeKind::Dedupe if composite_key => {
                 Box::new(DedupeOperator::<PackedKey>::new(keyed(), keyed_restore.as_ref())?)
             }
+            NodeKind::Dedupe if int_keys => Box::new(IntKeysWhileIntegers::Ints(
+                DedupeOperator::<crate::value::IntKey>::new(keyed(), keyed_restore.as_ref())?,
+            )),
             NodeKind::Dedupe => Box::new(DedupeOperator::<Key>::new(keyed(), keyed_restore.as_ref())?),
             NodeKind::FileSink(_) => {
                 let storage = self

@@ -489,6 +489,9 @@ pub struct KeyedRestore {
     /// checkpoint, a savepoint): same key groups, written by the heap backend, without table
     /// files. [`KeyedRestore::adopt_chain`] takes it.
     pub adoptable: Option<ChainSource>,
+    /// Every key of every restored chain is one integer (each snapshot says so, or there is
+    /// none): the operator may hold them as [`crate::value::IntKey`]s.
+    pub int_keys: bool,
 }
 
 /// Where a restored chain's files are: the storage root and the directory of the `_metadata`
@@ -667,6 +670,8 @@ pub struct RestoredSubtask {
     pub table_refs: Vec<FileRef>,
     /// How many keys the chain holds, when the snapshot counted them.
     pub keyed_entries: Option<u64>,
+    /// Every key of the chain is one integer ([`weir_checkpoint::SubtaskSnapshot::int_keys`]).
+    pub int_keys: bool,
 }
 
 impl RestoredSubtask {
@@ -747,6 +752,7 @@ impl RestoredState {
                     keyed_refs: s.keyed_state.clone(),
                     table_refs: s.store_tables.clone(),
                     keyed_entries: s.keyed_entries,
+                    int_keys: s.int_keys,
                     ..Default::default()
                 };
                 if let Some(f) = &s.operator_state {
@@ -876,6 +882,7 @@ impl RestoredState {
                 .iter()
                 .map(|s| Some(share_of_entries(s.counted_entries()?, s.key_groups, key_groups)))
                 .sum(),
+            int_keys: overlapping.iter().all(|s| s.int_keys),
         })
     }
 }
@@ -1296,6 +1303,7 @@ mod tests {
             keyed_state: vec![],
             store_tables: vec![],
             keyed_entries: None,
+            int_keys: false,
         };
         complete(s, id, "src", subtask).await;
     }

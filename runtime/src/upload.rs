@@ -509,6 +509,7 @@ async fn upload(
                 keyed_state: Vec::new(),
                 store_tables: Vec::new(),
                 keyed_entries: None,
+                int_keys: false,
             };
             if let Some(doc) = parts.operator_doc {
                 let mut w = StateFileWriter::new(FileKind::OperatorState, doc.len());
@@ -542,6 +543,7 @@ async fn upload(
                 }
                 let (len, crc) = (keyed.len(), keyed.crc32c);
                 snap.keyed_entries = keyed.live_entries;
+                snap.int_keys = keyed.int_keys;
                 let rel = match &savepoint_dir {
                     Some(_) => layout::savepoint_keyed_file(&uid, job.subtask),
                     None => layout::shared_keyed_file(&uid, job.subtask, job.barrier.id, epoch),
@@ -899,6 +901,7 @@ mod tests {
             live_entries: Some(1),
             puts_from: Some(0),
             shard_bytes: None,
+            int_keys: false,
         };
         let parts = StateParts { keyed: Some(keyed), force_full: Some(force_full.clone()), ..StateParts::default() };
         UploadJob {

@@ -425,12 +425,76 @@ fn long_chains_restored_shard_by_shard_are_exactly_once() {
         restored_from = newest;
     }
     assert!(long_chain_newest(&chk, 0).is_some(), "the restore below starts from a long chain");
+    let ints = newest_metadata(&chk).unwrap().operators["counts"].subtasks[0].int_keys;
+    assert!(ints, "of integer keys, restored as integers");
     let (outcome, m) = run_to_end(&job(&out, ""), RunOptionsExt::restore_latest(opts(&chk)));
     assert_eq!(outcome, JobOutcome::Finished);
     assert!(m.board().restored_from.is_some());
     assert_same_output(&golden, &committed(&out), "cancelled three times and restored from long chains");
     // Restarted in the process after task panics, failed uploads and crashes before commits.
     same_output_under_faults(&golden, "chain-restores", &[5, 13], |out| job(out, ""));
+}
+
+/// A running count whose keys are integers first and, from the 300,000th record on, every
+/// other one a text: the state holds them as integers (its checkpoints say so) until the first
+/// text comes, then as values (its checkpoints no longer say so). Cancelled once on a
+/// checkpoint of integers and once on one after the move, each time restored from it with
+/// `--restore latest`, and under task panics, failed uploads and crashes before commits, the
+/// output equals an undisturbed run's, record by record.
+#[test]
+fn keys_that_turn_from_integers_to_texts_are_exactly_once_across_the_move() {
+    let job = |out: &std::path::Path, rate: &str| {
+        running_count_job("int-keys-move", "interval: 100ms, tolerableFailures: 3", 5_000, out, rate).replace(
+            r#"id: "seq % 5000""#,
+            r#"id: "seq >= 300000 && seq % 2 == 0 ? 't' + string(seq % 5000) : seq % 5000""#,
+        )
+    };
+    let (_d, out, chk) = workdir("int-keys-move-golden");
+    let (outcome, _) = run_to_end(&job(&out, ""), opts(&chk));
+    assert_eq!(outcome, JobOutcome::Finished);
+    let golden = committed(&out);
+    assert_eq!(golden["counts"].len(), 900_000, "one running count per record");
+    assert!(golden["counts"].iter().any(|r| r.contains(r#""t4998""#)), "texts counted too");
+    let newest_says_ints = |chk: &std::path::Path| {
+        let meta = newest_metadata(chk)?;
+        Some((meta.checkpoint_id, meta.operators.get("counts")?.subtasks[0].int_keys))
+    };
+    assert_eq!(newest_says_ints(&chk).map(|(_, ints)| ints), Some(false), "the last checkpoint, after the move");
+
+    let (_d, out, chk) = workdir("int-keys-move-cancelled");
+    let mut restored_from = 0;
+    // Round 0 stops at its first checkpoint (of integers); round 1, restored from it, takes
+    // one of integers again (restored as integers), then one after the move, and stops.
+    for (round, wanted) in [vec![true], vec![true, false]].into_iter().enumerate() {
+        let options = if round == 0 { opts(&chk) } else { RunOptionsExt::restore_latest(opts(&chk)) };
+        let run = InProcess::start(&job(&out, "ratePerSecond: 400000, "), options);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut seen = restored_from;
+        for ints in wanted {
+            seen = loop {
+                match newest_says_ints(&chk) {
+                    Some((id, said)) if id > seen && said == ints => break id,
+                    _ => {}
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "round {round}: no checkpoint of int keys {ints} in 60 s"
+                );
+                std::thread::sleep(Duration::from_millis(2));
+            };
+        }
+        run.requests.send(Request::Cancel).unwrap();
+        assert_eq!(run.join().0.unwrap(), JobOutcome::Cancelled);
+        restored_from = newest_says_ints(&chk).unwrap().0;
+        if round == 0 {
+            assert_eq!(newest_says_ints(&chk).map(|(_, ints)| ints), Some(true), "round 1 restores integers");
+        }
+    }
+    let (outcome, m) = run_to_end(&job(&out, ""), RunOptionsExt::restore_latest(opts(&chk)));
+    assert_eq!(outcome, JobOutcome::Finished);
+    assert!(m.board().restored_from.is_some());
+    assert_same_output(&golden, &committed(&out), "cancelled before and after the move and restored");
+    same_output_under_faults(&golden, "int-keys-move", &[3, 17], |out| job(out, ""));
 }
 
 /// A heap restore whose files take more than it may hold in memory

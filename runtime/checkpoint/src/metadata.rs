@@ -201,6 +201,17 @@ pub struct SubtaskSnapshot {
     /// puts; absent for its increments and in snapshots written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keyed_entries: Option<u64>,
+    /// Every key of `keyed_state` is one integer: the state held its keys as integers alone
+    /// (a map entry of a running count then takes 24 bytes instead of 40), and a restore may
+    /// hold them so again. Absent (false) when a key may be anything else, and in snapshots
+    /// written before it was recorded.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub int_keys: bool,
+}
+
+/// Whether a flag is unset (left out of the document).
+fn is_false(flag: &bool) -> bool {
+    !flag
 }
 
 /// What one operator (by uid) contributed.
@@ -343,6 +354,7 @@ mod tests {
                         FileRef::new("../shared/counts/0-1-0-merged-0.sst".into(), 4, 9).with_first_key(&[0, 3, 0xab])
                     ],
                     keyed_entries: Some(12),
+                    int_keys: false,
                 }],
                 state_layout: Some("aggregate[count]".into()),
             },
@@ -367,12 +379,17 @@ mod tests {
         assert_eq!(m.state_bytes(), 14);
     }
 
-    /// Neither table files, a key count nor a state layout (the rocksdb backend's, or a document
-    /// written before they existed): the fields are left out, and a document without them reads.
+    /// Neither table files, a key count, integer keys nor a state layout (the rocksdb backend's,
+    /// or a document written before they existed): the fields are left out, and a document
+    /// without them reads.
     #[test]
     fn documents_without_table_files_key_counts_or_layouts_read_and_are_written_as_before() {
         let mut m = sample();
-        assert!(String::from_utf8(m.encode()).unwrap().contains("aggregate[count]"));
+        m.operators.get_mut("counts").unwrap().subtasks[0].int_keys = true;
+        let text = String::from_utf8(m.encode()).unwrap();
+        assert!(text.contains("aggregate[count]") && text.contains(r#""int_keys": true"#), "{text}");
+        assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
+        m.operators.get_mut("counts").unwrap().subtasks[0].int_keys = false;
         m.operators.get_mut("counts").unwrap().subtasks[0].store_tables.clear();
         m.operators.get_mut("counts").unwrap().subtasks[0].keyed_entries = None;
         m.operators.get_mut("counts").unwrap().state_layout = None;
@@ -380,6 +397,7 @@ mod tests {
         assert!(!text.contains("store_tables"), "an empty list is left out: {text}");
         assert!(!text.contains("keyed_entries"), "an unknown count is left out: {text}");
         assert!(!text.contains("state_layout"), "an unknown layout is left out: {text}");
+        assert!(!text.contains("int_keys"), "keys not known to be integers are left out: {text}");
         assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
     }
 

@@ -202,6 +202,7 @@ mod tests {
                     keyed_state: vec![FileRef::new(rel, file_len as u64, 0)],
                     store_tables: vec![FileRef::new(table, file_len as u64, 0)],
                     keyed_entries: None,
+                    int_keys: false,
                 }],
                 state_layout: None,
             },

@@ -371,6 +371,7 @@ mod tests {
             operator_docs: vec![(w.ctx.key_groups, snap.operator_doc.unwrap())],
             entries: None,
             adoptable: None,
+            int_keys: false,
         };
         WindowOperator::new(w.ctx.clone(), spec, &["k".to_string(), "v".to_string()], Some(&restore)).unwrap()
     }
@@ -586,6 +587,7 @@ mod tests {
                         operator_docs: overlapping.iter().map(|(r, _, doc)| (*r, doc.clone())).collect(),
                         entries: None,
                         adoptable: None,
+                        int_keys: false,
                     };
                     let ctx = KeyedContext {
                         uid: "w".into(),

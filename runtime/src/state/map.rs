@@ -423,6 +423,25 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         crate::malloc::populate(&blocks, cores.min(MAX_POPULATING_THREADS));
     }
 
+    /// The same entries with their keys `convert`ed, each where the map's hash of the new key
+    /// puts it: for a key type that hashes as the old one (see [`crate::value::IntKey`]),
+    /// where it was. Shard by shard, each old table freed once its entries moved, so that
+    /// the memory this takes beyond the new map is one shard's.
+    pub fn into_keys<K2: Hash + Eq>(self, mut convert: impl FnMut(K) -> K2) -> ShardedMap<K2, V> {
+        let shards = Vec::from(self.shards)
+            .into_iter()
+            .map(|mut old| {
+                let mut new = HashTable::with_capacity_in(old.capacity(), TableAlloc);
+                for (key, value) in old.drain() {
+                    let key = convert(key);
+                    new.insert_unique(hash_of(&key), (key, value), |(k, _)| hash_of(k));
+                }
+                new
+            })
+            .collect();
+        ShardedMap { shards, len: self.len }
+    }
+
     /// Runs `fill` with the map's shards behind locks, so that several threads can change it
     /// at once ([`ConcurrentFill::filler`]), then counts the entries the shards hold.
     pub fn fill_concurrently<R>(&mut self, fill: impl FnOnce(&ConcurrentFill<'_, K, V>) -> R) -> R {

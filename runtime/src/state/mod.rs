@@ -291,6 +291,10 @@ pub struct KeyedSnapshot {
     /// order: the file lists its puts shard after shard
     /// ([`weir_checkpoint::metadata::FileRef::shard_bytes`]).
     pub shard_bytes: Option<Vec<u64>>,
+    /// Every key of the state's chain, this file and the ones before it, is one integer: the
+    /// state holds its keys as [`crate::value::IntKey`]s
+    /// ([`weir_checkpoint::SubtaskSnapshot::int_keys`]).
+    pub int_keys: bool,
 }
 
 impl<V: StateValue, K: StateKey> KeyedState<V, K> {
@@ -316,6 +320,35 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             images: FullImageBudget::default(),
             spill: None,
         }
+    }
+
+    /// The same state with its keys held as `K2`, each `convert`ed: for an operator whose
+    /// keys outgrew their type (held as [`crate::value::IntKey`]s until a key of another
+    /// value came). `convert` must keep a key's encoding, so that what was tracked for the
+    /// next snapshot and the chain written so far stay valid. The heap backend only: on the
+    /// rocksdb backend, whose cache and store stay with their keys' type, an error.
+    pub fn into_keys<K2: StateKey>(self, convert: impl Fn(K) -> K2) -> Result<KeyedState<V, K2>, StoreError> {
+        if self.spill.is_some() {
+            return Err(StoreError::MoveKeys("the rocksdb backend holds its keys as they came"));
+        }
+        let tracked = |list: Vec<(u32, K)>| list.into_iter().map(|(group, key)| (group, convert(key))).collect();
+        Ok(KeyedState {
+            changed: tracked(self.changed),
+            deleted: tracked(self.deleted),
+            map: self.map.into_keys(&convert),
+            scan: self.scan,
+            untracked: self.untracked,
+            next_tracking_check: self.next_tracking_check,
+            max_parallelism: self.max_parallelism,
+            incremental: self.incremental,
+            full_every: self.full_every,
+            background_full_image_above: self.background_full_image_above,
+            increments_since_full: self.increments_since_full,
+            increment_entry_bytes: self.increment_entry_bytes,
+            force_full: self.force_full,
+            images: self.images,
+            spill: None,
+        })
     }
 
     /// Full images written by the task (heap backend) held in memory up to `budget`, on
@@ -890,6 +923,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             (Some(_), FileKind::KeyedFull) => Some(snapshot.entries),
             (Some(_), _) => None,
         };
+        snapshot.int_keys = K::INTEGERS_ONLY;
         snapshot
     }
 
@@ -1567,8 +1601,25 @@ fn sealed_image(w: StateFileStream<SpillingBuffer>) -> Result<KeyedSnapshot, Sto
         }
         None => (bytes::Bytes::from(out.memory), None),
     };
-    Ok(KeyedSnapshot {
-        kind: FileKind::KeyedFull,
+    Ok(written(FileKind::KeyedFull, data, file, crc32c, entries))
+}
+
+fn finish(kind: FileKind, w: StateFileWriter) -> KeyedSnapshot {
+    let entries = w.entries();
+    let (data, crc32c) = w.finish();
+    written(kind, data, None, crc32c, entries)
+}
+
+/// A snapshot of a state file written, before the state says what else it knows of it.
+fn written(
+    kind: FileKind,
+    data: bytes::Bytes,
+    file: Option<LocalStateFile>,
+    crc32c: u32,
+    entries: u64,
+) -> KeyedSnapshot {
+    KeyedSnapshot {
+        kind,
         data,
         file,
         crc32c,
@@ -1576,13 +1627,8 @@ fn sealed_image(w: StateFileStream<SpillingBuffer>) -> Result<KeyedSnapshot, Sto
         live_entries: None,
         puts_from: None,
         shard_bytes: None,
-    })
-}
-
-fn finish(kind: FileKind, w: StateFileWriter) -> KeyedSnapshot {
-    let entries = w.entries();
-    let (data, crc32c) = w.finish();
-    KeyedSnapshot { kind, data, file: None, crc32c, entries, live_entries: None, puts_from: None, shard_bytes: None }
+        int_keys: false,
+    }
 }
 
 /// A state file written to local disk, deleted when dropped (once uploaded, or when its
