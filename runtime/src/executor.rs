@@ -1404,11 +1404,9 @@ impl OperatorFactory<'_> {
         };
         let mut keyed_restore = restored.and_then(|r| r.keyed_for(&uid, key_groups, v.parallelism));
         let composite_key = keyed().composite();
-        // A one-field key on the heap backend is held as an integer while it is one, unless a
-        // restored chain holds keys of other values.
-        let int_keys = !composite_key
-            && job.spec.state_backend == StateBackendKind::Heap
-            && keyed_restore.as_ref().is_none_or(|r| r.int_keys);
+        // A one-field key is held as an integer while it is one, unless a restored chain holds
+        // keys of other values.
+        let int_keys = !composite_key && keyed_restore.as_ref().is_none_or(|r| r.int_keys);
         if let Some(k) = &mut keyed_restore {
             // The heap backend goes on from a chain of another root when its files can be
             // copied without passing through the process (linked, or copied by the store): the

@@ -440,16 +440,26 @@ fn long_chains_restored_shard_by_shard_are_exactly_once() {
 /// text comes, then as values (its checkpoints no longer say so). Cancelled once on a
 /// checkpoint of integers and once on one after the move, each time restored from it with
 /// `--restore latest`, and under task panics, failed uploads and crashes before commits, the
-/// output equals an undisturbed run's, record by record.
+/// output equals an undisturbed run's, record by record; on both state backends.
 #[test]
 fn keys_that_turn_from_integers_to_texts_are_exactly_once_across_the_move() {
+    for rocksdb in [false, true] {
+        keys_that_turn_from_integers_to_texts_on(rocksdb);
+    }
+}
+
+/// [`keys_that_turn_from_integers_to_texts_are_exactly_once_across_the_move`] on the heap
+/// backend, or on rocksdb with a cache of 100 entries.
+fn keys_that_turn_from_integers_to_texts_on(rocksdb: bool) {
+    let name = format!("int-keys-move-{rocksdb}");
+    let backend = if rocksdb { "stateBackend: rocksdb\nstateCacheEntries: 100\n" } else { "" };
     let job = |out: &std::path::Path, rate: &str| {
-        running_count_job("int-keys-move", "interval: 100ms, tolerableFailures: 3", 5_000, out, rate).replace(
+        running_count_job(&name, "interval: 100ms, tolerableFailures: 3", 5_000, out, rate).replace(
             r#"id: "seq % 5000""#,
             r#"id: "seq >= 300000 && seq % 2 == 0 ? 't' + string(seq % 5000) : seq % 5000""#,
-        )
+        ) + backend
     };
-    let (_d, out, chk) = workdir("int-keys-move-golden");
+    let (_d, out, chk) = workdir(&format!("{name}-golden"));
     let (outcome, _) = run_to_end(&job(&out, ""), opts(&chk));
     assert_eq!(outcome, JobOutcome::Finished);
     let golden = committed(&out);
@@ -461,7 +471,7 @@ fn keys_that_turn_from_integers_to_texts_are_exactly_once_across_the_move() {
     };
     assert_eq!(newest_says_ints(&chk).map(|(_, ints)| ints), Some(false), "the last checkpoint, after the move");
 
-    let (_d, out, chk) = workdir("int-keys-move-cancelled");
+    let (_d, out, chk) = workdir(&format!("{name}-cancelled"));
     let mut restored_from = 0;
     // Round 0 stops at its first checkpoint (of integers); round 1, restored from it, takes
     // one of integers again (restored as integers), then one after the move, and stops.
@@ -478,7 +488,7 @@ fn keys_that_turn_from_integers_to_texts_are_exactly_once_across_the_move() {
                 }
                 assert!(
                     std::time::Instant::now() < deadline,
-                    "round {round}: no checkpoint of int keys {ints} in 60 s"
+                    "{name}, round {round}: no checkpoint of int keys {ints} in 60 s"
                 );
                 std::thread::sleep(Duration::from_millis(2));
             };
@@ -494,7 +504,7 @@ fn keys_that_turn_from_integers_to_texts_are_exactly_once_across_the_move() {
     assert_eq!(outcome, JobOutcome::Finished);
     assert!(m.board().restored_from.is_some());
     assert_same_output(&golden, &committed(&out), "cancelled before and after the move and restored");
-    same_output_under_faults(&golden, "int-keys-move", &[3, 17], |out| job(out, ""));
+    same_output_under_faults(&golden, &name, &[3, 17], |out| job(out, ""));
 }
 
 /// A heap restore whose files take more than it may hold in memory

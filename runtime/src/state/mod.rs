@@ -159,6 +159,28 @@ struct LazyRestore {
 }
 
 impl<K> Spill<K> {
+    /// The same store and cache bookkeeping with its keys `convert`ed (see
+    /// [`KeyedState::into_keys`]): the store holds keys encoded, which `convert` keeps.
+    fn into_keys<K2: StateKey>(self, convert: impl Fn(K) -> K2) -> Spill<K2> {
+        let EvictedChanges { entries, values, overflowed } = self.evicted_changes;
+        Spill {
+            store: self.store,
+            cache_entries: self.cache_entries,
+            absent: self.absent.into_iter().map(&convert).collect(),
+            restoring: self.restoring,
+            restoring_tables: self.restoring_tables,
+            restoring_key_groups: self.restoring_key_groups,
+            restoring_lazily: self.restoring_lazily,
+            lazy_restore: self.lazy_restore,
+            evict_from: self.evict_from,
+            evicted_changes: EvictedChanges {
+                entries: entries.into_iter().map(|(group, key, at)| (group, convert(key), at)).collect(),
+                values,
+                overflowed,
+            },
+        }
+    }
+
     /// Tables of a subtask that owned key groups `source` are restored into a store that owns
     /// `key_groups`: when the source owned more, the others are deleted after they come in.
     fn keep_key_groups_of(&mut self, source: (u32, u32), key_groups: (u32, u32)) {
@@ -325,17 +347,14 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// The same state with its keys held as `K2`, each `convert`ed: for an operator whose
     /// keys outgrew their type (held as [`crate::value::IntKey`]s until a key of another
     /// value came). `convert` must keep a key's encoding, so that what was tracked for the
-    /// next snapshot and the chain written so far stay valid. The heap backend only: on the
-    /// rocksdb backend, whose cache and store stay with their keys' type, an error.
-    pub fn into_keys<K2: StateKey>(self, convert: impl Fn(K) -> K2) -> Result<KeyedState<V, K2>, StoreError> {
-        if self.spill.is_some() {
-            return Err(StoreError::MoveKeys("the rocksdb backend holds its keys as they came"));
-        }
+    /// next snapshot, the chain written so far and the rocksdb backend's store stay valid.
+    pub fn into_keys<K2: StateKey>(self, convert: impl Fn(K) -> K2) -> KeyedState<V, K2> {
         let tracked = |list: Vec<(u32, K)>| list.into_iter().map(|(group, key)| (group, convert(key))).collect();
-        Ok(KeyedState {
+        KeyedState {
             changed: tracked(self.changed),
             deleted: tracked(self.deleted),
             map: self.map.into_keys(&convert),
+            spill: self.spill.map(|spill| spill.into_keys(&convert)),
             scan: self.scan,
             untracked: self.untracked,
             next_tracking_check: self.next_tracking_check,
@@ -347,8 +366,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             increment_entry_bytes: self.increment_entry_bytes,
             force_full: self.force_full,
             images: self.images,
-            spill: None,
-        })
+        }
     }
 
     /// Full images written by the task (heap backend) held in memory up to `budget`, on

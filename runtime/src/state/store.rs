@@ -82,8 +82,8 @@ pub enum StoreError {
     /// a corrupted local disk).
     #[error("decoding an entry of the state store: {0}")]
     Decode(#[from] FormatError),
-    /// State holding its keys as integers could not move to keys of any value when a key of
-    /// another value came (`crate::operators::keyed::IntKeysWhileIntegers`).
+    /// State holding its keys as integers did not finish moving to keys of any value when a
+    /// key of another value came (`crate::operators::keyed::IntKeysWhileIntegers`).
     #[error("holding keys of any value instead of integers: {0}")]
     MoveKeys(&'static str),
 }
