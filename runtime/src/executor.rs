@@ -20,9 +20,7 @@ use crate::faults::{Fault, FaultPlan, Faults};
 use crate::message::{Barrier, Event, SnapshotTarget, TaskAck, TaskControl};
 use crate::metrics::JobMetrics;
 use crate::operator::{ChainedOperator, Operator, TaskError};
-use crate::operators::keyed::{
-    aggregate_operator, aggregate_operator_while_int_keys, DedupeOperator, IntKeysWhileIntegers, KeyedContext,
-};
+use crate::operators::keyed::{aggregate_operator, dedupe_operator, KeyedContext};
 use crate::operators::stateless::{FilterOperator, FlatMapOperator, MapOperator};
 use crate::operators::window::WindowOperator;
 use crate::plan::{self, Vertex};
@@ -35,7 +33,7 @@ use crate::sources::generator::GeneratorSource;
 use crate::sources::Source;
 use crate::state::StoreSettings;
 use crate::task::{Head, Output, Task, TaskEnd};
-use crate::value::{Key, PackedKey};
+use crate::value::{IntKey, Key, PackedKey};
 
 /// Capacity of a data channel, in batches: the backpressure window.
 const CHANNEL_CAPACITY: usize = 8;
@@ -1441,18 +1439,14 @@ impl OperatorFactory<'_> {
                 if composite_key {
                     aggregate_operator::<PackedKey>(keyed(), specs, input_schema, restore)?
                 } else if int_keys {
-                    aggregate_operator_while_int_keys(keyed(), specs, input_schema, restore)?
+                    aggregate_operator::<IntKey>(keyed(), specs, input_schema, restore)?
                 } else {
                     aggregate_operator::<Key>(keyed(), specs, input_schema, restore)?
                 }
             }
-            NodeKind::Dedupe if composite_key => {
-                Box::new(DedupeOperator::<PackedKey>::new(keyed(), keyed_restore.as_ref())?)
-            }
-            NodeKind::Dedupe if int_keys => Box::new(IntKeysWhileIntegers::Ints(
-                DedupeOperator::<crate::value::IntKey>::new(keyed(), keyed_restore.as_ref())?,
-            )),
-            NodeKind::Dedupe => Box::new(DedupeOperator::<Key>::new(keyed(), keyed_restore.as_ref())?),
+            NodeKind::Dedupe if composite_key => dedupe_operator::<PackedKey>(keyed(), keyed_restore.as_ref())?,
+            NodeKind::Dedupe if int_keys => dedupe_operator::<IntKey>(keyed(), keyed_restore.as_ref())?,
+            NodeKind::Dedupe => dedupe_operator::<Key>(keyed(), keyed_restore.as_ref())?,
             NodeKind::FileSink(_) => {
                 let storage = self
                     .file_sinks

@@ -361,53 +361,60 @@ impl<K: StateKey, V: AccState> AggregateOperator<K, V> {
     }
 }
 
+/// A key type a keyed operator holds its keys as, and how such an operator is boxed for its
+/// task: as itself, or, for [`IntKey`], ready to move its keys to [`Key`]s
+/// ([`IntKeysWhileIntegers`]).
+pub trait HeldKey: StateKey {
+    /// An aggregate holding its keys as `Self`, boxed.
+    fn boxed_aggregate<V: AccState>(op: AggregateOperator<Self, V>) -> Box<dyn Operator> {
+        Box::new(op)
+    }
+    /// A dedupe holding its keys as `Self`, boxed.
+    fn boxed_dedupe(op: DedupeOperator<Self>) -> Box<dyn Operator> {
+        Box::new(op)
+    }
+}
+
+impl HeldKey for Key {}
+
+impl HeldKey for crate::value::PackedKey {}
+
+/// Integers, held so while every key is one.
+impl HeldKey for IntKey {
+    fn boxed_aggregate<V: AccState>(op: AggregateOperator<Self, V>) -> Box<dyn Operator> {
+        Box::new(IntKeysWhileIntegers::Ints(op))
+    }
+    fn boxed_dedupe(op: DedupeOperator<Self>) -> Box<dyn Operator> {
+        Box::new(IntKeysWhileIntegers::Ints(op))
+    }
+}
+
 /// A running aggregate of `specs` whose keys are held as `K`, its accumulators inline when
 /// they are a count alone ([`AccCount`]) or one or two counts or sums ([`AccOne`], [`AccPair`]:
 /// no heap slice, smaller map entries), else as an [`AccList`].
-pub fn aggregate_operator<K: StateKey>(
+pub fn aggregate_operator<K: HeldKey>(
     ctx: KeyedContext,
     specs: &[AggregateFn],
     input: &[String],
     restore: Option<&KeyedRestore>,
 ) -> Result<Box<dyn Operator>, TaskError> {
     Ok(if AccCount::holds(specs) {
-        Box::new(AggregateOperator::<K, AccCount>::new(ctx, specs, input, restore)?)
+        K::boxed_aggregate(AggregateOperator::<K, AccCount>::new(ctx, specs, input, restore)?)
     } else if AccOne::holds(specs) {
-        Box::new(AggregateOperator::<K, AccOne>::new(ctx, specs, input, restore)?)
+        K::boxed_aggregate(AggregateOperator::<K, AccOne>::new(ctx, specs, input, restore)?)
     } else if AccPair::holds(specs) {
-        Box::new(AggregateOperator::<K, AccPair>::new(ctx, specs, input, restore)?)
+        K::boxed_aggregate(AggregateOperator::<K, AccPair>::new(ctx, specs, input, restore)?)
     } else {
-        Box::new(AggregateOperator::<K, AccList>::new(ctx, specs, input, restore)?)
+        K::boxed_aggregate(AggregateOperator::<K, AccList>::new(ctx, specs, input, restore)?)
     })
 }
 
-/// [`aggregate_operator`] of a one-field key, its keys held as [`IntKey`]s while they are
-/// integers ([`IntKeysWhileIntegers`]). For a job without a restore, or whose restore's keys
-/// are all integers ([`KeyedRestore::int_keys`]).
-pub fn aggregate_operator_while_int_keys(
+/// A dedupe whose keys are held as `K`.
+pub fn dedupe_operator<K: HeldKey>(
     ctx: KeyedContext,
-    specs: &[AggregateFn],
-    input: &[String],
     restore: Option<&KeyedRestore>,
 ) -> Result<Box<dyn Operator>, TaskError> {
-    fn held<V: AccState>(
-        ctx: KeyedContext,
-        specs: &[AggregateFn],
-        input: &[String],
-        restore: Option<&KeyedRestore>,
-    ) -> Result<Box<dyn Operator>, TaskError> {
-        let ints = AggregateOperator::<IntKey, V>::new(ctx, specs, input, restore)?;
-        Ok(Box::new(IntKeysWhileIntegers::Ints(ints)))
-    }
-    if AccCount::holds(specs) {
-        held::<AccCount>(ctx, specs, input, restore)
-    } else if AccOne::holds(specs) {
-        held::<AccOne>(ctx, specs, input, restore)
-    } else if AccPair::holds(specs) {
-        held::<AccPair>(ctx, specs, input, restore)
-    } else {
-        held::<AccList>(ctx, specs, input, restore)
-    }
+    Ok(K::boxed_dedupe(DedupeOperator::<K>::new(ctx, restore)?))
 }
 
 /// A keyed operator of one key field whose keys are held as [`IntKey`]s while every key it

@@ -837,7 +837,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// the rocksdb backend reads the evicted changed entries back in one call).
     pub fn snapshot_checkpoint(&mut self) -> Result<KeyedSnapshot, StoreError> {
         let snapshot = self.checkpoint_file()?;
-        Ok(self.counted(snapshot))
+        Ok(self.described(snapshot))
     }
 
     /// The state file of [`Self::snapshot_checkpoint`].
@@ -928,14 +928,15 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             .collect()
     }
 
-    /// `snapshot` with the number of keys the state holds now: on the heap backend the map's,
+    /// `snapshot` with what the state knows of its keys: whether they are all integers
+    /// ([`StateKey::INTEGERS_ONLY`]), and the number it holds now: on the heap backend the map's,
     /// which holds them all; on the rocksdb backend a full image's puts, which list every key
     /// once, but twice a key whose changed value is still only in the cache (the count a
     /// restore would make by reading the image, at most the cache's size above the keys). The
     /// rocksdb backend's increments count nothing (its store is not counted as it changes).
     /// A savepoint taken on the rocksdb backend thus tells a heap restore how much room to
     /// make without a pass over the image to count it.
-    fn counted(&self, mut snapshot: KeyedSnapshot) -> KeyedSnapshot {
+    fn described(&self, mut snapshot: KeyedSnapshot) -> KeyedSnapshot {
         snapshot.live_entries = match (&self.spill, snapshot.kind) {
             (None, _) => Some(self.map.len() as u64),
             (Some(_), FileKind::KeyedFull) => Some(snapshot.entries),
@@ -1129,7 +1130,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// A full image for a savepoint; change tracking is left as it is.
     pub fn snapshot_full_copy(&self) -> Result<KeyedSnapshot, StoreError> {
-        Ok(self.counted(self.full_image()?))
+        Ok(self.described(self.full_image()?))
     }
 
     /// Makes room for `entries` keys about to be restored: the number the restored snapshot
