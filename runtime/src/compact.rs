@@ -5,13 +5,13 @@
 //! ([`weir_crds::job::CheckpointingSpec::background_full_image_above`]) the task writes only
 //! increments, and once a chain is longer than `fullEvery` files its uploader asks this merger
 //! for a new full image:
-//! 1. every file of the chain is downloaded to local disk, verified (length and CRC-32C) and
-//!    its entries counted, then read in parts into a [`BulkLoad`] (sorted runs, spilled to
-//!    disk: memory stays bounded whatever the state's size), each entry under the bucket the
-//!    heap backend's map gives its key at that count, then its key;
+//! 1. every file of the chain is downloaded to local disk and verified (length and CRC-32C),
+//!    then read in parts into a [`BulkLoad`] (sorted runs, spilled to disk: memory stays
+//!    bounded whatever the state's size), each entry under its key's place in window order
+//!    ([`crate::state::map::window_order`]), then its key;
 //! 2. the runs are merged (the newest entry of a key wins; a deletion leaves nothing) into
-//!    one full image, in the map's bucket order (so that a heap restore fills its table front
-//!    to back), streamed to a local file and uploaded under its final name
+//!    one full image, in window order (so that a heap restore fills its tables window by
+//!    window), streamed to a local file and uploaded under its final name
 //!    ([`layout::shared_merged_file`], after the checkpoint whose chain it merges), registered
 //!    first as a [`PendingFiles`] entry so that retention leaves it alone until a checkpoint
 //!    lists it;
@@ -51,7 +51,7 @@ use weir_checkpoint::retention::PendingFiles;
 use weir_checkpoint::{layout, FileRef, Storage, StorageError};
 
 use crate::state::bulk::BulkLoad;
-use crate::state::map::{hash_of, RestoreOrder};
+use crate::state::map::{hash_of, shard_in_order, window_order};
 use crate::state::{StateStore, StoreError};
 
 /// How much of a downloaded file is read at once.
@@ -106,6 +106,8 @@ pub struct StagedFile {
     /// A merged image for the heap backend: the bytes of each shard's entries (see
     /// [`FileRef::shard_bytes`]).
     pub shard_bytes: Option<Vec<u64>>,
+    /// A merged image for the heap backend, in window order (see [`FileRef::in_window_order`]).
+    pub in_window_order: bool,
 }
 
 impl StagedFile {
@@ -113,7 +115,8 @@ impl StagedFile {
     pub fn listed(&self) -> FileRef {
         let file = FileRef::new(self.rel.clone(), self.len, self.crc32c)
             .with_puts_from(self.puts_from)
-            .with_shard_bytes(self.shard_bytes.as_deref());
+            .with_shard_bytes(self.shard_bytes.as_deref())
+            .with_window_order(self.in_window_order);
         match &self.first_key {
             Some(key) => file.with_first_key(key),
             None => file,
@@ -518,33 +521,25 @@ pub fn merge(
         );
     }
     let dir = layout::checkpoint_dir(request.checkpoint_id);
-    // Step 1: every file of the chain, downloaded, verified and its entries counted. The count
-    // bounds the live entries, and so the size of the heap map a restore reserves.
+    // Step 1: every file of the chain, downloaded and verified.
     let mut inputs = Vec::with_capacity(request.chain.len());
-    let mut chain_entries = 0u64;
     for (i, file) in request.chain.iter().enumerate() {
         check()?;
         let path = layout::resolve(&dir, &file.path);
         let input = scratch.0.join(format!("input-{i}"));
         let len = download_verified(storage, &path, file, &input)?;
-        read_entries(&input, len, &path, &part_check, |_| {
-            chain_entries += 1;
-            Ok(())
-        })?;
         inputs.push((path, input, len));
     }
-    // Step 2: the entries sorted by the heap map's bucket for that bound, then by key, and
+    // Step 2: the entries sorted in window order (`map::window_order`), then by key, and
     // merged (the newest entry of a key wins; a deletion leaves nothing). A key's entries share
-    // a bucket, so they still meet in the merge; and a restore, whose map has the same or fewer
-    // buckets (the bound counts every entry of the chain, the restore only the live ones),
-    // fills its table in a few front-to-back sweeps instead of at random. With table files the
-    // order is the store key's (the tables need it): a heap restore of that image is slower.
+    // a hash, so they still meet in the merge; and a restore, whatever the size of its map,
+    // fills its tables window by window. With table files the order is the store key's (the
+    // tables need it): a heap restore of that image is slower.
     #[cfg(feature = "rocksdb")]
     let with_tables = request.store_tables;
     #[cfg(not(feature = "rocksdb"))]
     let with_tables = false;
     let bucket_bytes = if with_tables { 0 } else { 8 };
-    let order = RestoreOrder::for_entries(chain_entries);
     let mut load = BulkLoad::with_limits(&scratch.0.join("runs"), RUN_BYTES, MERGE_FAN_IN);
     let mut sort_key = Vec::with_capacity(64);
     for (path, input, len) in &inputs {
@@ -552,7 +547,7 @@ pub fn merge(
         read_entries(input, *len, path, &part_check, |entry| {
             sort_key.clear();
             if !with_tables {
-                let bucket = order.of(heap_hash(entry.key)?);
+                let bucket = window_order(heap_hash(entry.key)?);
                 sort_key.extend_from_slice(&bucket.to_be_bytes());
             }
             StateStore::encoded_key(entry.key_group, entry.key, &mut sort_key);
@@ -584,7 +579,7 @@ pub fn merge(
         let (key_group, key) = StateStore::split_key(store_key)?;
         out.put(key_group, key, value).map_err(StoreError::SpillImage)?;
         if let Ok(order) = <[u8; 8]>::try_from(&raw[..bucket_bytes]) {
-            shard_bytes[RestoreOrder::shard_in(u64::from_be_bytes(order))] += out.entries_len() - written;
+            shard_bytes[shard_in_order(u64::from_be_bytes(order))] += out.entries_len() - written;
         }
         Ok(())
     })
@@ -620,6 +615,7 @@ pub fn merge(
             first_key,
             puts_from: None,
             shard_bytes: None,
+            in_window_order: false,
         };
         pending.add(&file.path);
         written.push(file.clone());
@@ -635,9 +631,11 @@ pub fn merge(
             tables.push(upload(table, rel, digest.len, digest.crc32c, Some(first_key))?);
         }
         let mut image = upload(&image, layout::shared_merged_file(uid, subtask, id, epoch), len, crc, None)?;
-        // The newest entry of each key, deletions left out, shard after shard.
+        // The newest entry of each key, deletions left out, shard after shard (in window order
+        // without tables).
         image.puts_from = Some(0);
         image.shard_bytes = (!with_tables).then(|| shard_bytes.clone());
+        image.in_window_order = !with_tables;
         Ok((image, tables))
     };
     match upload_all() {
@@ -724,6 +722,7 @@ fn merge_increments(
         first_key: None,
         puts_from: None,
         shard_bytes: None,
+        in_window_order: false,
     };
     // Protected from retention before it exists; a failed upload deletes what it may have left.
     pending.add(&file.path);
@@ -859,7 +858,6 @@ mod tests {
                 crate::value::mix64(seed << 32 | drawn)
             };
             let mut model: BTreeMap<(u32, Vec<u8>), Vec<u8>> = BTreeMap::new();
-            let mut written = 0u64;
             let mut chain = Vec::new();
             for f in 0..(2 + next() % 8) {
                 let kind = if f == 0 { FileKind::KeyedFull } else { FileKind::KeyedIncrement };
@@ -869,12 +867,10 @@ mod tests {
                     let kg = i % 16;
                     if kind == FileKind::KeyedIncrement && next() % 4 == 0 {
                         w.delete(kg, &key(i));
-                        written += 1;
                         model.remove(&(kg, key(i)));
                     } else {
                         let value = format!("v{seed}-{f}-{}", next() % 100).into_bytes();
                         w.put(kg, &key(i), &value);
-                        written += 1;
                         model.insert((kg, key(i)), value);
                     }
                 }
@@ -911,9 +907,7 @@ mod tests {
                 let (kind, body) = format::open(&bytes).unwrap();
                 assert_eq!(kind, FileKind::KeyedFull);
                 let mut merged = BTreeMap::new();
-                // The bucket order of a map sized for every entry of the chain, or with table
-                // files the store keys' order.
-                let restore_order = RestoreOrder::for_entries(written);
+                // Window order, or with table files the store keys' order.
                 let mut last = (0, Vec::new());
                 let mut shard_bytes = vec![0u64; crate::state::map::SHARDS];
                 let mut entries = format::keyed_entries(body);
@@ -924,10 +918,10 @@ mod tests {
                     let order = if with_tables {
                         (0, StateStore::key_of_encoded(e.key_group, e.key))
                     } else {
-                        (restore_order.of(heap_hash(e.key).unwrap()), Vec::new())
+                        (window_order(heap_hash(e.key).unwrap()), Vec::new())
                     };
                     assert!(order >= last, "seed {seed}: {order:?} after {last:?}");
-                    shard_bytes[RestoreOrder::shard_in(order.0)] += (entries.position() - at) as u64;
+                    shard_bytes[shard_in_order(order.0)] += (entries.position() - at) as u64;
                     last = order;
                     let value = e.value.expect("a full image has no deletions").to_vec();
                     assert!(merged.insert((e.key_group, e.key.to_vec()), value).is_none(), "seed {seed}: a key twice");
@@ -936,6 +930,7 @@ mod tests {
                 // Without tables, the heap backend's order: the image says where its shards are.
                 let listed = m.file.listed();
                 assert_eq!(listed.shard_bytes.is_some(), !with_tables, "seed {seed}");
+                assert_eq!(listed.in_window_order, !with_tables, "seed {seed}");
                 if !with_tables {
                     let starts: Vec<u64> = std::iter::once(0)
                         .chain(shard_bytes.iter().scan(0, |at, len| {

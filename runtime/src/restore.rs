@@ -168,6 +168,9 @@ pub enum KeyedFile {
         /// A file of the heap backend: where each shard's puts start among them, and where the
         /// last one ends ([`FileRef::shard_starts`]).
         shard_starts: Option<Vec<u64>>,
+        /// A file of the heap backend whose shards' puts are in window order
+        /// ([`FileRef::in_window_order`]).
+        in_window_order: bool,
     },
     /// Copied to a local file (shared by the clones of a [`RestoredState`]).
     Local(Arc<LocalCopy>),
@@ -946,7 +949,13 @@ async fn load_keyed_file(
         KeyedFilesIn::Memory | KeyedFilesIn::MemoryUpTo { .. } => {
             let data = read_verified(storage, found, f).await?;
             weir_checkpoint::format::open_verified(&data).map_err(|e| corrupt(storage, found, f, e))?;
-            (KeyedFile::Memory { data, puts_from: f.puts_from, shard_starts: f.shard_starts() }, f.len)
+            let file = KeyedFile::Memory {
+                data,
+                puts_from: f.puts_from,
+                shard_starts: f.shard_starts(),
+                in_window_order: f.in_window_order,
+            };
+            (file, f.len)
         }
         KeyedFilesIn::LocalDir(dir) => (KeyedFile::Local(copy_verified(storage, found, f, dir).await?), f.len),
         KeyedFilesIn::LocalReadOnce(dir) => match link_unread(storage, found, f, dir).await? {
@@ -1205,7 +1214,12 @@ mod tests {
                 .into_iter()
                 .map(|(key_groups, keyed_entries)| RestoredSubtask {
                     key_groups,
-                    keyed_files: vec![KeyedFile::Memory { data: Bytes::new(), puts_from: None, shard_starts: None }],
+                    keyed_files: vec![KeyedFile::Memory {
+                        data: Bytes::new(),
+                        puts_from: None,
+                        shard_starts: None,
+                        in_window_order: false,
+                    }],
                     keyed_refs: vec![FileRef::new("../shared/counts/0-1-1.kv".into(), 2_000, 0)],
                     keyed_entries,
                     ..Default::default()

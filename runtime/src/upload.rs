@@ -566,7 +566,8 @@ async fn upload(
                 ack.bytes += len;
                 let file = FileRef::new(rel, len, crc)
                     .with_puts_from(keyed.puts_from)
-                    .with_shard_bytes(keyed.shard_bytes.as_deref());
+                    .with_shard_bytes(keyed.shard_bytes.as_deref())
+                    .with_window_order(keyed.in_window_order);
                 if savepoint_dir.is_some() {
                     snap.keyed_state = vec![file];
                 } else {
@@ -901,6 +902,7 @@ mod tests {
             live_entries: Some(1),
             puts_from: Some(0),
             shard_bytes: None,
+            in_window_order: false,
             int_keys: false,
         };
         let parts = StateParts { keyed: Some(keyed), force_full: Some(force_full.clone()), ..StateParts::default() };

@@ -376,17 +376,21 @@ fn large_heap_states_restored_on_several_threads_are_exactly_once() {
 
 /// A heap state restored from a chain of a megabyte or more of files that list only puts (a
 /// running count's full image, then increments) is applied shard by shard, all files at once
-/// (`KeyedState::restore_chain_by_shard`). Cancelled once such a chain of three files or more
-/// is the newest checkpoint, restored from it, and cancelled and restored again, the job's
+/// (`KeyedState::restore_chain_by_shard`), the files in window order read front to back, the
+/// others sorted into windows. Cancelled once such a chain of three files or more, two of them
+/// in window order, is the newest checkpoint, restored from it, and cancelled and restored again, the job's
 /// output equals an undisturbed run's, record by record: each key's count, restored from the
-/// files in their order, goes on from its newest value.
+/// files in their order, goes on from its newest value. Each restore is of 240,000 keys or
+/// more: 8,192 buckets a shard or more, two windows or more, whose keys each file in window
+/// order lists apart (and from the second restore on, keys changed again after an older
+/// file listed them).
 #[test]
 fn long_chains_restored_shard_by_shard_are_exactly_once() {
     let job = |out: &std::path::Path, rate: &str| {
         running_count_job(
             "chain-restores",
             "interval: 200ms, tolerableFailures: 3, fullEvery: 1000",
-            200_000,
+            300_000,
             out,
             rate,
         )
@@ -397,13 +401,17 @@ fn long_chains_restored_shard_by_shard_are_exactly_once() {
     let golden = committed(&out);
     assert_eq!(golden["counts"].len(), 900_000, "one running count per record");
 
-    // The newest checkpoint's chain: three files or more, each of puts only, 1 MiB or more in
-    // all (`CHAIN_BY_SHARD_MIN_BYTES`), newer than `after`.
+    // The newest checkpoint's chain: three files or more, each of puts only, two of them in
+    // window order (increments of the changed keys, read front to back by the restore), 1 MiB
+    // or more in all (`CHAIN_BY_SHARD_MIN_BYTES`), of 240,000 keys or more, newer than `after`.
     let long_chain_newest = |chk: &std::path::Path, after: u64| {
         let meta = newest_metadata(chk)?;
-        let chain = &meta.operators.get("counts")?.subtasks[0].keyed_state;
+        let subtask = &meta.operators.get("counts")?.subtasks[0];
+        let chain = &subtask.keyed_state;
         let long = chain.len() >= 3
+            && subtask.keyed_entries >= Some(240_000)
             && chain.iter().all(|f| f.puts_from == Some(0))
+            && chain.iter().filter(|f| f.in_window_order).count() >= 2
             && chain.iter().map(|f| f.len).sum::<u64>() >= 1 << 20;
         (long && meta.checkpoint_id > after).then_some(meta.checkpoint_id)
     };

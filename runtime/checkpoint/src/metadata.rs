@@ -60,18 +60,36 @@ pub struct FileRef {
     /// before this field existed), or not as the restore expects: it reads the files for them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard_bytes: Option<String>,
+    /// A keyed state file of the heap backend with [`FileRef::shard_bytes`] whose entries of
+    /// each shard are in window order: by the bits of their key's hash from the 13th up, the
+    /// lowest first (`weir_runtime::state::map::window_order`). In a table of 4096 buckets or
+    /// more of any size, the keys of 4096 neighbouring buckets then lie together in the file,
+    /// so a restore of a chain of such files reads each one front to back, once, filling its
+    /// tables window by window. The heap backend's increments written from its changed keys,
+    /// and merged images, are. Absent (false: other files, and files written before this
+    /// field existed): the restore sorts the file's entries first. A file that says so and
+    /// is not is found out as it is read, and the chain is then applied file by file.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_window_order: bool,
 }
 
 impl FileRef {
     /// A reference to a file of `len` bytes whose CRC-32C is `crc32c`.
     pub fn new(path: String, len: u64, crc32c: u32) -> Self {
-        FileRef { path, len, crc32c, first_key: None, puts_from: None, shard_bytes: None }
+        FileRef { path, len, crc32c, first_key: None, puts_from: None, shard_bytes: None, in_window_order: false }
     }
 
     /// The same reference, for a file whose shards' entries take `lens` bytes each (see
     /// [`FileRef::shard_bytes`]).
     pub fn with_shard_bytes(mut self, lens: Option<&[u64]>) -> Self {
         self.shard_bytes = lens.map(|lens| lens.iter().map(u64::to_string).collect::<Vec<_>>().join(" "));
+        self
+    }
+
+    /// The same reference, for a file whose shards' entries are in window order or not (see
+    /// [`FileRef::in_window_order`]).
+    pub fn with_window_order(mut self, in_window_order: bool) -> Self {
+        self.in_window_order = in_window_order;
         self
     }
 
@@ -424,8 +442,9 @@ mod tests {
     /// The bytes of a file's shards survive the document as one line, and read back as where
     /// each shard starts; files written before the field existed have none, and a damaged list
     /// reads as none (the restore then reads the files for them) rather than as other starts.
+    /// Whether the file is in window order survives the document too, and is false when absent.
     #[test]
-    fn shard_bytes_round_trip_as_starts_and_are_optional() {
+    fn shard_bytes_and_window_order_round_trip_and_are_optional() {
         let mut m = sample();
         let file = &mut m.operators.get_mut("counts").unwrap().subtasks[0].keyed_state[0];
         *file = file.clone().with_shard_bytes(Some(&[3, 0, 12, 7]));
@@ -436,6 +455,14 @@ mod tests {
         assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
         let old = r#"{"path":"a.kv","len":4,"crc32c":9,"puts_from":0}"#;
         assert_eq!(serde_json::from_str::<FileRef>(old).unwrap().shard_starts(), None);
+        // Window order: written only when true, false when absent.
+        assert!(!text.contains("in_window_order"), "{text}");
+        assert!(!serde_json::from_str::<FileRef>(old).unwrap().in_window_order);
+        let file = &mut m.operators.get_mut("counts").unwrap().subtasks[0].keyed_state[0];
+        *file = file.clone().with_window_order(true);
+        let text = String::from_utf8(m.encode()).unwrap();
+        assert!(text.contains(r#""in_window_order": true"#), "{text}");
+        assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
         for bad in ["", "1  2", "1 -2", "x", "18446744073709551615 1"] {
             let f = FileRef { shard_bytes: Some(bad.into()), ..FileRef::new("a.kv".into(), 4, 9) };
             assert_eq!(f.shard_starts(), None, "{bad:?}");

@@ -6,7 +6,9 @@ use crate::message::Barrier;
 use crate::operator::{Operator, StateParts, TaskError};
 use crate::operators::accumulators::{AccCount, AccList, AccOne, AccPair, AccState, Aggregates};
 use crate::restore::{KeyedFile, KeyedRestore, LOCAL_COPY_PART_BYTES};
-use crate::state::{FullImageBudget, KeyedState, StateStore, StateValue, StoreError, StoreSettings, PREFETCH_CHUNK};
+use crate::state::{
+    ChainFile, FullImageBudget, KeyedState, StateStore, StateValue, StoreError, StoreSettings, PREFETCH_CHUNK,
+};
 use crate::value::{Fields, IntKey, Key, Record, StateKey, Value};
 
 /// Below this many bytes of files a restored chain is applied file by file: a shard by shard
@@ -120,18 +122,19 @@ impl KeyedContext {
         if r.entries.is_none() || r.files.len() < 2 {
             return Ok(false);
         }
-        let (mut bodies, mut starts) = (Vec::with_capacity(r.files.len()), Vec::with_capacity(r.files.len()));
+        let mut files = Vec::with_capacity(r.files.len());
         for file in &r.files {
-            let KeyedFile::Memory { data, puts_from: Some(0), shard_starts } = file else { return Ok(false) };
+            let KeyedFile::Memory { data, puts_from: Some(0), shard_starts, in_window_order } = file else {
+                return Ok(false);
+            };
             // A file that does not open is left to `restore_file`, which says why.
             let Ok((_, body)) = weir_checkpoint::format::open_verified(data) else { return Ok(false) };
-            bodies.push(body);
-            starts.push(shard_starts.as_deref());
+            files.push(ChainFile { body, recorded_starts: shard_starts.as_deref(), in_window_order: *in_window_order });
         }
-        if bodies.iter().map(|b| b.len()).sum::<usize>() < CHAIN_BY_SHARD_MIN_BYTES {
+        if files.iter().map(|f| f.body.len()).sum::<usize>() < CHAIN_BY_SHARD_MIN_BYTES {
             return Ok(false);
         }
-        state.restore_chain_by_shard(&bodies, &starts, self.key_groups).map_err(|e| self.restore_failed(e))
+        state.restore_chain_by_shard(&files, self.key_groups).map_err(|e| self.restore_failed(e))
     }
 
     /// A restore's failure: a file that does not decode says so; the store's own failures are
@@ -652,7 +655,7 @@ mod tests {
             files: files
                 .iter()
                 .cloned()
-                .map(|data| KeyedFile::Memory { data, puts_from: None, shard_starts: None })
+                .map(|data| KeyedFile::Memory { data, puts_from: None, shard_starts: None, in_window_order: false })
                 .collect(),
             continue_chain: false,
             chain: vec![],

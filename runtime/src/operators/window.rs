@@ -362,6 +362,7 @@ mod tests {
                 data: snap.keyed.unwrap().data,
                 puts_from: None,
                 shard_starts: None,
+                in_window_order: false,
             }],
             continue_chain: true,
             chain: vec![],
@@ -574,7 +575,12 @@ mod tests {
                         .iter()
                         .map(|f| match store {
                             Some(settings) => KeyedFile::local_for_test(&settings.parent_dir, f),
-                            None => KeyedFile::Memory { data: f.clone(), puts_from: None, shard_starts: None },
+                            None => KeyedFile::Memory {
+                                data: f.clone(),
+                                puts_from: None,
+                                shard_starts: None,
+                                in_window_order: false,
+                            },
                         })
                         .collect();
                     let restore = KeyedRestore {

@@ -44,15 +44,53 @@ pub fn shard_of(hash: u64) -> usize {
     (hash >> SHARD_SHIFT) as usize & (SHARDS - 1)
 }
 
-/// The order in which a map whose shards each have `buckets_per_shard` buckets holds a key of
-/// `hash`: shard, then bucket. Entries restored in this order fill each shard front to back.
+/// The bits of a key's hash below the window of a restoring table that holds it: a window is
+/// the 2^12 buckets ([`WINDOW_BUCKETS`]) whose indexes share their bits from the 13th up.
+pub const WINDOW_LOW_BITS: u32 = 12;
+
+/// Buckets of a window ([`WINDOW_LOW_BITS`]): 4096 of a count's entries (24 to 40 bytes) and
+/// their control bytes take 100–170 KB, which the second-level cache holds.
+pub const WINDOW_BUCKETS: usize = 1 << WINDOW_LOW_BITS;
+
+/// Where a key of `hash` goes in a file in window order: its shard, then the bits of its hash
+/// from [`WINDOW_LOW_BITS`] up, the lowest bit first (the most significant in the order).
+///
+/// A table of 2^R buckets (R at least 12) holds a key in bucket `hash & (2^R - 1)`, in the
+/// window of bits 12 to R of the hash. Those bits are the first the order compares, so the
+/// keys of a window lie together in the file, for every R, and the windows come one after
+/// the other (in the bit-reversed order of their indexes, [`window_position`]). A restore
+/// into a table of any size then reads each such file front to back once and fills one window
+/// at a time from all of them, where a file in the bucket order of its writer's table (one
+/// size: the state grows between checkpoints) had to be sorted by the restore first: a third
+/// of a 90M-key chain's apply (session 46). The writer loses nothing: its lookups in this order
+/// also visit its own table window by window.
+///
+/// The order is part of the state file format ([`weir_checkpoint::FileRef::in_window_order`]):
+/// changing it, or [`WINDOW_LOW_BITS`], makes files that say they are in window order lie.
 #[inline]
-fn storage_order(hash: u64, buckets_per_shard: u64) -> u64 {
-    ((shard_of(hash) as u64) << SHARD_IN_ORDER) | (hash & (buckets_per_shard - 1))
+pub fn window_order(hash: u64) -> u64 {
+    ((shard_of(hash) as u64) << SHARD_IN_ORDER) | ((hash >> WINDOW_LOW_BITS).reverse_bits() >> (64 - SHARD_IN_ORDER))
 }
 
-/// Where [`storage_order`] puts the shard: above any bucket's index.
+/// Where [`window_order`] puts the shard: above the hash's bits.
 const SHARD_IN_ORDER: u32 = 58;
+
+/// The shard of a place [`window_order`] gave.
+#[inline]
+pub fn shard_in_order(order: u64) -> usize {
+    (order >> SHARD_IN_ORDER) as usize
+}
+
+/// When a restore fills the window of a key of `hash` in a table of `2^(12 + window_bits)`
+/// buckets, visiting the windows in [`window_order`]: the window's index with its
+/// `window_bits` bits reversed. Non-decreasing along a shard's entries in window order.
+#[inline(always)]
+pub fn window_position(hash: u64, window_bits: u32) -> usize {
+    match window_bits {
+        0 => 0,
+        bits => ((hash >> WINDOW_LOW_BITS).reverse_bits() >> (64 - bits)) as usize,
+    }
+}
 
 /// How many entries shard `index` of `capacity` holds when the next new key makes it grow: from
 /// three quarters of its capacity (shard 0) to all of it (the last shard).
@@ -72,34 +110,6 @@ fn share_of(entries: u64) -> u64 {
 /// ([`ShardedMap::reserve_prefaulted`]): its share, with a margin.
 fn restored_capacity(entries: u64) -> u64 {
     share_of(entries)
-}
-
-/// The order in which an empty map that reserved `entries` for a restore
-/// ([`ShardedMap::reserve_prefaulted`]) holds each key: [`storage_order`] with each shard's
-/// buckets. A merged image lists its entries in this order, so that a restore fills each shard
-/// front to back.
-pub struct RestoreOrder {
-    buckets: [u64; SHARDS],
-}
-
-impl RestoreOrder {
-    /// The order of a map that reserved `entries` for a restore.
-    pub fn for_entries(entries: u64) -> Self {
-        let buckets = super::heap_buckets(restored_capacity(entries));
-        RestoreOrder { buckets: [buckets; SHARDS] }
-    }
-
-    /// Where the map holds a key of `hash`.
-    #[inline]
-    pub fn of(&self, hash: u64) -> u64 {
-        storage_order(hash, self.buckets[shard_of(hash)])
-    }
-
-    /// The shard of a place [`Self::of`] gave.
-    #[inline]
-    pub fn shard_in(order: u64) -> usize {
-        (order >> SHARD_IN_ORDER) as usize
-    }
 }
 
 /// The hash the map gives a key.
@@ -349,7 +359,7 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         self.len = 0;
     }
 
-    /// The buckets of shard `index`'s table (where its keys go: [`storage_order`]).
+    /// The buckets of shard `index`'s table.
     pub fn shard_buckets(&self, index: usize) -> usize {
         self.shards[index].num_buckets()
     }
@@ -449,13 +459,6 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         self.len = self.shards.iter().map(HashTable::len).sum();
         result
     }
-
-    /// Where the map holds a key of `hash` now ([`storage_order`] with the shard's buckets).
-    #[inline]
-    pub fn order_of(&self, hash: u64) -> u64 {
-        let shard = &self.shards[shard_of(hash)];
-        storage_order(hash, super::heap_buckets(shard.capacity() as u64))
-    }
 }
 
 /// Grows shard `index`'s `table` when one more entry would take it past [`grows_at`]: doubles
@@ -544,6 +547,21 @@ impl<'f, 'm, K: Hash + Eq, V> Filler<'f, 'm, K, V> {
         held.as_mut().map(|(_, table)| &mut ***table)
     }
 
+    /// Where shard `shard` keeps the control bytes and the entries of its buckets `buckets`
+    /// (as address and length in bytes), when it is the shard held and an entry changed in it
+    /// told where its table is: for a restore that asks the CPU to fetch them ahead.
+    pub fn memory_of(&self, shard: usize, buckets: std::ops::Range<usize>) -> Option<[(*const u8, usize); 2]> {
+        let held = self.held.as_ref().map(|(index, _)| *index);
+        let (Some(held), Some((control, in_table))) = (held, self.layout) else { return None };
+        if held != shard || buckets.end > in_table || buckets.is_empty() {
+            return None;
+        }
+        // hashbrown keeps bucket `i` `i + 1` entries below the control bytes.
+        let size = std::mem::size_of::<(K, V)>();
+        let entries = control.wrapping_sub(buckets.end * size);
+        Some([(control.wrapping_add(buckets.start), buckets.len()), (entries, buckets.len() * size)])
+    }
+
     /// Asks the CPU to fetch the control bytes and the first bucket of the probe of `hash`,
     /// when its shard is the one held and an entry changed in it told where its table is: for
     /// entries decoded ahead of their changes, whose misses then overlap (a restored
@@ -591,6 +609,39 @@ fn change<K: Hash + Eq, V>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hashes sorted in window order come shard after shard and, for a table of any size from
+    /// 2^12 to 2^24 buckets, window after window of it: each window's hashes together, the
+    /// windows in the order [`window_position`] gives, which is the window's index with its
+    /// bits reversed (so every window is visited once).
+    #[test]
+    fn hashes_in_window_order_lie_window_after_window_for_every_table_size() {
+        let mut hashes: Vec<u64> = (0..200_000u64).map(|i| hash_of(&i)).collect();
+        hashes.extend((0..64u64).map(|s| s << SHARD_SHIFT));
+        hashes.sort_by_key(|&h| window_order(h));
+        assert!(hashes.windows(2).all(|w| shard_of(w[0]) <= shard_of(w[1])), "shard after shard");
+        assert!(hashes.iter().all(|&h| shard_in_order(window_order(h)) == shard_of(h)));
+        for window_bits in 0..=12u32 {
+            let buckets = WINDOW_BUCKETS << window_bits;
+            for shard in [0, 17, SHARDS - 1] {
+                let of_shard: Vec<u64> = hashes.iter().copied().filter(|&h| shard_of(h) == shard).collect();
+                let mut seen = std::collections::HashSet::new();
+                let mut last = (0, None);
+                for &h in &of_shard {
+                    let window = (h as usize & (buckets - 1)) >> WINDOW_LOW_BITS;
+                    let position = window_position(h, window_bits);
+                    let reversed =
+                        if window_bits == 0 { 0 } else { window.reverse_bits() >> (usize::BITS - window_bits) };
+                    assert_eq!(position, reversed, "window {window} of {buckets} buckets");
+                    assert!(position >= last.0, "{buckets} buckets: position {position} after {}", last.0);
+                    if last.1 != Some(window) {
+                        assert!(seen.insert(window), "{buckets} buckets: window {window} twice");
+                    }
+                    last = (position, Some(window));
+                }
+            }
+        }
+    }
 
     /// A map reserved for a restore takes its entries without a shard growing, in the fewest
     /// buckets its share needs; after it, a shard grows at its next new key
@@ -707,7 +758,7 @@ mod tests {
             let mut changes: Vec<(u64, Option<u64>)> =
                 (0..60_000u64).map(|k| (k, if k < 1_000 { None } else { Some(k * 3) })).collect();
             if in_map_order {
-                changes.sort_by_key(|(k, _)| map.order_of(hash_of(k)));
+                changes.sort_by_key(|(k, _)| window_order(hash_of(k)));
             } else {
                 changes.sort_by_key(|(k, _)| k.wrapping_mul(0x9e37_79b9_7f4a_7c15));
             }
@@ -784,13 +835,6 @@ mod tests {
         for (index, shard) in map.shards.iter().enumerate() {
             let share = shard.len() + 100_000 / SHARDS;
             assert!(shard.capacity() >= share, "shard {index} would grow before its share is in");
-        }
-        // A merged image's order is the layout of an empty map that reserved its entries.
-        let mut restored: ShardedMap<u64, u64> = ShardedMap::default();
-        restored.reserve_prefaulted(100_000);
-        let order = RestoreOrder::for_entries(100_000);
-        for (index, shard) in restored.shards.iter().enumerate() {
-            assert_eq!(super::super::heap_buckets(shard.capacity() as u64), order.buckets[index], "shard {index}");
         }
         assert_eq!(map.iter_mut().count(), map.len());
     }
