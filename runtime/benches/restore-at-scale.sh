@@ -136,6 +136,8 @@ restore() {
     if [ -w /proc/sys/vm/drop_caches ]; then sync; echo 3 > /proc/sys/vm/drop_caches; fi
     server_before=0
     [ -n "$server_pid" ] && server_before=$(cpu_of "$server_pid")
+    # The log exists before the loop below reads it (the process's redirection may come later).
+    : > "$log"
     t0=$(date +%s.%N)
     if [ "$pin" = true ]; then
         WEIR_LOG=info taskset -c 0 "$weir" run "$job" --checkpoint-dir "$root" --restore "$1" > "$log" 2>&1 &
