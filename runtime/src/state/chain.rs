@@ -501,8 +501,9 @@ impl WindowFill {
             let Some(raw) = entry.value else {
                 return Err(StoreError::Decode(weir_checkpoint::format::FormatError::Malformed(from + at)));
             };
-            // Decoded before its window is known: for one entry per file and window, in vain.
-            let (value, key_group) = (V::decode(&mut Decoder::new(raw))?, entry.key_group);
+            let key_group = entry.key_group;
+            // The value is decoded once the entry is known to be of this window (the first
+            // entry of the next one is read again then), and its slot made where it is put.
             let placed = K::decode_then(
                 entry.key,
                 #[inline(always)]
@@ -510,22 +511,25 @@ impl WindowFill {
                     let hash = map::hash_of(&key);
                     let found = map::window_position(hash, window_bits);
                     if map::shard_of(hash) != fill.shard || found < position {
-                        Placed::OutOfOrder
-                    } else if found > position {
-                        Placed::Later
-                    } else {
-                        filler.apply(hash, key, Some(Slot::restored(value, key_group)));
-                        Placed::Applied
+                        return Ok(Placed::OutOfOrder);
                     }
+                    if found > position {
+                        return Ok(Placed::Later);
+                    }
+                    let value = V::decode(&mut Decoder::new(raw))?;
+                    filler.apply(hash, key, Some(Slot::restored(value, key_group)));
+                    Ok(Placed::Applied)
                 },
             );
             match placed {
-                Ok(Placed::Applied) => self.ahead.fetch_one(),
-                Ok(Placed::Later) => {
+                Ok(Ok(Placed::Applied)) => self.ahead.fetch_one(),
+                Ok(Ok(Placed::Later)) => {
                     self.cursors[index] = from + at;
                     return Ok(true);
                 }
-                Ok(Placed::OutOfOrder) | Err(_) => return Ok(false),
+                // A value that does not decode is a malformed file, whatever the order.
+                Ok(Err(e)) => return Err(StoreError::Decode(e)),
+                Ok(Ok(Placed::OutOfOrder)) | Err(_) => return Ok(false),
             }
         }
     }
@@ -751,6 +755,87 @@ mod tests {
         }
     }
 
+    /// An increment listing `entries` (keys and encoded values) shard after shard, each shard's
+    /// by `order_of` their hash, and where its shards start.
+    fn increment_in_order(entries: &[(i64, Vec<u8>)], order_of: impl Fn(u64) -> u64) -> (bytes::Bytes, Vec<u64>) {
+        // Shard, place in the shard, index into `entries`.
+        let mut ordered: Vec<(usize, u64, usize)> = (entries.iter().enumerate())
+            .map(|(n, entry)| {
+                let hash = map::hash_of(&key(entry.0));
+                (map::shard_of(hash), order_of(hash), n)
+            })
+            .collect();
+        ordered.sort_unstable();
+        let mut w = StateFileWriter::new(FileKind::KeyedIncrement, 0);
+        let mut lens = vec![0u64; map::SHARDS];
+        for (shard, _, n) in ordered {
+            let (i, value) = &entries[n];
+            let from = w.entries_len();
+            w.put_encoded(key(*i).key_group(16), |e| key(*i).encode(e), |e| e.buf.extend_from_slice(value));
+            lens[shard] += (w.entries_len() - from) as u64;
+        }
+        let (data, _) = w.finish();
+        let starts = weir_checkpoint::FileRef::new(String::new(), 0, 0).with_shard_bytes(Some(&lens));
+        (data, starts.shard_starts().unwrap())
+    }
+
+    /// `value` encoded as a state file holds it.
+    fn encoded(value: i64) -> Vec<u8> {
+        let mut e = weir_checkpoint::format::Encoder::default();
+        value.encode(&mut e);
+        e.buf
+    }
+
+    /// A file in window order made here (every hundredth key of a chain changed again) restores
+    /// at the end of the chain what the chain applied file by file restores; the same file with
+    /// one value that does not decode fails the restore as a malformed file instead of leaving
+    /// it to another way of applying.
+    #[test]
+    fn a_file_in_window_order_restores_its_values_and_fails_on_one_that_does_not_decode() {
+        let (chain, live) = growing_chain();
+        let mut changed: Vec<(i64, Vec<u8>)> = Vec::new();
+        let mut model = KeyedState::<i64>::new(16, true, 100);
+        for body in bodies(&chain.files) {
+            model.restore_file(body, (0, 16)).unwrap();
+        }
+        for (i, v) in sorted(&model) {
+            if i % 100 == 7 {
+                changed.push((i, encoded(v * 3 + 1)));
+            }
+        }
+        let (good, good_starts) = increment_in_order(&changed, map::window_order);
+        let mut broken = changed.clone();
+        broken[changed.len() / 2].1.clear();
+        let (bad, bad_starts) = increment_in_order(&broken, map::window_order);
+        model.restore_file(open(&good).unwrap().1, (0, 16)).unwrap();
+        for (data, starts, fails) in [(&good, &good_starts, false), (&bad, &bad_starts, true)] {
+            let mut files = chain.files.clone();
+            files.push(data.clone());
+            let mut recorded = chain.recorded();
+            recorded.push(Some(starts.as_slice()));
+            let mut restored: Vec<ChainFile<'_>> = (bodies(&files).into_iter().zip(recorded).enumerate())
+                .map(|(i, (body, recorded_starts))| ChainFile {
+                    body,
+                    recorded_starts,
+                    in_window_order: chain.in_window_order.get(i).copied().unwrap_or(true),
+                })
+                .collect();
+            assert!(restored.last().unwrap().in_window_order);
+            let mut s = KeyedState::<i64>::new(16, true, 100);
+            s.reserve_restored_entries(live);
+            let windows = (0..map::SHARDS).map(|shard| s.map.shard_buckets(shard) / WINDOW_BUCKETS).max().unwrap();
+            assert!(windows >= 2, "{windows} windows");
+            let result = s.restore_chain_by_shard(&restored, (0, 16));
+            if fails {
+                assert!(matches!(result, Err(StoreError::Decode(_))), "{:?}", result.map(|_| ()));
+            } else {
+                assert!(result.unwrap(), "applied shard by shard");
+                assert_eq!(sorted(&s), sorted(&model));
+            }
+            restored.clear();
+        }
+    }
+
     /// A file that says it is in window order and is not (a full image in its map's order,
     /// an increment written by a scan, one written in the order of a map's buckets) is found
     /// out as it is read: the map is emptied again, keeping its room, and the chain applied
@@ -770,27 +855,10 @@ mod tests {
         // An increment of the last round's keys in the order of the buckets of a map of 2^16
         // buckets a shard, with the lengths of its shards.
         let last = chain.files.len() - 1;
-        let in_bucket_order = {
-            let mut entries: Vec<(u64, i64, i64)> = sorted(&by_file)
-                .into_iter()
-                .filter(|(i, _)| i % 100 == 0)
-                .map(|(i, v)| {
-                    let hash = map::hash_of(&key(i));
-                    (((map::shard_of(hash) as u64) << 32) | (hash & 0xffff), i, v)
-                })
-                .collect();
-            entries.sort_unstable();
-            let mut w = StateFileWriter::new(FileKind::KeyedIncrement, 0);
-            let mut lens = vec![0u64; map::SHARDS];
-            for (order, i, v) in entries {
-                let from = w.entries_len();
-                w.put_encoded(key(i).key_group(16), |e| key(i).encode(e), |e| v.encode(e));
-                lens[(order >> 32) as usize] += (w.entries_len() - from) as u64;
-            }
-            let (data, _) = w.finish();
-            let starts = weir_checkpoint::FileRef::new(String::new(), 0, 0).with_shard_bytes(Some(&lens));
-            (data, starts.shard_starts().unwrap())
-        };
+        let every_hundredth: Vec<(i64, Vec<u8>)> =
+            expected.iter().filter(|(i, _)| i % 100 == 0).map(|&(i, v)| (i, encoded(v))).collect();
+        let in_bucket_order =
+            increment_in_order(&every_hundredth, |hash| ((map::shard_of(hash) as u64) << 32) | (hash & 0xffff));
         // The file said to be in window order, and the file put in its place if any.
         type Case<'a> = (usize, Option<&'a (bytes::Bytes, Vec<u64>)>);
         let mut cases: Vec<Case<'_>> = not_in_window_order.iter().map(|&i| (i, None)).collect();
