@@ -7,7 +7,9 @@
 #
 # The state: the job below run to its end with incremental checkpoints every second
 # (`fullEvery: 10`): 17M keys, each holding the `max` of a 64-word text, about 10 GiB of
-# checkpoint and 13 GB of heap (--keys scales it). It is written once to local disk and once to
+# checkpoint and 13 GB of heap (--keys scales it). With --shape count, a running count over
+# 90M integer keys instead (--keys scales it): a chain of about 1.1 GiB of short entries, which
+# a restore holds in memory and applies shard by shard. It is written once to local disk and once to
 # the server, then each newest checkpoint is restored --runs times into a new root, the page
 # cache dropped before each run when this runs as root (a crashed pod's replacement reads
 # cold), and the process killed once its state is restored.
@@ -26,11 +28,13 @@
 # Needs about twice the checkpoint's size of free disk under --work and the state's memory
 # (13 GB at the default size). The work directory is removed at the end unless --keep.
 #
-# usage: runtime/benches/restore-at-scale.sh [--keys N] [--runs R] [--server minio|s3s-fs|none]
-#                                            [--pin] [--work DIR] [--keep]
+# usage: runtime/benches/restore-at-scale.sh [--shape long-values|count] [--keys N] [--runs R]
+#                                            [--server minio|s3s-fs|none] [--pin] [--work DIR]
+#                                            [--keep]
 set -euo pipefail
 
-keys=17000000
+shape=long-values
+keys=
 runs=3
 server=minio
 pin=false
@@ -38,6 +42,7 @@ work=${TMPDIR:-/tmp}/weir-restore-at-scale
 keep=false
 while [ $# -gt 0 ]; do
     case "$1" in
+        --shape) shape="$2"; shift 2 ;;
         --keys) keys="$2"; shift 2 ;;
         --runs) runs="$2"; shift 2 ;;
         --server) server="$2"; shift 2 ;;
@@ -47,6 +52,11 @@ while [ $# -gt 0 ]; do
         *) echo "restore-at-scale: unknown argument $1" >&2; exit 2 ;;
     esac
 done
+case "$shape" in
+    long-values) keys=${keys:-17000000} ;;
+    count) keys=${keys:-90000000} ;;
+    *) echo "restore-at-scale: --shape is long-values or count, not $shape" >&2; exit 2 ;;
+esac
 case "$server" in
     minio | s3s-fs | none) ;;
     *) echo "restore-at-scale: --server is minio, s3s-fs or none, not $server" >&2; exit 2 ;;
@@ -105,7 +115,19 @@ if [ -n "$server_pid" ]; then
 fi
 
 job=$work/job.yaml
-cat > "$job" <<EOF
+if [ "$shape" = count ]; then
+    cat > "$job" <<EOF
+name: restore-at-scale
+checkpointing: { enabled: true, interval: 1s, mode: exactly-once, incremental: true, fullEvery: 10 }
+sources:
+  - { name: src, uid: src, generator: { count: $keys, fields: [ { name: key, sequence: {} } ] } }
+operators:
+  - { name: by-key, keyBy: { fields: [key] } }
+  - { name: counts, uid: counts, aggregate: { aggregates: [ { fn: count, as: n } ] } }
+sinks: [ { name: out, blackhole: {} } ]
+EOF
+else
+    cat > "$job" <<EOF
 name: restore-at-scale
 checkpointing: { enabled: true, interval: 1s, mode: exactly-once, incremental: true, fullEvery: 10 }
 sources:
@@ -116,6 +138,7 @@ operators:
   - { name: latest, uid: latest, aggregate: { aggregates: [ { fn: max, field: line, as: m } ] } }
 sinks: [ { name: out, blackhole: {} } ]
 EOF
+fi
 
 cpu_of() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
 newest_in() { ls "$1" | grep '^chk-' | sort -t- -k2 -n | tail -1; }
@@ -190,7 +213,7 @@ for run in $(seq "$runs"); do
     fi
 done
 local_median=$(printf '%s\n' "${local_figures[@]}" | median)
-printf 'restore at scale (%d keys), from a new process'"'"'s start to the state restored, median of %d:\n' "$keys" "$runs"
+printf 'restore at scale (%s, %d keys), from a new process'"'"'s start to the state restored, median of %d:\n' "$shape" "$keys" "$runs"
 printf '  local disk: %.2f s per GiB\n' "$local_median"
 if [ ${#s3_figures[@]} -gt 0 ]; then
     s3_median=$(printf '%s\n' "${s3_figures[@]}" | median)
