@@ -440,13 +440,9 @@ impl WindowFill {
         self.cursors.clear();
         self.cursors.resize(fill.parts.len(), 0);
         let mut taken = 0;
-        let window_at = |position: usize| match window_bits {
-            0 => 0,
-            bits => position.reverse_bits() >> (usize::BITS - bits),
-        };
         for position in 0..windows {
             let end = self.window_ends[position] as usize;
-            let next = window_at(position + 1) * WINDOW_BUCKETS;
+            let next = map::window_at(position + 1, window_bits) * WINDOW_BUCKETS;
             self.ahead = match filler.memory_of(fill.shard, next..next + WINDOW_BUCKETS) {
                 Some(memory) if position + 1 < windows => LinesAhead::of(memory),
                 _ => LinesAhead::default(),

@@ -69,7 +69,13 @@ pub const WINDOW_BUCKETS: usize = 1 << WINDOW_LOW_BITS;
 /// changing it, or [`WINDOW_LOW_BITS`], makes files that say they are in window order lie.
 #[inline]
 pub fn window_order(hash: u64) -> u64 {
-    ((shard_of(hash) as u64) << SHARD_IN_ORDER) | ((hash >> WINDOW_LOW_BITS).reverse_bits() >> (64 - SHARD_IN_ORDER))
+    ((shard_of(hash) as u64) << SHARD_IN_ORDER) | (above_window_reversed(hash) >> (64 - SHARD_IN_ORDER))
+}
+
+/// The bits of `hash` from [`WINDOW_LOW_BITS`] up, reversed: the lowest is the top bit.
+#[inline(always)]
+fn above_window_reversed(hash: u64) -> u64 {
+    (hash >> WINDOW_LOW_BITS).reverse_bits()
 }
 
 /// Where [`window_order`] puts the shard: above the hash's bits.
@@ -88,7 +94,17 @@ pub fn shard_in_order(order: u64) -> usize {
 pub fn window_position(hash: u64, window_bits: u32) -> usize {
     match window_bits {
         0 => 0,
-        bits => ((hash >> WINDOW_LOW_BITS).reverse_bits() >> (64 - bits)) as usize,
+        bits => (above_window_reversed(hash) >> (64 - bits)) as usize,
+    }
+}
+
+/// The index of the window filled at `position` ([`window_position`]) in a table of
+/// `2^(12 + window_bits)` buckets: the position with its `window_bits` bits reversed.
+#[inline]
+pub fn window_at(position: usize, window_bits: u32) -> usize {
+    match window_bits {
+        0 => 0,
+        bits => position.reverse_bits() >> (usize::BITS - bits),
     }
 }
 
@@ -610,6 +626,15 @@ fn change<K: Hash + Eq, V>(
 mod tests {
     use super::*;
 
+    /// The buckets of the heap backend's map after reserving room for `entries` (hashbrown's
+    /// rule: room for 7/8 of the buckets, a power of two).
+    fn heap_buckets(entries: u64) -> u64 {
+        if entries < 8 {
+            return if entries < 4 { 4 } else { 8 };
+        }
+        (entries.saturating_mul(8) / 7).next_power_of_two()
+    }
+
     /// Hashes sorted in window order come shard after shard and, for a table of any size from
     /// 2^12 to 2^24 buckets, window after window of it: each window's hashes together, the
     /// windows in the order [`window_position`] gives, which is the window's index with its
@@ -633,6 +658,7 @@ mod tests {
                     let reversed =
                         if window_bits == 0 { 0 } else { window.reverse_bits() >> (usize::BITS - window_bits) };
                     assert_eq!(position, reversed, "window {window} of {buckets} buckets");
+                    assert_eq!(window_at(position, window_bits), window, "position {position}");
                     assert!(position >= last.0, "{buckets} buckets: position {position} after {}", last.0);
                     if last.1 != Some(window) {
                         assert!(seen.insert(window), "{buckets} buckets: window {window} twice");
@@ -660,7 +686,7 @@ mod tests {
         assert_eq!(map.insert_hashed(hash_of(&7), 7, 8), Some(7), "a later entry of a key replaces it");
         assert_eq!(map.len(), n as usize);
         assert_eq!(map.shards.iter().map(HashTable::capacity).collect::<Vec<_>>(), reserved, "no shard grew");
-        let fewest = super::super::heap_buckets(restored_capacity(n));
+        let fewest = heap_buckets(restored_capacity(n));
         assert!(
             map.shards.iter().all(|s| s.num_buckets() == fewest as usize),
             "each shard the buckets its share needs"

@@ -890,7 +890,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         } else {
             // The increment then lists its entries in window order, as a restore fills its map.
             let mut changed = std::mem::take(&mut self.changed);
-            let order = self.in_window_order(&changed);
+            let order = Self::in_window_order(&changed);
             for chunk in order.chunks(SNAPSHOT_LOOKUP_CHUNK) {
                 self.touch(chunk.iter().map(|&(_, hash, i)| (hash, &changed[i].1)));
                 for &(_, hash, i) in chunk {
@@ -990,7 +990,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// cache misses each, which a loop that also encodes waits for one by one; in window order
     /// the lookups visit the map's tables 4096 buckets at a time. Equal keys come out side by
     /// side (equal hashes).
-    fn in_window_order(&self, keys: &[(u32, K)]) -> Vec<(u64, u64, usize)> {
+    fn in_window_order(keys: &[(u32, K)]) -> Vec<(u64, u64, usize)> {
         let mut order: Vec<(u64, u64, usize)> = keys
             .iter()
             .enumerate()
@@ -1053,7 +1053,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let mut evicted: Vec<&K> = Vec::new();
         // In window order, as the heap backend's increments take them (the cache's lookups
         // visit its tables window by window); the order also brings a key's repeats together.
-        let order = self.in_window_order(&changed);
+        let order = Self::in_window_order(&changed);
         // Where the keys of the current hash begin in `order`.
         let mut same_hash_from = 0;
         for (chunk_at, chunk) in order.chunks(SNAPSHOT_LOOKUP_CHUNK).enumerate() {
@@ -1430,17 +1430,6 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         }
         Ok(())
     }
-}
-
-/// The buckets of the heap backend's map after reserving room for `entries` (hashbrown's
-/// rule: room for 7/8 of the buckets, a power of two). An entry's bucket is its hash's low
-/// bits.
-#[cfg(test)]
-pub(crate) fn heap_buckets(entries: u64) -> u64 {
-    if entries < 8 {
-        return if entries < 4 { 4 } else { 8 };
-    }
-    (entries.saturating_mul(8) / 7).next_power_of_two()
 }
 
 /// Threads of a lazy restore that fetch and load table files at once, per subtask. A
