@@ -904,7 +904,7 @@ fn corrupt(storage: &Storage, found: &Restorable, f: &FileRef, e: impl std::fmt:
 
 async fn read_verified(storage: &Storage, found: &Restorable, f: &FileRef) -> Result<Bytes, RestoreError> {
     let path = found.resolve(&f.path);
-    let (data, crc) = match storage.get_with_crc32c(&path).await {
+    let (data, crc) = match storage.get_with_crc32c(&path, f.len).await {
         Ok(read) => read,
         Err(StorageError::NotFound(_)) => {
             return Err(RestoreError::CorruptFile { path: storage.url_of(&path), reason: "missing".into() })

@@ -123,6 +123,34 @@ async fn a_local_file_is_streamed_to_storage_byte_for_byte() {
     }
 }
 
+/// A large object is fetched from the server as ranges at once, written into one buffer with
+/// the parts' checksums combined: it comes back byte for byte with the checksum of its bytes,
+/// whether its ranges divide it or not; said to be a byte longer or shorter than it is, it is
+/// read whole (the restore's check of the length then refuses it).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_object_read_as_ranges_is_its_bytes_and_checksum() {
+    use weir_checkpoint::store::{GET_RANGE_BYTES, RANGED_GET_FROM};
+    server();
+    let s = Storage::open(&format!("s3://{BUCKET}/ranged")).unwrap();
+    let longest = 3 * GET_RANGE_BYTES as usize + 4_321;
+    let data: Vec<u8> = (0..longest as u64).map(|i| (weir_runtime::value::mix64(i) >> 11) as u8).collect();
+    for len in [RANGED_GET_FROM as usize, longest] {
+        let name = format!("shared/op/{len}.state");
+        s.put(&name, Bytes::copy_from_slice(&data[..len])).await.unwrap();
+        for said in [len, len - 1, len + 1] {
+            let (read, crc) = s.get_with_crc32c(&name, said as u64).await.unwrap();
+            assert!(read == data[..len], "{len} bytes said to be {said}: the object's bytes");
+            assert_eq!(crc, crc32c::crc32c(&data[..len]), "{len} bytes said to be {said}");
+        }
+        // Read as ranges indeed when said right; not when said wrong.
+        let ranged = s.get_in_ranges(&name, len as u64).await.unwrap();
+        assert!(ranged.is_some_and(|(read, crc)| read == data[..len] && crc == crc32c::crc32c(&read)), "{len}");
+        for said in [len - 1, len + 1] {
+            assert!(!matches!(s.get_in_ranges(&name, said as u64).await, Ok(Some(_))), "{len} said to be {said}");
+        }
+    }
+}
+
 #[test]
 fn checkpoints_and_exactly_once_output_on_s3_survive_sigkill() {
     sigkill_campaign_on_s3("on-s3", false, &[]);

@@ -168,6 +168,16 @@ fn read_local_in_parts(path: &std::path::Path, rel: &str) -> Result<(Bytes, u32)
     Ok((Bytes::from(data), crc))
 }
 
+/// Objects in an object store at least this large are fetched as ranges at once
+/// ([`Storage::get_with_crc32c`]).
+pub const RANGED_GET_FROM: u64 = 2 * GET_RANGE_BYTES;
+
+/// The ranges a large object is fetched as ([`Storage::get_with_crc32c`]).
+pub const GET_RANGE_BYTES: u64 = 16 << 20;
+
+/// Ranges of one object fetched at once ([`Storage::get_with_crc32c`]).
+pub const GET_RANGES_IN_FLIGHT: usize = 4;
+
 /// Parts of a file written by [`Storage::put_file`]: S3 takes at most 10,000 parts, so a file
 /// of up to about 80 GiB.
 const FILE_PART_BYTES: usize = 8 << 20;
@@ -511,14 +521,91 @@ impl Storage {
     /// computing its part's checksum as it reads (the parts' are then combined): one thread
     /// reading a 259 MB checkpoint file spent most of its time faulting the fresh buffer's
     /// pages in and copying from the page cache, then the checksum took another pass.
-    pub async fn get_with_crc32c(&self, rel: &str) -> Result<(Bytes, u32), StorageError> {
+    ///
+    /// From an object store, an object said to be `len` bytes long, [`RANGED_GET_FROM`] or
+    /// more, is fetched as ranges of [`GET_RANGE_BYTES`], [`GET_RANGES_IN_FLIGHT`] at a time,
+    /// each written into its place in one buffer and checksummed as it arrives: one request
+    /// is one stream, which one server thread reads, checks and sends (MinIO's bitrot hash
+    /// included), so a large object came no faster than that thread, while the others' files
+    /// were done. When a range's response says the object's size or ETag is not the first's
+    /// (not the `len` given, or replaced meanwhile), the object is read whole instead, and the
+    /// caller's check of its length and checksum says what is wrong; so it is when a range
+    /// fails (a range past the end of a shorter object is an error on some stores).
+    pub async fn get_with_crc32c(&self, rel: &str, len: u64) -> Result<(Bytes, u32), StorageError> {
         #[cfg(unix)]
         if let Some(root) = &self.local {
             return read_local_in_parts(&root.join(self.full(rel).as_ref()), rel);
         }
+        if len >= RANGED_GET_FROM {
+            match self.get_in_ranges(rel, len).await {
+                Ok(Some(read)) => return Ok(read),
+                Ok(None) => tracing::debug!(path = rel, len, "an object is not as said: read whole"),
+                // Read whole, which fails the same way if the store does (a missing object).
+                Err(e) => tracing::debug!(path = rel, error = %e, "a range of an object failed: read whole"),
+            }
+        }
         let data = self.get(rel).await?;
         let crc = crc32c::crc32c(&data);
         Ok((data, crc))
+    }
+
+    /// Reads a whole object of `len` bytes as ranges of [`GET_RANGE_BYTES`], at most
+    /// [`GET_RANGES_IN_FLIGHT`] at a time, and returns it with its CRC-32C
+    /// ([`Storage::get_with_crc32c`]); `None` when a response says the object is not `len`
+    /// bytes long or not the object (ETag) the first response was of.
+    pub async fn get_in_ranges(&self, rel: &str, len: u64) -> Result<Option<(Bytes, u32)>, StorageError> {
+        let Ok(size) = usize::try_from(len) else { return Ok(None) };
+        let path = self.full(rel);
+        let first_tag = std::sync::OnceLock::<Option<String>>::new();
+        let mut data = vec![0u8; size];
+        let parts: Vec<Option<(u32, usize)>> = futures::stream::iter(
+            data.chunks_mut(GET_RANGE_BYTES as usize)
+                .enumerate()
+                .map(|(i, part)| self.get_range_into(&path, rel, len, &first_tag, i as u64 * GET_RANGE_BYTES, part)),
+        )
+        .buffered(GET_RANGES_IN_FLIGHT)
+        .try_collect()
+        .await?;
+        let Some(parts) = parts.into_iter().collect::<Option<Vec<_>>>() else { return Ok(None) };
+        let crc =
+            parts.into_iter().fold(0, |crc, (part_crc, part_len)| crc32c::crc32c_combine(crc, part_crc, part_len));
+        Ok(Some((Bytes::from(data), crc)))
+    }
+
+    /// Reads the bytes of object `path` (`rel`, `len` bytes long) from `start` into `part`, and
+    /// returns their CRC-32C and count; `None` when the response is of another object than
+    /// `len` bytes with the ETag the first response gave (`first_tag`), or not of `part`'s bytes.
+    async fn get_range_into(
+        &self,
+        path: &Path,
+        rel: &str,
+        len: u64,
+        first_tag: &std::sync::OnceLock<Option<String>>,
+        start: u64,
+        part: &mut [u8],
+    ) -> Result<Option<(u32, usize)>, StorageError> {
+        let range = start..start + part.len() as u64;
+        let options = object_store::GetOptions {
+            range: Some(object_store::GetRange::Bounded(range.clone())),
+            ..Default::default()
+        };
+        let res = self.store.get_opts(path, options).await.map_err(io("get", rel))?;
+        if res.meta.size != len
+            || res.range != range
+            || *first_tag.get_or_init(|| res.meta.e_tag.clone()) != res.meta.e_tag
+        {
+            return Ok(None);
+        }
+        let (mut crc, mut at) = (0u32, 0usize);
+        let mut chunks = res.into_stream();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(io("read", rel))?;
+            let Some(into) = part.get_mut(at..at + chunk.len()) else { return Ok(None) };
+            into.copy_from_slice(&chunk);
+            crc = crc32c::crc32c_append(crc, &chunk);
+            at += chunk.len();
+        }
+        Ok((at == part.len()).then_some((crc, at)))
     }
 
     /// Reads bytes `range` of an object.
@@ -974,11 +1061,34 @@ mod tests {
         for name in ["state/big 100%.kv", "state/small.kv"] {
             let data = if name.contains("small") { data[..1000].to_vec() } else { data.clone() };
             s.put(name, Bytes::from(data.clone())).await.unwrap();
-            let (read, crc) = s.get_with_crc32c(name).await.unwrap();
+            let (read, crc) = s.get_with_crc32c(name, data.len() as u64).await.unwrap();
             assert!(read == data, "{name}: the object's bytes");
             assert_eq!(crc, crc32c::crc32c(&data), "{name}");
         }
-        assert!(matches!(s.get_with_crc32c("state/none.kv").await, Err(StorageError::NotFound(_))));
+        assert!(matches!(s.get_with_crc32c("state/none.kv", 10).await, Err(StorageError::NotFound(_))));
+    }
+
+    /// From an object store, an object read as ranges is its bytes and checksum whether its
+    /// ranges divide it or not; one whose length is not the one given is read whole (the
+    /// caller's check then finds the length wrong); a missing one is not found. (The S3 server's
+    /// test is in `runtime/tests/s3.rs`.)
+    #[tokio::test]
+    async fn objects_read_as_ranges_are_the_object_with_its_checksum() {
+        let s = Storage::open("memory://").unwrap();
+        let range = GET_RANGE_BYTES as usize;
+        let data: Vec<u8> = (0..4 * range + 777).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        for len in [RANGED_GET_FROM as usize - 1, RANGED_GET_FROM as usize, 3 * range, 4 * range + 777] {
+            let name = format!("state/{len}.kv");
+            s.put(&name, Bytes::copy_from_slice(&data[..len])).await.unwrap();
+            let whole = (Bytes::copy_from_slice(&data[..len]), crc32c::crc32c(&data[..len]));
+            assert_eq!(s.get_in_ranges(&name, len as u64).await.unwrap().as_ref(), Some(&whole), "{len} as ranges");
+            assert!(!matches!(s.get_in_ranges(&name, len as u64 - 1).await, Ok(Some(_))), "{len} said one less");
+            assert!(!matches!(s.get_in_ranges(&name, len as u64 + 1).await, Ok(Some(_))), "{len} said one more");
+            let said = [len, len - 1, len + 1];
+            let reads = futures::future::try_join_all(said.map(|said| s.get_with_crc32c(&name, said as u64))).await;
+            assert!(reads.unwrap().iter().all(|read| *read == whole), "{len} bytes, said right or not: read whole");
+        }
+        assert!(matches!(s.get_with_crc32c("state/none.kv", 3 * range as u64).await, Err(StorageError::NotFound(_))));
     }
 
     /// Names with characters object_store percent-encodes (`%`, `~`, `#`, spaces) are the
