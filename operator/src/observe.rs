@@ -195,6 +195,7 @@ mod tests {
                         store_tables: Vec::new(),
                         keyed_entries: None,
                         int_keys: false,
+                        table_slot_bytes: None,
                     }],
                     state_layout: Some("aggregate[count]".into()),
                 },

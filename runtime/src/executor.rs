@@ -645,8 +645,20 @@ impl Executor<'_> {
             StateBackendKind::Heap => KeyedFilesIn::MemoryUpTo {
                 bytes: self.opts.state_files_in_memory_max.unwrap_or_else(default_state_files_in_memory_max),
                 dir: local_state_dir(),
+                parallelism: self.keyed_parallelism(),
             },
         }
+    }
+
+    /// The parallelism of each keyed operator of the job, by uid.
+    fn keyed_parallelism(&self) -> BTreeMap<String, u32> {
+        let job = self.job;
+        plan::build(job)
+            .iter()
+            .flat_map(|v| v.nodes.iter().map(move |&n| (&job.nodes[n], v.parallelism)))
+            .filter(|(node, _)| holds_keyed_state(&node.kind))
+            .filter_map(|(node, parallelism)| Some((node.uid.clone()?, parallelism)))
+            .collect()
     }
 
     fn check_compatible(&self, r: &RestoredState) -> Result<(), JobError> {

@@ -23,8 +23,10 @@
 
 use std::alloc::Layout;
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::ptr::NonNull;
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
 use allocator_api2::alloc::{AllocError, Allocator, Global};
@@ -39,6 +41,10 @@ pub struct TableAlloc;
 /// is written than to hand to another thread.
 const RECORDED_FROM_BYTES: usize = 1 << 20;
 
+/// Tables carved from [`PrefaultedTables`] are a page or larger (smaller ones come from the
+/// allocator): each is carved in whole pages.
+pub const CARVED_FROM_BYTES: usize = PAGE;
+
 thread_local! {
     /// The blocks (address, length) allocated on this thread inside [`record_tables`].
     static RECORDED: RefCell<Option<Vec<(usize, usize)>>> = const { RefCell::new(None) };
@@ -49,6 +55,13 @@ thread_local! {
 unsafe impl Allocator for TableAlloc {
     #[inline]
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        if layout.size() >= CARVED_FROM_BYTES {
+            // `try_`, as below. Carved memory is faulted in already: not recorded.
+            let carved = CARVING.try_with(|pool| pool.try_borrow().ok()?.as_ref()?.carve(layout)).ok().flatten();
+            if let Some(piece) = carved {
+                return Ok(piece);
+            }
+        }
         let block = Global.allocate(layout)?;
         if layout.size() >= RECORDED_FROM_BYTES {
             // `try_`: an allocator must not panic, not even on a thread whose locals are gone.
@@ -63,9 +76,223 @@ unsafe impl Allocator for TableAlloc {
 
     #[inline]
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() >= CARVED_FROM_BYTES && unmap_carved(ptr.as_ptr() as usize) {
+            return;
+        }
         // SAFETY: the caller passes a block `allocate` returned, which `Global` allocated with
-        // this layout.
+        // this layout (it was not carved from a [`PrefaultedTables`]: those are unmapped above).
         unsafe { Global.deallocate(ptr, layout) }
+    }
+}
+
+thread_local! {
+    /// The memory [`TableAlloc`] carves this thread's tables from, inside
+    /// [`PrefaultedTables::carve_while`].
+    static CARVING: RefCell<Option<Arc<TablePool>>> = const { RefCell::new(None) };
+}
+
+/// The pieces carved from [`PrefaultedTables`] and not yet freed: start → length. Only they
+/// are unmapped when freed; every other block goes back to `Global`.
+static CARVED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
+/// Unmaps the carved piece at `address`, if it is one; whether it was.
+fn unmap_carved(address: usize) -> bool {
+    let removed = CARVED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&address);
+    let Some(len) = removed else { return false };
+    // SAFETY: the piece was carved from a mapping of this process, page-aligned and `len`
+    // long, and its owner is freeing it: nothing refers to it any more.
+    unsafe { libc::munmap(address as *mut libc::c_void, len) };
+    true
+}
+
+/// Memory for the hash tables a heap restore is about to reserve, mapped at once and faulted
+/// in on other threads while the restore still downloads its files ([`Self::start`]); the
+/// restore then carves its tables from it ([`Self::carve_while`]) instead of faulting fresh
+/// tables in once every file is in ([`populate`]). A fresh page costs this VM's kernel 0.5–2
+/// µs: 3.36 GB of tables for 90M keys took 0.47–3.6 s to fault in. Where the download waits
+/// on the network, that work is off the restore's path: from MinIO behind a 4 Gbit/s link the
+/// 90M-key chain restored in 3.79–4.04 s instead of 4.06–4.43 s; on loopback, where the
+/// server and the download already keep both cores busy, it made no difference beyond the
+/// noise (`runtime/BENCHMARKS.md`, session 48).
+///
+/// Dropped, it stops faulting pages in; what no table took is unmapped once its threads are
+/// done. Each carved piece is unmapped when its table is freed.
+#[derive(Debug)]
+pub struct PrefaultedTables {
+    pool: Arc<TablePool>,
+}
+
+/// The mapping behind [`PrefaultedTables`], shared with the threads faulting it in.
+#[derive(Debug)]
+struct TablePool {
+    start: usize,
+    len: usize,
+    /// The next [`POOL_CHUNK`] to fault in, and how many chunks are done.
+    next_chunk: AtomicUsize,
+    chunks_done: AtomicUsize,
+    /// Set when faulting in was refused or is no longer wanted.
+    stopped: AtomicBool,
+    /// Bytes handed out from `start`.
+    carved: Mutex<usize>,
+}
+
+/// What a thread faults in at a time.
+const POOL_CHUNK: usize = 2 << 20;
+
+const PAGE: usize = 4096;
+
+impl PrefaultedTables {
+    /// Maps `bytes` (rounded up to pages) and starts `threads` threads faulting them in.
+    /// `None` when nothing is to be mapped, the mapping fails, or outside Linux.
+    pub fn start(bytes: u64, threads: usize) -> Option<PrefaultedTables> {
+        let len = usize::try_from(bytes).ok()?.checked_next_multiple_of(PAGE)?;
+        let pool = Arc::new(TablePool::map(len)?);
+        for _ in 0..threads.max(1) {
+            let pool = pool.clone();
+            let spawned = std::thread::Builder::new().name("table-prefault".into()).spawn(move || pool.fault_in());
+            if spawned.is_err() {
+                break;
+            }
+        }
+        tracing::debug!(bytes = len, threads, "faulting in the restored tables' memory");
+        Some(PrefaultedTables { pool })
+    }
+
+    /// Runs `reserve` with [`TableAlloc`]'s blocks of this thread carved from this memory
+    /// while they fit (page-aligned), once all of it is faulted in: this thread helps the
+    /// others finish. Returns the blocks that did not fit, allocated as [`record_tables`] does
+    /// and listed as it lists them.
+    pub fn carve_while(&self, reserve: impl FnOnce()) -> Vec<(usize, usize)> {
+        let started = std::time::Instant::now();
+        self.pool.fault_in();
+        let chunks = self.pool.len.div_ceil(POOL_CHUNK);
+        while self.pool.chunks_done.load(Ordering::Acquire) < chunks && !self.pool.stopped.load(Ordering::Relaxed) {
+            std::thread::yield_now();
+        }
+        let waited = started.elapsed();
+        CARVING.with(|carving| *carving.borrow_mut() = Some(self.pool.clone()));
+        let recorded = record_tables(reserve);
+        CARVING.with(|carving| carving.borrow_mut().take());
+        tracing::debug!(
+            waited_ms = waited.as_millis() as u64,
+            carved = self.carved_bytes(),
+            of = self.pool.len,
+            not_carved = recorded.iter().map(|&(_, len)| len).sum::<usize>(),
+            "restored tables carved from memory faulted in while reading"
+        );
+        recorded
+    }
+
+    /// The bytes carved so far.
+    pub fn carved_bytes(&self) -> usize {
+        *self.pool.carved.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Drop for PrefaultedTables {
+    fn drop(&mut self) {
+        self.pool.stopped.store(true, Ordering::Relaxed);
+    }
+}
+
+impl TablePool {
+    /// An anonymous private mapping of `len` bytes (a multiple of pages), on small pages (see
+    /// [`populate`]).
+    #[cfg(target_os = "linux")]
+    fn map(len: usize) -> Option<TablePool> {
+        if len == 0 {
+            return None;
+        }
+        // SAFETY: a new anonymous mapping, at an address the kernel picks; nothing else refers
+        // to it.
+        let start = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if start == libc::MAP_FAILED {
+            return None;
+        }
+        // SAFETY: the mapping just made; MADV_NOHUGEPAGE changes how pages are backed only.
+        unsafe { libc::madvise(start, len, libc::MADV_NOHUGEPAGE) };
+        Some(TablePool {
+            start: start as usize,
+            len,
+            next_chunk: AtomicUsize::new(0),
+            chunks_done: AtomicUsize::new(0),
+            stopped: AtomicBool::new(false),
+            carved: Mutex::new(0),
+        })
+    }
+
+    /// No mapping to fault in outside Linux.
+    #[cfg(not(target_os = "linux"))]
+    fn map(_len: usize) -> Option<TablePool> {
+        None
+    }
+
+    /// Faults in chunks no other thread took until none is left or faulting in is stopped.
+    fn fault_in(&self) {
+        while !self.stopped.load(Ordering::Relaxed) {
+            let at = self.next_chunk.fetch_add(1, Ordering::Relaxed).saturating_mul(POOL_CHUNK);
+            if at >= self.len {
+                return;
+            }
+            if !populate_chunk(self.start + at, POOL_CHUNK.min(self.len - at)) {
+                self.stopped.store(true, Ordering::Relaxed);
+            }
+            self.chunks_done.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    /// The next `layout.size()` bytes (rounded up to pages), while they fit and the alignment
+    /// is at most a page's; registered to be unmapped when freed ([`unmap_carved`]).
+    fn carve(&self, layout: Layout) -> Option<NonNull<[u8]>> {
+        let len = layout.size().checked_next_multiple_of(PAGE)?;
+        if layout.align() > PAGE {
+            return None;
+        }
+        let mut carved = self.carved.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.len - *carved < len {
+            return None;
+        }
+        let address = self.start + *carved;
+        *carved += len;
+        CARVED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(address, len);
+        let piece = std::ptr::slice_from_raw_parts_mut(address as *mut u8, len);
+        NonNull::new(piece)
+    }
+}
+
+/// Faults in `[address, address + len)`, inside a [`TablePool`]'s mapping; whether the kernel
+/// did.
+#[cfg(target_os = "linux")]
+fn populate_chunk(address: usize, len: usize) -> bool {
+    // SAFETY: the range lies in a mapping that outlives the call (its pool is borrowed);
+    // MADV_POPULATE_WRITE faults pages in and keeps their contents (a carved table's writes
+    // included).
+    unsafe { libc::madvise(address as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) == 0 }
+}
+
+/// Nothing to fault in outside Linux (no pool is mapped there).
+#[cfg(not(target_os = "linux"))]
+fn populate_chunk(_address: usize, _len: usize) -> bool {
+    false
+}
+
+impl Drop for TablePool {
+    fn drop(&mut self) {
+        let carved = *self.carved.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if carved < self.len {
+            // SAFETY: the part of the mapping no table was carved from; no thread faults it in
+            // any more (they held this pool).
+            unsafe { libc::munmap((self.start + carved) as *mut libc::c_void, self.len - carved) };
+        }
     }
 }
 
@@ -101,7 +328,6 @@ pub fn record_tables(reserve: impl FnOnce()) -> Vec<(usize, usize)> {
 /// are faulted in where they are first written.
 #[cfg(target_os = "linux")]
 pub fn populate(blocks: &[(usize, usize)], threads: usize) -> usize {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     const CHUNK: usize = 2 << 20;
     let page = 4096;
     let chunks: Vec<(usize, usize)> = blocks

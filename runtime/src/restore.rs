@@ -14,7 +14,10 @@ use std::sync::Arc;
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use weir_checkpoint::recovery::{self, Restorable, Verdict};
-use weir_checkpoint::{FileDigest, FileRef, SnapshotKind, Storage, StorageError};
+use weir_checkpoint::{FileDigest, FileRef, SnapshotKind, Storage, StorageError, SubtaskSnapshot};
+
+use crate::malloc::PrefaultedTables;
+use crate::state::map;
 
 pub mod streamed;
 
@@ -87,6 +90,11 @@ pub enum KeyedFilesIn {
         bytes: u64,
         /// Where larger restores keep them.
         dir: PathBuf,
+        /// The parallelism of each keyed operator (by uid) of the restoring job: with it the
+        /// restore knows the size of the hash tables its subtasks will reserve, and faults
+        /// their memory in while it reads the files ([`restored_table_bytes`]). Empty: not
+        /// before the tables are reserved.
+        parallelism: BTreeMap<String, u32>,
     },
     /// (A larger restore of [`Self::MemoryUpTo`]) Read in parts, each file once, and verified
     /// as the restore reads it rather than before: a state that fills memory leaves no page
@@ -114,7 +122,7 @@ impl KeyedFilesIn {
     /// decided by the bytes of all of them, and for a restore from object storage
     /// (`from_object_storage`) by the bytes per key too ([`STREAMED_FROM_BYTES_PER_KEY`]).
     pub fn for_snapshot(&self, m: &weir_checkpoint::CheckpointMetadata, from_object_storage: bool) -> KeyedFilesIn {
-        let KeyedFilesIn::MemoryUpTo { bytes, dir } = self else { return self.clone() };
+        let KeyedFilesIn::MemoryUpTo { bytes, dir, .. } = self else { return self.clone() };
         let keyed: u64 =
             m.operators.values().flat_map(|op| &op.subtasks).flat_map(|s| &s.keyed_state).map(|f| f.len).sum();
         let long_keys = from_object_storage && long_keys(m, keyed);
@@ -138,6 +146,46 @@ impl KeyedFilesIn {
         crate::state::store::remove_stores_of_dead_processes(dir);
         KeyedFilesIn::LocalReadOnce(dir.clone())
     }
+}
+
+/// The bytes of the hash tables (those a restore faults in, [`map::restored_table_bytes`])
+/// the subtasks of a heap job restoring `m` reserve when each keyed operator runs at
+/// `parallelism[uid]`: each subtask's share of the keys its key groups held, as
+/// [`RestoredState::keyed_for`] counts them, in slots of the size the snapshot recorded. An
+/// operator of another parallelism or a subtask that did not count its keys or its slots adds
+/// nothing: a restore faults those tables in when it reserves them.
+pub fn restored_table_bytes(m: &weir_checkpoint::CheckpointMetadata, parallelism: &BTreeMap<String, u32>) -> u64 {
+    let mut bytes = 0;
+    for (uid, op) in &m.operators {
+        let Some(&restoring) = parallelism.get(uid) else { continue };
+        let held: Vec<&SubtaskSnapshot> = op.subtasks.iter().filter(|s| !s.keyed_state.is_empty()).collect();
+        let Some(slot) = held.iter().map(|s| s.table_slot_bytes).max().flatten() else { continue };
+        for subtask in 0..restoring {
+            let taken = crate::value::key_group_range(subtask, m.max_parallelism, restoring);
+            let entries: Option<u64> = held
+                .iter()
+                .filter(|s| s.key_groups.0 < taken.1 && taken.0 < s.key_groups.1)
+                .map(|s| Some(share_of_entries(counted_entries(s.keyed_entries, files_of(s))?, s.key_groups, taken)))
+                .sum();
+            if let Some(entries) = entries {
+                bytes += map::restored_table_bytes(entries, u64::from(slot));
+            }
+        }
+    }
+    bytes
+}
+
+/// The files of a subtask's snapshot: its chain and its table files.
+fn files_of(s: &SubtaskSnapshot) -> impl Iterator<Item = &FileRef> {
+    s.keyed_state.iter().chain(&s.store_tables)
+}
+
+/// A snapshot's count of keys, `keyed_entries`, believed up to the bytes of its `files`: an
+/// entry takes more than a byte, so a larger count (a damaged or forged document) would only
+/// reserve memory that nothing fills.
+fn counted_entries<'f>(keyed_entries: Option<u64>, files: impl Iterator<Item = &'f FileRef>) -> Option<u64> {
+    let bytes: u64 = files.map(|f| f.len).sum();
+    keyed_entries.map(|entries| entries.min(bytes))
 }
 
 /// Whether the keyed state files of `m` (`keyed` bytes in all) hold at least
@@ -495,6 +543,9 @@ pub struct KeyedRestore {
     /// Every key of every restored chain is one integer (each snapshot says so, or there is
     /// none): the operator may hold them as [`crate::value::IntKey`]s.
     pub int_keys: bool,
+    /// (heap backend) Memory faulted in for the restore's hash tables while it read the files
+    /// ([`RestoredState::faulted_tables`]).
+    pub faulted_tables: Option<Arc<PrefaultedTables>>,
 }
 
 /// Where a restored chain's files are: the storage root and the directory of the `_metadata`
@@ -682,8 +733,7 @@ impl RestoredSubtask {
     /// takes more than a byte, so a larger count (a damaged or forged document) would only
     /// reserve memory that nothing fills.
     fn counted_entries(&self) -> Option<u64> {
-        let bytes: u64 = self.keyed_refs.iter().chain(&self.table_refs).map(|f| f.len).sum();
-        self.keyed_entries.map(|entries| entries.min(bytes))
+        counted_entries(self.keyed_entries, self.keyed_refs.iter().chain(&self.table_refs))
     }
 }
 
@@ -727,6 +777,13 @@ pub struct RestoredState {
     pub in_job_root: bool,
     /// Where its files are (`None` only for snapshots built by hand in tests).
     pub source: Option<ChainSource>,
+    /// (heap backend, [`KeyedFilesIn::MemoryUpTo`] with the job's parallelism, from object
+    /// storage) Memory for the hash tables its subtasks reserve ([`restored_table_bytes`]),
+    /// faulted in on other threads from the moment the metadata was read, while the files
+    /// were downloading: the subtasks carve their tables from it
+    /// ([`crate::malloc::PrefaultedTables`]). Dropped with the restored state, what no table
+    /// took is unmapped.
+    pub faulted_tables: Option<Arc<PrefaultedTables>>,
 }
 
 impl RestoredState {
@@ -738,6 +795,16 @@ impl RestoredState {
         keyed_in: &KeyedFilesIn,
     ) -> Result<RestoredState, RestoreError> {
         let m = &found.metadata;
+        // From object storage only: reading local files keeps both cores busy here, and
+        // faulting the tables in beside it slowed the restore (`runtime/BENCHMARKS.md`,
+        // session 48).
+        let faulted_tables = match keyed_in {
+            KeyedFilesIn::MemoryUpTo { parallelism, .. } if !storage.is_local_filesystem() => {
+                let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+                PrefaultedTables::start(restored_table_bytes(m, parallelism), cores).map(Arc::new)
+            }
+            _ => None,
+        };
         let keyed_in = &keyed_in.for_snapshot(m, !storage.is_local_filesystem());
         let damaged = damaged_files(storage).await?;
         let mut operators = BTreeMap::new();
@@ -833,6 +900,7 @@ impl RestoredState {
             operators,
             in_job_root: true,
             source: Some(ChainSource { storage: storage.clone(), dir: found.dir.clone() }),
+            faulted_tables,
         })
     }
 
@@ -886,6 +954,7 @@ impl RestoredState {
                 .map(|s| Some(share_of_entries(s.counted_entries()?, s.key_groups, key_groups)))
                 .sum(),
             int_keys: overlapping.iter().all(|s| s.int_keys),
+            faulted_tables: self.faulted_tables.clone(),
         })
     }
 }
@@ -1195,7 +1264,7 @@ mod tests {
     };
     use weir_checkpoint::format::{FileKind, StateFileWriter};
     use weir_checkpoint::metadata::FORMAT_VERSION;
-    use weir_checkpoint::{layout, CheckpointMetadata, OperatorSnapshot, SubtaskSnapshot};
+    use weir_checkpoint::{layout, CheckpointMetadata, OperatorSnapshot};
 
     use super::*;
 
@@ -1237,6 +1306,7 @@ mod tests {
             operators: [("counts".to_string(), operator)].into(),
             in_job_root: true,
             source: None,
+            faulted_tables: None,
         };
         let entries = |restored: &RestoredState, key_groups, parallelism| {
             restored.keyed_for("counts", key_groups, parallelism).unwrap().entries
@@ -1250,6 +1320,58 @@ mod tests {
         restored.operators.get_mut("counts").unwrap().subtasks[1].keyed_entries = None;
         assert_eq!(entries(&restored, (0, 64), 1), None, "one count unknown");
         assert_eq!(entries(&restored, (0, 32), 2), Some(100));
+    }
+
+    /// The table bytes a heap restore faults in while it reads are those of the shares its
+    /// subtasks reserve, at the job's parallelism as at another (each restoring subtask's
+    /// share of the counted keys, as `keyed_for` counts them); an operator the job does not
+    /// run at a known parallelism, a subtask without its count or slot size, adds nothing.
+    #[test]
+    fn a_heap_restore_faults_in_the_tables_its_subtasks_reserve() {
+        let subtask = |key_groups, keyed_entries, table_slot_bytes| SubtaskSnapshot {
+            key_groups,
+            keyed_state: vec![FileRef::new("../shared/counts/0-1-1.kv".into(), 1 << 40, 0)],
+            keyed_entries,
+            table_slot_bytes,
+            ..Default::default()
+        };
+        let mut m = CheckpointMetadata {
+            format_version: FORMAT_VERSION,
+            checkpoint_id: 1,
+            kind: SnapshotKind::Checkpoint,
+            job_name: "j".into(),
+            epoch: 1,
+            created_at_ms: 1,
+            max_parallelism: 128,
+            operators: [(
+                "counts".to_string(),
+                OperatorSnapshot {
+                    parallelism: 2,
+                    subtasks: vec![
+                        subtask((0, 64), Some(3_000_000), Some(24)),
+                        subtask((64, 128), Some(1_000_000), Some(24)),
+                    ],
+                    state_layout: None,
+                },
+            )]
+            .into(),
+        };
+        let at = |p: u32| BTreeMap::from([("counts".to_string(), p)]);
+        let tables = |entries| map::restored_table_bytes(entries, 24);
+        assert_eq!(restored_table_bytes(&m, &at(2)), tables(3_000_000) + tables(1_000_000));
+        assert_eq!(restored_table_bytes(&m, &at(1)), tables(4_000_000));
+        assert_eq!(restored_table_bytes(&m, &at(4)), 2 * tables(1_500_000) + 2 * tables(500_000));
+        assert!(tables(1_000_000) > 0 && tables(4_000_000) > tables(3_000_000));
+        assert_eq!(restored_table_bytes(&m, &BTreeMap::new()), 0, "no parallelism known");
+        assert_eq!(restored_table_bytes(&m, &BTreeMap::from([("other".to_string(), 2)])), 0);
+        let counts = m.operators.get_mut("counts").unwrap();
+        counts.subtasks[1].keyed_entries = None;
+        assert_eq!(restored_table_bytes(&m, &at(2)), tables(3_000_000), "the other subtask did not count");
+        assert_eq!(restored_table_bytes(&m, &at(1)), 0, "the restoring subtask's count is unknown");
+        let counts = m.operators.get_mut("counts").unwrap();
+        counts.subtasks[1].keyed_entries = Some(1_000_000);
+        counts.subtasks.iter_mut().for_each(|s| s.table_slot_bytes = None);
+        assert_eq!(restored_table_bytes(&m, &at(2)), 0, "slot sizes not recorded (the rocksdb backend, older)");
     }
 
     /// An in-memory store whose reads of paths containing `failing` fail like a network does.
@@ -1318,6 +1440,7 @@ mod tests {
             store_tables: vec![],
             keyed_entries: None,
             int_keys: false,
+            table_slot_bytes: None,
         };
         complete(s, id, "src", subtask).await;
     }
@@ -1559,7 +1682,8 @@ mod tests {
         // Left by a killed process (pid 4294967295 is never one): deleted by the next such restore.
         let dead_copy = local.path().join("restore-4294967295-0");
         std::fs::write(&dead_copy, b"copy").unwrap();
-        let up_to = |bytes| KeyedFilesIn::MemoryUpTo { bytes, dir: local.path().to_path_buf() };
+        let up_to =
+            |bytes| KeyedFilesIn::MemoryUpTo { bytes, dir: local.path().to_path_buf(), parallelism: BTreeMap::new() };
         let load = |keyed_in| crate::io().block_on(newest_valid(&s, 0, &keyed_in));
         let within = load(up_to(file.len)).unwrap().restored.unwrap();
         let files = within.keyed_for("counts", (0, 8), 1).unwrap().files;
@@ -1613,7 +1737,11 @@ mod tests {
         let object = layout::resolve(&layout::checkpoint_dir(1), &file.path);
         let data = crate::io().block_on(s.get(&object)).unwrap();
         let local = tempfile::tempdir().unwrap();
-        let over = KeyedFilesIn::MemoryUpTo { bytes: file.len - 1, dir: local.path().to_path_buf() };
+        let over = KeyedFilesIn::MemoryUpTo {
+            bytes: file.len - 1,
+            dir: local.path().to_path_buf(),
+            parallelism: BTreeMap::new(),
+        };
         let load = || crate::io().block_on(newest_valid(&s, 0, &over)).map(|sel| sel.restored.unwrap());
         let streamed_of = |restored: &RestoredState| {
             let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
@@ -1693,7 +1821,8 @@ mod tests {
             )]
             .into(),
         };
-        let budget = |bytes| KeyedFilesIn::MemoryUpTo { bytes, dir: dir.path().to_path_buf() };
+        let budget =
+            |bytes| KeyedFilesIn::MemoryUpTo { bytes, dir: dir.path().to_path_buf(), parallelism: BTreeMap::new() };
         let in_ranges = |m: &CheckpointMetadata, bytes, from_object_storage| {
             matches!(budget(bytes).for_snapshot(m, from_object_storage), KeyedFilesIn::LocalReadOnce(_))
         };

@@ -510,6 +510,7 @@ async fn upload(
                 store_tables: Vec::new(),
                 keyed_entries: None,
                 int_keys: false,
+                table_slot_bytes: None,
             };
             if let Some(doc) = parts.operator_doc {
                 let mut w = StateFileWriter::new(FileKind::OperatorState, doc.len());
@@ -544,6 +545,7 @@ async fn upload(
                 let (len, crc) = (keyed.len(), keyed.crc32c);
                 snap.keyed_entries = keyed.live_entries;
                 snap.int_keys = keyed.int_keys;
+                snap.table_slot_bytes = keyed.table_slot_bytes;
                 let rel = match &savepoint_dir {
                     Some(_) => layout::savepoint_keyed_file(&uid, job.subtask),
                     None => layout::shared_keyed_file(&uid, job.subtask, job.barrier.id, epoch),
@@ -904,6 +906,7 @@ mod tests {
             shard_bytes: None,
             in_window_order: false,
             int_keys: false,
+            table_slot_bytes: None,
         };
         let parts = StateParts { keyed: Some(keyed), force_full: Some(force_full.clone()), ..StateParts::default() };
         UploadJob {

@@ -371,7 +371,8 @@ sinks:
     let storage = Storage::open(&chk).unwrap();
     let (dir, metadata, victim) = damage_the_newest_checkpoints_largest_keyed_file(&storage);
     let local = tempfile::tempdir().unwrap();
-    let within_any_budget = KeyedFilesIn::MemoryUpTo { bytes: u64::MAX, dir: local.path().to_path_buf() };
+    let within_any_budget =
+        KeyedFilesIn::MemoryUpTo { bytes: u64::MAX, dir: local.path().to_path_buf(), parallelism: Default::default() };
     assert!(
         matches!(within_any_budget.for_snapshot(&metadata, true), KeyedFilesIn::LocalReadOnce(_)),
         "long values from object storage are read as they are applied: {metadata:?}"

@@ -225,6 +225,12 @@ pub struct SubtaskSnapshot {
     /// written before it was recorded.
     #[serde(default, skip_serializing_if = "is_false")]
     pub int_keys: bool,
+    /// The bytes a key and its value took in the heap backend's hash tables (a slot): with
+    /// `keyed_entries`, what a heap restore knows of its tables' size before it reads the
+    /// files, to fault their memory in while it reads them. Absent on the rocksdb backend and
+    /// in snapshots written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table_slot_bytes: Option<u32>,
 }
 
 /// Whether a flag is unset (left out of the document).
@@ -373,6 +379,7 @@ mod tests {
                     ],
                     keyed_entries: Some(12),
                     int_keys: false,
+                    table_slot_bytes: Some(24),
                 }],
                 state_layout: Some("aggregate[count]".into()),
             },
@@ -406,16 +413,19 @@ mod tests {
         m.operators.get_mut("counts").unwrap().subtasks[0].int_keys = true;
         let text = String::from_utf8(m.encode()).unwrap();
         assert!(text.contains("aggregate[count]") && text.contains(r#""int_keys": true"#), "{text}");
+        assert!(text.contains(r#""table_slot_bytes": 24"#), "{text}");
         assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
         m.operators.get_mut("counts").unwrap().subtasks[0].int_keys = false;
         m.operators.get_mut("counts").unwrap().subtasks[0].store_tables.clear();
         m.operators.get_mut("counts").unwrap().subtasks[0].keyed_entries = None;
+        m.operators.get_mut("counts").unwrap().subtasks[0].table_slot_bytes = None;
         m.operators.get_mut("counts").unwrap().state_layout = None;
         let text = String::from_utf8(m.encode()).unwrap();
         assert!(!text.contains("store_tables"), "an empty list is left out: {text}");
         assert!(!text.contains("keyed_entries"), "an unknown count is left out: {text}");
         assert!(!text.contains("state_layout"), "an unknown layout is left out: {text}");
         assert!(!text.contains("int_keys"), "keys not known to be integers are left out: {text}");
+        assert!(!text.contains("table_slot_bytes"), "an unknown slot size is left out: {text}");
         assert_eq!(CheckpointMetadata::decode(text.as_bytes()).unwrap(), m);
     }
 

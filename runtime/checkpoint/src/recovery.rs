@@ -203,6 +203,7 @@ mod tests {
                     store_tables: vec![FileRef::new(table, file_len as u64, 0)],
                     keyed_entries: None,
                     int_keys: false,
+                    table_slot_bytes: None,
                 }],
                 state_layout: None,
             },

@@ -86,7 +86,7 @@ impl KeyedContext {
             }
             let started = std::time::Instant::now();
             if let Some(entries) = r.entries {
-                state.reserve_restored_entries(entries);
+                state.reserve_restored_entries(entries, r.faulted_tables.as_deref());
             }
             if !self.restore_chain_by_shard(&mut state, r)? {
                 for (i, file) in r.files.iter().enumerate() {
@@ -666,6 +666,7 @@ mod tests {
             entries: None,
             adoptable: None,
             int_keys: false,
+            faulted_tables: None,
         }
     }
 

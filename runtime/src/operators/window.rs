@@ -373,6 +373,7 @@ mod tests {
             entries: None,
             adoptable: None,
             int_keys: false,
+            faulted_tables: None,
         };
         WindowOperator::new(w.ctx.clone(), spec, &["k".to_string(), "v".to_string()], Some(&restore)).unwrap()
     }
@@ -594,6 +595,7 @@ mod tests {
                         entries: None,
                         adoptable: None,
                         int_keys: false,
+                        faulted_tables: None,
                     };
                     let ctx = KeyedContext {
                         uid: "w".into(),

@@ -729,12 +729,12 @@ mod tests {
             for (range, recorded, said) in cases.into_iter().chain([((0, 16), true, false), ((1, 12), false, false)]) {
                 let case = format!("{in_window_order} in window order, {range:?}, recorded {recorded}, said {said}");
                 let mut by_file = KeyedState::<i64>::new(16, true, 100);
-                by_file.reserve_restored_entries(live);
+                by_file.reserve_restored_entries(live, None);
                 for body in bodies(files) {
                     by_file.restore_file(body, range).unwrap();
                 }
                 let mut by_shard = KeyedState::<i64>::new(16, true, 100);
-                by_shard.reserve_restored_entries(live);
+                by_shard.reserve_restored_entries(live, None);
                 let windows = (0..map::SHARDS).map(|s| by_shard.map.shard_buckets(s) / WINDOW_BUCKETS).max().unwrap();
                 assert!(windows >= 2, "the shards' entries are applied in {windows} windows");
                 let starts = if recorded { chain.recorded() } else { vec![None; files.len()] };
@@ -818,7 +818,7 @@ mod tests {
                 .collect();
             assert!(restored.last().unwrap().in_window_order);
             let mut s = KeyedState::<i64>::new(16, true, 100);
-            s.reserve_restored_entries(live);
+            s.reserve_restored_entries(live, None);
             let windows = (0..map::SHARDS).map(|shard| s.map.shard_buckets(shard) / WINDOW_BUCKETS).max().unwrap();
             assert!(windows >= 2, "{windows} windows");
             let result = s.restore_chain_by_shard(&restored, (0, 16));
@@ -875,7 +875,7 @@ mod tests {
                 .collect();
             restored[file].in_window_order = true;
             let mut s = KeyedState::<i64>::new(16, true, 100);
-            s.reserve_restored_entries(live);
+            s.reserve_restored_entries(live, None);
             let room = s.map.capacity();
             assert!(!s.restore_chain_by_shard(&restored, (0, 16)).unwrap(), "case {n}: file {file}");
             assert_eq!((s.cached_len(), s.map.capacity()), (0, room), "case {n}: emptied, its room kept");
@@ -914,7 +914,7 @@ mod tests {
             let mut starts = chain.recorded();
             starts[file] = Some(&wrong);
             let mut s = KeyedState::<i64>::new(16, true, 100);
-            s.reserve_restored_entries(live);
+            s.reserve_restored_entries(live, None);
             let room = s.map.capacity();
             if taken {
                 assert!(!s.restore_chain_by_shard(&chain.restored(&starts), (0, 16)).unwrap(), "case {n}");
@@ -944,7 +944,7 @@ mod tests {
         let image = &chain.files[..1];
         let files = [image[0].clone(), file];
         let mut s = KeyedState::<i64>::new(16, true, 100);
-        s.reserve_restored_entries(live + 1000);
+        s.reserve_restored_entries(live + 1000, None);
         let room = s.map.capacity();
         assert!(!s.restore_chain_by_shard(&unsaid(&files), (0, 16)).unwrap());
         assert_eq!((s.cached_len(), s.map.capacity()), (0, room), "emptied, its room kept");

@@ -128,6 +128,27 @@ fn restored_capacity(entries: u64) -> u64 {
     share_of(entries)
 }
 
+/// The bytes of the tables a map whose entries take `slot_bytes` each (a key and its value)
+/// allocates to restore `entries` ([`ShardedMap::reserve_prefaulted`]), counting only tables
+/// of [`crate::malloc::CARVED_FROM_BYTES`] or more, each rounded up to whole pages: what a
+/// restore can fault in before it knows the map's types
+/// ([`crate::malloc::PrefaultedTables`]). hashbrown's layout: a power of two of buckets at
+/// most seven eighths full, each a slot and a control byte, and a group of control bytes
+/// more.
+pub fn restored_table_bytes(entries: u64, slot_bytes: u64) -> u64 {
+    const GROUP: u64 = 16;
+    let capacity = restored_capacity(entries);
+    if capacity < 15 || slot_bytes == 0 {
+        return 0;
+    }
+    let buckets = (capacity * 8 / 7).next_power_of_two();
+    let table = (buckets * slot_bytes).next_multiple_of(GROUP) + buckets + GROUP;
+    if table < crate::malloc::CARVED_FROM_BYTES as u64 {
+        return 0;
+    }
+    SHARDS as u64 * table.next_multiple_of(4096)
+}
+
 /// The hash the map gives a key.
 #[inline]
 pub fn hash_of<K: Hash>(key: &K) -> u64 {
@@ -428,6 +449,9 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
         self.iter_mut().map(|(_, v)| v)
     }
 
+    /// The bytes an entry takes in a table (its key and value, without the control byte).
+    pub const SLOT_BYTES: usize = std::mem::size_of::<(K, V)>();
+
     /// Makes room for `additional` more entries about to be restored: each shard its share
     /// and a sixteenth ([`restored_capacity`]), in tables faulted in first, on every core
     /// ([`crate::malloc::populate`]). A restore fills them through [`Self::fill_concurrently`]
@@ -437,14 +461,21 @@ impl<K: Hash + Eq, V> ShardedMap<K, V> {
     /// point instead, 90M keys took 8.2 GB of tables (a power of two of buckets more for the
     /// first 15 shards) and restored in 2.9–3.8 s; reserved their share, 6.6 GB and 2.0–2.1 s
     /// (`runtime/BENCHMARKS.md`, session 38).
-    pub fn reserve_prefaulted(&mut self, additional: usize) {
+    ///
+    /// With `faulted`, memory faulted in while the restore read its files, the tables are
+    /// carved from it as far as it goes ([`crate::malloc::PrefaultedTables::carve_while`]),
+    /// and only the others are faulted in here.
+    pub fn reserve_prefaulted(&mut self, additional: usize, faulted: Option<&crate::malloc::PrefaultedTables>) {
         let share = restored_capacity(additional as u64) as usize;
         let reserve = || {
             for shard in self.shards.iter_mut() {
                 shard.reserve(share, |(k, _)| hash_of(k));
             }
         };
-        let blocks = crate::malloc::record_tables(reserve);
+        let blocks = match faulted {
+            Some(faulted) => faulted.carve_while(reserve),
+            None => crate::malloc::record_tables(reserve),
+        };
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         crate::malloc::populate(&blocks, cores.min(MAX_POPULATING_THREADS));
     }
@@ -669,6 +700,55 @@ mod tests {
         }
     }
 
+    /// The table bytes a restore faults in before it knows the map's types are the bytes of
+    /// every table the map then reserves (of a megabyte or more), page by page, for slots of
+    /// 16, 24 and 40 bytes; carved from memory faulted in, the tables fill, hold and free their
+    /// entries like any, what is left over is too small for the next table, and a map whose
+    /// tables do not fit takes the rest from the allocator.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn restored_table_bytes_are_the_tables_a_restore_reserves_and_carves() {
+        fn reserved<K: Hash + Eq, V>(entries: u64) -> u64 {
+            let mut map: ShardedMap<K, V> = ShardedMap::default();
+            for shard in map.shards.iter_mut() {
+                shard.reserve(restored_capacity(entries) as usize, |(k, _)| hash_of(k));
+            }
+            let tables = map.shards.iter().map(HashTable::allocation_size);
+            tables
+                .filter(|&len| len >= crate::malloc::CARVED_FROM_BYTES)
+                .map(|len| len.next_multiple_of(4096) as u64)
+                .sum()
+        }
+        for entries in [0, 1_000, 30_000, 300_000, 1_000_000, 3_000_000, 9_000_000] {
+            assert_eq!(restored_table_bytes(entries, 16), reserved::<u64, u64>(entries), "{entries} of 16 bytes");
+            assert_eq!(restored_table_bytes(entries, 24), reserved::<u64, [u64; 2]>(entries), "{entries} of 24");
+            assert_eq!(restored_table_bytes(entries, 40), reserved::<u64, [u64; 4]>(entries), "{entries} of 40");
+        }
+        assert!(restored_table_bytes(3_000_000, 24) > 64 << 20, "a real size");
+
+        let n = 3_000_000u64;
+        let faulted = crate::malloc::PrefaultedTables::start(restored_table_bytes(n, 16) + 4096, 2).unwrap();
+        let mut map: ShardedMap<u64, u64> = ShardedMap::default();
+        map.reserve_prefaulted(n as usize, Some(&faulted));
+        assert_eq!(faulted.carved_bytes() as u64, restored_table_bytes(n, 16), "every table carved");
+        for k in 0..n {
+            assert_eq!(map.insert_hashed(hash_of(&k), k, k + 1), None);
+        }
+        assert!((0..n).step_by(997).all(|k| map.get(&k) == Some(&(k + 1))), "carved tables hold their entries");
+        // Another map's tables no longer fit: the allocator's.
+        let mut other: ShardedMap<u64, u64> = ShardedMap::default();
+        other.reserve_prefaulted(n as usize, Some(&faulted));
+        assert_eq!(faulted.carved_bytes() as u64, restored_table_bytes(n, 16), "no more fits");
+        other.insert_hashed(hash_of(&1), 1, 2);
+        drop(faulted);
+        assert_eq!(other.get(&1), Some(&2));
+        // Grown past its reservation, each carved table is freed (unmapped) for a larger one.
+        for k in n..3 * n {
+            map.insert_hashed(hash_of(&k), k, k + 1);
+        }
+        assert!((0..3 * n).step_by(991).all(|k| map.get(&k) == Some(&(k + 1))), "after growing");
+    }
+
     /// A map reserved for a restore takes its entries without a shard growing, in the fewest
     /// buckets its share needs; after it, a shard grows at its next new key
     /// when it holds more than its growth point, and only then.
@@ -678,7 +758,7 @@ mod tests {
         // of the first shards, below the last ones'.
         let n = 420_000u64;
         let mut map: ShardedMap<u64, u64> = ShardedMap::default();
-        map.reserve_prefaulted(n as usize);
+        map.reserve_prefaulted(n as usize, None);
         let reserved: Vec<usize> = map.shards.iter().map(HashTable::capacity).collect();
         for k in 0..n {
             assert_eq!(map.insert_hashed(hash_of(&k), k, k), None);
@@ -856,7 +936,7 @@ mod tests {
         map.retain(|k, _| k % 2 == 0);
         assert_eq!(map.len(), model.keys().filter(|k| *k % 2 == 0).count());
         assert!(map.contains_key(&model.keys().copied().find(|k| k % 2 == 0).unwrap()));
-        map.reserve_prefaulted(100_000);
+        map.reserve_prefaulted(100_000, None);
         assert!(map.shards.iter().all(|s| s.capacity() >= 100_000 / SHARDS), "every shard has its share");
         for (index, shard) in map.shards.iter().enumerate() {
             let share = shard.len() + 100_000 / SHARDS;

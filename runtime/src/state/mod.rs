@@ -323,6 +323,9 @@ pub struct KeyedSnapshot {
     /// state holds its keys as [`crate::value::IntKey`]s
     /// ([`weir_checkpoint::SubtaskSnapshot::int_keys`]).
     pub int_keys: bool,
+    /// (heap backend) The bytes an entry takes in the map's tables
+    /// ([`weir_checkpoint::SubtaskSnapshot::table_slot_bytes`]).
+    pub table_slot_bytes: Option<u32>,
 }
 
 impl<V: StateValue, K: StateKey> KeyedState<V, K> {
@@ -951,6 +954,10 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             (Some(_), _) => None,
         };
         snapshot.int_keys = K::INTEGERS_ONLY;
+        snapshot.table_slot_bytes = match &self.spill {
+            None => u32::try_from(map::ShardedMap::<K, Slot<V>>::SLOT_BYTES).ok(),
+            Some(_) => None,
+        };
         snapshot
     }
 
@@ -1144,11 +1151,12 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
 
     /// Makes room for `entries` keys about to be restored: the number the restored snapshot
     /// counted (`SubtaskSnapshot::keyed_entries`), so that a chain whose increments add keys
-    /// does not grow the map as it is applied. Nothing to do on the rocksdb backend, which
-    /// restores into its store.
-    pub fn reserve_restored_entries(&mut self, entries: u64) {
+    /// does not grow the map as it is applied; its tables carved from `faulted` as far as it
+    /// goes (memory the restore faulted in while it read the files). Nothing to do on the
+    /// rocksdb backend, which restores into its store.
+    pub fn reserve_restored_entries(&mut self, entries: u64, faulted: Option<&crate::malloc::PrefaultedTables>) {
         if self.spill.is_none() {
-            self.map.reserve_prefaulted(usize::try_from(entries).unwrap_or(usize::MAX));
+            self.map.reserve_prefaulted(usize::try_from(entries).unwrap_or(usize::MAX), faulted);
         }
     }
 
@@ -1167,7 +1175,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             let entry = entry?;
             puts += usize::from(entry.value.is_some() && owns(key_groups, entry.key_group));
         }
-        self.map.reserve_prefaulted(puts);
+        self.map.reserve_prefaulted(puts, None);
         Ok(())
     }
 
@@ -1647,6 +1655,7 @@ fn written(
         shard_bytes: None,
         in_window_order: false,
         int_keys: false,
+        table_slot_bytes: None,
     }
 }
 
@@ -1909,7 +1918,7 @@ mod tests {
         let mut s = KeyedState::<i64>::new(16, true, 100);
         let mut model = std::collections::BTreeMap::new();
         let mut chain = Vec::new();
-        let mut newest = None;
+        let (mut newest, mut slot) = (None, None);
         for round in 0..6i64 {
             for i in round * 20_000..(round + 1) * 20_000 {
                 *s.update(key(i), || 0).unwrap() += i;
@@ -1923,10 +1932,17 @@ mod tests {
             let snapshot = s.snapshot_checkpoint().unwrap();
             assert_eq!(snapshot.live_entries, Some(model.len() as u64), "round {round}");
             newest = snapshot.live_entries;
+            slot = snapshot.table_slot_bytes;
             chain.push(snapshot.bytes());
         }
+        // The tables' memory, faulted in from the counts and the slot size alone (as a
+        // restore does while it reads the files), is what the restore's tables take.
+        let tables = map::restored_table_bytes(newest.unwrap(), u64::from(slot.unwrap()));
+        assert!(tables > 0);
+        let faulted = crate::malloc::PrefaultedTables::start(tables, 2).unwrap();
         let mut restored = KeyedState::<i64>::new(16, true, 100);
-        restored.reserve_restored_entries(newest.unwrap());
+        restored.reserve_restored_entries(newest.unwrap(), Some(&faulted));
+        assert_eq!(faulted.carved_bytes() as u64, tables, "every table carved, and all of it");
         let room = restored.map.capacity();
         assert!(room >= model.len(), "room for {room} entries, {} to restore", model.len());
         for f in &chain {
@@ -2035,7 +2051,7 @@ mod tests {
         assert!(counted <= model.len() as u64 + 1_000, "{counted} counted: more than the cache above the keys");
 
         let mut restored = KeyedState::<i64>::new(16, true, 100);
-        restored.reserve_restored_entries(counted);
+        restored.reserve_restored_entries(counted, None);
         let room = restored.map.capacity();
         restored.restore_file(open(&savepoint.bytes()).unwrap().1, (0, 16)).unwrap();
         assert_eq!(restored.map.capacity(), room, "the map grew while the savepoint was applied");
