@@ -23,6 +23,8 @@
 #   none    local disk only.
 # The server shares the machine's cores with weir unless --pin puts weir on core 0 and the
 # server on core 1 (as a remote server would not take weir's CPU; weir then has one core).
+# --link-rate RATE (e.g. 4gbit; root, tc's tbf) limits loopback to RATE during the restores,
+# as a network between weir and its object storage would (local disk is not limited).
 # Its CPU time during each restore is printed too.
 #
 # Needs about twice the checkpoint's size of free disk under --work and the state's memory
@@ -30,7 +32,7 @@
 #
 # usage: runtime/benches/restore-at-scale.sh [--shape long-values|count] [--keys N] [--runs R]
 #                                            [--server minio|s3s-fs|none] [--pin] [--work DIR]
-#                                            [--keep]
+#                                            [--link-rate RATE] [--keep]
 set -euo pipefail
 
 shape=long-values
@@ -38,6 +40,7 @@ keys=
 runs=3
 server=minio
 pin=false
+link_rate=
 work=${TMPDIR:-/tmp}/weir-restore-at-scale
 keep=false
 while [ $# -gt 0 ]; do
@@ -47,6 +50,7 @@ while [ $# -gt 0 ]; do
         --runs) runs="$2"; shift 2 ;;
         --server) server="$2"; shift 2 ;;
         --pin) pin=true; shift ;;
+        --link-rate) link_rate="$2"; shift 2 ;;
         --work) work="$2"; shift 2 ;;
         --keep) keep=true; shift ;;
         *) echo "restore-at-scale: unknown argument $1" >&2; exit 2 ;;
@@ -77,6 +81,7 @@ port=9561
 bucket=weir-bench
 server_pid=
 cleanup() {
+    [ -n "$link_rate" ] && tc qdisc del dev lo root 2>/dev/null
     [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
     if [ "$keep" = false ]; then rm -rf "$work"; else echo "restore-at-scale: kept $work" >&2; fi
 }
@@ -191,6 +196,11 @@ if [ -n "$server_pid" ]; then
     s3_checkpoint=s3://$bucket/gen/checkpoints/$(newest_in "$work/server/$bucket/gen/checkpoints")
 fi
 
+if [ -n "$link_rate" ]; then
+    tc qdisc replace dev lo root tbf rate "$link_rate" burst 4mb latency 100ms \
+        || { echo "restore-at-scale: cannot limit loopback to $link_rate (root and tc's tbf needed)" >&2; exit 1; }
+fi
+
 # median of the per-GiB figures given on stdin, one per line (the lower middle one of an even count)
 median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 local_figures=()
@@ -217,7 +227,8 @@ printf 'restore at scale (%s, %d keys), from a new process'"'"'s start to the st
 printf '  local disk: %.2f s per GiB\n' "$local_median"
 if [ ${#s3_figures[@]} -gt 0 ]; then
     s3_median=$(printf '%s\n' "${s3_figures[@]}" | median)
-    printf '  %s on loopback%s: %.2f s per GiB (%.2f× local disk)\n' "$server" \
+    printf '  %s on loopback%s%s: %.2f s per GiB (%.2f× local disk)\n' "$server" \
+        "$([ -n "$link_rate" ] && echo " limited to $link_rate")" \
         "$([ "$pin" = true ] && echo ', weir on core 0 and the server on core 1' || echo ', sharing the cores')" \
         "$s3_median" "$(echo "scale=3; $s3_median / $local_median" | bc)"
 fi
