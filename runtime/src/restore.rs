@@ -801,7 +801,10 @@ impl RestoredState {
         let faulted_tables = match keyed_in {
             KeyedFilesIn::MemoryUpTo { parallelism, .. } if !storage.is_local_filesystem() => {
                 let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-                PrefaultedTables::start(restored_table_bytes(m, parallelism), cores).map(Arc::new)
+                // A damaged document's slot size must not fault in more than the process may
+                // use: at most half of it (the tables' reserves fault in the rest themselves).
+                let most = crate::memory_limit::process_memory_limit().map_or(u64::MAX, |limit| limit / 2);
+                PrefaultedTables::start(restored_table_bytes(m, parallelism).min(most), cores).map(Arc::new)
             }
             _ => None,
         };

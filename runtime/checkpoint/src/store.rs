@@ -178,6 +178,25 @@ pub const GET_RANGE_BYTES: u64 = 16 << 20;
 /// Ranges of one object fetched at once ([`Storage::get_with_crc32c`]).
 pub const GET_RANGES_IN_FLIGHT: usize = 4;
 
+/// Reads the body of `res` (of object `rel`) into `part`, and returns its CRC-32C and length;
+/// `None` when the body is not `part`'s length.
+async fn read_body_into(
+    res: object_store::GetResult,
+    rel: &str,
+    part: &mut [u8],
+) -> Result<Option<(u32, usize)>, StorageError> {
+    let (mut crc, mut at) = (0u32, 0usize);
+    let mut chunks = res.into_stream();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(io("read", rel))?;
+        let Some(into) = part.get_mut(at..at + chunk.len()) else { return Ok(None) };
+        into.copy_from_slice(&chunk);
+        crc = crc32c::crc32c_append(crc, &chunk);
+        at += chunk.len();
+    }
+    Ok((at == part.len()).then_some((crc, at)))
+}
+
 /// Parts of a file written by [`Storage::put_file`]: S3 takes at most 10,000 parts, so a file
 /// of up to about 80 GiB.
 const FILE_PART_BYTES: usize = 8 << 20;
@@ -552,60 +571,54 @@ impl Storage {
     /// Reads a whole object of `len` bytes as ranges of [`GET_RANGE_BYTES`], at most
     /// [`GET_RANGES_IN_FLIGHT`] at a time, and returns it with its CRC-32C
     /// ([`Storage::get_with_crc32c`]); `None` when a response says the object is not `len`
-    /// bytes long or not the object (ETag) the first response was of.
+    /// bytes long (or is empty) or not the object (ETag) the first response was of. Nothing is allocated for
+    /// the object before the first range's response says it is `len` bytes long (a damaged
+    /// document's length would not size a buffer).
     pub async fn get_in_ranges(&self, rel: &str, len: u64) -> Result<Option<(Bytes, u32)>, StorageError> {
-        let Ok(size) = usize::try_from(len) else { return Ok(None) };
+        if len == 0 {
+            return Ok(None);
+        }
         let path = self.full(rel);
-        let first_tag = std::sync::OnceLock::<Option<String>>::new();
+        let first = self.get_range_response(&path, rel, 0..len.min(GET_RANGE_BYTES)).await?;
+        let size = match usize::try_from(len) {
+            Ok(size) if first.meta.size == len && first.range == (0..len.min(GET_RANGE_BYTES)) => size,
+            _ => return Ok(None),
+        };
+        let tag = first.meta.e_tag.clone();
         let mut data = vec![0u8; size];
-        let parts: Vec<Option<(u32, usize)>> = futures::stream::iter(
-            data.chunks_mut(GET_RANGE_BYTES as usize)
-                .enumerate()
-                .map(|(i, part)| self.get_range_into(&path, rel, len, &first_tag, i as u64 * GET_RANGE_BYTES, part)),
-        )
-        .buffered(GET_RANGES_IN_FLIGHT)
-        .try_collect()
-        .await?;
-        let Some(parts) = parts.into_iter().collect::<Option<Vec<_>>>() else { return Ok(None) };
+        let (head, rest) = data.split_at_mut(size.min(GET_RANGE_BYTES as usize));
+        let rest = futures::stream::iter(rest.chunks_mut(GET_RANGE_BYTES as usize).enumerate().map(|(i, part)| {
+            let start = (i as u64 + 1) * GET_RANGE_BYTES;
+            let tag = &tag;
+            let path = &path;
+            async move {
+                let res = self.get_range_response(path, rel, start..start + part.len() as u64).await?;
+                match res.meta.size == len && res.range == (start..start + part.len() as u64) && res.meta.e_tag == *tag
+                {
+                    true => read_body_into(res, rel, part).await,
+                    false => Ok(None),
+                }
+            }
+        }))
+        .buffered(GET_RANGES_IN_FLIGHT - 1)
+        .try_collect::<Vec<_>>();
+        let (head, rest) = futures::future::try_join(read_body_into(first, rel, head), rest).await?;
+        let Some(parts) = std::iter::once(head).chain(rest).collect::<Option<Vec<_>>>() else { return Ok(None) };
         let crc =
             parts.into_iter().fold(0, |crc, (part_crc, part_len)| crc32c::crc32c_combine(crc, part_crc, part_len));
         Ok(Some((Bytes::from(data), crc)))
     }
 
-    /// Reads the bytes of object `path` (`rel`, `len` bytes long) from `start` into `part`, and
-    /// returns their CRC-32C and count; `None` when the response is of another object than
-    /// `len` bytes with the ETag the first response gave (`first_tag`), or not of `part`'s bytes.
-    async fn get_range_into(
+    /// The response to a GET of bytes `range` of object `path` (`rel`).
+    async fn get_range_response(
         &self,
         path: &Path,
         rel: &str,
-        len: u64,
-        first_tag: &std::sync::OnceLock<Option<String>>,
-        start: u64,
-        part: &mut [u8],
-    ) -> Result<Option<(u32, usize)>, StorageError> {
-        let range = start..start + part.len() as u64;
-        let options = object_store::GetOptions {
-            range: Some(object_store::GetRange::Bounded(range.clone())),
-            ..Default::default()
-        };
-        let res = self.store.get_opts(path, options).await.map_err(io("get", rel))?;
-        if res.meta.size != len
-            || res.range != range
-            || *first_tag.get_or_init(|| res.meta.e_tag.clone()) != res.meta.e_tag
-        {
-            return Ok(None);
-        }
-        let (mut crc, mut at) = (0u32, 0usize);
-        let mut chunks = res.into_stream();
-        while let Some(chunk) = chunks.next().await {
-            let chunk = chunk.map_err(io("read", rel))?;
-            let Some(into) = part.get_mut(at..at + chunk.len()) else { return Ok(None) };
-            into.copy_from_slice(&chunk);
-            crc = crc32c::crc32c_append(crc, &chunk);
-            at += chunk.len();
-        }
-        Ok((at == part.len()).then_some((crc, at)))
+        range: std::ops::Range<u64>,
+    ) -> Result<object_store::GetResult, StorageError> {
+        let options =
+            object_store::GetOptions { range: Some(object_store::GetRange::Bounded(range)), ..Default::default() };
+        self.store.get_opts(path, options).await.map_err(io("get", rel))
     }
 
     /// Reads bytes `range` of an object.
@@ -1069,8 +1082,8 @@ mod tests {
     }
 
     /// From an object store, an object read as ranges is its bytes and checksum whether its
-    /// ranges divide it or not; one whose length is not the one given is read whole (the
-    /// caller's check then finds the length wrong); a missing one is not found. (The S3 server's
+    /// ranges divide it or not; one whose length is not the one given (even absurdly) is read
+    /// whole (the caller's check then finds the length wrong); a missing one is not found. (The S3 server's
     /// test is in `runtime/tests/s3.rs`.)
     #[tokio::test]
     async fn objects_read_as_ranges_are_the_object_with_its_checksum() {
@@ -1084,7 +1097,9 @@ mod tests {
             assert_eq!(s.get_in_ranges(&name, len as u64).await.unwrap().as_ref(), Some(&whole), "{len} as ranges");
             assert!(!matches!(s.get_in_ranges(&name, len as u64 - 1).await, Ok(Some(_))), "{len} said one less");
             assert!(!matches!(s.get_in_ranges(&name, len as u64 + 1).await, Ok(Some(_))), "{len} said one more");
-            let said = [len, len - 1, len + 1];
+            // A damaged document's length sizes no buffer: the first range says it is wrong.
+            assert!(matches!(s.get_in_ranges(&name, 1 << 50).await, Ok(None)), "{len} said to be a petabyte");
+            let said = [len, len - 1, len + 1, 1 << 50];
             let reads = futures::future::try_join_all(said.map(|said| s.get_with_crc32c(&name, said as u64))).await;
             assert!(reads.unwrap().iter().all(|read| *read == whole), "{len} bytes, said right or not: read whole");
         }
