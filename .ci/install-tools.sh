@@ -35,16 +35,8 @@ if [ ! -x "$tools/bin/helm" ] || ! grep -q "$HELM_VERSION" "$tools/.helm-version
     go install helm.sh/helm/v3/cmd/helm@"$HELM_VERSION" >&2
   echo "$HELM_VERSION" > "$tools/.helm-version"
 fi
-missing=()
-for tool in openssl curl java mvn; do command -v "$tool" >/dev/null || missing+=("$tool"); done
-missing=("${missing[@]/java/openjdk-17-jre-headless}")
-missing=("${missing[@]/mvn/maven}")
-# strace: the runtime test that checks local storage fsyncs before it publishes.
-for pkg in libssl-dev zlib1g-dev pkg-config strace librocksdb-dev libclang-dev; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "installing ${missing[*]} (apt)" >&2
-  apt-get update >&2 && apt-get install -y "${missing[@]}" >&2
-fi
+# The Debian packages (openssl, curl, Java, Maven, librdkafka's and RocksDB's build needs).
+bash "$(dirname "$0")/install-packages.sh"
 # The Kafka broker: its jars (and their dependencies) resolved by Maven into the cache.
 kafka_pom="$(dirname "$0")/kafka/pom.xml"
 kafka_libs="$cache/kafka/lib"

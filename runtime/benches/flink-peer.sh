@@ -62,6 +62,8 @@ if [ ! -f "$classes/KeyedCount.class" ] || [ "$src" -nt "$classes/KeyedCount.cla
 fi
 
 echo "flink-peer: building weir-runtime (release)" >&2
+# The Debian packages the build needs (RocksDB, libclang, librdkafka's), on a fresh machine.
+bash "$repo/.ci/install-packages.sh" >&2
 # Default features: `--backend rocksdb` needs the rocksdb backend, and the binary is then the one
 # every other bench and `cargo build --release` make (no second build of the dependencies).
 (cd "$repo" && cargo build --quiet --release -p weir-runtime)

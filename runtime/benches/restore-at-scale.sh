@@ -70,6 +70,8 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 cache=${WEIR_CACHE:-$HOME/.cache/weir}
 tools=$cache/tools
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/target}
+# The Debian packages the build needs (RocksDB, libclang, librdkafka's), on a fresh machine.
+bash "$repo/.ci/install-packages.sh" >&2
 # Default features, as `cargo test --release` in .ci/run builds them (`cloud` for s3://).
 (cd "$repo" && cargo build --release --locked -p weir-runtime --bin weir-runtime >&2)
 weir=$CARGO_TARGET_DIR/release/weir-runtime
