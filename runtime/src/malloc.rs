@@ -127,7 +127,7 @@ pub struct PrefaultedTables {
 struct TablePool {
     start: usize,
     len: usize,
-    /// The next [`POOL_CHUNK`] to fault in, and how many chunks are done.
+    /// The next [`FAULT_CHUNK`] to fault in, and how many chunks are done.
     next_chunk: AtomicUsize,
     chunks_done: AtomicUsize,
     /// Set when faulting in was refused or is no longer wanted.
@@ -136,8 +136,8 @@ struct TablePool {
     carved: Mutex<usize>,
 }
 
-/// What a thread faults in at a time.
-const POOL_CHUNK: usize = 2 << 20;
+/// What a thread faults in at a time ([`populate`], [`PrefaultedTables`]).
+const FAULT_CHUNK: usize = 2 << 20;
 
 const PAGE: usize = 4096;
 
@@ -165,7 +165,7 @@ impl PrefaultedTables {
     pub fn carve_while(&self, reserve: impl FnOnce()) -> Vec<(usize, usize)> {
         let started = std::time::Instant::now();
         self.pool.fault_in();
-        let chunks = self.pool.len.div_ceil(POOL_CHUNK);
+        let chunks = self.pool.len.div_ceil(FAULT_CHUNK);
         while self.pool.chunks_done.load(Ordering::Acquire) < chunks && !self.pool.stopped.load(Ordering::Relaxed) {
             std::thread::yield_now();
         }
@@ -239,11 +239,11 @@ impl TablePool {
     /// Faults in chunks no other thread took until none is left or faulting in is stopped.
     fn fault_in(&self) {
         while !self.stopped.load(Ordering::Relaxed) {
-            let at = self.next_chunk.fetch_add(1, Ordering::Relaxed).saturating_mul(POOL_CHUNK);
+            let at = self.next_chunk.fetch_add(1, Ordering::Relaxed).saturating_mul(FAULT_CHUNK);
             if at >= self.len {
                 return;
             }
-            if !populate_chunk(self.start + at, POOL_CHUNK.min(self.len - at)) {
+            if !populate_chunk(self.start + at, FAULT_CHUNK.min(self.len - at)) {
                 self.stopped.store(true, Ordering::Relaxed);
             }
             self.chunks_done.fetch_add(1, Ordering::Release);
@@ -269,13 +269,13 @@ impl TablePool {
     }
 }
 
-/// Faults in `[address, address + len)`, inside a [`TablePool`]'s mapping; whether the kernel
-/// did.
+/// Faults in the pages of `[address, address + len)`, keeping their contents; whether the
+/// kernel did (it refuses where nothing is mapped, and before Linux 5.14).
 #[cfg(target_os = "linux")]
 fn populate_chunk(address: usize, len: usize) -> bool {
-    // SAFETY: the range lies in a mapping that outlives the call (its pool is borrowed);
-    // MADV_POPULATE_WRITE faults pages in and keeps their contents (a carved table's writes
-    // included).
+    // SAFETY: madvise takes an address range and reads or writes no memory through it;
+    // MADV_POPULATE_WRITE only faults the range's pages in, keeping their contents (a table's
+    // writes included), and fails (it does not fault) where nothing is mapped.
     unsafe { libc::madvise(address as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) == 0 }
 }
 
@@ -328,20 +328,18 @@ pub fn record_tables(reserve: impl FnOnce()) -> Vec<(usize, usize)> {
 /// are faulted in where they are first written.
 #[cfg(target_os = "linux")]
 pub fn populate(blocks: &[(usize, usize)], threads: usize) -> usize {
-    const CHUNK: usize = 2 << 20;
-    let page = 4096;
     let chunks: Vec<(usize, usize)> = blocks
         .iter()
         .flat_map(|&(address, len)| {
-            let (start, end) = (address.next_multiple_of(page), (address + len) / page * page);
-            (start..end.max(start)).step_by(CHUNK).map(move |at| (at, CHUNK.min(end - at)))
+            let (start, end) = (address.next_multiple_of(PAGE), (address + len) / PAGE * PAGE);
+            (start..end.max(start)).step_by(FAULT_CHUNK).map(move |at| (at, FAULT_CHUNK.min(end - at)))
         })
         .collect();
     // A block from MAPPED_FROM_BYTES up is a mapping of its own: small pages for it, whatever
     // the kernel's default (see the function's doc); a smaller one shares an arena's heap.
     for &(address, len) in blocks.iter().filter(|&&(_, len)| len >= MAPPED_FROM_BYTES as usize) {
-        let start = address.next_multiple_of(page);
-        // SAFETY: as for MADV_POPULATE_WRITE below; MADV_NOHUGEPAGE changes how the kernel
+        let start = address.next_multiple_of(PAGE);
+        // SAFETY: as for MADV_POPULATE_WRITE (`populate_chunk`); MADV_NOHUGEPAGE changes how the kernel
         // backs the pages it faults in, not their contents.
         unsafe { libc::madvise(start as *mut libc::c_void, address + len - start, libc::MADV_NOHUGEPAGE) };
     }
@@ -349,10 +347,7 @@ pub fn populate(blocks: &[(usize, usize)], threads: usize) -> usize {
     let work = || {
         while !refused.load(Ordering::Relaxed) {
             let Some(&(at, len)) = chunks.get(next.fetch_add(1, Ordering::Relaxed)) else { return };
-            // SAFETY: madvise takes an address range and reads or writes no memory through it;
-            // MADV_POPULATE_WRITE only faults the range's pages in, keeping their contents, and
-            // fails (it does not fault) where nothing is mapped.
-            if unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) } != 0 {
+            if !populate_chunk(at, len) {
                 refused.store(true, Ordering::Relaxed);
                 return;
             }
