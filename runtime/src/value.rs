@@ -371,7 +371,7 @@ impl StateKey for Key {
 }
 
 /// A key of one integer field as keyed state holds it: the integer alone, 8 bytes where a
-/// [`Key`] takes 24, so that a running count's map entry is 24 bytes instead of 40. Hashed,
+/// [`Key`] takes 24, so that a running count's map entry is 16 bytes instead of 32. Hashed,
 /// grouped and encoded exactly as the [`Key`] of the same value, so that either reads the state
 /// files of the other, in the same order.
 ///

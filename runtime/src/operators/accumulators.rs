@@ -4,6 +4,7 @@
 use weir_checkpoint::format::{Decoder, Encoder, FormatError};
 use weir_crds::job::{AggregateFn, AggregateKind};
 
+use crate::state::slot::{FlagsInside, Slot, SpareBits};
 use crate::state::StateValue;
 use crate::value::{Fields, Record, Value};
 
@@ -298,6 +299,8 @@ impl AccList {
 }
 
 impl StateValue for AccList {
+    type Slot = Slot<Self>;
+
     fn encode(&self, e: &mut Encoder) {
         e.varint(self.0.len() as u64);
         for a in self.0.iter() {
@@ -404,6 +407,7 @@ impl Num {
     }
 
     /// An [`Acc`] that is a count or a sum.
+    #[inline(always)]
     fn of(acc: Acc) -> Option<Num> {
         match acc {
             Acc::Count(n) => Some(Num::Count(n)),
@@ -443,6 +447,8 @@ impl<const N: usize> AccNums<N> {
 }
 
 impl<const N: usize> StateValue for AccNums<N> {
+    type Slot = Slot<Self>;
+
     fn encode(&self, e: &mut Encoder) {
         e.varint(N as u64);
         for n in self.0 {
@@ -494,29 +500,87 @@ impl<const N: usize> AccState for AccNums<N> {
 
 /// A single count held in the map's entry as the integer alone: encoded as an [`AccList`] of one
 /// count, so state written by it restores on an [`AccOne`] or a list and the other way round.
-/// The keyed count's entry (key, count and the slot's flags) is 40 bytes with it instead of
-/// 48 with an [`AccOne`], whose tag (count, integer sum or float sum) pads it to 16 bytes: a
-/// restore faults in and fills a sixth less table (`runtime/BENCHMARKS.md`, session 39).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AccCount(pub i64);
+/// The keyed count's entry is 40 bytes with it instead of 48 with an [`AccOne`], whose tag
+/// (count, integer sum or float sum) pads it to 16 bytes (`runtime/BENCHMARKS.md`, session 39).
+///
+/// The count takes the low 61 bits of the integer; the top three hold the state's flags of
+/// its entry ([`SpareBits`], [`crate::state::slot::FlagsInside`]), so that the entry of an
+/// integer key and its count is 16 bytes, without a slot beside the value: a restore faults
+/// in and fills a third less table (session 49). A count stops at [`AccCount::MAX`], 2^61 - 1
+/// (2.3 quintillion records of one key: 73 years at a billion a second).
+#[derive(Clone, Copy)]
+pub struct AccCount(i64);
+
+/// The bits of an [`AccCount`]'s integer that hold the count.
+const COUNT_BITS: i64 = AccCount::MAX;
+
+/// Where an [`AccCount`]'s flag bits start.
+const COUNT_FLAGS_SHIFT: u32 = 61;
 
 impl AccCount {
+    /// The largest count held; counting on from it stays there.
+    pub const MAX: i64 = (1 << COUNT_FLAGS_SHIFT) - 1;
+
+    /// A count of `n` (0 to [`AccCount::MAX`]; beyond, [`AccCount::MAX`]; below, 0).
+    pub fn new(n: i64) -> Self {
+        AccCount(n.clamp(0, Self::MAX))
+    }
+
+    /// The count.
+    #[inline(always)]
+    pub fn count(&self) -> i64 {
+        self.0 & COUNT_BITS
+    }
+
     /// Whether an `AccCount` holds the accumulators of `specs`: a single count.
     pub fn holds(specs: &[AggregateFn]) -> bool {
         matches!(specs, [only] if only.function == AggregateKind::Count)
     }
 }
 
-impl StateValue for AccCount {
-    fn encode(&self, e: &mut Encoder) {
-        AccNums([Num::Count(self.0)]).encode(e)
+impl PartialEq for AccCount {
+    /// Counts are equal, whatever flags their entries hold in them.
+    fn eq(&self, other: &Self) -> bool {
+        self.count() == other.count()
+    }
+}
+
+impl std::fmt::Debug for AccCount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("AccCount").field(&self.count()).finish()
+    }
+}
+
+impl SpareBits for AccCount {
+    #[inline(always)]
+    fn spare_bits(&self) -> u8 {
+        ((self.0 as u64) >> COUNT_FLAGS_SHIFT) as u8
     }
 
-    /// Reads an [`AccList`] of one count; another list is malformed here.
+    #[inline(always)]
+    fn set_spare_bits(&mut self, bits: u8) {
+        self.0 = self.count() | ((u64::from(bits & 7) << COUNT_FLAGS_SHIFT) as i64);
+    }
+}
+
+impl StateValue for AccCount {
+    type Slot = FlagsInside<Self>;
+
+    fn encode(&self, e: &mut Encoder) {
+        AccNums([Num::Count(self.count())]).encode(e)
+    }
+
+    /// Reads an [`AccList`] of one count ([`Acc::encode`] of an [`Acc::Count`] after the list's
+    /// length, read here without making an [`Acc`]: a restore of the keyed count decodes one
+    /// per entry); another list, or a count outside 0 to [`AccCount::MAX`], is malformed here.
     #[inline(always)]
     fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
-        match AccOne::decode(d)? {
-            AccNums([Num::Count(n)]) => Ok(AccCount(n)),
+        const COUNT_TAG: u8 = 0;
+        if d.varint()? != 1 || d.u8()? != COUNT_TAG {
+            return Err(FormatError::Malformed(d.position()));
+        }
+        match d.svarint()? {
+            n if (0..=Self::MAX).contains(&n) => Ok(AccCount(n)),
             _ => Err(FormatError::Malformed(d.position())),
         }
     }
@@ -528,14 +592,17 @@ impl AccState for AccCount {
         AccCount(0)
     }
 
+    /// One more, up to [`AccCount::MAX`] (the flag bits above it untouched).
     #[inline(always)]
     fn add(&mut self, _: &Aggregates, _: &Record) {
-        self.0 += 1;
+        if self.count() != Self::MAX {
+            self.0 += 1;
+        }
     }
 
     #[inline]
     fn results(&self, out: &mut Fields) {
-        out.push(Value::Int(self.0));
+        out.push(Value::Int(self.count()));
     }
 }
 
@@ -666,6 +733,39 @@ mod tests {
             let mut e = Encoder::default();
             AccList(Accs::from(other.clone())).encode(&mut e);
             assert!(AccCount::decode(&mut Decoder::new(&e.buf)).is_err(), "{other:?}");
+        }
+    }
+
+    /// A count lends its top three bits to its entry's flags: it counts up to
+    /// [`AccCount::MAX`] and stays there, and whatever the flags, it reads, encodes and gives
+    /// the same count and the flags stay as they were set. A file saying a count beyond the
+    /// maximum, or below 0, does not restore as one (it reads as an [`AccOne`]).
+    #[test]
+    fn a_count_keeps_its_entry_flags_apart_and_stops_at_its_maximum() {
+        use crate::state::slot::SpareBits;
+        let count = [spec(AggregateKind::Count, None)];
+        let a = Aggregates::new(&count, &[]);
+        let record = Record { time: 0, fields: smallvec::smallvec![Value::Int(1)] };
+        for flags in 0..8u8 {
+            let mut c = AccCount::new(AccCount::MAX - 2);
+            c.set_spare_bits(flags);
+            for _ in 0..5 {
+                c.add(&a, &record);
+            }
+            assert_eq!((c.count(), c.spare_bits()), (AccCount::MAX, flags));
+            let mut results = Fields::new();
+            c.results(&mut results);
+            assert_eq!(results.as_slice(), &[Value::Int(AccCount::MAX)]);
+            let mut e = Encoder::default();
+            c.encode(&mut e);
+            let read = AccCount::decode(&mut Decoder::new(&e.buf)).unwrap();
+            assert_eq!((read.count(), read.spare_bits()), (AccCount::MAX, 0), "flags {flags}");
+        }
+        for beyond in [AccCount::MAX + 1, i64::MAX, -1] {
+            let mut e = Encoder::default();
+            AccNums([Num::Count(beyond)]).encode(&mut e);
+            assert!(AccCount::decode(&mut Decoder::new(&e.buf)).is_err(), "{beyond}");
+            assert_eq!(AccOne::decode(&mut Decoder::new(&e.buf)).unwrap(), AccNums([Num::Count(beyond)]));
         }
     }
 

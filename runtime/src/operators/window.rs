@@ -32,6 +32,8 @@ pub struct KeyPanes {
 }
 
 impl StateValue for KeyPanes {
+    type Slot = crate::state::slot::Slot<Self>;
+
     fn encode(&self, e: &mut Encoder) {
         e.svarint(self.next_end);
         e.varint(self.panes.len() as u64);

@@ -28,7 +28,7 @@
 
 use weir_checkpoint::format::{keyed_entries, Decoder};
 
-use super::{map, owns, KeyedState, Slot, StateKey, StateValue, StoreError, FILL_AHEAD};
+use super::{map, owns, KeyedState, StateKey, StateSlot, StateValue, StoreError, FILL_AHEAD};
 
 /// Buckets of the restoring table applied together: 4096 of a count's entries (48 bytes then,
 /// 40 now) and their control bytes are 200 KB, which the second-level cache holds. Measured
@@ -199,7 +199,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                     );
                     let shard_fill =
                         ShardFill { parts: &parts, in_window_order, shard, buckets: buckets[shard], key_groups };
-                    if !window.apply(&mut filler, &shard_fill)? {
+                    if !window.apply::<K, V>(&mut filler, &shard_fill)? {
                         return Ok(false);
                     }
                 }
@@ -371,13 +371,13 @@ impl WindowFill {
     /// shard, or a file said to be in window order is not.
     fn apply<K: StateKey, V: StateValue>(
         &mut self,
-        filler: &mut map::Filler<'_, '_, K, Slot<V>>,
+        filler: &mut map::Filler<'_, '_, K, V::Slot>,
         fill: &ShardFill<'_, '_>,
     ) -> Result<bool, StoreError> {
         if fill.in_window_order.iter().any(|&w| w) {
-            self.apply_reading_in_window_order(filler, fill)
+            self.apply_reading_in_window_order::<K, V>(filler, fill)
         } else {
-            self.apply_sorted(filler, fill)
+            self.apply_sorted::<K, V>(filler, fill)
         }
     }
 
@@ -427,7 +427,7 @@ impl WindowFill {
     /// alone took 0.62-0.66 s.
     fn apply_reading_in_window_order<K: StateKey, V: StateValue>(
         &mut self,
-        filler: &mut map::Filler<'_, '_, K, Slot<V>>,
+        filler: &mut map::Filler<'_, '_, K, V::Slot>,
         fill: &ShardFill<'_, '_>,
     ) -> Result<bool, StoreError> {
         let window_bits = (fill.buckets.max(WINDOW_BUCKETS) / WINDOW_BUCKETS).trailing_zeros();
@@ -449,13 +449,13 @@ impl WindowFill {
             };
             for (index, part) in fill.parts.iter().enumerate() {
                 if fill.in_window_order[index] {
-                    if !self.apply_window_of_part(filler, fill, index, position, window_bits)? {
+                    if !self.apply_window_of_part::<K, V>(filler, fill, index, position, window_bits)? {
                         return Ok(false);
                     }
                     continue;
                 }
                 while let Some(at) = self.ordered[taken..end].first().filter(|at| at.part as usize == index) {
-                    apply_entry(filler, part, at)?;
+                    apply_entry::<K, V>(filler, part, at)?;
                     self.ahead.fetch_one();
                     taken += 1;
                 }
@@ -473,7 +473,7 @@ impl WindowFill {
     #[inline]
     fn apply_window_of_part<K: StateKey, V: StateValue>(
         &mut self,
-        filler: &mut map::Filler<'_, '_, K, Slot<V>>,
+        filler: &mut map::Filler<'_, '_, K, V::Slot>,
         fill: &ShardFill<'_, '_>,
         index: usize,
         position: usize,
@@ -513,7 +513,7 @@ impl WindowFill {
                         return Ok(Placed::Later);
                     }
                     let value = V::decode(&mut Decoder::new(raw))?;
-                    filler.apply(hash, key, Some(Slot::restored(value, key_group)));
+                    filler.apply(hash, key, Some(V::Slot::restored(value, key_group)));
                     Ok(Placed::Applied)
                 },
             );
@@ -534,7 +534,7 @@ impl WindowFill {
     /// order): window by window, and within each window group of buckets by group.
     fn apply_sorted<K: StateKey, V: StateValue>(
         &mut self,
-        filler: &mut map::Filler<'_, '_, K, Slot<V>>,
+        filler: &mut map::Filler<'_, '_, K, V::Slot>,
         fill: &ShardFill<'_, '_>,
     ) -> Result<bool, StoreError> {
         let mask = fill.buckets.max(1) - 1;
@@ -553,7 +553,7 @@ impl WindowFill {
             let groups = WINDOW_BUCKETS / GROUP_BUCKETS;
             partition_stably(&self.ordered[from..to], &mut self.in_window, &mut self.group_ends, groups, group_of);
             from = to;
-            self.apply_in_order(filler, fill.parts)?;
+            self.apply_in_order::<K, V>(filler, fill.parts)?;
         }
         Ok(true)
     }
@@ -561,14 +561,14 @@ impl WindowFill {
     /// Applies the entries of `in_window`, in their order.
     fn apply_in_order<K: StateKey, V: StateValue>(
         &self,
-        filler: &mut map::Filler<'_, '_, K, Slot<V>>,
+        filler: &mut map::Filler<'_, '_, K, V::Slot>,
         parts: &[&[u8]],
     ) -> Result<(), StoreError> {
         for (n, at) in self.in_window.iter().enumerate() {
             if let Some(ahead) = self.in_window.get(n + FILL_AHEAD) {
                 filler.prefetch(ahead.hash);
             }
-            apply_entry(filler, parts[at.part as usize], at)?;
+            apply_entry::<K, V>(filler, parts[at.part as usize], at)?;
         }
         Ok(())
     }
@@ -577,7 +577,7 @@ impl WindowFill {
 /// Applies the entry `at` of `part`.
 #[inline(always)]
 fn apply_entry<K: StateKey, V: StateValue>(
-    filler: &mut map::Filler<'_, '_, K, Slot<V>>,
+    filler: &mut map::Filler<'_, '_, K, V::Slot>,
     part: &[u8],
     at: &EntryRef,
 ) -> Result<(), StoreError> {
@@ -598,7 +598,7 @@ fn apply_entry<K: StateKey, V: StateValue>(
     K::decode_then(
         entry.key,
         #[inline(always)]
-        |key| filler.apply(at.hash, key, Some(Slot::restored(value, key_group))),
+        |key| filler.apply(at.hash, key, Some(V::Slot::restored(value, key_group))),
     )?;
     Ok(())
 }

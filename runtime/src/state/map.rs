@@ -48,7 +48,7 @@ pub fn shard_of(hash: u64) -> usize {
 /// the 2^12 buckets ([`WINDOW_BUCKETS`]) whose indexes share their bits from the 13th up.
 pub const WINDOW_LOW_BITS: u32 = 12;
 
-/// Buckets of a window ([`WINDOW_LOW_BITS`]): 4096 of a count's entries (24 to 40 bytes) and
+/// Buckets of a window ([`WINDOW_LOW_BITS`]): 4096 of a count's entries (16 to 40 bytes) and
 /// their control bytes take 100–170 KB, which the second-level cache holds.
 pub const WINDOW_BUCKETS: usize = 1 << WINDOW_LOW_BITS;
 

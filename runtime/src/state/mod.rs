@@ -4,8 +4,9 @@
 //! - **rocksdb**: the same map as a bounded write-back cache in front of a RocksDB store on
 //!   local disk ([`store`]), so that state may outgrow memory.
 //!
-//! Entries carry their key group, and change tracking makes a checkpoint's synchronous part cost
-//! O(changed keys). A snapshot encodes the entries changed since the previous snapshot (or all
+//! Entries carry their key group (or the state computes it from the key, for a value that holds
+//! its entry's flags in bits of its own: [`slot`]), and change tracking makes a checkpoint's
+//! synchronous part cost O(changed keys). A snapshot encodes the entries changed since the previous snapshot (or all
 //! of them for a full image) into an owned [`KeyedSnapshot`] in the canonical state-file format,
 //! whichever the backend: a checkpoint or savepoint taken on one backend restores on the other,
 //! and at any parallelism (entries are filtered by key group). Upload happens later, off the task
@@ -16,6 +17,7 @@ pub mod bulk;
 mod chain;
 pub mod lazy;
 pub mod map;
+pub mod slot;
 pub mod store;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,6 +33,7 @@ pub use chain::ChainFile;
 pub use store::{StateStore, StoreError, StoreSettings};
 
 use crate::value::{Key, StateKey};
+use slot::{Slot, StateSlot, DIRTY, STORED, TOUCHED};
 
 /// The largest full image the rocksdb backend keeps in memory; larger ones go to local disk.
 pub const FULL_IMAGE_IN_MEMORY: usize = 8 << 20;
@@ -45,6 +48,9 @@ pub const HEAP_FULL_IMAGE_IN_MEMORY: u64 = 64 << 20;
 
 /// A state value that can be written to and read from state files.
 pub trait StateValue: Clone + Send + 'static {
+    /// How the map holds the value beside its key: in a [`slot::Slot`] with the entry's key
+    /// group and flags, or with the flags in bits of its own ([`slot::FlagsInside`]).
+    type Slot: StateSlot<Self>;
     /// Binary encoding.
     fn encode(&self, e: &mut Encoder);
     /// Reads what `encode` wrote.
@@ -67,6 +73,8 @@ pub trait StateValue: Clone + Send + 'static {
 }
 
 impl StateValue for () {
+    type Slot = Slot<Self>;
+
     fn encode(&self, _: &mut Encoder) {}
     fn decode(_: &mut Decoder<'_>) -> Result<Self, FormatError> {
         Ok(())
@@ -74,23 +82,6 @@ impl StateValue for () {
     #[inline]
     fn only_value() -> Option<Self> {
         Some(())
-    }
-}
-
-struct Slot<V> {
-    value: V,
-    key_group: u32,
-    dirty: bool,
-    /// Read or written since the cache last looked for entries to evict (second chance).
-    touched: bool,
-    /// (rocksdb backend) The store holds this value: evicting the entry writes nothing.
-    stored: bool,
-}
-
-impl<V> Slot<V> {
-    /// A restored entry's slot: clean (a checkpoint holds it), untouched, not in a store.
-    fn restored(value: V, key_group: u32) -> Self {
-        Slot { value, key_group, dirty: false, touched: false, stored: false }
     }
 }
 
@@ -232,9 +223,9 @@ const SNAPSHOT_LOOKUP_CHUNK: usize = 64;
 const STORED_BYTES_PER_ENTRY_OF_WORK: u64 = 14;
 
 /// Keyed state of one operator subtask, its keys held as `K` (see [`StateKey`]).
-pub struct KeyedState<V, K = Key> {
+pub struct KeyedState<V: StateValue, K = Key> {
     /// Every entry (heap backend), or the cached ones (rocksdb backend).
-    map: map::ShardedMap<K, Slot<V>>,
+    map: map::ShardedMap<K, V::Slot>,
     /// Keys changed since the last snapshot, with their key groups. With the heap backend,
     /// only while few: once more than a quarter of the keys changed, the next snapshot scans
     /// the dirty flags instead and the list stops growing (but a one-valued state's always
@@ -520,7 +511,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             None => return Ok(false),
         };
         self.make_room(1)?;
-        self.map.insert(key.clone(), Slot { value, key_group, dirty: false, touched: true, stored: true });
+        self.map.insert(key.clone(), V::Slot::new(value, key_group, TOUCHED | STORED));
         Ok(true)
     }
 
@@ -546,6 +537,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let mut value = Encoder::default();
         let evicted_changes = &mut spill.evicted_changes;
         let keep_changes = self.incremental;
+        let max_parallelism = self.max_parallelism;
         for second_chance in [true, false] {
             let mut visited = 0;
             while excess > 0 && visited < map::SHARDS {
@@ -556,17 +548,17 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                     if excess == 0 {
                         return true;
                     }
-                    if second_chance && s.touched {
-                        s.touched = false;
+                    if second_chance && s.touched() {
+                        s.set_touched(false);
                         return true;
                     }
-                    if !s.stored {
+                    if !s.stored() {
                         raw_key.clear();
-                        StateStore::encode_key(s.key_group, k, &mut raw_key);
+                        StateStore::encode_key(s.key_group_of(k, max_parallelism), k, &mut raw_key);
                         value.buf.clear();
-                        s.value.encode(&mut value);
+                        s.value().encode(&mut value);
                         batch.put(&raw_key, &value.buf);
-                        if s.dirty && keep_changes && !evicted_changes.overflowed {
+                        if s.dirty() && keep_changes && !evicted_changes.overflowed {
                             let kept = evicted_changes.values.len() + evicted_changes.entries.len() * 64;
                             if kept + value.buf.len() > EVICTED_CHANGES_MAX_BYTES {
                                 // Their memory too: without checkpoints, nothing would.
@@ -574,7 +566,11 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                             } else {
                                 let at = evicted_changes.values.len();
                                 evicted_changes.values.extend_from_slice(&value.buf);
-                                evicted_changes.entries.push((s.key_group, k.clone(), at..at + value.buf.len()));
+                                evicted_changes.entries.push((
+                                    s.key_group_of(k, max_parallelism),
+                                    k.clone(),
+                                    at..at + value.buf.len(),
+                                ));
                             }
                         }
                     }
@@ -592,8 +588,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             self.load(key)?;
         }
         Ok(self.map.get_mut(key).map(|s| {
-            s.touched = true;
-            &s.value
+            s.set_touched(true);
+            s.value()
         }))
     }
 
@@ -621,7 +617,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 if !scan {
                     changed.push((key_group, key.clone()));
                 }
-                Slot { value, key_group, dirty: true, touched: true, stored: false }
+                V::Slot::new(value, key_group, DIRTY | TOUCHED)
             }));
         }
         if self.load(&key)? {
@@ -635,7 +631,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         if let Some(spill) = &mut self.spill {
             spill.absent.remove(&key);
         }
-        self.map.insert(key, Slot { value, key_group, dirty: true, touched: true, stored: false });
+        self.map.insert(key, V::Slot::new(value, key_group, DIRTY | TOUCHED));
         Ok(true)
     }
 
@@ -681,7 +677,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let read = keys
             .into_iter()
             .filter_map(|(hash, k)| self.map.get_hashed(hash, k))
-            .fold(0usize, |read, s| read.wrapping_add(usize::from(s.dirty)).wrapping_add(s.value.touch_outside()));
+            .fold(0usize, |read, s| read.wrapping_add(usize::from(s.dirty())).wrapping_add(s.value().touch_outside()));
         std::hint::black_box(read);
     }
 
@@ -737,7 +733,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         }
         self.make_room(loaded.len())?;
         for (key, key_group, value) in loaded {
-            self.map.insert(key, Slot { value, key_group, dirty: false, touched: true, stored: true });
+            self.map.insert(key, V::Slot::new(value, key_group, TOUCHED | STORED));
         }
         Ok(hashes)
     }
@@ -760,15 +756,13 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let track_all = self.spill.is_some();
         match self.map.entry_hashed(hash, key) {
             Entry::Occupied(o) => {
-                if !o.get().dirty && !self.scan {
-                    self.changed.push((o.get().key_group, o.key().clone()));
+                if !o.get().dirty() && !self.scan {
+                    self.changed.push((o.get().key_group_of(o.key(), self.max_parallelism), o.key().clone()));
                     self.scan = !track_all && self.changed.len() * 4 > len;
                 }
                 let slot = o.into_mut();
-                slot.dirty = true;
-                slot.touched = true;
-                slot.stored = false;
-                Ok(&mut slot.value)
+                slot.mark_written();
+                Ok(slot.value_mut())
             }
             Entry::Vacant(v) => {
                 let key_group = v.key().key_group(self.max_parallelism);
@@ -778,7 +772,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                 if let Some(spill) = &mut self.spill {
                     spill.absent.remove(v.key());
                 }
-                Ok(&mut v.insert(Slot { value: init(), key_group, dirty: true, touched: true, stored: false }).value)
+                Ok(v.insert(V::Slot::new(init(), key_group, DIRTY | TOUCHED)).value_mut())
             }
         }
     }
@@ -789,17 +783,13 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         if self.spill.is_some() {
             self.load(key)?;
         }
-        let (changed, scan) = (&mut self.changed, self.scan);
+        let (changed, scan, max_parallelism) = (&mut self.changed, self.scan, self.max_parallelism);
         Ok(self.map.get_mut(key).map(|slot| {
-            if !slot.dirty {
-                slot.dirty = true;
-                if !scan {
-                    changed.push((slot.key_group, key.clone()));
-                }
+            if !slot.dirty() && !scan {
+                changed.push((slot.key_group_of(key, max_parallelism), key.clone()));
             }
-            slot.touched = true;
-            slot.stored = false;
-            &mut slot.value
+            slot.mark_written();
+            slot.value_mut()
         }))
     }
 
@@ -811,21 +801,21 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         }
         let Some(slot) = self.map.remove(key) else { return Ok(None) };
         if let Some(spill) = &self.spill {
-            let raw = StateStore::key_of(slot.key_group, key);
+            let raw = StateStore::key_of(slot.key_group_of(key, self.max_parallelism), key);
             let mut batch = spill.store.batch();
             batch.delete(&raw);
             spill.store.write(batch)?;
         }
         if !self.untracked {
-            self.deleted.push((slot.key_group, key.clone()));
+            self.deleted.push((slot.key_group_of(key, self.max_parallelism), key.clone()));
         }
-        Ok(Some(slot.value))
+        Ok(Some(slot.into_value()))
     }
 
     /// Calls `f` with every entry (for rebuilding derived indexes after a restore, and tests).
     pub fn for_each(&self, mut f: impl FnMut(&K, &V)) -> Result<(), StoreError> {
         for (k, s) in self.map.iter() {
-            f(k, &s.value);
+            f(k, s.value());
         }
         if let Some(spill) = &self.spill {
             spill.store.scan(|raw_key, raw_value| {
@@ -858,7 +848,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             self.increments_since_full = 0;
             self.tracking_restarts();
             for s in self.map.values_mut() {
-                s.dirty = false;
+                s.set_dirty(false);
             }
             if let Some(spill) = &mut self.spill {
                 // In the store, which the image reads whole.
@@ -897,12 +887,12 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             for chunk in order.chunks(SNAPSHOT_LOOKUP_CHUNK) {
                 self.touch(chunk.iter().map(|&(_, hash, i)| (hash, &changed[i].1)));
                 for &(_, hash, i) in chunk {
-                    let k = &changed[i].1;
+                    let (key_group, k) = (changed[i].0, &changed[i].1);
                     if let Some(s) = self.map.get_mut_hashed(hash, k) {
-                        if s.dirty {
-                            s.dirty = false;
+                        if s.dirty() {
+                            s.set_dirty(false);
                             let from = w.entries_len();
-                            w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+                            w.put_encoded(key_group, |e| k.encode(e), |e| s.value().encode(e));
                             // In window order, shard after shard.
                             shard_bytes[map::shard_of(hash)] += (w.entries_len() - from) as u64;
                         }
@@ -927,12 +917,13 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
     /// Puts the map's changed entries into `w` shard after shard, each then clean; the bytes of
     /// each shard's.
     fn put_dirty_by_shard(&mut self, w: &mut StateFileWriter) -> Vec<u64> {
+        let max_parallelism = self.max_parallelism;
         (0..map::SHARDS)
             .map(|shard| {
                 let from = w.entries_len();
-                for (k, s) in self.map.shard_iter_mut(shard).filter(|(_, s)| s.dirty) {
-                    s.dirty = false;
-                    w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+                for (k, s) in self.map.shard_iter_mut(shard).filter(|(_, s)| s.dirty()) {
+                    s.set_dirty(false);
+                    w.put_encoded(s.key_group_of(k, max_parallelism), |e| k.encode(e), |e| s.value().encode(e));
                 }
                 (w.entries_len() - from) as u64
             })
@@ -955,7 +946,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         };
         snapshot.int_keys = K::INTEGERS_ONLY;
         snapshot.table_slot_bytes = match &self.spill {
-            None => u32::try_from(map::ShardedMap::<K, Slot<V>>::SLOT_BYTES).ok(),
+            None => u32::try_from(map::ShardedMap::<K, V::Slot>::SLOT_BYTES).ok(),
             Some(_) => None,
         };
         snapshot
@@ -1078,8 +1069,12 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
                     // Clean entries too: one may have been evicted while dirty and read back
                     // since.
                     Some(s) => {
-                        s.dirty = false;
-                        w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+                        s.set_dirty(false);
+                        w.put_encoded(
+                            s.key_group_of(k, self.max_parallelism),
+                            |e| k.encode(e),
+                            |e| s.value().encode(e),
+                        );
                     }
                     None if overflowed || deleted.contains(k) => evicted.push(k),
                     // Written from the evicted changes above.
@@ -1114,7 +1109,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         let Some(spill) = &self.spill else {
             let mut w = StateFileStream::new(FileKind::KeyedFull, self.image_out());
             let shard_bytes = (0..map::SHARDS)
-                .map(|shard| put_shard(&mut w, self.map.shard_iter(shard)))
+                .map(|shard| put_shard::<K, V, _>(&mut w, self.map.shard_iter(shard), self.max_parallelism))
                 .collect::<std::io::Result<Vec<u64>>>()
                 .map_err(StoreError::SpillImage)?;
             // The map's keys, each once (the rocksdb backend's below may list a key twice).
@@ -1127,8 +1122,8 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
             w.put(key_group, encoded_key, raw_value).map_err(spill_failed)
         })?;
         let mut cached = StateFileWriter::new(FileKind::KeyedFull, 0);
-        for (k, s) in self.map.iter().filter(|(_, s)| !s.stored) {
-            cached.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e));
+        for (k, s) in self.map.iter().filter(|(_, s)| !s.stored()) {
+            cached.put_encoded(s.key_group_of(k, self.max_parallelism), |e| k.encode(e), |e| s.value().encode(e));
         }
         let (cached, cached_entries) = cached.into_entries();
         w.put_entries(&cached, cached_entries).map_err(spill_failed)?;
@@ -1329,7 +1324,7 @@ impl<V: StateValue, K: StateKey> KeyedState<V, K> {
         for (hash, key_group, key, value) in batch.drain(..) {
             match value {
                 Some(value) => {
-                    self.map.insert_hashed(hash, key, Slot::restored(value, key_group));
+                    self.map.insert_hashed(hash, key, V::Slot::restored(value, key_group));
                 }
                 None => {
                     self.map.remove_hashed(hash, &key);
@@ -1550,7 +1545,7 @@ fn stretch_bounds(len: usize, threads: usize) -> Vec<(usize, usize)> {
 /// by a wider load that waited for the pieces (`perf`: a quarter of the function's samples);
 /// the 20M-key image applied in 205–215 ms this way against 250–270 (session 39).
 fn fill_from_entries<K: StateKey, V: StateValue>(
-    fill: &map::ConcurrentFill<'_, K, Slot<V>>,
+    fill: &map::ConcurrentFill<'_, K, V::Slot>,
     body: &[u8],
     stretch: (usize, usize),
     key_groups: (u32, u32),
@@ -1586,7 +1581,7 @@ fn fill_from_entries<K: StateKey, V: StateValue>(
             }
         }
         let Some((hash, key, value, key_group)) = ahead.pop_front() else { break };
-        let slot = value.map(|value| Slot::restored(value, key_group));
+        let slot = value.map(|value| V::Slot::restored(value, key_group));
         if let Err(back) = filler.try_apply(hash, key, slot) {
             later.push(back);
         }
@@ -1605,11 +1600,12 @@ fn owns(key_groups: (u32, u32), key_group: u32) -> bool {
 /// Puts `entries` (one shard's, in its order) into a full image; the bytes they took.
 fn put_shard<'a, K: StateKey + 'a, V: StateValue + 'a, W: std::io::Write>(
     w: &mut StateFileStream<W>,
-    entries: impl Iterator<Item = (&'a K, &'a Slot<V>)>,
+    entries: impl Iterator<Item = (&'a K, &'a V::Slot)>,
+    max_parallelism: u32,
 ) -> std::io::Result<u64> {
     let from = w.entries_len();
     for (k, s) in entries {
-        w.put_encoded(s.key_group, |e| k.encode(e), |e| s.value.encode(e))?;
+        w.put_encoded(s.key_group_of(k, max_parallelism), |e| k.encode(e), |e| s.value().encode(e))?;
     }
     Ok(w.entries_len() - from)
 }
@@ -1763,15 +1759,20 @@ mod tests {
     }
 
     /// A running aggregate's entry of one accumulator under a single-field key is one cache
-    /// line, three quarters of one for a count or a sum, five eighths for a count alone; a
-    /// dedupe's, under a composite key, half of one.
+    /// line, three quarters of one for a count or a sum, half of one for a count alone (its
+    /// flags in the count's spare bits), a quarter under an integer key; a dedupe's, under a
+    /// composite key, half of one.
     #[test]
     fn state_entries_are_a_cache_line_or_less() {
         use crate::operators::accumulators::{AccCount, AccList, AccOne};
-        assert_eq!(std::mem::size_of::<(Key, Slot<AccList>)>(), 64);
-        assert_eq!(std::mem::size_of::<(Key, Slot<AccOne>)>(), 48);
-        assert_eq!(std::mem::size_of::<(Key, Slot<AccCount>)>(), 40);
-        assert_eq!(std::mem::size_of::<(crate::value::PackedKey, Slot<()>)>(), 32);
+        fn entry_bytes<K, V: StateValue>() -> usize {
+            std::mem::size_of::<(K, V::Slot)>()
+        }
+        assert_eq!(entry_bytes::<Key, AccList>(), 64);
+        assert_eq!(entry_bytes::<Key, AccOne>(), 48);
+        assert_eq!(entry_bytes::<Key, AccCount>(), 32);
+        assert_eq!(entry_bytes::<crate::value::IntKey, AccCount>(), 16);
+        assert_eq!(entry_bytes::<crate::value::PackedKey, ()>(), 32);
     }
 
     /// A cache of 10K entries in front of the store, streamed through by 400K new keys with
@@ -2321,6 +2322,8 @@ mod tests {
 
     #[cfg(feature = "rocksdb")]
     impl StateValue for Blob {
+        type Slot = super::Slot<Self>;
+
         fn encode(&self, e: &mut Encoder) {
             e.bytes(&self.0)
         }
@@ -2416,11 +2419,73 @@ mod model_tests {
     use crate::value::{key_group_range, Value};
 
     impl StateValue for i64 {
+        type Slot = super::Slot<Self>;
+
         fn encode(&self, e: &mut Encoder) {
             e.svarint(*self)
         }
         fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
             d.svarint()
+        }
+    }
+
+    /// A value of the model: an integer, held as the state holds it.
+    trait ModelValue: StateValue + std::fmt::Debug {
+        fn of(n: i64) -> Self;
+        fn get(&self) -> i64;
+        fn add(&mut self, n: i64);
+    }
+
+    impl ModelValue for i64 {
+        fn of(n: i64) -> Self {
+            n
+        }
+        fn get(&self) -> i64 {
+            *self
+        }
+        fn add(&mut self, n: i64) {
+            *self += n;
+        }
+    }
+
+    /// An integer that lends its top three bits to its entry's flags ([`slot::FlagsInside`]),
+    /// as the keyed count's does: the model's properties hold for either kind of slot. The
+    /// integer is the low 61 bits, two's complement; it encodes as an `i64` does, so either
+    /// restores the other's files.
+    #[derive(Clone, Debug)]
+    struct Lent(i64);
+
+    const LENT_BITS: i64 = (1 << 61) - 1;
+
+    impl ModelValue for Lent {
+        fn of(n: i64) -> Self {
+            Lent(n & LENT_BITS)
+        }
+        fn get(&self) -> i64 {
+            (self.0 << 3) >> 3
+        }
+        fn add(&mut self, n: i64) {
+            self.0 = ((self.get() + n) & LENT_BITS) | (self.0 & !LENT_BITS);
+        }
+    }
+
+    impl slot::SpareBits for Lent {
+        fn spare_bits(&self) -> u8 {
+            ((self.0 as u64) >> 61) as u8
+        }
+        fn set_spare_bits(&mut self, bits: u8) {
+            self.0 = (self.0 & LENT_BITS) | ((u64::from(bits & 7) << 61) as i64);
+        }
+    }
+
+    impl StateValue for Lent {
+        type Slot = slot::FlagsInside<Self>;
+
+        fn encode(&self, e: &mut Encoder) {
+            e.svarint(self.get())
+        }
+        fn decode(d: &mut Decoder<'_>) -> Result<Self, FormatError> {
+            Ok(Lent::of(d.svarint()?))
         }
     }
 
@@ -2472,14 +2537,18 @@ mod model_tests {
     }
 
     /// The subtasks of one operator: each with its key groups and its current chain.
-    struct Subtasks {
-        parts: Vec<(KeyedState<i64>, KeyGroups, Chain)>,
+    struct Subtasks<V: ModelValue = i64> {
+        parts: Vec<(KeyedState<V>, KeyGroups, Chain)>,
     }
 
     /// Heap state, or rocksdb state with a cache of this many entries.
     type Backend = Option<usize>;
 
     fn empty(full_every: u32, backend: Backend) -> KeyedState<i64> {
+        empty_of(full_every, backend)
+    }
+
+    fn empty_of<V: ModelValue>(full_every: u32, backend: Backend) -> KeyedState<V> {
         let state = KeyedState::new(MAX_PARALLELISM, true, full_every);
         match backend {
             None => state,
@@ -2496,15 +2565,15 @@ mod model_tests {
 
     use bytes::Bytes;
 
-    impl Subtasks {
+    impl<V: ModelValue> Subtasks<V> {
         fn new(parallelism: u32, full_every: u32, backend: Backend) -> Self {
             let parts = (0..parallelism)
-                .map(|s| (empty(full_every, backend), key_group_range(s, MAX_PARALLELISM, parallelism), Vec::new()))
+                .map(|s| (empty_of(full_every, backend), key_group_range(s, MAX_PARALLELISM, parallelism), Vec::new()))
                 .collect();
             Subtasks { parts }
         }
 
-        fn owner(&mut self, k: &Key) -> &mut KeyedState<i64> {
+        fn owner(&mut self, k: &Key) -> &mut KeyedState<V> {
             let kg = k.key_group(MAX_PARALLELISM);
             &mut self
                 .parts
@@ -2519,7 +2588,7 @@ mod model_tests {
             for (s, _, _) in &self.parts {
                 for (k, v) in s.entries() {
                     let Key::One(Value::Int(i)) = k else { panic!("{k:?}") };
-                    assert!(out.insert(i, v).is_none(), "key {i} in two subtasks");
+                    assert!(out.insert(i, v.get()).is_none(), "key {i} in two subtasks");
                 }
             }
             out
@@ -2555,7 +2624,7 @@ mod model_tests {
                 let range = key_group_range(s, MAX_PARALLELISM, parallelism);
                 let overlapping: Vec<_> = snapshot.iter().filter(|(r, _)| r.0 < range.1 && range.0 < r.1).collect();
                 let same = overlapping.len() == 1 && overlapping[0].0 == range;
-                let mut state = empty(full_every, backend);
+                let mut state = empty_of(full_every, backend);
                 let mut files = Vec::new();
                 // A rocksdb backend with an even cache size takes a chain's full image as table
                 // files (as a checkpoint's merged image offers them), the others its entries.
@@ -3047,70 +3116,94 @@ mod model_tests {
             // Heap, or rocksdb with a cache so small that most keys are evicted and read back.
             backend in prop_oneof![Just(None), (1usize..6).prop_map(Some)]
         ) {
-            let mut model: BTreeMap<i64, i64> = BTreeMap::new();
-            let mut subtasks = Subtasks::new(1, full_every, backend);
-            let mut last_checkpoint: (BTreeMap<i64, i64>, Snapshot) = (BTreeMap::new(), subtasks.checkpoint());
-            let mut last_savepoint: Option<(BTreeMap<i64, i64>, Snapshot)> = None;
-            for op in ops {
-                match op {
-                    Op::Add(k, v) => {
-                        *subtasks.owner(&key(k)).update(key(k), || 0).unwrap() += v;
-                        *model.entry(k).or_default() += v;
-                    }
-                    Op::InsertNew(k, v) => {
-                        let inserted = subtasks.owner(&key(k)).insert_new(key(k), v).unwrap();
-                        prop_assert_eq!(inserted, !model.contains_key(&k));
-                        model.entry(k).or_insert(v);
-                    }
-                    Op::Remove(k) => {
-                        prop_assert_eq!(subtasks.owner(&key(k)).remove(&key(k)).unwrap(), model.remove(&k));
-                    }
-                    Op::Prefetch(keys) => {
-                        for k in keys.iter().map(|k| key(*k)) {
-                            let batch: Vec<Key> = keys.iter().map(|k| key(*k)).collect();
-                            subtasks.owner(&k).prefetch(&batch).unwrap();
-                        }
-                    }
-                    Op::Checkpoint => last_checkpoint = (model.clone(), subtasks.checkpoint()),
-                    Op::Savepoint => last_savepoint = Some((model.clone(), subtasks.savepoint())),
-                    Op::Restore(p) => {
-                        model = last_checkpoint.0.clone();
-                        subtasks = Subtasks::restore(&last_checkpoint.1, p, full_every, true, backend);
-                    }
-                    Op::RestoreSavepoint(p) => {
-                        if let Some((m, snap)) = &last_savepoint {
-                            model = m.clone();
-                            subtasks = Subtasks::restore(snap, p, full_every, false, backend);
-                        }
-                    }
+            state_equals_a_map::<i64>(&ops, full_every, backend)?;
+        }
+
+        /// The same with the entries' flags held in the values' own bits.
+        #[test]
+        fn keyed_state_with_flags_inside_its_values_equals_a_map_through_snapshots_and_restores(
+            ops in proptest::collection::vec(op(), 1..120),
+            full_every in 1u32..5,
+            backend in prop_oneof![Just(None), (1usize..6).prop_map(Some)]
+        ) {
+            state_equals_a_map::<Lent>(&ops, full_every, backend)?;
+        }
+    }
+
+    /// The property of the tests above: `ops` on the state of values `V` and on a map leave
+    /// them equal after every step, and the last checkpoint restores to the map at any
+    /// parallelism and on either backend.
+    fn state_equals_a_map<V: ModelValue>(ops: &[Op], full_every: u32, backend: Backend) -> Result<(), TestCaseError> {
+        let mut model: BTreeMap<i64, i64> = BTreeMap::new();
+        let mut subtasks = Subtasks::<V>::new(1, full_every, backend);
+        let mut last_checkpoint: (BTreeMap<i64, i64>, Snapshot) = (BTreeMap::new(), subtasks.checkpoint());
+        let mut last_savepoint: Option<(BTreeMap<i64, i64>, Snapshot)> = None;
+        for op in ops.iter().cloned() {
+            match op {
+                Op::Add(k, v) => {
+                    subtasks.owner(&key(k)).update(key(k), || V::of(0)).unwrap().add(v);
+                    *model.entry(k).or_default() += v;
                 }
-                prop_assert_eq!(&subtasks.contents(), &model);
-            }
-            // Whatever happened, the next checkpoint restores to the model too, at any
-            // parallelism and on either backend (the snapshot format is the same).
-            let snap = subtasks.checkpoint();
-            for p in 1..=3 {
-                for restored_on in [None, Some(2)] {
+                Op::InsertNew(k, v) => {
+                    let inserted = subtasks.owner(&key(k)).insert_new(key(k), V::of(v)).unwrap();
+                    prop_assert_eq!(inserted, !model.contains_key(&k));
+                    model.entry(k).or_insert(v);
+                }
+                Op::Remove(k) => {
                     prop_assert_eq!(
-                        &Subtasks::restore(&snap, p, full_every, true, restored_on).contents(),
-                        &model,
-                        "restored at parallelism {} on {:?} (taken on {:?})",
-                        p,
-                        restored_on,
-                        backend
+                        subtasks.owner(&key(k)).remove(&key(k)).unwrap().map(|v| v.get()),
+                        model.remove(&k)
                     );
                 }
+                Op::Prefetch(keys) => {
+                    for k in keys.iter().map(|k| key(*k)) {
+                        let batch: Vec<Key> = keys.iter().map(|k| key(*k)).collect();
+                        subtasks.owner(&k).prefetch(&batch).unwrap();
+                    }
+                }
+                Op::Checkpoint => last_checkpoint = (model.clone(), subtasks.checkpoint()),
+                Op::Savepoint => last_savepoint = Some((model.clone(), subtasks.savepoint())),
+                Op::Restore(p) => {
+                    model = last_checkpoint.0.clone();
+                    subtasks = Subtasks::restore(&last_checkpoint.1, p, full_every, true, backend);
+                }
+                Op::RestoreSavepoint(p) => {
+                    if let Some((m, snap)) = &last_savepoint {
+                        model = m.clone();
+                        subtasks = Subtasks::restore(snap, p, full_every, false, backend);
+                    }
+                }
             }
-            // Chains never grow past fullEvery files.
-            for (_, chain) in &snap {
-                prop_assert!(
-                    chain.len() <= full_every as usize,
-                    "chain of {} files with fullEvery {}",
-                    chain.len(),
-                    full_every
+            prop_assert_eq!(&subtasks.contents(), &model);
+        }
+        // Whatever happened, the next checkpoint restores to the model too, at any
+        // parallelism and on either backend (the snapshot format is the same), and into
+        // either kind of slot.
+        let snap = subtasks.checkpoint();
+        for p in 1..=3 {
+            for restored_on in [None, Some(2)] {
+                prop_assert_eq!(
+                    &Subtasks::<V>::restore(&snap, p, full_every, true, restored_on).contents(),
+                    &model,
+                    "restored at parallelism {} on {:?} (taken on {:?})",
+                    p,
+                    restored_on,
+                    backend
                 );
             }
+            prop_assert_eq!(&Subtasks::<i64>::restore(&snap, p, full_every, false, None).contents(), &model);
+            prop_assert_eq!(&Subtasks::<Lent>::restore(&snap, p, full_every, false, None).contents(), &model);
         }
+        // Chains never grow past fullEvery files.
+        for (_, chain) in &snap {
+            prop_assert!(
+                chain.len() <= full_every as usize,
+                "chain of {} files with fullEvery {}",
+                chain.len(),
+                full_every
+            );
+        }
+        Ok(())
     }
 
     /// Shrunk from the property above: a key removed and inserted again between two
