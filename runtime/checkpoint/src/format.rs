@@ -220,8 +220,9 @@ impl<'a> Decoder<'a> {
         }
     }
 
-    /// Zig-zag signed varint.
-    #[inline]
+    /// Zig-zag signed varint. Always inlined: a restore's decoding loop called it for every
+    /// count it read (`perf`: 2-3% of a 90M-key chain's restore in the call alone).
+    #[inline(always)]
     pub fn svarint(&mut self) -> Result<i64, FormatError> {
         let v = self.varint()?;
         Ok(((v >> 1) as i64) ^ -((v & 1) as i64))
