@@ -6,12 +6,13 @@
 //!
 //! Entries carry their key group (or the state computes it from the key, for a value that holds
 //! its entry's flags in bits of its own: [`slot`]), and change tracking makes a checkpoint's
-//! synchronous part cost O(changed keys). A snapshot encodes the entries changed since the previous snapshot (or all
-//! of them for a full image) into an owned [`KeyedSnapshot`] in the canonical state-file format,
-//! whichever the backend: a checkpoint or savepoint taken on one backend restores on the other,
-//! and at any parallelism (entries are filtered by key group). Upload happens later, off the task
-//! thread. Savepoints take full copies without disturbing change tracking, so the next
-//! incremental checkpoint still holds every change since the previous checkpoint.
+//! synchronous part cost O(changed keys). A snapshot encodes the entries changed since the
+//! previous snapshot (or all of them for a full image) into an owned [`KeyedSnapshot`] in the
+//! canonical state-file format, whichever the backend: a checkpoint or savepoint taken on one
+//! backend restores on the other, and at any parallelism (entries are filtered by key group).
+//! Upload happens later, off the task thread. Savepoints take full copies without disturbing
+//! change tracking, so the next incremental checkpoint still holds every change since the
+//! previous checkpoint.
 
 pub mod bulk;
 mod chain;
