@@ -166,22 +166,23 @@ impl ShardRanges {
 
     /// The next shard for thread `thread`; `None` once every shard is taken.
     fn take(&self, thread: usize) -> Option<usize> {
-        let lock = |range: &std::sync::Mutex<std::ops::Range<usize>>| {
-            range.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
-        };
         loop {
-            if let Some(shard) = self.ranges[thread].lock().unwrap_or_else(std::sync::PoisonError::into_inner).next() {
+            if let Some(shard) = self.range(thread).next() {
                 return Some(shard);
             }
-            let (most, _) = (self.ranges.iter().enumerate())
-                .map(|(i, range)| (i, lock(range).len()))
+            let (most, _) = (0..self.ranges.len())
+                .map(|i| (i, self.range(i).len()))
                 .filter(|&(_, left)| left > 0)
                 .max_by_key(|&(_, left)| left)?;
-            if let Some(shard) = self.ranges[most].lock().unwrap_or_else(std::sync::PoisonError::into_inner).next_back()
-            {
+            if let Some(shard) = self.range(most).next_back() {
                 return Some(shard);
             }
         }
+    }
+
+    /// Range `i`, locked (a thread that panicked holding it left it whole).
+    fn range(&self, i: usize) -> std::sync::MutexGuard<'_, std::ops::Range<usize>> {
+        self.ranges[i].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
