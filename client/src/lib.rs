@@ -17,6 +17,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(15);
 pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(630);
 /// How long connecting may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest answer read (a metrics page of a large job is a few hundred KiB): a runtime image is
+/// the tenant's, and its answers are read by an operator that serves every tenant.
+pub const MAX_ANSWER_BYTES: usize = 8 << 20;
 
 /// Why a control API call failed.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +36,19 @@ pub enum ClientError {
     /// The base URL is not `http://host:port` (the control API is plain HTTP inside a pod network).
     #[error("control URL `{0}`: the control API is served on http://host:port")]
     UrlScheme(String),
+    /// The token given is empty: a request carrying it would look authenticated and not be.
+    #[error("the control API token is empty")]
+    EmptyToken,
+    /// The answer is longer than [`MAX_ANSWER_BYTES`] (it was not read further).
+    #[error("{method} {url}: answer longer than {limit} bytes")]
+    TooLarge {
+        /// HTTP method.
+        method: &'static str,
+        /// Full URL.
+        url: String,
+        /// The bound.
+        limit: usize,
+    },
     /// The HTTP client could not be built.
     #[error("building the HTTP client: {0}")]
     BuildClient(#[source] reqwest::Error),
@@ -109,8 +125,8 @@ pub fn http_client() -> Result<reqwest::Client, ClientError> {
         .map_err(ClientError::BuildClient)
 }
 
-/// A client of one runtime's control API.
-#[derive(Clone, Debug)]
+/// A client of one runtime's control API. Its `Debug` form leaves the token out.
+#[derive(Clone)]
 pub struct ControlClient {
     http: reqwest::Client,
     base: url::Url,
@@ -132,6 +148,9 @@ impl ControlClient {
         let parsed = url::Url::parse(&url).map_err(|source| ClientError::ParseUrl { url: base.to_string(), source })?;
         if parsed.scheme() != "http" || parsed.host().is_none() {
             return Err(ClientError::UrlScheme(base.to_string()));
+        }
+        if token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+            return Err(ClientError::EmptyToken);
         }
         Ok(ControlClient { http, base: parsed, token, timeout: DEFAULT_TIMEOUT, wait_timeout: DEFAULT_WAIT_TIMEOUT })
     }
@@ -240,7 +259,18 @@ impl ControlClient {
         // The timeout covers the whole exchange, the body included.
         let response = request.timeout(timeout).send().await.map_err(failed)?;
         let status = response.status().as_u16();
-        let body = response.bytes().await.map_err(failed)?.to_vec();
+        let too_large = || ClientError::TooLarge { method, url: url.to_string(), limit: MAX_ANSWER_BYTES };
+        if response.content_length().is_some_and(|len| len > MAX_ANSWER_BYTES as u64) {
+            return Err(too_large());
+        }
+        let mut body = Vec::new();
+        let mut response = response;
+        while let Some(chunk) = response.chunk().await.map_err(failed)? {
+            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
+        }
         if !(200..300).contains(&status) {
             let message = serde_json::from_slice::<ApiError>(&body)
                 .map(|e| e.error)
@@ -256,6 +286,17 @@ impl ControlClient {
             url: answer.url.to_string(),
             source,
         })
+    }
+}
+
+impl std::fmt::Debug for ControlClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlClient")
+            .field("base", &self.base.as_str())
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("timeout", &self.timeout)
+            .field("wait_timeout", &self.wait_timeout)
+            .finish()
     }
 }
 
@@ -341,6 +382,29 @@ mod tests {
         let err = client.job().await.unwrap_err();
         assert_eq!(err.status(), Some(401));
         assert!(err.to_string().ends_with("answered 401: missing or wrong bearer token"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_token_is_refused_and_a_token_never_printed() {
+        assert!(matches!(ControlClient::new("127.0.0.1:1", Some(String::new())), Err(ClientError::EmptyToken)));
+        assert!(matches!(ControlClient::new("127.0.0.1:1", Some(" \n".into())), Err(ClientError::EmptyToken)));
+        let client = ControlClient::new("127.0.0.1:1", Some("s3cr3t-token".into())).unwrap();
+        let shown = format!("{client:?}");
+        assert!(!shown.contains("s3cr3t") && shown.contains("<redacted>"), "{shown}");
+    }
+
+    #[tokio::test]
+    async fn an_endless_answer_is_cut_at_its_bound() {
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n";
+        let mut answer = head.as_bytes().to_vec();
+        let chunk = "x".repeat(1 << 20);
+        for _ in 0..(MAX_ANSWER_BYTES >> 20) + 2 {
+            answer.extend_from_slice(format!("{:x}\r\n{chunk}\r\n", chunk.len()).as_bytes());
+        }
+        answer.extend_from_slice(b"0\r\n\r\n");
+        let addr = raw_server(answer).await;
+        let err = ControlClient::new(&addr.to_string(), None).unwrap().metrics().await.unwrap_err();
+        assert!(matches!(err, ClientError::TooLarge { .. }), "{err}");
     }
 
     #[test]

@@ -685,7 +685,68 @@ pub fn spec_violations(name: &str, spec: &StreamJobSpec) -> Vec<crate::validate:
     if r.max_backoff < r.backoff {
         err("spec.relaunch", "maxBackoff must be >= backoff");
     }
+    if let Some(why) = c.storage.as_deref().and_then(storage_url_problem) {
+        err("spec.checkpointing.storage", why);
+    }
+    if let Some(why) = spec.initial_savepoint.as_deref().and_then(storage_url_problem) {
+        err("spec.initialSavepoint", why);
+    }
+    if let Some(t) = &spec.pod_template {
+        for key in t.labels.keys().filter(|k| reserved_label(k)) {
+            err(&format!("spec.podTemplate.labels.{key}"), RESERVED_LABEL_MESSAGE);
+        }
+        for key in t.annotations.keys().filter(|k| reserved_annotation(k)) {
+            err(&format!("spec.podTemplate.annotations.{key}"), RESERVED_ANNOTATION_MESSAGE);
+        }
+    }
     out
+}
+
+const RESERVED_LABEL_MESSAGE: &str =
+    "is reserved: Weir and Kubernetes set labels under weir.dev/, app.kubernetes.io/, \
+     kubernetes.io/ and k8s.io/ (the job's Service and NetworkPolicy select its pods by them)";
+const RESERVED_ANNOTATION_MESSAGE: &str = "is reserved: annotations under weir.dev/ are Weir's, and AppArmor and \
+     seccomp annotations would change the runtime's security profile (restricted Pod Security)";
+
+/// The DNS domain of a label or annotation key (`weir.dev` of `weir.dev/job`), lowercased.
+fn key_domain(key: &str) -> Option<String> {
+    key.split_once('/').map(|(domain, _)| domain.to_ascii_lowercase())
+}
+
+fn under(domain: &str, parent: &str) -> bool {
+    domain == parent || domain.ends_with(&format!(".{parent}"))
+}
+
+/// A label the operator sets or selects by: under `weir.dev`, `app.kubernetes.io`, or
+/// Kubernetes' own `kubernetes.io` and `k8s.io` domains.
+pub fn reserved_label(key: &str) -> bool {
+    key_domain(key).is_some_and(|d| ["weir.dev", "kubernetes.io", "k8s.io"].iter().any(|p| under(&d, p)))
+}
+
+/// An annotation that is Weir's (`weir.dev`) or steers the container's security profile
+/// (AppArmor, seccomp), which restricted Pod Security fixes.
+pub fn reserved_annotation(key: &str) -> bool {
+    let lower = key.to_ascii_lowercase();
+    key_domain(key).is_some_and(|d| under(&d, "weir.dev")) || lower.contains("apparmor") || lower.contains("seccomp")
+}
+
+/// Why a storage URL (`checkpointing.storage`, `initialSavepoint`) is refused: `.`/`..` or empty
+/// segments (which would step out of the root a path seems to be under), a query or fragment,
+/// or control characters.
+pub fn storage_url_problem(url: &str) -> Option<&'static str> {
+    let path = url.split_once("://").map_or(url, |(_, rest)| rest);
+    if url.chars().any(|c| c.is_control()) {
+        return Some("must not contain control characters");
+    }
+    if url.contains(['?', '#']) {
+        return Some("must be a plain path or URL, without a query or fragment");
+    }
+    let inner = path.trim_end_matches('/');
+    let inner = inner.strip_prefix('/').unwrap_or(inner);
+    if inner.split('/').any(|seg| seg.is_empty() || seg == "." || seg == "..") {
+        return Some("must not have empty, `.` or `..` segments");
+    }
+    None
 }
 
 /// The CRD. kube's derive drops the spec's description when the resource has a root-level
@@ -705,9 +766,62 @@ pub fn crd() -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::
                 "A stream-processing job run by Weir: its dataflow graph, parallelism, checkpointing and\nlifecycle."
                     .to_string()
             });
+            if let Some(d) = spec.description.as_mut() {
+                d.push_str(&format!(
+                    "\nBounds (every StreamJob may come from another tenant): a string is at most {MAX_FIELD_BYTES} \
+                     characters, a list at most {MAX_LIST_ITEMS} items, a map at most {MAX_MAP_ENTRIES} entries; \
+                     a CEL expression at most {} bytes, {} levels deep and {} operators; a job at most {} nodes.",
+                    crate::expr::MAX_EXPR_BYTES,
+                    crate::expr::MAX_EXPR_NESTING,
+                    crate::expr::MAX_EXPR_OPERATORS,
+                    crate::validate::MAX_GRAPH_NODES,
+                ));
+            }
+            bound(spec);
         }
     }
     crd
+}
+
+/// Longest string field of a StreamJob's spec.
+pub const MAX_FIELD_BYTES: i64 = 4096;
+/// Most items of a list field of a StreamJob's spec.
+pub const MAX_LIST_ITEMS: i64 = 256;
+/// Most entries of a map field of a StreamJob's spec (labels, Kafka properties, ...).
+pub const MAX_MAP_ENTRIES: i64 = 64;
+
+/// Gives every string, list and map under `schema` a bound (where it has none yet), so the API
+/// server refuses an oversized spec at apply and its CEL rules have a bounded cost.
+fn bound(schema: &mut k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSONSchemaProps) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+        JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
+    };
+    match schema.type_.as_deref() {
+        Some("string") if schema.enum_.is_none() && schema.format.is_none() => {
+            schema.max_length.get_or_insert(MAX_FIELD_BYTES);
+        }
+        Some("array") => {
+            schema.max_items.get_or_insert(MAX_LIST_ITEMS);
+        }
+        Some("object") if schema.additional_properties.is_some() => {
+            schema.max_properties.get_or_insert(MAX_MAP_ENTRIES);
+        }
+        _ => {}
+    }
+    for child in schema.properties.iter_mut().flat_map(|p| p.values_mut()) {
+        bound(child);
+    }
+    match schema.items.as_mut() {
+        Some(JSONSchemaPropsOrArray::Schema(item)) => bound(item),
+        Some(JSONSchemaPropsOrArray::Schemas(items)) => items.iter_mut().for_each(bound),
+        None => {}
+    }
+    if let Some(JSONSchemaPropsOrBool::Schema(values)) = schema.additional_properties.as_mut() {
+        bound(values);
+    }
+    for alternatives in [&mut schema.any_of, &mut schema.one_of, &mut schema.all_of] {
+        alternatives.iter_mut().flatten().for_each(bound);
+    }
 }
 
 /// The CRD as YAML, with the header `crdgen` writes (the committed `crds/streamjob.yaml`).
@@ -742,6 +856,23 @@ mod tests {
             ["spec.checkpointing.timeout", "spec.savepoint.timeout", "spec.savepoint.periodicInterval"]
         );
         assert_eq!(paths("orders", "relaunch: { backoff: 1m, maxBackoff: 30s }"), ["spec.relaunch"]);
+        assert_eq!(
+            paths(
+                "orders",
+                "podTemplate: { labels: { weir.dev/job: other, team: a, app.kubernetes.io/name: x }, \
+                 annotations: { container.apparmor.security.beta.kubernetes.io/runtime: unconfined, note: a } }"
+            ),
+            [
+                "spec.podTemplate.labels.app.kubernetes.io/name",
+                "spec.podTemplate.labels.weir.dev/job",
+                "spec.podTemplate.annotations.container.apparmor.security.beta.kubernetes.io/runtime"
+            ]
+        );
+        assert_eq!(
+            paths("orders", "initialSavepoint: s3://b/ns/../other/sp-1\ncheckpointing: { storage: \"s3://b//x\" }"),
+            ["spec.checkpointing.storage", "spec.initialSavepoint"]
+        );
+        assert!(paths("orders", "initialSavepoint: s3://b/ns/j/savepoints/sp-1-2/").is_empty());
         let mut no_image = spec("");
         no_image.image = String::new();
         assert_eq!(spec_violations("orders", &no_image)[0].path, "spec.image");

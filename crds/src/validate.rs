@@ -153,9 +153,19 @@ pub struct ValidatedJob {
     pub nodes: Vec<Node>,
 }
 
+/// Most nodes (sources, operators and sinks together) in one job: the operator validates every
+/// tenant's graph, and the runtime starts a thread per subtask of each.
+pub const MAX_GRAPH_NODES: usize = 256;
+
 /// Validates a job, returning its resolved graph or every problem found.
 pub fn validate(spec: &JobSpec) -> Result<ValidatedJob, ValidationErrors> {
     let mut v = Validator { errors: Vec::new() };
+    let size = spec.sources.len() + spec.operators.len() + spec.sinks.len();
+    if size > MAX_GRAPH_NODES {
+        // Not validated further: each node costs work, and so would each of its problems.
+        v.err("job", format!("has {size} sources, operators and sinks; at most {MAX_GRAPH_NODES} are allowed"));
+        return Err(ValidationErrors(v.errors));
+    }
     let nodes = v.graph(spec);
     v.job_settings(spec);
     if v.errors.is_empty() {
@@ -187,6 +197,18 @@ pub const MANAGED_KAFKA_PROPERTIES: [&str; 9] = [
     "transaction.timeout.ms",
     "enable.idempotence",
     "partitioner",
+];
+
+/// librdkafka properties that hold secrets: a job may only reference them from the environment
+/// (`${env:NAME}`), never write them.
+pub const SECRET_KAFKA_PROPERTIES: [&str; 7] = [
+    "sasl.password",
+    "sasl.oauthbearer.client.secret",
+    "ssl.key.password",
+    "ssl.key.pem",
+    "ssl.keystore.password",
+    "ssl.truststore.password",
+    "sasl.kerberos.keytab",
 ];
 
 const TOPIC_RULE: &str = "1-249 letters, digits, '.', '_' or '-', not `.` or `..`";
@@ -597,6 +619,13 @@ impl Validator {
                 if !rest.ends_with('}') || rest.len() < 2 {
                     self.err(format!("{path}.properties.{key}"), "write an environment reference as ${env:NAME}");
                 }
+            } else if SECRET_KAFKA_PROPERTIES.contains(&key.as_str()) {
+                // The job is stored in the StreamJob and its ConfigMap, readable by whoever may
+                // read those: a secret belongs in a Secret, passed by podTemplate.envFromSecrets.
+                self.err(
+                    format!("{path}.properties.{key}"),
+                    "holds a secret: write ${env:NAME} and give NAME from a Secret (podTemplate.envFromSecrets)",
+                );
             }
         }
     }

@@ -267,6 +267,10 @@ fn kafka_mistakes_name_their_field() {
             "job.sinks[0].kafka.properties.sasl.password: write an environment reference as ${env:NAME}",
         ),
         (
+            kafka_with("keyField: word", "keyField: word, properties: { sasl.password: hunter2 }"),
+            "job.sinks[0].kafka.properties.sasl.password: holds a secret: write ${env:NAME}",
+        ),
+        (
             kafka_with(
                 "    kafka: { bootstrapServers: \"k1:9092\"",
                 "    stdout: {}\n    kafka: { bootstrapServers: \"k1:9092\"",

@@ -30,13 +30,20 @@ use crate::observe;
 use crate::plan::{
     self, Action, Desired, EventReason, Observation, Operation, Phase, Plan, PlanState, PlannedEvent, SavepointProgress,
 };
+use crate::tenancy::{self, StorageIdentity, StoragePolicy};
 
 /// The field manager of everything the operator applies.
 pub const FIELD_MANAGER: &str = "weir-operator";
 /// Finalizer that lets a deleted StreamJob stop with a savepoint (or be killed) first.
 pub const FINALIZER: &str = "weir.dev/stop-with-savepoint";
-/// Annotation overriding a job's control API URL (for an operator running outside the cluster).
+/// Annotation overriding a job's control API URL, honoured only by an operator started with
+/// [`Settings::control_url_annotation`] (one running outside the cluster, for tests): in a
+/// cluster it would send the job's token to any host its author names.
 pub const CONTROL_URL_ANNOTATION: &str = "weir.dev/control-url";
+/// Annotation (`"true"`) letting a deleted job go without the stop its finalizer stands for
+/// (storage gone, a runtime that never answers): its pods are killed and the finalizer removed,
+/// with an event saying what was given up.
+pub const FORCE_DELETE_ANNOTATION: &str = "weir.dev/force-delete";
 
 /// How the operator reaches a job's control API.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -63,19 +70,31 @@ pub struct Settings {
     pub control_ingress: Option<children::ControlIngress>,
     /// Watch StreamJobs (and their pods) in this namespace only; `None`: all namespaces.
     pub namespace: Option<String>,
+    /// Which storage each namespace may use with the operator's own credentials.
+    pub storage_policy: StoragePolicy,
+    /// Honour [`CONTROL_URL_ANNOTATION`] (an operator outside the cluster only).
+    pub control_url_annotation: bool,
+    /// How long one reconcile may take before it is abandoned and retried with backoff, so a
+    /// job whose runtime or storage does not answer holds a worker no longer than this.
+    pub reconcile_timeout: Duration,
 }
 
 impl Settings {
     /// Defaults: control API through Services, 16 concurrent reconciles, status refreshed
-    /// every 30 s, no NetworkPolicy, all namespaces.
+    /// every 30 s, no NetworkPolicy, all namespaces, the default storage's `<root>/<namespace>`
+    /// as each namespace's only storage, the control-url annotation ignored, 60 s per reconcile.
     pub fn new(default_storage: impl Into<String>) -> Settings {
+        let default_storage = default_storage.into();
         Settings {
-            default_storage: default_storage.into(),
+            storage_policy: StoragePolicy::new(&default_storage, &[]).expect("the default root is per namespace"),
+            default_storage,
             control_address: ControlAddress::Service,
             max_concurrent_reconciles: 16,
             status_refresh: Duration::from_secs(30),
             control_ingress: None,
             namespace: None,
+            control_url_annotation: false,
+            reconcile_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -100,6 +119,8 @@ pub struct Context {
     /// how many of its notices. (Kept in memory: a restarted operator reports a running job's
     /// notices once more.)
     pub notices_reported: std::sync::Mutex<BTreeMap<String, (String, usize)>>,
+    /// Failed reconciles in a row, by `namespace/name`: the exponent of the job's retry backoff.
+    pub failures: std::sync::Mutex<BTreeMap<String, u32>>,
 }
 
 /// Why a reconcile failed; the category names Event reasons and metric labels.
@@ -130,6 +151,21 @@ pub enum ReconcileError {
     /// reconciled again after this long.
     #[error("still stopping")]
     StillStopping(Duration),
+    /// An object of a child's name exists and is not this job's: it is not adopted or
+    /// overwritten, and nothing is deployed until it is gone or renamed.
+    #[error("{kind} `{name}` already exists and is not owned by this StreamJob: not adopting or overwriting it")]
+    NameConflict {
+        /// The kind of the object.
+        kind: &'static str,
+        /// Its name.
+        name: String,
+    },
+    /// The job's storage may not be read (the Degraded condition says why).
+    #[error("the job's checkpoint storage may not be read: {0}")]
+    StorageRefused(String),
+    /// The reconcile took longer than [`Settings::reconcile_timeout`].
+    #[error("reconcile abandoned after {0:?} (a runtime or storage that does not answer?)")]
+    Deadline(Duration),
 }
 
 impl ReconcileError {
@@ -144,7 +180,29 @@ impl ReconcileError {
             ReconcileError::Finalizer(_) => "finalizer",
             ReconcileError::Token(_) => "token",
             ReconcileError::StillStopping(_) => "stopping",
+            ReconcileError::NameConflict { .. } => "name-conflict",
+            ReconcileError::StorageRefused(_) => "storage-refused",
+            ReconcileError::Deadline(_) => "deadline",
         }
+    }
+
+    /// The reason of the Degraded condition and Warning event that report it.
+    pub fn event_reason(&self) -> EventReason {
+        match self {
+            ReconcileError::NameConflict { .. } => EventReason::NameConflict,
+            _ => EventReason::ReconcileFailed,
+        }
+    }
+
+    /// Whether only a change by a person helps (the retry then waits longer).
+    fn needs_a_person(&self) -> bool {
+        matches!(
+            self,
+            ReconcileError::Metadata(_)
+                | ReconcileError::Build(_)
+                | ReconcileError::NameConflict { .. }
+                | ReconcileError::StorageRefused(_)
+        )
     }
 }
 
@@ -229,9 +287,13 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
     let result = finalizer::finalizer(&api, FINALIZER, sj.clone(), |event| async {
         match event {
-            finalizer::Event::Apply(sj) => reconcile_steps(&sj, &ctx).await.map(|o| Requeue::requeue(o.after)),
+            finalizer::Event::Apply(sj) => reconcile_within(&sj, &ctx).await.map(|o| Requeue::requeue(o.after)),
+            finalizer::Event::Cleanup(sj) if force_delete(&sj) => {
+                force_stop(&sj, &ctx).await?;
+                Ok(Requeue::await_change())
+            }
             finalizer::Event::Cleanup(sj) => {
-                let outcome = reconcile_steps(&sj, &ctx).await?;
+                let outcome = reconcile_within(&sj, &ctx).await?;
                 match outcome.stopped {
                     true => Ok(Requeue::await_change()),
                     // Not stopped yet: the helper keeps the finalizer while cleanup "fails".
@@ -259,11 +321,61 @@ pub async fn reconcile(sj: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue,
         Err(finalizer::Error::InvalidFinalizer) => Err(ReconcileError::Metadata("finalizers")),
     };
     ctx.metrics.observe_reconcile(started.elapsed());
-    if let Err(e) = &result {
-        ctx.metrics.error(e.category());
-        report_failure(&sj, &ctx, e).await;
+    let key = format!("{ns}/{}", sj.name_any());
+    match &result {
+        Err(e) => {
+            ctx.metrics.error(e.category());
+            report_failure(&sj, &ctx, e).await;
+        }
+        Ok(_) => {
+            ctx.failures.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+        }
     }
     result
+}
+
+/// The reconcile steps within [`Settings::reconcile_timeout`].
+async fn reconcile_within(sj: &StreamJob, ctx: &Context) -> Result<Outcome, ReconcileError> {
+    let limit = ctx.settings.reconcile_timeout;
+    tokio::time::timeout(limit, reconcile_steps(sj, ctx)).await.unwrap_or(Err(ReconcileError::Deadline(limit)))
+}
+
+/// Whether a deleted job carries `weir.dev/force-delete: "true"`.
+fn force_delete(sj: &StreamJob) -> bool {
+    sj.metadata.deletion_timestamp.is_some()
+        && sj.annotations().get(FORCE_DELETE_ANNOTATION).map(String::as_str) == Some("true")
+}
+
+/// The escape for a deleted job that cannot stop (storage gone, a runtime that never answers):
+/// its pods are killed at once (the epoch fences whatever still runs), no savepoint is taken
+/// and no storage is read, and a Warning event says so; then the finalizer may go.
+async fn force_stop(sj: &StreamJob, ctx: &Context) -> Result<(), ReconcileError> {
+    let job = JobRef::of(sj, ctx)?;
+    let pods: Vec<Pod> = job
+        .pods(ctx)
+        .list(&ListParams::default().labels(&format!("{JOB_LABEL}={}", job.name)))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| owned_by(&p.metadata, sj))
+        .collect();
+    delete_pods(&job.pods(ctx), &pods, Some(0)).await?;
+    let message = format!(
+        "deleted with {FORCE_DELETE_ANNOTATION}: {} pod(s) killed without a savepoint; the newest retained \
+         checkpoint in {} is the recovery point, nothing was read from or deleted in storage",
+        pods.len(),
+        job.root
+    );
+    ctx.metrics.event(EventReason::ForceDeleted);
+    publish(ctx, sj, &job.name, true, EventReason::ForceDeleted, &message).await;
+    Ok(())
+}
+
+/// Whether `meta` has `sj` as its controller (the operator's children all do).
+fn owned_by(meta: &kube::api::ObjectMeta, sj: &StreamJob) -> bool {
+    let uid = sj.metadata.uid.as_deref();
+    uid.is_some()
+        && meta.owner_references.iter().flatten().any(|o| o.controller == Some(true) && Some(o.uid.as_str()) == uid)
 }
 
 /// Whether a failed finalizer patch only means the object changed since it was read. kube's
@@ -288,7 +400,9 @@ async fn reconcile_steps(sj: &StreamJob, ctx: &Context) -> Result<Outcome, Recon
     let job = JobRef::of(sj, ctx)?;
     let mut seen = observe(sj, ctx, &job).await?;
     let first_deploy = job.current.phase.is_none();
-    let inputs = inputs::validate(&ctx.client, sj, &job.ns, &job.root, first_deploy).await.map_err(Box::new)?;
+    let inputs = inputs::validate(&ctx.client, sj, &job.ns, &job.root, &ctx.settings.storage_policy, first_deploy)
+        .await
+        .map_err(Box::new)?;
     let mut p = plan_step(&job, &mut seen, &inputs).await?;
     // Write-ahead: a plan that creates pods records its decision (the relaunch count, the
     // phase, the restore point) before the pods exist. A conflict (the plan was made from a
@@ -297,7 +411,11 @@ async fn reconcile_steps(sj: &StreamJob, ctx: &Context) -> Result<Outcome, Recon
         false => None,
         true => {
             let request_id = job.status.operation.as_ref().and_then(|o| o.request_id);
-            let ahead = status_of(&job, &seen, &p, request_id, inputs.verdict.as_ref().err());
+            let mut ahead = status_of(&job, &seen, &p, request_id, inputs.verdict.as_ref().err());
+            // A failure reported by an earlier reconcile stays until this one has applied
+            // the plan: written away here, a deploy failing again would make the condition
+            // flap with every attempt.
+            keep_reported_failure(&job.status, &mut ahead);
             if write_status(&job.api, sj, &job.status, &ahead).await? == StatusWrite::Conflict {
                 tracing::debug!(job = %job.name, "status changed since this reconcile read it; planning again");
                 return Ok(Outcome { after: Duration::from_millis(200), stopped: false });
@@ -402,26 +520,34 @@ struct Seen {
 /// created a moment ago is not created twice), the progress of a requested savepoint, and the
 /// running job's own status.
 async fn observe(sj: &StreamJob, ctx: &Context, job: &JobRef) -> Result<Seen, ReconcileError> {
+    // Only the job's own pods: a pod of another owner carrying the job's label (made by hand,
+    // or another job's) is neither watched over nor deleted.
     let mut listed: Vec<Pod> = ctx
         .pods
         .state_filter(|p| {
-            p.metadata.namespace.as_deref() == Some(job.ns.as_str()) && p.labels().get(JOB_LABEL) == Some(&job.name)
+            p.metadata.namespace.as_deref() == Some(job.ns.as_str())
+                && p.labels().get(JOB_LABEL) == Some(&job.name)
+                && owned_by(&p.metadata, sj)
         })
         .iter()
         .map(|p| Pod::clone(p))
         .collect();
     if listed.is_empty() {
-        listed = job.pods(ctx).list(&ListParams::default().labels(&format!("{JOB_LABEL}={}", job.name))).await?.items;
+        let all = job.pods(ctx).list(&ListParams::default().labels(&format!("{JOB_LABEL}={}", job.name))).await?;
+        listed = all.items.into_iter().filter(|p| owned_by(&p.metadata, sj)).collect();
     }
     let (pods_phase, pods_hash) = observe::pods_phase(&listed);
-    let control_url = control_url(sj, &job.ns, &job.name, &listed, ctx.settings.control_address);
+    let control_url = control_url(sj, &job.ns, &job.name, &listed, &ctx.settings);
     let running = matches!(pods_phase, plan::PodsPhase::Running);
     let operation = job.status.operation.as_ref();
     let token =
         if operation.is_some() || running { Some(token(ctx, sj, &job.ns, &job.name, &job.key).await?) } else { None };
     let savepoint = match operation.and_then(|o| o.request_id) {
         None => None,
-        Some(id) => Some(savepoint_progress(ctx, &listed, &control_url, token.as_deref(), id, running).await),
+        Some(id) => {
+            let progress = savepoint_progress(ctx, &listed, &control_url, token.as_deref(), id, running).await;
+            Some(within_job_root(progress, &job.root))
+        }
     };
     let mut seen = Seen {
         job_id: job.status.job_id.clone(),
@@ -560,7 +686,39 @@ async fn plan_step(job: &JobRef, seen: &mut Seen, inputs: &inputs::Inputs) -> Re
 }
 
 fn storage<'a>(job: &'a JobRef, inputs: &'a inputs::Inputs) -> StorageAccess<'a> {
-    StorageAccess { root: &job.root, env: &inputs.storage_env }
+    StorageAccess { root: &job.root, identity: inputs.storage.as_ref(), refused: inputs.verdict.as_ref().err() }
+}
+
+/// A savepoint the runtime reports outside the job's storage root is not one of the job's
+/// (the runtime image is the tenant's): it counts as failed, and is never restored from nor
+/// recorded.
+fn within_job_root(progress: SavepointProgress, root: &str) -> SavepointProgress {
+    match progress {
+        SavepointProgress::Completed(sp) if !tenancy::within(root, &sp.path) => SavepointProgress::Failed(format!(
+            "the runtime reported savepoint `{}` outside the job's storage {root}: not used",
+            sp.path
+        )),
+        other => other,
+    }
+}
+
+/// Keeps in `new` the Degraded and Reconciling conditions of a failed reconcile that `old`
+/// reports (see [`failure_conditions`]).
+fn keep_reported_failure(old: &StreamJobStatus, new: &mut StreamJobStatus) {
+    let reported = |c: &Condition| {
+        (c.type_ == "Degraded" || c.type_ == "Reconciling")
+            && c.status == "True"
+            && (c.reason == EventReason::ReconcileFailed.as_str() || c.reason == EventReason::NameConflict.as_str())
+    };
+    if !old.conditions.iter().any(|c| c.type_ == "Degraded" && reported(c)) {
+        return;
+    }
+    for c in old.conditions.iter().filter(|c| reported(c)) {
+        match new.conditions.iter_mut().find(|n| n.type_ == c.type_) {
+            Some(n) => *n = c.clone(),
+            None => new.conditions.push(c.clone()),
+        }
+    }
 }
 
 /// Apply: carries out the plan's actions in order; returns the savepoint request in flight. A
@@ -585,24 +743,35 @@ async fn apply(
                 // The pod reads its token from this Secret: make sure it exists.
                 let token = ensure_token(client, sj, &job.ns, &job.name).await?;
                 ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).insert(job.key.clone(), token);
+                // Children are applied with force (the operator owns every field it sets), so
+                // first make sure each name is free or already the job's own: an object someone
+                // else made is never taken over (nor garbage-collected with the job).
                 let pp = PatchParams::apply(FIELD_MANAGER).force();
                 let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &job.ns);
-                let cm = children::config_map(sj, job_yaml.clone())?;
-                cms.patch(&children::config_map_name(&job.name), &pp, &Patch::Apply(cm)).await?;
                 let svcs: Api<Service> = Api::namespaced(client.clone(), &job.ns);
-                svcs.patch(&children::service_name(&job.name), &pp, &Patch::Apply(children::service(sj)?)).await?;
+                let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), &job.ns);
+                let (cm_name, svc_name) = (children::config_map_name(&job.name), children::service_name(&job.name));
+                let np_name = children::network_policy_name(&job.name);
+                let pod_name = children::pod_name(&job.name);
+                ensure_ours(&cms, "ConfigMap", &cm_name, sj).await?;
+                ensure_ours(&svcs, "Service", &svc_name, sj).await?;
+                if ctx.settings.control_ingress.is_some() {
+                    ensure_ours(&nps, "NetworkPolicy", &np_name, sj).await?;
+                }
+                ensure_ours(&pods, "Pod", &pod_name, sj).await?;
+                let cm = children::config_map(sj, job_yaml.clone())?;
+                cms.patch(&cm_name, &pp, &Patch::Apply(cm)).await?;
+                svcs.patch(&svc_name, &pp, &Patch::Apply(children::service(sj)?)).await?;
                 if let Some(ingress) = &ctx.settings.control_ingress {
-                    let nps: Api<NetworkPolicy> = Api::namespaced(client.clone(), &job.ns);
-                    let np = children::network_policy(sj, ingress)?;
-                    nps.patch(&children::network_policy_name(&job.name), &pp, &Patch::Apply(np)).await?;
+                    nps.patch(&np_name, &pp, &Patch::Apply(children::network_policy(sj, ingress)?)).await?;
                 }
                 let pod = children::pod(sj, &job.spec_hash, &job.root, restore_from.as_ref(), mode)?;
-                pods.patch(&children::pod_name(&job.name), &pp, &Patch::Apply(pod)).await?;
+                pods.patch(&pod_name, &pp, &Patch::Apply(pod)).await?;
             }
             Action::DeletePods { grace_seconds } => delete_pods(&pods, &seen.pods, grace_seconds).await?,
             Action::DeleteSavepoint { path } => {
                 // Savepoints live under the job's storage root; anything else is left alone.
-                let storage = storage(job, inputs).open()?;
+                let Some(storage) = storage(job, inputs).open()? else { continue };
                 match path.strip_prefix(storage.url()).map(|rel| rel.trim_start_matches('/').to_string()) {
                     Some(rel) if rel.starts_with(weir_checkpoint::layout::SAVEPOINTS) => {
                         storage.delete_dir(&rel).await?
@@ -736,8 +905,9 @@ async fn report_failure(sj: &StreamJob, ctx: &Context, error: &ReconcileError) {
     if degraded_message(&old) == Some(message.as_str()) {
         return;
     }
-    publish(ctx, sj, name, true, EventReason::ReconcileFailed, &message).await;
-    let conditions = failure_conditions(&old.conditions, &message, sj.metadata.generation.unwrap_or(0));
+    publish(ctx, sj, name, true, error.event_reason(), &message).await;
+    let conditions =
+        failure_conditions(&old.conditions, error.event_reason(), &message, sj.metadata.generation.unwrap_or(0));
     let patch = serde_json::json!({ "status": { "conditions": conditions } });
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), ns);
     if let Err(e) = api.patch_status(name, &PatchParams::default(), &Patch::Merge(patch)).await {
@@ -747,23 +917,23 @@ async fn report_failure(sj: &StreamJob, ctx: &Context, error: &ReconcileError) {
 
 /// The conditions after a failed reconcile: `Degraded` says what failed, `Reconciling` (kstatus:
 /// in progress) that it is retried; the others are kept.
-pub fn failure_conditions(old: &[Condition], message: &str, generation: i64) -> Vec<Condition> {
+pub fn failure_conditions(old: &[Condition], reason: EventReason, message: &str, generation: i64) -> Vec<Condition> {
     let mut conditions: Vec<Condition> =
         old.iter().filter(|c| c.type_ != "Degraded" && c.type_ != "Reconciling").cloned().collect();
     for type_ in ["Degraded", "Reconciling"] {
-        let reason = EventReason::ReconcileFailed.as_str();
-        conditions.push(condition(type_, true, reason, message.to_string(), generation, old));
+        conditions.push(condition(type_, true, reason.as_str(), message.to_string(), generation, old));
     }
     conditions
 }
 
-/// The job's control API base URL: the annotation override, else by Service or pod IP.
-fn control_url(sj: &StreamJob, ns: &str, name: &str, pods: &[Pod], how: ControlAddress) -> String {
-    if let Some(url) = sj.annotations().get(CONTROL_URL_ANNOTATION) {
+/// The job's control API base URL: by Service or pod IP, or the annotation's when the operator
+/// runs outside the cluster and says so.
+fn control_url(sj: &StreamJob, ns: &str, name: &str, pods: &[Pod], settings: &Settings) -> String {
+    if let Some(url) = sj.annotations().get(CONTROL_URL_ANNOTATION).filter(|_| settings.control_url_annotation) {
         return url.clone();
     }
     let pod_ip = pods.iter().find_map(|p| p.status.as_ref()?.pod_ip.clone());
-    match (how, pod_ip) {
+    match (settings.control_address, pod_ip) {
         (ControlAddress::PodIp, Some(ip)) if ip.contains(':') => format!("http://[{ip}]:{}", children::CONTROL_PORT),
         (ControlAddress::PodIp, Some(ip)) => format!("http://{ip}:{}", children::CONTROL_PORT),
         _ => format!("http://{}.{ns}.svc:{}", children::service_name(name), children::CONTROL_PORT),
@@ -780,19 +950,42 @@ async fn token(ctx: &Context, sj: &StreamJob, ns: &str, name: &str, key: &str) -
     Ok(t)
 }
 
-/// Opens a job's checkpoint storage on demand, with the keys of its credentials Secret.
+/// Opens a job's checkpoint storage on demand, with the identity the validate step chose.
 struct StorageAccess<'a> {
     root: &'a str,
-    env: &'a [(String, String)],
+    identity: Option<&'a StorageIdentity>,
+    /// Why no identity may read it.
+    refused: Option<&'a inputs::Invalid>,
 }
 
 impl StorageAccess<'_> {
-    fn open(&self) -> Result<Storage, ReconcileError> {
-        Ok(Storage::open_with_env(self.root, self.env)?)
+    /// The root; `None` when it is a local directory that does not exist (nothing is created).
+    fn open(&self) -> Result<Option<Storage>, ReconcileError> {
+        let Some(identity) = self.identity else {
+            let why = self.refused.map_or("no identity may read it", |i| i.message.as_str());
+            return Err(ReconcileError::StorageRefused(why.to_string()));
+        };
+        Ok(Storage::open_for(self.root, identity.settings())?)
     }
 
     async fn checkpoints(&self) -> Result<Vec<plan::FoundCheckpoint>, ReconcileError> {
-        Ok(observe::checkpoints(&self.open()?).await?)
+        match self.open()? {
+            Some(storage) => Ok(observe::checkpoints(&storage).await?),
+            None => Ok(Vec::new()),
+        }
+    }
+}
+
+/// Succeeds when no object named `name` exists or the one that does has `sj` as its controller.
+async fn ensure_ours<K>(api: &Api<K>, kind: &'static str, name: &str, sj: &StreamJob) -> Result<(), ReconcileError>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.get_metadata_opt(name).await? {
+        Some(found) if !owned_by(&found.metadata, sj) => {
+            Err(ReconcileError::NameConflict { kind, name: name.to_string() })
+        }
+        _ => Ok(()),
     }
 }
 
@@ -800,6 +993,11 @@ async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &st
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
     let secret_name = children::token_secret_name(name);
     if let Some(existing) = secrets.get_opt(&secret_name).await? {
+        // A Secret of that name made by someone else is not the job's token (it could be
+        // a token its maker chose, or read the one the operator would write into it).
+        if !owned_by(&existing.metadata, sj) {
+            return Err(ReconcileError::NameConflict { kind: "Secret", name: secret_name });
+        }
         if let Some(t) = token_of(&existing) {
             return Ok(t);
         }
@@ -820,6 +1018,9 @@ async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &st
         Ok(_) => Ok(token),
         Err(kube::Error::Api(e)) if e.code == 409 => {
             let s = secrets.get(&secret_name).await?;
+            if !owned_by(&s.metadata, sj) {
+                return Err(ReconcileError::NameConflict { kind: "Secret", name: secret_name });
+            }
             Ok(token_of(&s).unwrap_or(token))
         }
         Err(e) => Err(e.into()),
@@ -993,13 +1194,29 @@ pub fn status_from(
     }
 }
 
-fn error_policy(sj: Arc<StreamJob>, error: &ReconcileError, _ctx: Arc<Context>) -> Requeue {
+fn error_policy(sj: Arc<StreamJob>, error: &ReconcileError, ctx: Arc<Context>) -> Requeue {
     tracing::warn!(job = %sj.name_any(), category = error.category(), %error, "reconcile failed");
-    // Transient API or storage trouble retries soon; what needs a change to the object waits.
-    match error {
-        ReconcileError::Metadata(_) | ReconcileError::Build(_) => Requeue::requeue(Duration::from_secs(60)),
-        _ => Requeue::requeue(Duration::from_secs(5)),
-    }
+    let key = format!("{}/{}", sj.namespace().unwrap_or_default(), sj.name_any());
+    let failures = {
+        let mut failures = ctx.failures.lock().unwrap_or_else(|e| e.into_inner());
+        let n = failures.entry(key).or_default();
+        *n = n.saturating_add(1);
+        *n
+    };
+    let jitter = {
+        let mut bytes = [0u8; 2];
+        getrandom::fill(&mut bytes).map_or(0.5, |_| f64::from(u16::from_le_bytes(bytes)) / f64::from(u16::MAX))
+    };
+    Requeue::requeue(retry_delay(failures, error.needs_a_person(), jitter))
+}
+
+/// How long to wait before the `failures`-th retry in a row: exponential from 1 s (from 30 s
+/// when only a person's change helps) up to 5 minutes, with ±25% jitter (`jitter` in [0, 1])
+/// so that jobs failing together do not retry together.
+pub fn retry_delay(failures: u32, needs_a_person: bool, jitter: f64) -> Duration {
+    let (first, max) = if needs_a_person { (30.0, 300.0) } else { (1.0, 300.0) };
+    let base: f64 = (first * 2f64.powi(failures.saturating_sub(1).min(16) as i32)).min(max);
+    Duration::from_secs_f64(base * (0.75 + 0.5 * jitter.clamp(0.0, 1.0)))
 }
 
 /// Runs the controller until the stream ends (shutdown).
@@ -1048,6 +1265,7 @@ pub async fn run_with_metrics(
         pods: pod_store,
         tokens: Default::default(),
         notices_reported: Default::default(),
+        failures: Default::default(),
     });
     // StreamJobs are cached without managed fields and kubectl's last-applied copy of the spec.
     let (job_store, job_writer) = reflector::store::<StreamJob>();

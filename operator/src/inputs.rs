@@ -14,6 +14,11 @@ use weir_crds::ValidatedJob;
 
 use crate::children;
 use crate::plan::EventReason;
+use crate::tenancy::{self, StorageIdentity, StoragePolicy};
+
+/// Longest job file the operator renders into the job's ConfigMap (a ConfigMap holds at most
+/// 1 MiB, and the whole StreamJob is written back with every status update).
+pub const MAX_JOB_FILE_BYTES: usize = 256 << 10;
 
 /// Why a StreamJob cannot be deployed as it stands. The reason is the Degraded condition's
 /// reason and the Warning event's.
@@ -30,6 +35,12 @@ pub enum InvalidReason {
     /// `spec.initialSavepoint` holds state the job cannot read (other aggregates or kind of
     /// operator under a uid, a uid the job does not have, another maxParallelism).
     IncompatibleSavepoint,
+    /// The credentials Secret has keys Weir does not take (they could steer where credentials
+    /// come from).
+    ForbiddenCredentials,
+    /// `spec.checkpointing.storage` or `spec.initialSavepoint` is outside the storage the
+    /// job's namespace may use.
+    StorageNotAllowed,
 }
 
 impl InvalidReason {
@@ -41,6 +52,8 @@ impl InvalidReason {
             InvalidReason::MissingSecret => EventReason::MissingSecret,
             InvalidReason::MissingSavepoint => EventReason::MissingSavepoint,
             InvalidReason::IncompatibleSavepoint => EventReason::IncompatibleSavepoint,
+            InvalidReason::ForbiddenCredentials => EventReason::ForbiddenCredentials,
+            InvalidReason::StorageNotAllowed => EventReason::StorageNotAllowed,
         }
     }
 }
@@ -94,9 +107,10 @@ pub type Verdict = Result<String, Invalid>;
 pub struct Inputs {
     /// Deploy this job file, or report why not.
     pub verdict: Verdict,
-    /// The keys of the credentials Secret, the environment checkpoint storage opens with (read
-    /// once here; empty when the job names no Secret or it is missing).
-    pub storage_env: Vec<(String, String)>,
+    /// Whose identity reads the job's checkpoint storage: the operator's within the
+    /// namespace's roots, else the job's credentials Secret; `None` (with the verdict saying
+    /// why) when neither may.
+    pub storage: Option<StorageIdentity>,
     /// The job file of the verdict, validated: what its operators' state holds is compared
     /// with the job's checkpoints before an upgrade or a resume.
     pub job: Option<ValidatedJob>,
@@ -109,32 +123,53 @@ pub async fn validate(
     sj: &StreamJob,
     ns: &str,
     storage_root: &str,
+    policy: &StoragePolicy,
     first_deploy: bool,
 ) -> Result<Inputs, InputsError> {
     let credentials = credentials(client, sj, ns).await?;
-    let (verdict, job) = match verdict(client, sj, ns, storage_root, first_deploy, credentials.as_deref()).await? {
+    let storage = match &credentials {
+        Ok(keys) => tenancy::storage_identity(policy, ns, STORAGE_FIELD, storage_root, keys.as_deref())
+            .map_err(|why| Invalid::new(InvalidReason::StorageNotAllowed, why)),
+        Err(invalid) => Err(invalid.clone()),
+    };
+    let checked = match &storage {
+        Ok(_) => verdict(client, sj, ns, storage_root, policy, first_deploy, credentials.as_ref().ok()).await?,
+        Err(invalid) => Err(invalid.clone()),
+    };
+    let (verdict, job) = match checked {
         Ok((job_yaml, job)) => (Ok(job_yaml), Some(job)),
         Err(invalid) => (Err(invalid), None),
     };
-    Ok(Inputs { verdict, storage_env: credentials.unwrap_or_default(), job })
+    Ok(Inputs { verdict, storage: storage.ok(), job })
 }
 
-/// The keys of the credentials Secret: empty when none is named, `None` when it is missing.
+/// How a job's root is named in messages (`<storage>/<namespace>/<name>`).
+const STORAGE_FIELD: &str = "spec.checkpointing.storage (the job's root)";
+
+/// The allow-listed keys of the credentials Secret (`None` when the job names none), or why
+/// the job cannot use it: missing, or with keys Weir does not take.
 async fn credentials(
     client: &kube::Client,
     sj: &StreamJob,
     ns: &str,
-) -> Result<Option<Vec<(String, String)>>, InputsError> {
+) -> Result<Result<Option<Vec<(String, String)>>, Invalid>, InputsError> {
     let Some(secret) = sj.spec.checkpointing.credentials_secret.as_ref().map(|r| r.name.as_str()) else {
-        return Ok(Some(Vec::new()));
+        return Ok(Ok(None));
     };
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
     let found = secrets
         .get_opt(secret)
         .await
         .map_err(|source| InputsError::Read { what: format!("Secret {secret}"), source })?;
-    Ok(found.map(|s| {
-        s.data.unwrap_or_default().into_iter().map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into())).collect()
+    let Some(found) = found else {
+        return Ok(Err(Invalid::new(
+            InvalidReason::MissingSecret,
+            format!("spec.checkpointing.credentialsSecret.name: Secret `{secret}` not found in namespace {ns}"),
+        )));
+    };
+    let data = found.data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)).collect();
+    Ok(tenancy::credential_env(&data).map(Some).map_err(|refused| {
+        Invalid::new(InvalidReason::ForbiddenCredentials, tenancy::refused_keys_message(secret, &refused))
     }))
 }
 
@@ -143,8 +178,9 @@ async fn verdict(
     sj: &StreamJob,
     ns: &str,
     storage_root: &str,
+    policy: &StoragePolicy,
     first_deploy: bool,
-    credentials: Option<&[(String, String)]>,
+    credentials: Option<&Option<Vec<(String, String)>>>,
 ) -> Result<Result<(String, ValidatedJob), Invalid>, InputsError> {
     let name = sj.metadata.name.as_deref().unwrap_or_default();
     let spec_problems = weir_crds::streamjob::spec_violations(name, &sj.spec);
@@ -157,6 +193,16 @@ async fn verdict(
         Err(invalid) => return Ok(Err(invalid)),
     };
     let job_yaml = children::job_file(sj, &graph, storage_root)?;
+    if job_yaml.len() > MAX_JOB_FILE_BYTES {
+        return Ok(Err(Invalid::new(
+            InvalidReason::InvalidJob,
+            format!(
+                "spec.job: the job file is {} KiB; at most {} KiB are allowed",
+                job_yaml.len() >> 10,
+                MAX_JOB_FILE_BYTES >> 10
+            ),
+        )));
+    }
     let checked = match weir_crds::JobSpec::from_yaml(&job_yaml) {
         Ok(spec) => weir_crds::validate(&spec).map_err(|errors| {
             let lines: Vec<String> =
@@ -169,15 +215,15 @@ async fn verdict(
         Ok(job) => job,
         Err(problems) => return Ok(Err(Invalid::new(InvalidReason::InvalidJob, problems))),
     };
-    let Some(env) = credentials else {
-        let secret = sj.spec.checkpointing.credentials_secret.as_ref().map(|r| r.name.as_str()).unwrap_or_default();
-        return Ok(Err(Invalid::new(
-            InvalidReason::MissingSecret,
-            format!("spec.checkpointing.credentialsSecret.name: Secret `{secret}` not found in namespace {ns}"),
-        )));
-    };
+    let keys = credentials.and_then(|keys| keys.as_deref());
     if let (true, Some(path)) = (first_deploy, &sj.spec.initial_savepoint) {
-        let metadata = savepoint_metadata(path, env)
+        // Held to the namespace's storage before anything is read: a refusal says nothing of
+        // whether the path exists or what it holds.
+        let identity = match tenancy::storage_identity(policy, ns, "spec.initialSavepoint", path, keys) {
+            Ok(identity) => identity,
+            Err(why) => return Ok(Err(Invalid::new(InvalidReason::StorageNotAllowed, why))),
+        };
+        let metadata = savepoint_metadata(path, &identity)
             .await
             .map_err(|source| InputsError::Savepoint { path: path.clone(), source })?;
         let refused = match metadata {
@@ -229,12 +275,21 @@ async fn job_graph(client: &kube::Client, sj: &StreamJob, ns: &str) -> Result<Re
 }
 
 /// The `_metadata` of the snapshot at `path`: `None` when there is none, an error inside when
-/// it does not decode.
+/// it does not decode. Its size is read first: a document larger than
+/// [`weir_checkpoint::recovery::MAX_METADATA_BYTES`] is not read.
 async fn savepoint_metadata(
     path: &str,
-    env: &[(String, String)],
+    identity: &StorageIdentity,
 ) -> Result<Option<Result<CheckpointMetadata, MetadataError>>, weir_checkpoint::StorageError> {
-    let storage = Storage::open_with_env(path, env)?;
+    let Some(storage) = Storage::open_for(path, identity.settings())? else { return Ok(None) };
+    match storage.size(weir_checkpoint::layout::METADATA).await? {
+        None => return Ok(None),
+        Some(len) if len > weir_checkpoint::recovery::MAX_METADATA_BYTES => {
+            let limit = weir_checkpoint::recovery::MAX_METADATA_BYTES;
+            return Ok(Some(Err(MetadataError::TooLarge { len, limit })));
+        }
+        Some(_) => {}
+    }
     match storage.get(weir_checkpoint::layout::METADATA).await {
         Ok(bytes) => Ok(Some(CheckpointMetadata::decode(&bytes))),
         Err(weir_checkpoint::StorageError::NotFound(_)) => Ok(None),

@@ -4,7 +4,8 @@
 //!
 //! The pure lifecycle planner is [`plan`]; [`controller`] runs its steps (observe, validate with
 //! [`inputs`], plan, apply with the builders in [`children`], publish events, write status).
-//! The runtime's control API is called through `weir_client`.
+//! The runtime's control API is called through `weir_client`. What a tenant's job may make the
+//! operator do with storage and credentials is decided in [`tenancy`].
 
 pub mod children;
 pub mod controller;
@@ -13,3 +14,4 @@ pub mod leader;
 pub mod metrics;
 pub mod observe;
 pub mod plan;
+pub mod tenancy;

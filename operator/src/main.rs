@@ -55,6 +55,20 @@ struct Args {
     /// Watch StreamJobs in this namespace only (default: all namespaces).
     #[arg(long, env = "WEIR_WATCH_NAMESPACE")]
     namespace: Option<String>,
+    /// Further storage roots each namespace may use with the operator's own credentials,
+    /// comma-separated, each with `{namespace}` (e.g. `s3://weir-{namespace}/jobs`). The default
+    /// storage's `<root>/<namespace>` is always one; outside them a job needs its own
+    /// credentialsSecret (and local paths are refused).
+    #[arg(long, env = "WEIR_ALLOWED_STORAGE_ROOTS", value_delimiter = ',')]
+    allowed_storage_roots: Vec<String>,
+    /// Honour the `weir.dev/control-url` annotation of a job (reach its control API there). Only
+    /// for an operator running outside the cluster (tests): in a cluster the annotation would
+    /// send the job's token wherever its author points it.
+    #[arg(long, env = "WEIR_OUT_OF_CLUSTER_CONTROL_URLS")]
+    out_of_cluster_control_urls: bool,
+    /// Abandon one reconcile after this many seconds (retried with backoff).
+    #[arg(long, env = "WEIR_RECONCILE_TIMEOUT_SECS", default_value_t = 60)]
+    reconcile_timeout_secs: u64,
     /// How long to wait for the StreamJob CRD to be established at start.
     #[arg(long, default_value_t = 60)]
     crd_wait_secs: u64,
@@ -88,7 +102,12 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(%identity, "waiting for the leader lease");
     election.acquire().await?;
     tracing::info!(default_storage = %args.default_storage, %identity, "leader: weir-operator running");
+    let storage_policy =
+        weir_operator::tenancy::StoragePolicy::new(&args.default_storage, &args.allowed_storage_roots)?;
     let settings = Settings {
+        storage_policy,
+        control_url_annotation: args.out_of_cluster_control_urls,
+        reconcile_timeout: Duration::from_secs(args.reconcile_timeout_secs.max(1)),
         default_storage: args.default_storage,
         control_address: args.control_address,
         max_concurrent_reconciles: args.max_concurrent_reconciles,

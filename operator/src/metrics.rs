@@ -135,6 +135,11 @@ impl OperatorMetrics {
             | R::MissingSavepoint
             | R::UpgradeRefused
             | R::IncompatibleSavepoint
+            | R::ForbiddenCredentials
+            | R::StorageNotAllowed
+            | R::NameConflict
+            | R::ForeignSavepoint
+            | R::ForceDeleted
             | R::ReconcileFailed => {}
         }
     }

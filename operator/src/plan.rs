@@ -181,6 +181,18 @@ pub enum EventReason {
     MissingSavepoint,
     /// The initial savepoint holds state the job cannot read.
     IncompatibleSavepoint,
+    /// The credentials Secret has keys Weir does not take.
+    ForbiddenCredentials,
+    /// A storage path of the job is outside the storage its namespace may use.
+    StorageNotAllowed,
+    /// An object of a child's name exists and is not the job's own: it is left alone and
+    /// nothing is deployed.
+    NameConflict,
+    /// A runtime reported a savepoint outside the job's storage: it is not used.
+    ForeignSavepoint,
+    /// The job was deleted with `weir.dev/force-delete`: its finalizer was removed without
+    /// the stop it stands for.
+    ForceDeleted,
     /// A reconcile failed (API or storage error); it is retried.
     ReconcileFailed,
 }
@@ -207,6 +219,11 @@ impl EventReason {
             EventReason::MissingSecret => "MissingSecret",
             EventReason::MissingSavepoint => "MissingSavepoint",
             EventReason::IncompatibleSavepoint => "IncompatibleSavepoint",
+            EventReason::ForbiddenCredentials => "ForbiddenCredentials",
+            EventReason::StorageNotAllowed => "StorageNotAllowed",
+            EventReason::NameConflict => "NameConflict",
+            EventReason::ForeignSavepoint => "ForeignSavepoint",
+            EventReason::ForceDeleted => "ForceDeleted",
             EventReason::ReconcileFailed => "ReconcileFailed",
         }
     }

@@ -39,7 +39,7 @@ async fn each_class_of_bad_input_is_reported_with_its_field_and_nothing_is_deplo
     let pp = PostParams::default();
     // A savepoint of a job whose uid `events` read Kafka: the generator of uid `events` cannot
     // take its positions over.
-    let kafka_savepoint = state.path().join("elsewhere/savepoints/sp-1-3");
+    let kafka_savepoint = state.path().join("bad-input/elsewhere/savepoints/sp-1-3");
     std::fs::create_dir_all(&kafka_savepoint).unwrap();
     let metadata = weir_checkpoint::CheckpointMetadata {
         format_version: weir_checkpoint::metadata::FORMAT_VERSION,
@@ -84,7 +84,7 @@ async fn each_class_of_bad_input_is_reported_with_its_field_and_nothing_is_deplo
             "spec.checkpointing.credentialsSecret.name: Secret `s3-keys` not found",
         ),
         (
-            job("no-savepoint", &format!("  initialSavepoint: {}/sp-1-7\n", state.path().display()), GRAPH),
+            job("no-savepoint", &format!("  initialSavepoint: {}/bad-input/sp-1-7\n", state.path().display()), GRAPH),
             "MissingSavepoint",
             "spec.initialSavepoint: no savepoint or checkpoint at",
         ),

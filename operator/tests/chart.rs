@@ -199,7 +199,11 @@ async fn the_operator_runs_its_whole_lifecycle_with_only_the_charts_rbac() {
         operator_pod_labels: [("app.kubernetes.io/name".to_string(), "weir-operator".to_string())].into(),
         extra_namespaces: vec![],
     };
-    let settings = Settings { control_ingress: Some(ingress), ..Settings::new(storage.path().display().to_string()) };
+    let settings = Settings {
+        control_ingress: Some(ingress),
+        control_url_annotation: true,
+        ..Settings::new(storage.path().display().to_string())
+    };
     let controller = tokio::spawn(run_with_metrics(operator.clone(), settings, metrics.clone()));
 
     // A job whose storage reads need its credentials Secret.

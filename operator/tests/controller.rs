@@ -46,7 +46,11 @@ async fn lifecycle_against_a_real_api_server() {
         operator_pod_labels: [("app.kubernetes.io/name".to_string(), "weir-operator".to_string())].into(),
         extra_namespaces: vec![],
     };
-    let settings = Settings { control_ingress: Some(ingress), ..Settings::new(storage.path().display().to_string()) };
+    let settings = Settings {
+        control_ingress: Some(ingress),
+        control_url_annotation: true,
+        ..Settings::new(storage.path().display().to_string())
+    };
     let controller = tokio::spawn(run_with_metrics(client.clone(), settings, metrics.clone()));
 
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);

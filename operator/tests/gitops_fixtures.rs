@@ -95,6 +95,7 @@ fn fixtures() -> Vec<(&'static str, StreamJob)> {
     let mut failing = status(Phase::Running, None, None, 3);
     failing.conditions = failure_conditions(
         &failing.conditions,
+        weir_operator::plan::EventReason::ReconcileFailed,
         "reconcile failed (kubernetes): ApiError: the server is currently unable to handle the request",
         3,
     );

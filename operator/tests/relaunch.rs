@@ -36,8 +36,11 @@ async fn killed_runtime_is_relaunched_from_the_newest_valid_checkpoint() {
     let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     // Status refreshed every second: the relaunched run is short, and its notices (output moved
     // by the fallback) are read from its status while it runs.
-    let settings =
-        Settings { status_refresh: Duration::from_secs(1), ..Settings::new(state.path().display().to_string()) };
+    let settings = Settings {
+        status_refresh: Duration::from_secs(1),
+        control_url_annotation: true,
+        ..Settings::new(state.path().display().to_string())
+    };
     let controller = tokio::spawn(run(client.clone(), settings));
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);

@@ -34,8 +34,11 @@ async fn savepoint_upgrade_with_the_real_runtime_is_exactly_once() {
     // Shared by the operator and the "pod" process, so not under /tmp (the pod's scratch mount).
     let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let settings =
-        Settings { status_refresh: Duration::from_secs(1), ..Settings::new(state.path().display().to_string()) };
+    let settings = Settings {
+        status_refresh: Duration::from_secs(1),
+        control_url_annotation: true,
+        ..Settings::new(state.path().display().to_string())
+    };
     let controller = tokio::spawn(run(client.clone(), settings));
 
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);

@@ -13,8 +13,13 @@
 //! | GET    | `/metrics`                | Prometheus text                            |
 //! | GET    | `/healthz`                | liveness (no token needed)                 |
 //!
-//! When a token is configured every request but `/healthz` needs `Authorization: Bearer <token>`.
-//! Every error answer is JSON: `{"error": "..."}`.
+//! When a token is configured every request but `/healthz` needs `Authorization: Bearer <token>`
+//! (an empty token is refused at start). Every error answer is JSON: `{"error": "..."}`.
+//!
+//! The server is exposed to the pod network, so it holds up against slow and greedy clients:
+//! at most [`MAX_CONNECTIONS`] connections at once, request headers within
+//! [`HEADER_READ_TIMEOUT`] and [`MAX_HEADER_BYTES`], bodies within [`BODY_READ_TIMEOUT`] and
+//! [`MAX_BODY_BYTES`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,6 +41,34 @@ use crate::metrics::JobMetrics;
 const WAIT_LIMIT: Duration = Duration::from_secs(600);
 /// How long the coordinator may take to accept a savepoint request.
 const ACCEPT_LIMIT: Duration = Duration::from_secs(30);
+
+/// Connections served at once; further ones wait in the listen backlog.
+pub const MAX_CONNECTIONS: usize = 64;
+/// How long a client may take to send a request's headers (a slowloris client is cut off).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(15);
+/// Largest request head.
+pub const MAX_HEADER_BYTES: usize = 16 << 10;
+/// How long a client may take to send a request's body.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(15);
+/// Largest request body (requests are a few bytes of JSON).
+pub const MAX_BODY_BYTES: usize = 64 << 10;
+
+/// Why the control server did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The address could not be bound or listened on.
+    #[error("listening on {addr}: {source}")]
+    Listen {
+        /// The address asked for.
+        addr: String,
+        /// The socket error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The token is empty: every request would carry the same non-secret.
+    #[error("the control API token is empty (the token file holds no token)")]
+    EmptyToken,
+}
 
 /// What the handlers share.
 struct ControlState {
@@ -82,24 +115,74 @@ pub fn serve(
     token: Option<String>,
     metrics: Arc<JobMetrics>,
     requests: Sender<Request>,
-) -> std::io::Result<ControlServer> {
-    let listener = std::net::TcpListener::bind(addr)?;
-    listener.set_nonblocking(true)?;
-    let bound = listener.local_addr()?;
+) -> Result<ControlServer, ServeError> {
+    if token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+        return Err(ServeError::EmptyToken);
+    }
+    let listen = |source| ServeError::Listen { addr: addr.to_string(), source };
+    let listener = std::net::TcpListener::bind(addr).map_err(listen)?;
+    listener.set_nonblocking(true).map_err(listen)?;
+    let bound = listener.local_addr().map_err(listen)?;
     let app = router(token, metrics, requests);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = {
         let _runtime = crate::io().enter();
-        let listener = tokio::net::TcpListener::from_std(listener)?;
-        crate::io().spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await
-        })
+        let listener = tokio::net::TcpListener::from_std(listener).map_err(listen)?;
+        crate::io().spawn(accept_loop(listener, app, stopped))
     };
     Ok(ControlServer { addr: bound, stop: Some(stop), task: Some(task) })
+}
+
+/// Accepts connections while fewer than [`MAX_CONNECTIONS`] are open, each served by hyper with
+/// a header timeout; once `stopped`, accepts no more and lets the open ones finish their
+/// requests.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<()> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let (closing, _) = tokio::sync::watch::channel(false);
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_header_size(MAX_HEADER_BYTES);
+    loop {
+        let slot = tokio::select! {
+            _ = &mut stopped => break,
+            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+        };
+        let stream = tokio::select! {
+            _ = &mut stopped => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of file descriptors and the like: the next accept may succeed.
+                Err(e) => {
+                    tracing::warn!(error = %e, "control API: accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        let mut closing = closing.subscribe();
+        tokio::spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                _ = closing.changed() => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = connection.await;
+                }
+            }
+            drop(slot);
+        });
+    }
+    let _ = closing.send(true);
+    // Every open connection holds a slot: all slots back means all connections ended.
+    let _ = slots.acquire_many(MAX_CONNECTIONS as u32).await;
+    Ok(())
 }
 
 /// The routes, behind the bearer token when one is set (all but `/healthz`).
@@ -117,6 +200,7 @@ fn router(token: Option<String>, metrics: Arc<JobMetrics>, requests: Sender<Requ
         .route("/metrics", get(prometheus))
         .route_layer(middleware::from_fn_with_state(token, require_bearer))
         .route("/healthz", get(|| async { Json(serde_json::json!({"ok": true})) }))
+        .layer(middleware::from_fn(bounded_body))
         .fallback(|| async { Failure(StatusCode::NOT_FOUND, "no such endpoint".into()) })
         .method_not_allowed_fallback(|| async {
             Failure(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this endpoint".into())
@@ -130,6 +214,19 @@ struct Failure(StatusCode, String);
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
         (self.0, Json(ApiError { error: self.1 })).into_response()
+    }
+}
+
+/// Reads a request's body within [`BODY_READ_TIMEOUT`] and [`MAX_BODY_BYTES`] before any
+/// handler sees it.
+async fn bounded_body(request: HttpRequest, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    match tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, MAX_BODY_BYTES)).await {
+        Ok(Ok(bytes)) => next.run(HttpRequest::from_parts(parts, axum::body::Body::from(bytes))).await,
+        Ok(Err(_)) => {
+            Failure(StatusCode::PAYLOAD_TOO_LARGE, format!("request body over {MAX_BODY_BYTES} bytes")).into_response()
+        }
+        Err(_) => Failure(StatusCode::REQUEST_TIMEOUT, "request body not sent in time".into()).into_response(),
     }
 }
 
@@ -243,6 +340,87 @@ async fn prometheus(State(s): State<Arc<ControlState>>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn server(token: Option<&str>) -> Result<ControlServer, ServeError> {
+        let (requests, _) = crossbeam_channel::unbounded();
+        let metrics = Arc::new(JobMetrics::new("control-test", "r1"));
+        serve("127.0.0.1:0", token.map(str::to_string), metrics, requests)
+    }
+
+    #[test]
+    fn an_empty_token_is_refused_at_start() {
+        assert!(matches!(server(Some("")), Err(ServeError::EmptyToken)));
+        assert!(matches!(server(Some("  \n")), Err(ServeError::EmptyToken)));
+        assert!(server(Some("t0ken")).is_ok());
+    }
+
+    /// Slow clients holding every connection slot, sending a header byte now and then, are cut
+    /// off after the header timeout; a request sent meanwhile is answered once a slot frees up,
+    /// and requests with too large a body or a wrong or empty bearer are refused.
+    #[test]
+    fn slow_and_greedy_clients_do_not_keep_others_out() {
+        use std::io::{Read, Write};
+        let server = server(Some("t0ken")).unwrap();
+        let addr = server.addr;
+        let slow: Vec<std::net::TcpStream> = (0..MAX_CONNECTIONS + 8)
+            .map(|_| {
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                s.write_all(b"GET /v1/job HTTP/1.1\r\nHost: x\r\n").unwrap();
+                s
+            })
+            .collect();
+        let dripping = std::thread::spawn(move || {
+            let mut slow = slow;
+            let until = std::time::Instant::now() + HEADER_READ_TIMEOUT + Duration::from_secs(5);
+            while std::time::Instant::now() < until {
+                for s in &mut slow {
+                    let _ = s.write_all(b"X");
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            // Each was closed by the server: reading ends (EOF, an answer, or a reset) instead of
+            // waiting out the read timeout.
+            slow.iter_mut()
+                .filter(|s| {
+                    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                    let mut buf = [0u8; 256];
+                    match s.read(&mut buf) {
+                        Ok(_) => true,
+                        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+                    }
+                })
+                .count()
+        });
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let started = std::time::Instant::now();
+        let client = weir_client::ControlClient::new(&addr.to_string(), Some("t0ken".into()))
+            .unwrap()
+            .timeout(HEADER_READ_TIMEOUT * 2);
+        let status = rt.block_on(client.job()).expect("answered once the slow clients are cut off");
+        assert_eq!(status.name, "control-test");
+        assert!(started.elapsed() < HEADER_READ_TIMEOUT + Duration::from_secs(10), "{:?}", started.elapsed());
+        let wrong = weir_client::ControlClient::new(&addr.to_string(), Some("other".into())).unwrap();
+        assert_eq!(rt.block_on(wrong.job()).unwrap_err().status(), Some(401));
+        let raw = |request: String| {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            s.write_all(request.as_bytes()).unwrap();
+            let mut answer = String::new();
+            let _ = s.read_to_string(&mut answer);
+            answer
+        };
+        let empty =
+            raw("GET /v1/job HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \r\nConnection: close\r\n\r\n".into());
+        assert!(empty.starts_with("HTTP/1.1 401"), "{empty}");
+        let big = "x".repeat(MAX_BODY_BYTES + 1);
+        let too_big = raw(format!(
+            "POST /v1/savepoints HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0ken\r\nContent-Length: {}\r\n\
+             Connection: close\r\n\r\n{big}",
+            big.len()
+        ));
+        assert!(too_big.starts_with("HTTP/1.1 413"), "{too_big}");
+        assert_eq!(dripping.join().unwrap(), MAX_CONNECTIONS + 8, "every slow connection was closed");
+    }
 
     #[test]
     fn token_comparison_needs_every_byte() {

@@ -234,7 +234,7 @@ fn run(
                 Some(s)
             }
             Err(e) => {
-                eprintln!("error: control API on {addr}: {e}");
+                eprintln!("error: control API: {e}");
                 return ExitCode::from(2);
             }
         },

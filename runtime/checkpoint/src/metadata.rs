@@ -295,6 +295,14 @@ pub enum MetadataError {
     /// The body is not the expected JSON.
     #[error("metadata body unreadable: {0}")]
     Body(String),
+    /// The document is larger than its reader accepts (it was not read).
+    #[error("metadata document of {len} bytes is larger than the {limit} bytes read")]
+    TooLarge {
+        /// Its size in storage.
+        len: u64,
+        /// The reader's bound.
+        limit: u64,
+    },
 }
 
 impl CheckpointMetadata {

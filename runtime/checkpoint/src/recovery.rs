@@ -36,10 +36,24 @@ pub enum Verdict {
     Invalid(String),
 }
 
+/// Largest `_metadata` read: a document past it is a defect, not an allocation (storage may be
+/// written by whoever runs the job; the operator reads it for every tenant).
+pub const MAX_METADATA_BYTES: u64 = 64 << 20;
+
 /// Reads and verifies the `_metadata` of a snapshot directory (relative to `storage`); the
-/// verdict when there is none ([`Verdict::Incomplete`]) or it does not verify.
+/// verdict when there is none ([`Verdict::Incomplete`]), it is larger than
+/// [`MAX_METADATA_BYTES`], or it does not verify.
 pub async fn read_metadata(storage: &Storage, dir: &str) -> Result<Result<CheckpointMetadata, Verdict>, StorageError> {
-    let bytes = match storage.get(&layout::resolve(dir, layout::METADATA)).await {
+    let path = layout::resolve(dir, layout::METADATA);
+    match storage.size(&path).await? {
+        None => return Ok(Err(Verdict::Incomplete)),
+        Some(len) if len > MAX_METADATA_BYTES => {
+            let too_large = crate::metadata::MetadataError::TooLarge { len, limit: MAX_METADATA_BYTES };
+            return Ok(Err(Verdict::Invalid(too_large.to_string())));
+        }
+        Some(_) => {}
+    }
+    let bytes = match storage.get(&path).await {
         Ok(b) => b,
         Err(StorageError::NotFound(_)) => return Ok(Err(Verdict::Incomplete)),
         Err(e) => return Err(e),

@@ -232,6 +232,17 @@ fn io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(object_store::Error) -
     }
 }
 
+/// Where [`Storage::open_for`] takes a cloud root's settings and credentials from.
+#[derive(Clone, Copy, Debug)]
+pub enum CloudSettings<'a> {
+    /// The process environment's `AWS_*`, `GOOGLE_*` or `AZURE_*` variables: the caller's own
+    /// identity, for roots the caller itself is responsible for.
+    Own,
+    /// These keys only (e.g. a tenant's credentials Secret); the process environment is never
+    /// read, so nothing of the caller's identity or settings is mixed in.
+    Only(&'a [(String, String)]),
+}
+
 impl Storage {
     /// Opens a storage root from a URL: a local path (created if missing), `file:///abs/path`,
     /// `s3://bucket/prefix` (credentials, region and endpoint from the usual `AWS_*`
@@ -245,15 +256,37 @@ impl Storage {
     pub fn open_with_env(url: &str, env: &[(String, String)]) -> Result<Storage, StorageError> {
         let fail = |reason: String| StorageError::Open { url: url.to_string(), reason };
         if let Some(scheme @ ("s3" | "gs" | "az")) = url.split_once("://").map(|(scheme, _)| scheme) {
-            return Storage::open_cloud(url, scheme, env).map_err(fail);
+            return Storage::open_cloud(url, scheme, env, true).map_err(fail);
         }
+        Storage::open_local(url, true).map(|opened| opened.expect("a root that is created exists"))
+    }
+
+    /// Opens a root on behalf of someone else (the operator, for a tenant's job): a cloud root
+    /// with exactly the `settings` given, a local root only if it exists (`None` when it does
+    /// not: nothing is created from a path someone else wrote).
+    pub fn open_for(url: &str, settings: CloudSettings<'_>) -> Result<Option<Storage>, StorageError> {
+        let fail = |reason: String| StorageError::Open { url: url.to_string(), reason };
+        if let Some(scheme @ ("s3" | "gs" | "az")) = url.split_once("://").map(|(scheme, _)| scheme) {
+            let (env, process_env) = match settings {
+                CloudSettings::Own => (&[][..], true),
+                CloudSettings::Only(env) => (env, false),
+            };
+            return Storage::open_cloud(url, scheme, env, process_env).map(Some).map_err(fail);
+        }
+        Storage::open_local(url, false)
+    }
+
+    /// A local (`file://` or plain path) or `memory://` root; a missing directory is created
+    /// when `create`, else the answer is `None`.
+    fn open_local(url: &str, create: bool) -> Result<Option<Storage>, StorageError> {
+        let fail = |reason: String| StorageError::Open { url: url.to_string(), reason };
         if let Some(rest) = url.strip_prefix("memory://") {
-            return Ok(Storage {
+            return Ok(Some(Storage {
                 store: Arc::new(InMemory::new()),
                 prefix: rest.trim_matches('/').to_string(),
                 url: url.to_string(),
                 local: None,
-            });
+            }));
         }
         let path = match url.strip_prefix("file://") {
             Some(p) => p.to_string(),
@@ -262,15 +295,24 @@ impl Storage {
             }
             None => url.to_string(),
         };
-        std::fs::create_dir_all(&path).map_err(|e| fail(format!("cannot create directory: {e}")))?;
+        if create {
+            std::fs::create_dir_all(&path).map_err(|e| fail(format!("cannot create directory: {e}")))?;
+        } else if !std::path::Path::new(&path).is_dir() {
+            return Ok(None);
+        }
         let abs = std::fs::canonicalize(&path).map_err(|e| fail(e.to_string()))?;
         let store = LocalFileSystem::new_with_prefix(&abs).map_err(|e| fail(e.to_string()))?;
-        Ok(Storage { store: Arc::new(store), prefix: String::new(), url: abs.display().to_string(), local: Some(abs) })
+        Ok(Some(Storage {
+            store: Arc::new(store),
+            prefix: String::new(),
+            url: abs.display().to_string(),
+            local: Some(abs),
+        }))
     }
 
     /// Without the `cloud` feature every cloud root is refused, naming the feature.
     #[cfg(not(feature = "cloud"))]
-    fn open_cloud(_url: &str, scheme: &str, _env: &[(String, String)]) -> Result<Storage, String> {
+    fn open_cloud(_url: &str, scheme: &str, _env: &[(String, String)], _process_env: bool) -> Result<Storage, String> {
         Err(format!(
             "this build of Weir has no {scheme}:// storage: build it with the `cloud` feature (on by default; \
              the build was made with --no-default-features)"
@@ -279,17 +321,18 @@ impl Storage {
 
     /// An object store root: `s3://bucket/prefix`, `gs://bucket/prefix` or `az://container/prefix`.
     /// Its settings are the environment's `AWS_*`, `GOOGLE_*` or `AZURE_*` variables (as
-    /// object_store's `from_env` reads them), with `env` taking precedence. Without credentials
-    /// named in either, opening fails: the stores would otherwise fall back to a cloud metadata
-    /// service, reaching out to a link-local address on machines that have none.
+    /// object_store's `from_env` reads them; only when `process_env`), with `env` taking
+    /// precedence. Without credentials named in either, opening fails: the stores would
+    /// otherwise fall back to a cloud metadata service, reaching out to a link-local address on
+    /// machines that have none (and, for someone else's root, with this machine's identity).
     #[cfg(feature = "cloud")]
-    fn open_cloud(url: &str, scheme: &str, env: &[(String, String)]) -> Result<Storage, String> {
+    fn open_cloud(url: &str, scheme: &str, env: &[(String, String)], process_env: bool) -> Result<Storage, String> {
         let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
         if parsed.host_str().unwrap_or_default().is_empty() {
             return Err(format!("needs a bucket: {scheme}://bucket/prefix"));
         }
-        let var =
-            |k: &str| env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).or_else(|| std::env::var(k).ok());
+        let from_process = |k: &str| if process_env { std::env::var(k).ok() } else { None };
+        let var = |k: &str| env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).or_else(|| from_process(k));
         let env_prefix = match scheme {
             "s3" => "AWS_",
             "gs" => "GOOGLE_",
@@ -300,7 +343,9 @@ impl Storage {
         }
         // The process environment first, the job's Secret over it; object_store ignores keys
         // that are not its settings.
-        let mut options: std::collections::BTreeMap<String, String> = std::env::vars()
+        let process: Vec<(String, String)> = if process_env { std::env::vars().collect() } else { Vec::new() };
+        let mut options: std::collections::BTreeMap<String, String> = process
+            .into_iter()
             .chain(env.iter().cloned())
             .filter(|(k, _)| k.starts_with(env_prefix))
             .map(|(k, v)| (k.to_ascii_lowercase(), v))
