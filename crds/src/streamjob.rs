@@ -130,7 +130,8 @@ pub struct StreamJobSpec {
     /// Change this value to restart the job once (from its newest checkpoint).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_nonce: Option<i64>,
-    /// Start the first run from this savepoint (or checkpoint) path.
+    /// Start the first run from this savepoint (or checkpoint) path: within the namespace's
+    /// allowed storage roots, or an object store read with the job's credentialsSecret.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initial_savepoint: Option<String>,
     /// Accept a savepoint holding state of operators the job no longer has.
@@ -150,7 +151,8 @@ pub struct StreamJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self >= 100").message("must be at least 100"))]
     pub state_cache_entries: Option<u64>,
-    /// CPU and memory of each runtime pod.
+    /// CPU and memory of each runtime pod (default: requests 100m CPU and 256Mi memory, a 2Gi
+    /// memory limit; the runtime sizes its state budget from the limit).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
     /// Overrides for the runtime pods.
@@ -272,11 +274,19 @@ pub struct CheckpointSettings {
     #[serde(default)]
     pub retention_on_cancel: RetentionOnCancel,
     /// Storage root for checkpoints and savepoints; the job's files go under
-    /// `<storage>/<namespace>/<name>/`. Default: the operator's configured storage.
+    /// `<storage>/<namespace>/<name>/`. Default: the operator's configured storage. Without a
+    /// credentialsSecret it must lie within the roots the operator allows this namespace (its
+    /// default storage's `<root>/<namespace>`, and `storage.allowedRoots` of the chart); local
+    /// paths only ever there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage: Option<String>,
-    /// Secret whose keys become the runtime's environment (e.g. AWS_ACCESS_KEY_ID,
-    /// AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT). Values are never logged.
+    /// Secret whose keys become the runtime's environment and the operator's only settings for
+    /// this job's storage (never mixed with the operator's own credentials). Allowed keys:
+    /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION,
+    /// AWS_DEFAULT_REGION, AWS_ENDPOINT, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP,
+    /// GOOGLE_SERVICE_ACCOUNT_KEY, AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY,
+    /// AZURE_STORAGE_SAS_KEY, AZURE_STORAGE_ENDPOINT; a Secret with any other key is refused.
+    /// Values are never logged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret: Option<LocalObjectReference>,
 }
@@ -415,10 +425,12 @@ impl Default for RelaunchPolicy {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct PodOverrides {
-    /// Extra labels.
+    /// Extra labels; none under `weir.dev/`, `app.kubernetes.io/`, `kubernetes.io/` or `k8s.io/`
+    /// (the job's Service and NetworkPolicy select its pods by those).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
-    /// Extra annotations.
+    /// Extra annotations; none under `weir.dev/`, and no AppArmor or seccomp annotation (the
+    /// runtime runs under the restricted Pod Security profile).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub annotations: BTreeMap<String, String>,
     /// Node selector.

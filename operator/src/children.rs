@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource,
-    HTTPGetAction, Pod, PodSecurityContext, PodSpec, Probe, SeccompProfile, SecretEnvSource, SecretVolumeSource,
-    SecurityContext, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+    HTTPGetAction, Pod, PodSecurityContext, PodSpec, Probe, ResourceRequirements, SeccompProfile, SecretEnvSource,
+    SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
@@ -31,6 +31,22 @@ const JOB_DIR: &str = "/etc/weir/job";
 const TOKEN_DIR: &str = "/var/run/weir/token";
 /// Non-root user of the runtime container.
 const RUNTIME_UID: i64 = 65532;
+/// Size limit of the runtime's scratch directory (`/tmp`: the rocksdb backend's files, staged
+/// output): past it the kubelet evicts the pod instead of filling the node's disk.
+pub const SCRATCH_SIZE_LIMIT: &str = "20Gi";
+
+/// The runtime container's resources when `spec.resources` names none: a request the scheduler
+/// can place, and a memory limit so that one job cannot take a node's memory from the others
+/// (the runtime sizes its state budget from it).
+pub fn default_resources() -> ResourceRequirements {
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    let q = |s: &str| Quantity(s.to_string());
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([("cpu".to_string(), q("100m")), ("memory".to_string(), q("256Mi"))])),
+        limits: Some(BTreeMap::from([("memory".to_string(), q("2Gi"))])),
+        ..ResourceRequirements::default()
+    }
+}
 
 /// Why children could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -288,7 +304,7 @@ pub fn pod(
             ..ContainerPort::default()
         }]),
         env_from: env_from_secrets(s),
-        resources: s.resources.clone(),
+        resources: Some(s.resources.clone().unwrap_or_else(default_resources)),
         readiness_probe: Some(Probe {
             http_get: Some(HTTPGetAction {
                 path: Some("/healthz".into()),
@@ -363,7 +379,12 @@ pub fn pod(
                 },
                 Volume {
                     name: "scratch".into(),
-                    empty_dir: Some(EmptyDirVolumeSource::default()),
+                    empty_dir: Some(EmptyDirVolumeSource {
+                        size_limit: Some(k8s_openapi::apimachinery::pkg::api::resource::Quantity(
+                            SCRATCH_SIZE_LIMIT.into(),
+                        )),
+                        ..EmptyDirVolumeSource::default()
+                    }),
                     ..Volume::default()
                 },
             ]),
