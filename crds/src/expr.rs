@@ -312,7 +312,8 @@ mod tests {
     /// overflows a stack (which would abort this test's process).
     #[test]
     fn growing_hostile_expressions_are_refused_without_overflowing_a_small_stack() {
-        let shapes: [(&str, fn(usize) -> String); 9] = [
+        type Grow = fn(usize) -> String;
+        let shapes: [(&str, Grow); 9] = [
             ("sum", |n| vec!["a"; n].join(" + ")),
             ("and", |n| vec!["a > 1"; n].join(" && ")),
             ("parens", |n| format!("{}a{}", "(".repeat(n), ")".repeat(n))),

@@ -101,7 +101,8 @@ fn job(name: &str, extra: &str, filter: &str) -> StreamJob {
     let text = format!(
         "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: {{ name: {name} }}\n\
          spec:\n  image: weir-runtime:dev\n  parallelism: 1\n{extra}  job:\n    inline:\n      \
-         sources: [ {{ name: events, uid: events, generator: {{ count: 10, fields: [ {{ name: k, modulo: 4 }} ] }} }} ]\n      \
+         sources: [ {{ name: events, uid: events,\n        \
+           generator: {{ count: 10, fields: [ {{ name: k, modulo: 4 }} ] }} }} ]\n      \
          operators: [ {{ name: small, filter: {{ expr: {filter:?} }} }} ]\n      \
          sinks: [ {{ name: out, stdout: {{}} }} ]\n"
     );
@@ -180,8 +181,10 @@ async fn each_attack_of_a_hostile_tenant_is_refused_or_reported() {
     let huge = vec!["k"; 100_000].join("+");
     let bomb: ConfigMap = serde_yaml::from_str(&format!(
         "metadata: {{ name: bomb }}\ndata:\n  job.yaml: |\n    name: x\n    \
-         sources: [ {{ name: events, uid: events, generator: {{ count: 10, fields: [ {{ name: k, modulo: 4 }} ] }} }} ]\n    \
-         operators: [ {{ name: f, filter: {{ expr: \"{huge} > 0\" }} }} ]\n    sinks: [ {{ name: out, stdout: {{}} }} ]\n"
+         sources: [ {{ name: events, uid: events,\n      \
+           generator: {{ count: 10, fields: [ {{ name: k, modulo: 4 }} ] }} }} ]\n    \
+         operators: [ {{ name: f, filter: {{ expr: \"{huge} > 0\" }} }} ]\n    \
+         sinks: [ {{ name: out, stdout: {{}} }} ]\n"
     ))
     .unwrap();
     Api::<ConfigMap>::namespaced(client.clone(), ns).create(&pp, &bomb).await.unwrap();

@@ -567,6 +567,11 @@ pub fn head_len(head: &[u8], len: u64) -> Result<u64, FormatError> {
     }
 }
 
+/// Longest index of an increment ordered by key group: 12 bytes for each of at most 32,768 key
+/// groups, and its checksum, with room to spare. A longer one is a defect, refused before
+/// anything is allocated for it.
+pub const MAX_INDEX_BYTES: u64 = 1 << 20;
+
 /// Bytes to fetch first from the start of a state file to read its header and index length.
 pub const HEAD_BYTES: u64 = (HEADER_LEN + 4) as u64;
 
@@ -742,6 +747,10 @@ fn read_header<E>(file: &mut impl std::io::Read, len: u64) -> Result<(FileKind, 
             let index_len = u64::from(u32::from_le_bytes(index_len));
             if len < (HEADER_LEN + 4 + 4) as u64 + index_len {
                 return Err(PartsError::Format(FormatError::Truncated(len as usize)));
+            }
+            // The readers allocate the index from this length before it is verified.
+            if index_len > MAX_INDEX_BYTES {
+                return Err(PartsError::Format(FormatError::BadIndex("longer than any key-group index")));
             }
             Ok((FileKind::KeyedIncrement, Some(index_len)))
         }
@@ -1534,6 +1543,29 @@ mod tests {
             concat_increments(&mut inputs, Vec::new()),
             Err(ConcatError::Format { input: 1, source: FormatError::BadIndex(_) })
         ));
+    }
+
+    #[test]
+    fn an_index_longer_than_any_key_group_index_is_refused_before_it_is_allocated() {
+        for kind in [KIND_INCREMENT_BY_KEY_GROUP, KIND_INCREMENT_BY_KEY_GROUP_UNCHECKED] {
+            let mut file = MAGIC.to_vec();
+            file.push(kind);
+            file.extend_from_slice(&u32::MAX.to_le_bytes());
+            // A length said in metadata, long enough for the index it claims.
+            let said = 1u64 << 40;
+            let index = read_increment_index(&file[..], said);
+            assert!(matches!(index, Err(PartsError::Format(FormatError::BadIndex(_)))), "{index:?}");
+            assert_eq!(head_len(&file, said), Err(FormatError::BadIndex("longer than any key-group index")));
+            let parts = read_keyed_parts(&file[..], said, 64, |_| Ok::<(), ()>(()));
+            assert!(matches!(parts, Err(PartsError::Format(FormatError::BadIndex(_)))));
+        }
+        // The largest index a job can have is within the bound.
+        let mut w = StateFileWriter::increment_by_key_group(64);
+        for kg in 0..32_768 {
+            w.put(kg, b"k", b"v");
+        }
+        let (file, _) = w.finish();
+        assert!(head_len(&file[..HEAD_BYTES as usize], file.len() as u64).is_ok());
     }
 
     #[test]
