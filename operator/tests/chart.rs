@@ -263,3 +263,99 @@ spec:
     assert!(errors.is_empty(), "no reconcile failed (a 403 would show here): {errors:?}");
     controller.abort();
 }
+
+/// With `admissionPolicy.enabled`, the API server holds each StreamJob to its author's own
+/// rights: a person allowed to create StreamJobs and nothing else cannot name a Secret, a
+/// ConfigMap or a service account through one, nor an image outside the allowed prefixes; given
+/// the right to read the Secret, the same job is accepted.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admission_policy_holds_streamjob_authors_to_their_own_rights() {
+    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
+    let (server, admin) = TestApiServer::with_namespace(JOBS_NS).await.expect("API server with the CRD starts");
+    let docs = rendered_with(
+        "s3://weir-state/prod",
+        &[
+            "--set",
+            "admissionPolicy.enabled=true",
+            "--set",
+            "admissionPolicy.allowedImagePrefixes={registry.example/weir/}",
+        ],
+    );
+    let pp = PostParams::default();
+    for policy in of_kind::<ValidatingAdmissionPolicy>(&docs, "ValidatingAdmissionPolicy") {
+        Api::<ValidatingAdmissionPolicy>::all(admin.clone()).create(&pp, &policy).await.unwrap();
+    }
+    for binding in of_kind::<ValidatingAdmissionPolicyBinding>(&docs, "ValidatingAdmissionPolicyBinding") {
+        Api::<ValidatingAdmissionPolicyBinding>::all(admin.clone()).create(&pp, &binding).await.unwrap();
+    }
+    // alice may create StreamJobs in `jobs`, and nothing else.
+    let author: Role = serde_yaml::from_str(
+        "metadata: { name: streamjob-author }\n\
+         rules: [ { apiGroups: [weir.dev], resources: [streamjobs], verbs: [create, get, list, update, patch] } ]",
+    )
+    .unwrap();
+    Api::<Role>::namespaced(admin.clone(), JOBS_NS).create(&pp, &author).await.unwrap();
+    let binding = |role: &str| -> RoleBinding {
+        serde_yaml::from_str(&format!(
+            "metadata: {{ name: alice-{role} }}\n\
+             roleRef: {{ apiGroup: rbac.authorization.k8s.io, kind: Role, name: {role} }}\n\
+             subjects: [ {{ apiGroup: rbac.authorization.k8s.io, kind: User, name: alice }} ]"
+        ))
+        .unwrap()
+    };
+    Api::<RoleBinding>::namespaced(admin.clone(), JOBS_NS).create(&pp, &binding("streamjob-author")).await.unwrap();
+    let kc = Kubeconfig::read_from(server.kubeconfig()).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap();
+    config.auth_info.impersonate = Some("alice".into());
+    config.auth_info.impersonate_groups = Some(vec!["system:authenticated".into()]);
+    let alice: Api<StreamJob> = Api::namespaced(kube::Client::try_from(config).unwrap(), JOBS_NS);
+
+    let job = |name: &str, image: &str, extra: &str| -> StreamJob {
+        serde_yaml::from_str(&format!(
+            "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: {{ name: {name} }}\nspec:\n  \
+             image: {image}\n  parallelism: 1\n{extra}  job: {{ inline: {{ sources: [ {{ name: s, uid: s, \
+             generator: {{ fields: [ {{ name: a, sequence: {{}} }} ] }} }} ], sinks: [ {{ name: o, stdout: {{}} }} ] }} }}\n"
+        ))
+        .unwrap()
+    };
+    let refusal = |r: Result<StreamJob, kube::Error>| match r {
+        Err(kube::Error::Api(s)) if s.code == 403 || s.code == 422 => s.message,
+        other => panic!("not refused: {other:?}"),
+    };
+    let good = "registry.example/weir/runtime:1";
+    // The policy takes effect once the API server has loaded it.
+    let secret_job = job("keys", good, "  checkpointing: { credentialsSecret: { name: s3-keys } }\n");
+    let message = eventually("the admission policy in effect", 30, || async {
+        match alice.create(&pp, &secret_job).await {
+            Err(kube::Error::Api(s)) if s.code == 403 || s.code == 422 => Some(s.message),
+            Ok(_) => panic!("a job naming a Secret alice may not read was accepted"),
+            Err(_) => None,
+        }
+    })
+    .await;
+    assert!(message.contains("spec.checkpointing.credentialsSecret: you may not read Secret s3-keys"), "{message}");
+    let cases = [
+        (job("env", good, "  podTemplate: { envFromSecrets: [ { name: db } ] }\n"), "spec.podTemplate.envFromSecrets"),
+        (job("pull", good, "  podTemplate: { imagePullSecrets: [ { name: regcred } ] }\n"), "imagePullSecrets"),
+        (job("sa", good, "  podTemplate: { serviceAccountName: admin }\n"), "spec.podTemplate.serviceAccountName"),
+        (job("image", "evil.example/miner:1", ""), "spec.image: must start with one of registry.example/weir/"),
+    ];
+    for (sj, expected) in cases {
+        let message = refusal(alice.create(&pp, &sj).await);
+        assert!(message.contains(expected), "expected `{expected}` in `{message}`");
+    }
+    let mut cm_job = job("cm", good, "");
+    cm_job.spec.job = serde_yaml::from_str("{ configMapRef: { name: jobs } }").unwrap();
+    assert!(refusal(alice.create(&pp, &cm_job).await).contains("spec.job.configMapRef"));
+    // Nothing named, an allowed image: accepted. Given the right to read the Secret: accepted.
+    alice.create(&pp, &job("plain", good, "")).await.expect("a job naming nothing is accepted");
+    let reader: Role = serde_yaml::from_str(
+        "metadata: { name: s3-keys-reader }\n\
+         rules: [ { apiGroups: [\"\"], resources: [secrets], resourceNames: [s3-keys], verbs: [get] } ]",
+    )
+    .unwrap();
+    Api::<Role>::namespaced(admin.clone(), JOBS_NS).create(&pp, &reader).await.unwrap();
+    Api::<RoleBinding>::namespaced(admin.clone(), JOBS_NS).create(&pp, &binding("s3-keys-reader")).await.unwrap();
+    eventually("alice's job naming a Secret she may read", 30, || async { alice.create(&pp, &secret_job).await.ok() })
+        .await;
+}
