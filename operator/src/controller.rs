@@ -166,6 +166,10 @@ pub enum ReconcileError {
     /// The reconcile took longer than [`Settings::reconcile_timeout`].
     #[error("reconcile abandoned after {0:?} (a runtime or storage that does not answer?)")]
     Deadline(Duration),
+    /// Listing the job's own storage (its endpoint) took longer than
+    /// [`tenancy::TENANT_STORAGE_TIMEOUT`].
+    #[error("checkpoint storage did not answer within {0:?}")]
+    StorageTimeout(Duration),
 }
 
 impl ReconcileError {
@@ -183,6 +187,7 @@ impl ReconcileError {
             ReconcileError::NameConflict { .. } => "name-conflict",
             ReconcileError::StorageRefused(_) => "storage-refused",
             ReconcileError::Deadline(_) => "deadline",
+            ReconcileError::StorageTimeout(_) => "storage-timeout",
         }
     }
 
@@ -265,8 +270,11 @@ fn savepoint_id(path: &str) -> u64 {
     path.trim_end_matches('/').rsplit('-').next().and_then(|n| n.parse().ok()).unwrap_or(0)
 }
 
+/// The token in a job's token Secret; an empty or blank one is no token (the runtime refuses
+/// to serve with it).
 fn token_of(secret: &Secret) -> Option<String> {
-    secret.data.as_ref()?.get("token").map(|b| String::from_utf8_lossy(&b.0).to_string())
+    let token = secret.data.as_ref()?.get("token").map(|b| String::from_utf8_lossy(&b.0).trim().to_string())?;
+    (!token.is_empty()).then_some(token)
 }
 
 /// 192 random bits from the operating system, as hex. Without a random source there is no safe
@@ -713,12 +721,11 @@ fn keep_reported_failure(old: &StreamJobStatus, new: &mut StreamJobStatus) {
     if !old.conditions.iter().any(|c| c.type_ == "Degraded" && reported(c)) {
         return;
     }
-    for c in old.conditions.iter().filter(|c| reported(c)) {
-        match new.conditions.iter_mut().find(|n| n.type_ == c.type_) {
-            Some(n) => *n = c.clone(),
-            None => new.conditions.push(c.clone()),
-        }
-    }
+    // In the order `failure_conditions` wrote them (after the others), so that an unchanged
+    // status compares equal and is not written again.
+    let kept: Vec<Condition> = old.conditions.iter().filter(|c| reported(c)).cloned().collect();
+    new.conditions.retain(|n| !kept.iter().any(|k| k.type_ == n.type_));
+    new.conditions.extend(kept);
 }
 
 /// Apply: carries out the plan's actions in order; returns the savepoint request in flight. A
@@ -969,10 +976,15 @@ impl StorageAccess<'_> {
     }
 
     async fn checkpoints(&self) -> Result<Vec<plan::FoundCheckpoint>, ReconcileError> {
-        match self.open()? {
-            Some(storage) => Ok(observe::checkpoints(&storage).await?),
-            None => Ok(Vec::new()),
-        }
+        let Some(storage) = self.open()? else { return Ok(Vec::new()) };
+        let read = observe::checkpoints(&storage);
+        let found = match self.identity.and_then(StorageIdentity::read_timeout) {
+            Some(limit) => {
+                tokio::time::timeout(limit, read).await.map_err(|_| ReconcileError::StorageTimeout(limit))?
+            }
+            None => read.await,
+        };
+        Ok(found?)
     }
 }
 
@@ -1001,6 +1013,12 @@ async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &st
         if let Some(t) = token_of(&existing) {
             return Ok(t);
         }
+        // The job's own Secret, emptied (by hand, or by whoever may edit Secrets here): a new
+        // token replaces the empty one.
+        let token = random_token()?;
+        let patch = serde_json::json!({ "stringData": { "token": token } });
+        secrets.patch(&secret_name, &PatchParams::default(), &Patch::Merge(patch)).await?;
+        return Ok(token);
     }
     let token = random_token()?;
     let mut secret = Secret {

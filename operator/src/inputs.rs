@@ -95,6 +95,14 @@ pub enum InputsError {
         #[source]
         source: weir_checkpoint::StorageError,
     },
+    /// The storage holding the initial savepoint (the tenant's own) did not answer in time.
+    #[error("reading the initial savepoint {path}: no answer within {after:?}")]
+    SavepointTimeout {
+        /// The savepoint path.
+        path: String,
+        /// The bound ([`tenancy::TENANT_STORAGE_TIMEOUT`]).
+        after: std::time::Duration,
+    },
     /// The job file could not be rendered.
     #[error(transparent)]
     Build(#[from] children::BuildError),
@@ -223,9 +231,14 @@ async fn verdict(
             Ok(identity) => identity,
             Err(why) => return Ok(Err(Invalid::new(InvalidReason::StorageNotAllowed, why))),
         };
-        let metadata = savepoint_metadata(path, &identity)
-            .await
-            .map_err(|source| InputsError::Savepoint { path: path.clone(), source })?;
+        let read = savepoint_metadata(path, &identity);
+        let read = match identity.read_timeout() {
+            Some(after) => tokio::time::timeout(after, read)
+                .await
+                .map_err(|_| InputsError::SavepointTimeout { path: path.clone(), after })?,
+            None => read.await,
+        };
+        let metadata = read.map_err(|source| InputsError::Savepoint { path: path.clone(), source })?;
         let refused = match metadata {
             None => Some((
                 InvalidReason::MissingSavepoint,

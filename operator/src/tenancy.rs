@@ -144,7 +144,21 @@ pub enum StorageIdentity {
     Tenant(Vec<(String, String)>),
 }
 
+/// How long one read of a tenant's own storage (its endpoint, its credentials) may take in a
+/// reconcile: an endpoint that never answers holds one of the operator's reconcile workers no
+/// longer than this, then the job is retried with backoff.
+pub const TENANT_STORAGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
+
 impl StorageIdentity {
+    /// How long one read with this identity may take; `None`: only the reconcile's deadline
+    /// (the operator's own storage is the chart's, not a tenant's).
+    pub fn read_timeout(&self) -> Option<std::time::Duration> {
+        match self {
+            StorageIdentity::Operator => None,
+            StorageIdentity::Tenant(_) => Some(TENANT_STORAGE_TIMEOUT),
+        }
+    }
+
     /// The settings to open storage with.
     pub fn settings(&self) -> weir_checkpoint::CloudSettings<'_> {
         match self {

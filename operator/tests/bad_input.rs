@@ -139,5 +139,13 @@ data:
     assert!(message.contains("kube-api") && message.contains("forbidden"), "{message}");
     assert!(warning_event(&client, ns, "quota", "ReconcileFailed").await.contains("forbidden"));
     assert!(pods.get_opt("quota-runtime-0").await.unwrap().is_none());
+    // Retried (with backoff: about 1, 2 and 4 s), each retry failing the same way: the status
+    // says so once and then holds still, instead of flapping between the deploy it writes
+    // ahead and the failure (every write carrying the whole object).
+    let before = jobs.get("quota").await.unwrap().metadata.resource_version;
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    let after = jobs.get("quota").await.unwrap();
+    assert_eq!(after.metadata.resource_version, before, "the status changed while the same failure repeated");
+    assert!(pods.get_opt("quota-runtime-0").await.unwrap().is_none());
     controller.abort();
 }
