@@ -4,14 +4,15 @@
 #   kube-apiserver, etcd  built from the Kubernetes Go modules (e2e/tools/build-k8s.sh) for the
 #                         operator's tests against a real API server;
 #   helm                  built from its Go module, for the chart's lint and render tests;
+#   cargo-deny            (from crates.io) the license, ban and source checks of .ci/lint.sh;
 #   openssl, curl         used by e2e/tools/start-apiserver.sh (Debian packages);
 #   libssl-dev, zlib1g-dev, cmake  librdkafka's build (the runtime's `kafka` feature);
 #   librocksdb-dev, libclang-dev   the rocksdb state backend: Debian's RocksDB 7.8 is linked
 #                         (.cargo/config.toml) and bindgen reads its headers with libclang;
 #   Apache Kafka          the broker's jars from Maven Central (.ci/kafka/pom.xml), run with Java
 #                         17 by the Kafka tests (a real broker, KRaft mode, single node).
-# Prints the environment to use (WEIR_S3S_BIN=..., WEIR_HELM_BIN=..., KUBEBUILDER_ASSETS=...,
-# WEIR_KAFKA_LIBS=...).
+# Prints the environment to use (WEIR_S3S_BIN=..., WEIR_HELM_BIN=..., WEIR_CARGO_DENY=...,
+# KUBEBUILDER_ASSETS=..., WEIR_KAFKA_LIBS=...).
 set -euo pipefail
 cache="${WEIR_CACHE:-$HOME/.cache/weir}"
 tools="$cache/tools"
@@ -26,6 +27,13 @@ if [ ! -x "$tools/bin/s3s-fs" ] || ! grep -q "$S3S_VERSION" "$tools/.s3s-version
   echo "installing s3s-fs $S3S_VERSION into $tools (once)" >&2
   CARGO_TARGET_DIR="$cache/tools-target" cargo install s3s-fs@"$S3S_VERSION" --features binary --locked --root "$tools" >&2
   echo "$S3S_VERSION" > "$tools/.s3s-version"
+fi
+# cargo-deny, for the license, ban and source checks of .ci/lint.sh (deny.toml).
+DENY_VERSION=0.20.2
+if [ ! -x "$tools/bin/cargo-deny" ] || ! grep -q "$DENY_VERSION" "$tools/.deny-version" 2>/dev/null; then
+  echo "installing cargo-deny $DENY_VERSION into $tools (once)" >&2
+  CARGO_TARGET_DIR="$cache/tools-target" cargo install cargo-deny@"$DENY_VERSION" --locked --root "$tools" >&2
+  echo "$DENY_VERSION" > "$tools/.deny-version"
 fi
 # helm, for `helm lint` and `helm template` of charts/weir-operator (built from its Go module).
 HELM_VERSION=v3.22.0
@@ -51,5 +59,6 @@ fi
 assets=$(WEIR_CACHE="$cache" bash "$(dirname "$0")/../e2e/tools/build-k8s.sh" | sed -n 's/^KUBEBUILDER_ASSETS=//p' | tail -1)
 echo "WEIR_S3S_BIN=$tools/bin/s3s-fs"
 echo "WEIR_HELM_BIN=$tools/bin/helm"
+echo "WEIR_CARGO_DENY=$tools/bin/cargo-deny"
 echo "KUBEBUILDER_ASSETS=$assets"
 echo "WEIR_KAFKA_LIBS=$kafka_libs"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Style gates, run by .ci/run before the tests: formatting, clippy with warnings as errors
 # (the workspace, and the runtime without its default `cloud` feature),
-# no line of Rust over 120 characters (rustfmt cannot break long strings by itself), and no
-# `unsafe` outside runtime/src/malloc.rs and runtime/src/prefetch.rs.
+# no line of Rust over 120 characters (rustfmt cannot break long strings by itself), no
+# `unsafe` outside runtime/src/malloc.rs and runtime/src/prefetch.rs, and cargo-deny's license,
+# ban and source checks (deny.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # rustup's default profile has both; a minimal toolchain gets them added.
@@ -25,4 +26,11 @@ if [ -n "$unsafe" ]; then
   echo "only runtime/src/malloc.rs and runtime/src/prefetch.rs may allow unsafe_code; also: $unsafe" >&2
   exit 1
 fi
-echo "lint: fmt, clippy, line lengths and unsafe clean"
+# Licenses, banned crates and sources (deny.toml); cargo-deny comes from .ci/install-tools.sh.
+deny="${WEIR_CARGO_DENY:-$(command -v cargo-deny || true)}"
+if [ -z "$deny" ] || [ ! -x "$deny" ]; then
+  echo "cargo-deny not found: run .ci/install-tools.sh (it prints WEIR_CARGO_DENY) or install cargo-deny" >&2
+  exit 1
+fi
+PATH="$(dirname "$deny"):$PATH" cargo deny --locked check licenses bans sources
+echo "lint: fmt, clippy, line lengths, unsafe, licenses, bans and sources clean"

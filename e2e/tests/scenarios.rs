@@ -230,9 +230,11 @@ async fn c_a_killed_pod_and_a_killed_process_relaunch_from_the_newest_checkpoint
 #[ignore = "needs a cluster: see the module docs"]
 async fn d_cancel_whose_savepoint_fails_kills_the_pods_and_resumes_exactly_once() {
     let s = Scenario::start("e2e-d").await;
-    // The runtime's test hook fails every savepoint.
-    s.put_secret("weir-s3", &[("WEIR_FAULTS", "savepoint=1")]).await;
-    s.apply(&counter(&s.ns, 1, "v1", "  savepoint: { timeout: 20s }"));
+    // The runtime's test hook fails every savepoint. It comes from a Secret of its own: a
+    // credentials Secret holds credentials only (any other key is refused).
+    s.put_secret("weir-faults", &[("WEIR_FAULTS", "savepoint=1")]).await;
+    let faults = "  savepoint: { timeout: 20s }\n  podTemplate: { envFromSecrets: [ { name: weir-faults } ] }";
+    s.apply(&counter(&s.ns, 1, "v1", faults));
     s.wait_pod_running("counter", 180).await;
     s.wait_output(&output(&s.ns), 200, 90).await;
     let jobs = s.jobs();
@@ -254,7 +256,7 @@ async fn d_cancel_whose_savepoint_fails_kills_the_pods_and_resumes_exactly_once(
     assert!(String::from_utf8_lossy(&events.stdout).contains("SavepointFailedPodsKilled"));
 
     // Later: the fault is gone, the job resumes from the recovery checkpoint.
-    s.put_secret("weir-s3", &[]).await;
+    s.put_secret("weir-faults", &[]).await;
     patch_spec(&s, serde_json::json!({ "state": "running" })).await;
     let pod = s.wait_pod_running("counter", 180).await;
     assert!(

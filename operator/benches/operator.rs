@@ -1,12 +1,14 @@
-//! Operator figures (not a timed test): RSS idle and with N StreamJobs, reconcile p50/p99,
-//! and the time from creating a StreamJob to its pod existing: the `weir-operator` binary runs
-//! as its own process against a real kube-apiserver, and is measured from outside.
-//! `cargo bench -p weir-operator --bench operator` uses 1,000 jobs; under `cargo test` it runs
-//! as a smoke test with 20.
+//! Operator figures (not a timed test): RSS idle and with N StreamJobs, reconcile p50/p99 over
+//! all reconciles and in the steady state after the last deploy, and the time from creating a
+//! StreamJob to its pod existing while 16 other jobs point at storage that accepts connections
+//! and never answers (a black hole): the `weir-operator` binary runs as its own process against
+//! a real kube-apiserver, and is measured from outside. `cargo bench -p weir-operator --bench
+//! operator` uses 1,000 jobs (`WEIR_BENCH_JOBS` sets it); under `cargo test` it runs as a smoke
+//! test with 20 jobs and 2 black-holed ones.
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, ListParams, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
@@ -45,6 +47,39 @@ fn histogram_quantile(text: &str, name: &str, q: f64) -> f64 {
     buckets.iter().find(|(_, n)| *n >= q * total).map_or(f64::NAN, |b| b.0)
 }
 
+/// The buckets of histogram `name` in `later` minus those in `earlier`, as a histogram text of
+/// the same name: the reconciles between two scrapes.
+fn histogram_between(earlier: &str, later: &str, name: &str) -> String {
+    let prefix = format!("{name}_bucket{{");
+    let counts = |text: &str| -> Vec<(String, f64)> {
+        text.lines()
+            .filter(|l| l.starts_with(&prefix))
+            .filter_map(|l| {
+                let (key, count) = l.rsplit_once(' ')?;
+                Some((key.to_string(), count.parse().ok()?))
+            })
+            .collect()
+    };
+    let before: std::collections::HashMap<String, f64> = counts(earlier).into_iter().collect();
+    counts(later)
+        .into_iter()
+        .map(|(key, n)| format!("{key} {}\n", n - before.get(&key).copied().unwrap_or(0.0)))
+        .collect()
+}
+
+/// A listener that accepts connections and never answers: storage that has gone silent.
+fn black_hole() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    format!("http://{addr}")
+}
+
 fn metric(text: &str, name: &str) -> f64 {
     text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(f64::NAN)
 }
@@ -59,7 +94,7 @@ impl Drop for Operator {
     }
 }
 
-fn job(name: &str) -> StreamJob {
+fn job(name: &str, extra: &str) -> StreamJob {
     serde_yaml::from_str(&format!(
         r#"
 apiVersion: weir.dev/v1alpha1
@@ -68,6 +103,7 @@ metadata: {{ name: {name} }}
 spec:
   image: weir-runtime:dev
   parallelism: 1
+{extra}
   job:
     inline:
       sources: [ {{ name: s, uid: s, generator: {{ fields: [ {{ name: a, sequence: {{}} }} ] }} }} ]
@@ -115,12 +151,25 @@ async fn main() {
 
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    // Jobs whose own storage is a black hole: each deploy first lists its checkpoints there.
+    let stuck = if smoke { 2 } else { 16 };
+    let keys: Secret = serde_yaml::from_str(&format!(
+        "metadata: {{ name: silent-keys }}\nstringData: {{ AWS_ACCESS_KEY_ID: k, AWS_SECRET_ACCESS_KEY: s, \
+         AWS_REGION: us-east-1, AWS_ALLOW_HTTP: \"true\", AWS_ENDPOINT: \"{}\" }}",
+        black_hole()
+    ))
+    .unwrap();
+    Api::<Secret>::namespaced(client.clone(), ns).create(&PostParams::default(), &keys).await.unwrap();
+    let silent = "  checkpointing: { storage: \"s3://silent/weir\", credentialsSecret: { name: silent-keys } }";
+    for i in 0..stuck {
+        jobs.create(&PostParams::default(), &job(&format!("stuck-{i}"), silent)).await.unwrap();
+    }
     let started = Instant::now();
     let mut to_pod = Vec::new();
     for i in 0..n {
         let name = format!("job-{i}");
         let t0 = Instant::now();
-        jobs.create(&PostParams::default(), &job(&name)).await.unwrap();
+        jobs.create(&PostParams::default(), &job(&name, "")).await.unwrap();
         // Sample the apply → pod latency on every 50th job (the others are created back to back).
         if i % 50 == 0 {
             let pod = format!("{name}-runtime-0");
@@ -135,26 +184,34 @@ async fn main() {
             to_pod.push(t0.elapsed().as_millis() as u64);
         }
     }
-    // Wait until every job has its pod.
+    // Wait until every job (but the black-holed ones) has its pod.
     loop {
         let count = pods.list(&ListParams::default().labels("weir.dev/job")).await.unwrap().items.len();
         if count >= n {
+            assert_eq!(count, n, "a black-holed job was deployed");
             break;
         }
         assert!(started.elapsed() < Duration::from_secs(1800), "only {count} of {n} pods");
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     let all_deployed = started.elapsed();
-    // Steady state: every job reconciled again (status refresh and requeues) for a while.
-    tokio::time::sleep(Duration::from_secs(if smoke { 2 } else { 40 })).await;
+    // Steady state: every job reconciled again (requeues) for a while, measured on its own.
+    let settle = Duration::from_secs(if smoke { 1 } else { 20 });
+    tokio::time::sleep(settle).await;
+    let steady_from = http_get(&http, "/metrics").await.expect("metrics");
+    let window = Duration::from_secs(if smoke { 2 } else { 90 });
+    tokio::time::sleep(window).await;
     let rss_loaded = rss_mib(pid);
     to_pod.sort_unstable();
     let m = http_get(&http, "/metrics").await.expect("metrics");
+    let hist = "weir_operator_reconcile_duration_seconds";
+    let steady = histogram_between(&steady_from, &m, hist);
     let reconciles = metric(&m, "weir_operator_reconciles_total");
     println!("weir-operator (release binary, separate process) with {n} StreamJobs on a real kube-apiserver:");
     println!("| figure | value |\n|---|---|");
     println!("| RSS idle (no jobs) | {rss_idle:.1} MiB |");
-    println!("| RSS with {n} jobs, 40 s after the last pod | {rss_loaded:.1} MiB |");
+    let after = (settle + window).as_secs();
+    println!("| RSS with {n} jobs, {after} s after the last pod | {rss_loaded:.1} MiB |");
     println!("| reconciles | {reconciles} |");
     println!(
         "| reconcile p50 / p99 (histogram bucket bounds) | ≤ {:.0} ms / ≤ {:.0} ms |",
@@ -162,7 +219,15 @@ async fn main() {
         histogram_quantile(&m, "weir_operator_reconcile_duration_seconds", 0.99) * 1000.0
     );
     println!(
-        "| create → pod exists (sampled, p50 / max) | {} ms / {} ms |",
+        "| steady state ({} s from {} s after the last pod): reconciles, p50 / p99 | {} / ≤ {:.0} ms / ≤ {:.0} ms |",
+        window.as_secs(),
+        settle.as_secs(),
+        metric(&m, "weir_operator_reconciles_total") - metric(&steady_from, "weir_operator_reconciles_total"),
+        histogram_quantile(&steady, hist, 0.5) * 1000.0,
+        histogram_quantile(&steady, hist, 0.99) * 1000.0
+    );
+    println!(
+        "| create → pod exists, {stuck} black-holed jobs retrying (sampled, p50 / max) | {} ms / {} ms |",
         to_pod[to_pod.len() / 2],
         to_pod[to_pod.len() - 1]
     );
@@ -173,7 +238,9 @@ async fn main() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>()
         .abs();
-    println!("| failed reconciles | {failed} |");
+    println!("| failed reconciles (the black-holed jobs' attempts) | {failed} |");
+    let by_category: Vec<&str> = m.lines().filter(|l| l.starts_with("weir_operator_reconcile_errors_total{")).collect();
+    println!("| failures by category | {} |", by_category.join("; "));
     if smoke {
         assert!(reconciles as usize >= n);
         println!("1 passed, 0 failed");
