@@ -32,5 +32,5 @@ if [ -z "$deny" ] || [ ! -x "$deny" ]; then
   echo "cargo-deny not found: run .ci/install-tools.sh (it prints WEIR_CARGO_DENY) or install cargo-deny" >&2
   exit 1
 fi
-PATH="$(dirname "$deny"):$PATH" cargo deny --locked check licenses bans sources
+PATH="$(dirname "$deny"):$PATH" cargo deny --locked check --hide-inclusion-graph licenses bans sources
 echo "lint: fmt, clippy, line lengths, unsafe, licenses, bans and sources clean"

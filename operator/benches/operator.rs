@@ -219,7 +219,8 @@ async fn main() {
         histogram_quantile(&m, "weir_operator_reconcile_duration_seconds", 0.99) * 1000.0
     );
     println!(
-        "| steady state ({} s from {} s after the last pod): reconciles, p50 / p99 | {} / ≤ {:.0} ms / ≤ {:.0} ms |",
+        "| steady state ({} s from {} s after the last pod): reconciles, p50 / p99 | {} / ≤ {:.0} ms / \
+         ≤ {:.0} ms |",
         window.as_secs(),
         settle.as_secs(),
         metric(&m, "weir_operator_reconciles_total") - metric(&steady_from, "weir_operator_reconciles_total"),

@@ -314,7 +314,8 @@ async fn the_admission_policy_holds_streamjob_authors_to_their_own_rights() {
         serde_yaml::from_str(&format!(
             "apiVersion: weir.dev/v1alpha1\nkind: StreamJob\nmetadata: {{ name: {name} }}\nspec:\n  \
              image: {image}\n  parallelism: 1\n{extra}  job: {{ inline: {{ sources: [ {{ name: s, uid: s, \
-             generator: {{ fields: [ {{ name: a, sequence: {{}} }} ] }} }} ], sinks: [ {{ name: o, stdout: {{}} }} ] }} }}\n"
+             generator: {{ fields: [ {{ name: a, sequence: {{}} }} ] }} }} ], \
+             sinks: [ {{ name: o, stdout: {{}} }} ] }} }}\n"
         ))
         .unwrap()
     };
