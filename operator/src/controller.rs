@@ -86,7 +86,7 @@ impl Settings {
     pub fn new(default_storage: impl Into<String>) -> Settings {
         let default_storage = default_storage.into();
         Settings {
-            storage_policy: StoragePolicy::new(&default_storage, &[]).expect("the default root is per namespace"),
+            storage_policy: StoragePolicy::new(&default_storage),
             default_storage,
             control_address: ControlAddress::Service,
             max_concurrent_reconciles: 16,
@@ -976,14 +976,8 @@ impl StorageAccess<'_> {
     }
 
     async fn checkpoints(&self) -> Result<Vec<plan::FoundCheckpoint>, ReconcileError> {
-        let Some(storage) = self.open()? else { return Ok(Vec::new()) };
-        let read = observe::checkpoints(&storage);
-        let found = match self.identity.and_then(StorageIdentity::read_timeout) {
-            Some(limit) => {
-                tokio::time::timeout(limit, read).await.map_err(|_| ReconcileError::StorageTimeout(limit))?
-            }
-            None => read.await,
-        };
+        let (Some(storage), Some(identity)) = (self.open()?, self.identity) else { return Ok(Vec::new()) };
+        let found = identity.bounded(observe::checkpoints(&storage)).await.map_err(ReconcileError::StorageTimeout)?;
         Ok(found?)
     }
 }

@@ -7,7 +7,7 @@
 
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::api::Api;
-use weir_checkpoint::metadata::{CheckpointMetadata, MetadataError};
+use weir_checkpoint::metadata::CheckpointMetadata;
 use weir_checkpoint::Storage;
 use weir_crds::streamjob::{JobGraph, StreamJob};
 use weir_crds::ValidatedJob;
@@ -140,8 +140,9 @@ pub async fn validate(
             .map_err(|why| Invalid::new(InvalidReason::StorageNotAllowed, why)),
         Err(invalid) => Err(invalid.clone()),
     };
+    let keys = credentials.as_ref().ok().and_then(|keys| keys.as_deref());
     let checked = match &storage {
-        Ok(_) => verdict(client, sj, ns, storage_root, policy, first_deploy, credentials.as_ref().ok()).await?,
+        Ok(_) => verdict(client, sj, ns, storage_root, policy, first_deploy, keys).await?,
         Err(invalid) => Err(invalid.clone()),
     };
     let (verdict, job) = match checked {
@@ -188,7 +189,7 @@ async fn verdict(
     storage_root: &str,
     policy: &StoragePolicy,
     first_deploy: bool,
-    credentials: Option<&Option<Vec<(String, String)>>>,
+    keys: Option<&[(String, String)]>,
 ) -> Result<Result<(String, ValidatedJob), Invalid>, InputsError> {
     let name = sj.metadata.name.as_deref().unwrap_or_default();
     let spec_problems = weir_crds::streamjob::spec_violations(name, &sj.spec);
@@ -223,7 +224,6 @@ async fn verdict(
         Ok(job) => job,
         Err(problems) => return Ok(Err(Invalid::new(InvalidReason::InvalidJob, problems))),
     };
-    let keys = credentials.and_then(|keys| keys.as_deref());
     if let (true, Some(path)) = (first_deploy, &sj.spec.initial_savepoint) {
         // Held to the namespace's storage before anything is read: a refusal says nothing of
         // whether the path exists or what it holds.
@@ -231,14 +231,11 @@ async fn verdict(
             Ok(identity) => identity,
             Err(why) => return Ok(Err(Invalid::new(InvalidReason::StorageNotAllowed, why))),
         };
-        let read = savepoint_metadata(path, &identity);
-        let read = match identity.read_timeout() {
-            Some(after) => tokio::time::timeout(after, read)
-                .await
-                .map_err(|_| InputsError::SavepointTimeout { path: path.clone(), after })?,
-            None => read.await,
-        };
-        let metadata = read.map_err(|source| InputsError::Savepoint { path: path.clone(), source })?;
+        let metadata = identity
+            .bounded(savepoint_metadata(path, &identity))
+            .await
+            .map_err(|after| InputsError::SavepointTimeout { path: path.clone(), after })?
+            .map_err(|source| InputsError::Savepoint { path: path.clone(), source })?;
         let refused = match metadata {
             None => Some((
                 InvalidReason::MissingSavepoint,
@@ -287,27 +284,20 @@ async fn job_graph(client: &kube::Client, sj: &StreamJob, ns: &str) -> Result<Re
     })
 }
 
-/// The `_metadata` of the snapshot at `path`: `None` when there is none, an error inside when
-/// it does not decode. Its size is read first: a document larger than
-/// [`weir_checkpoint::recovery::MAX_METADATA_BYTES`] is not read.
+/// The `_metadata` of the snapshot at `path`: `None` when there is none, why not inside when
+/// it is too large to read or does not decode (as a restore reads it,
+/// [`weir_checkpoint::recovery::read_metadata`]).
 async fn savepoint_metadata(
     path: &str,
     identity: &StorageIdentity,
-) -> Result<Option<Result<CheckpointMetadata, MetadataError>>, weir_checkpoint::StorageError> {
+) -> Result<Option<Result<CheckpointMetadata, String>>, weir_checkpoint::StorageError> {
+    use weir_checkpoint::recovery::{read_metadata, Verdict};
     let Some(storage) = Storage::open_for(path, identity.settings())? else { return Ok(None) };
-    match storage.size(weir_checkpoint::layout::METADATA).await? {
-        None => return Ok(None),
-        Some(len) if len > weir_checkpoint::recovery::MAX_METADATA_BYTES => {
-            let limit = weir_checkpoint::recovery::MAX_METADATA_BYTES;
-            return Ok(Some(Err(MetadataError::TooLarge { len, limit })));
-        }
-        Some(_) => {}
-    }
-    match storage.get(weir_checkpoint::layout::METADATA).await {
-        Ok(bytes) => Ok(Some(CheckpointMetadata::decode(&bytes))),
-        Err(weir_checkpoint::StorageError::NotFound(_)) => Ok(None),
-        Err(e) => Err(e),
-    }
+    Ok(match read_metadata(&storage, "").await? {
+        Ok(metadata) => Some(Ok(metadata)),
+        Err(Verdict::Invalid(why)) => Some(Err(why)),
+        Err(Verdict::Incomplete | Verdict::Valid) => None,
+    })
 }
 
 /// Why `job` cannot start from the snapshot of `metadata` (the checks the runtime makes when

@@ -103,7 +103,7 @@ async fn main() -> anyhow::Result<()> {
     election.acquire().await?;
     tracing::info!(default_storage = %args.default_storage, %identity, "leader: weir-operator running");
     let storage_policy =
-        weir_operator::tenancy::StoragePolicy::new(&args.default_storage, &args.allowed_storage_roots)?;
+        weir_operator::tenancy::StoragePolicy::new(&args.default_storage).allow(&args.allowed_storage_roots)?;
     let settings = Settings {
         storage_policy,
         control_url_annotation: args.out_of_cluster_control_urls,

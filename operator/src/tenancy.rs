@@ -67,7 +67,7 @@ pub fn refused_keys_message(secret: &str, refused: &[String]) -> String {
 
 /// Whether `url` names an object store (not the operator's own filesystem).
 pub fn is_object_store(url: &str) -> bool {
-    matches!(url.split_once("://").map(|(scheme, _)| scheme), Some("s3" | "gs" | "az"))
+    weir_checkpoint::cloud_scheme(url).is_some()
 }
 
 /// A URL or path in one spelling: `file://` dropped, no trailing slash.
@@ -108,10 +108,14 @@ pub enum PolicyError {
 }
 
 impl StoragePolicy {
-    /// The default storage (jobs' files go under `<default>/<namespace>/<name>`) and further
-    /// roots allowed per namespace, each a template with `{namespace}`.
-    pub fn new(default_storage: &str, allowed_roots: &[String]) -> Result<StoragePolicy, PolicyError> {
-        let mut templates = vec![format!("{}/{{namespace}}", normal(default_storage))];
+    /// Each namespace's share of the default storage (jobs' files go under
+    /// `<default>/<namespace>/<name>`), and nothing more until [`StoragePolicy::allow`].
+    pub fn new(default_storage: &str) -> StoragePolicy {
+        StoragePolicy { templates: vec![format!("{}/{{namespace}}", normal(default_storage))] }
+    }
+
+    /// This policy and further roots allowed per namespace, each a template with `{namespace}`.
+    pub fn allow(mut self, allowed_roots: &[String]) -> Result<StoragePolicy, PolicyError> {
         for root in allowed_roots.iter().map(|r| r.trim()).filter(|r| !r.is_empty()) {
             if !root.contains("{namespace}") {
                 return Err(PolicyError::SharedRoot(root.to_string()));
@@ -119,9 +123,9 @@ impl StoragePolicy {
             if let Some(why) = weir_crds::streamjob::storage_url_problem(&root.replace("{namespace}", "ns")) {
                 return Err(PolicyError::BadRoot { root: root.to_string(), why });
             }
-            templates.push(normal(root).to_string());
+            self.templates.push(normal(root).to_string());
         }
-        Ok(StoragePolicy { templates })
+        Ok(self)
     }
 
     /// The roots `namespace` may use with the operator's credentials.
@@ -150,12 +154,15 @@ pub enum StorageIdentity {
 pub const TENANT_STORAGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
 
 impl StorageIdentity {
-    /// How long one read with this identity may take; `None`: only the reconcile's deadline
-    /// (the operator's own storage is the chart's, not a tenant's).
-    pub fn read_timeout(&self) -> Option<std::time::Duration> {
+    /// Runs one storage `read` with this identity: a tenant's within [`TENANT_STORAGE_TIMEOUT`]
+    /// (`Err` with the bound when it runs out), the operator's own (the chart's storage) with
+    /// only the reconcile's deadline.
+    pub async fn bounded<T>(&self, read: impl std::future::Future<Output = T>) -> Result<T, std::time::Duration> {
         match self {
-            StorageIdentity::Operator => None,
-            StorageIdentity::Tenant(_) => Some(TENANT_STORAGE_TIMEOUT),
+            StorageIdentity::Operator => Ok(read.await),
+            StorageIdentity::Tenant(_) => {
+                tokio::time::timeout(TENANT_STORAGE_TIMEOUT, read).await.map_err(|_| TENANT_STORAGE_TIMEOUT)
+            }
         }
     }
 
@@ -226,6 +233,16 @@ mod tests {
         assert_eq!(credential_env(&data(&[("AWS_SECRET_ACCESS_KEY", &huge)])).unwrap_err(), ["AWS_SECRET_ACCESS_KEY"]);
     }
 
+    /// `kubectl explain` lists the keys a credentials Secret may hold: the same as taken here.
+    #[test]
+    fn the_crd_documents_every_allowed_key() {
+        let crd = serde_yaml::to_string(&weir_crds::streamjob::crd()).unwrap();
+        let documented = crd.split("credentialsSecret:").nth(1).unwrap().split("properties:").next().unwrap();
+        for key in CREDENTIAL_KEYS {
+            assert!(documented.contains(key), "{key} is not in credentialsSecret's description");
+        }
+    }
+
     #[test]
     fn within_goes_segment_by_segment() {
         assert!(within("s3://b/shop", "s3://b/shop"));
@@ -238,7 +255,7 @@ mod tests {
 
     #[test]
     fn a_namespace_uses_the_operators_credentials_only_within_its_roots() {
-        let policy = StoragePolicy::new("s3://state/weir/", &["s3://team-{namespace}/jobs".to_string()]).unwrap();
+        let policy = StoragePolicy::new("s3://state/weir/").allow(&["s3://team-{namespace}/jobs".to_string()]).unwrap();
         assert_eq!(policy.roots_for("shop"), ["s3://state/weir/shop", "s3://team-shop/jobs"]);
         let identity = |url: &str, keys: Option<&[(String, String)]>| storage_identity(&policy, "shop", "f", url, keys);
         assert_eq!(identity("s3://state/weir/shop/orders", None), Ok(StorageIdentity::Operator));
@@ -256,15 +273,15 @@ mod tests {
         // The operator's filesystem: never outside the roots, credentials or not.
         assert!(identity("/etc/weir", Some(&keys)).is_err());
         assert!(identity("/var/run/secrets/kubernetes.io/serviceaccount", None).is_err());
-        let local = StoragePolicy::new("/var/weir", &[]).unwrap();
+        let local = StoragePolicy::new("/var/weir");
         assert_eq!(storage_identity(&local, "shop", "f", "/var/weir/shop/j", None), Ok(StorageIdentity::Operator));
         assert!(storage_identity(&local, "shop", "f", "/var/weir/bank/j", None).is_err());
     }
 
     #[test]
     fn allowed_roots_must_be_per_namespace() {
-        let shared = StoragePolicy::new("/var/weir", &["s3://shared".to_string()]).unwrap_err();
+        let shared = StoragePolicy::new("/var/weir").allow(&["s3://shared".to_string()]).unwrap_err();
         assert_eq!(shared, PolicyError::SharedRoot("s3://shared".into()));
-        assert!(StoragePolicy::new("/var/weir", &["s3://b/{namespace}/../x".to_string()]).is_err());
+        assert!(StoragePolicy::new("/var/weir").allow(&["s3://b/{namespace}/../x".to_string()]).is_err());
     }
 }

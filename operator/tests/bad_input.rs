@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, ResourceQuota};
 use kube::api::{Api, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
-use weir_operator::controller::{run, Settings};
+use weir_operator::controller::{run_with_metrics, Settings};
 
 mod common;
 use common::{degraded, eventually, warning_event};
@@ -33,7 +33,9 @@ async fn each_class_of_bad_input_is_reported_with_its_field_and_nothing_is_deplo
     let ns = "bad-input";
     let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
     let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let controller = tokio::spawn(run(client.clone(), Settings::new(state.path().display().to_string())));
+    let metrics = weir_operator::metrics::OperatorMetrics::shared();
+    let settings = Settings::new(state.path().display().to_string());
+    let controller = tokio::spawn(run_with_metrics(client.clone(), settings, metrics.clone()));
     let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let pp = PostParams::default();
@@ -139,11 +141,18 @@ data:
     assert!(message.contains("kube-api") && message.contains("forbidden"), "{message}");
     assert!(warning_event(&client, ns, "quota", "ReconcileFailed").await.contains("forbidden"));
     assert!(pods.get_opt("quota-runtime-0").await.unwrap().is_none());
-    // Retried (with backoff: about 1, 2 and 4 s), each retry failing the same way: the status
-    // says so once and then holds still, instead of flapping between the deploy it writes
-    // ahead and the failure (every write carrying the whole object).
+    // Retried (with backoff), each retry failing the same way: the status says so once and
+    // then holds still through two more retries, instead of flapping between the deploy it
+    // writes ahead and the failure (every write carrying the whole object).
+    let failed = || {
+        let text = metrics.render();
+        let count =
+            text.lines().find_map(|l| l.strip_prefix("weir_operator_reconcile_errors_total{category=\"kube-api\"} "));
+        count.and_then(|n| n.trim().parse::<f64>().ok()).unwrap_or(0.0)
+    };
     let before = jobs.get("quota").await.unwrap().metadata.resource_version;
-    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    let failed_before = failed();
+    eventually("two more failed retries", 30, || async { (failed() >= failed_before + 2.0).then_some(()) }).await;
     let after = jobs.get("quota").await.unwrap();
     assert_eq!(after.metadata.resource_version, before, "the status changed while the same failure repeated");
     assert!(pods.get_opt("quota-runtime-0").await.unwrap().is_none());

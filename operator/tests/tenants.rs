@@ -289,8 +289,17 @@ async fn each_attack_of_a_hostile_tenant_is_refused_or_reported() {
         (phase == Some(weir_crds::streamjob::Phase::Running)).then_some(())
     })
     .await;
-    // Several status refreshes (one a second) to be sure none goes to the annotation.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Three status reads of the pointed job (one a second), each at the in-cluster name, none
+    // at the annotation's address: the operator logs each failed read.
+    let reads_in_cluster = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("job status not readable") && l.contains("pointed-control.tenant-a.svc"))
+            .count()
+    };
+    eventually("three status reads of the pointed job", 30, || async {
+        (reads_in_cluster(&operator.log()) >= 3).then_some(())
+    })
+    .await;
 
     assert_eq!(catcher.connections(), 0, "the attacker's listener was reached; operator log:\n{}", operator.log());
     operator.assert_running();

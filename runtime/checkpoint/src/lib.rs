@@ -16,4 +16,4 @@ pub mod spare;
 pub mod store;
 
 pub use metadata::{CheckpointMetadata, FileDigest, FileRef, OperatorSnapshot, SnapshotKind, SubtaskSnapshot};
-pub use store::{CloudSettings, CopiedBy, Storage, StorageError};
+pub use store::{cloud_scheme, CloudSettings, CopiedBy, Storage, StorageError};

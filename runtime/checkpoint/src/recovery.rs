@@ -44,17 +44,12 @@ pub const MAX_METADATA_BYTES: u64 = 64 << 20;
 /// verdict when there is none ([`Verdict::Incomplete`]), it is larger than
 /// [`MAX_METADATA_BYTES`], or it does not verify.
 pub async fn read_metadata(storage: &Storage, dir: &str) -> Result<Result<CheckpointMetadata, Verdict>, StorageError> {
-    let path = layout::resolve(dir, layout::METADATA);
-    match storage.size(&path).await? {
-        None => return Ok(Err(Verdict::Incomplete)),
-        Some(len) if len > MAX_METADATA_BYTES => {
+    let bytes = match storage.get_at_most(&layout::resolve(dir, layout::METADATA), MAX_METADATA_BYTES).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(len)) => {
             let too_large = crate::metadata::MetadataError::TooLarge { len, limit: MAX_METADATA_BYTES };
             return Ok(Err(Verdict::Invalid(too_large.to_string())));
         }
-        Some(_) => {}
-    }
-    let bytes = match storage.get(&path).await {
-        Ok(b) => b,
         Err(StorageError::NotFound(_)) => return Ok(Err(Verdict::Incomplete)),
         Err(e) => return Err(e),
     };

@@ -232,6 +232,12 @@ fn io<'a>(op: &'static str, path: &'a str) -> impl FnOnce(object_store::Error) -
     }
 }
 
+/// The object-store scheme of `url` (`s3`, `gs` or `az`); `None` for a local path, `file://`
+/// or `memory://`.
+pub fn cloud_scheme(url: &str) -> Option<&str> {
+    url.split_once("://").map(|(scheme, _)| scheme).filter(|scheme| matches!(*scheme, "s3" | "gs" | "az"))
+}
+
 /// Where [`Storage::open_for`] takes a cloud root's settings and credentials from.
 #[derive(Clone, Copy, Debug)]
 pub enum CloudSettings<'a> {
@@ -255,10 +261,10 @@ impl Storage {
     /// precedence over the process environment for S3 settings (`AWS_*`).
     pub fn open_with_env(url: &str, env: &[(String, String)]) -> Result<Storage, StorageError> {
         let fail = |reason: String| StorageError::Open { url: url.to_string(), reason };
-        if let Some(scheme @ ("s3" | "gs" | "az")) = url.split_once("://").map(|(scheme, _)| scheme) {
+        if let Some(scheme) = cloud_scheme(url) {
             return Storage::open_cloud(url, scheme, env, true).map_err(fail);
         }
-        Storage::open_local(url, true).map(|opened| opened.expect("a root that is created exists"))
+        Storage::open_local(url, true)?.ok_or_else(|| fail("its directory does not exist".into()))
     }
 
     /// Opens a root on behalf of someone else (the operator, for a tenant's job): a cloud root
@@ -266,7 +272,7 @@ impl Storage {
     /// not: nothing is created from a path someone else wrote).
     pub fn open_for(url: &str, settings: CloudSettings<'_>) -> Result<Option<Storage>, StorageError> {
         let fail = |reason: String| StorageError::Open { url: url.to_string(), reason };
-        if let Some(scheme @ ("s3" | "gs" | "az")) = url.split_once("://").map(|(scheme, _)| scheme) {
+        if let Some(scheme) = cloud_scheme(url) {
             let (env, process_env) = match settings {
                 CloudSettings::Own => (&[][..], true),
                 CloudSettings::Only(env) => (env, false),
@@ -578,6 +584,16 @@ impl Storage {
     pub async fn get(&self, rel: &str) -> Result<Bytes, StorageError> {
         let res = self.store.get(&self.full(rel)).await.map_err(io("get", rel))?;
         res.bytes().await.map_err(io("read", rel))
+    }
+
+    /// Reads a whole object of at most `max` bytes; `Ok(Err(size))`, its body not read, when
+    /// it is larger. One request: the size comes with the response, before the body.
+    pub async fn get_at_most(&self, rel: &str, max: u64) -> Result<Result<Bytes, u64>, StorageError> {
+        let res = self.store.get(&self.full(rel)).await.map_err(io("get", rel))?;
+        if res.meta.size > max {
+            return Ok(Err(res.meta.size));
+        }
+        res.bytes().await.map(Ok).map_err(io("read", rel))
     }
 
     /// Reads a whole object and returns its CRC-32C too. On a local filesystem an object of
@@ -1177,6 +1193,21 @@ mod tests {
         s.put(name, Bytes::from_static(b"again")).await.unwrap();
         s.delete_dir("out/we~ird 100%#1x").await.unwrap();
         assert!(std::fs::read_dir(dir.path().join("out")).unwrap().next().is_none(), "the directory is gone too");
+    }
+
+    #[tokio::test]
+    async fn an_object_over_its_bound_is_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        for url in ["memory://bounded".to_string(), dir.path().display().to_string()] {
+            let s = Storage::open(&url).unwrap();
+            s.put("doc", Bytes::from_static(b"0123456789")).await.unwrap();
+            assert_eq!(s.get_at_most("doc", 10).await.unwrap(), Ok(Bytes::from_static(b"0123456789")));
+            assert_eq!(s.get_at_most("doc", 9).await.unwrap(), Err(10));
+            assert!(matches!(s.get_at_most("none", 9).await, Err(StorageError::NotFound(_))));
+        }
+        assert_eq!(cloud_scheme("s3://b/p"), Some("s3"));
+        assert_eq!(cloud_scheme("file:///x"), None);
+        assert_eq!(cloud_scheme("/x/s3://y"), None);
     }
 
     #[tokio::test]
