@@ -908,15 +908,24 @@ fn degraded_message(status: &StreamJobStatus) -> Option<&str> {
 async fn report_failure(sj: &StreamJob, ctx: &Context, error: &ReconcileError) {
     let (Some(name), Some(ns)) = (sj.metadata.name.as_deref(), sj.metadata.namespace.as_deref()) else { return };
     let message: String = format!("reconcile failed ({}): {error}", error.category()).chars().take(1000).collect();
-    let old = sj.status.clone().unwrap_or_default();
-    if degraded_message(&old) == Some(message.as_str()) {
+    if degraded_message(&sj.status.clone().unwrap_or_default()) == Some(message.as_str()) {
+        return;
+    }
+    let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), ns);
+    // The conditions as they are now, not as this reconcile read them: a write-ahead earlier
+    // in the same reconcile added its own, and a merge patch replaces the whole list (dropped
+    // here, the next write-ahead would put them back: one write more per failure).
+    let fresh = match api.get_status(name).await {
+        Ok(fresh) => fresh.status.unwrap_or_default(),
+        Err(_) => sj.status.clone().unwrap_or_default(),
+    };
+    if degraded_message(&fresh) == Some(message.as_str()) {
         return;
     }
     publish(ctx, sj, name, true, error.event_reason(), &message).await;
     let conditions =
-        failure_conditions(&old.conditions, error.event_reason(), &message, sj.metadata.generation.unwrap_or(0));
+        failure_conditions(&fresh.conditions, error.event_reason(), &message, sj.metadata.generation.unwrap_or(0));
     let patch = serde_json::json!({ "status": { "conditions": conditions } });
-    let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), ns);
     if let Err(e) = api.patch_status(name, &PatchParams::default(), &Patch::Merge(patch)).await {
         tracing::warn!(job = %name, error = %e, "could not report the failed reconcile in status");
     }
