@@ -83,15 +83,18 @@ pub struct Compiled {
 /// The environment every expression compiles and runs in, built once.
 pub fn env() -> Arc<Env> {
     static ENV: OnceLock<Arc<Env>> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let mut env = Env::stdlib();
-        // The extensions are part of cel; failing to add them is a programming error.
-        env.add_extension(cel::extensions::strings).expect("CEL strings extension");
-        env.add_extension(cel::extensions::lists).expect("CEL lists extension");
-        env.add_extension(cel::extensions::math).expect("CEL math extension");
-        Arc::new(env)
-    })
-    .clone()
+    ENV.get_or_init(|| Arc::new(new_env())).clone()
+}
+
+/// A new environment like [`env`]'s, for a caller that adds functions of its own (the
+/// runtime's cost budget).
+pub fn new_env() -> Env {
+    let mut env = Env::stdlib();
+    // The extensions are part of cel; failing to add them is a programming error.
+    env.add_extension(cel::extensions::strings).expect("CEL strings extension");
+    env.add_extension(cel::extensions::lists).expect("CEL lists extension");
+    env.add_extension(cel::extensions::math).expect("CEL math extension");
+    env
 }
 
 /// Compiles `text` against the fields of `schema` (the input record's field names). The
@@ -232,6 +235,28 @@ fn compile_checked(text: &str, schema: &[String]) -> Result<Compiled, CompileErr
 /// Adds to `out` the variables `e` reads that are not bound by a comprehension around them
 /// (`bound`): `[1, 2].exists(x, x > n)` reads `n` only. (The interpreter's reference list
 /// counts `x` too, which would refuse every macro as reading an unknown field.)
+/// The extensions' namespaced global functions (`math.greatest` and `math.least` are macros).
+const NAMESPACED_FUNCTIONS: [&str; 18] = [
+    "lists.range",
+    "strings.quote",
+    "math.abs",
+    "math.bitAnd",
+    "math.bitNot",
+    "math.bitOr",
+    "math.bitShiftLeft",
+    "math.bitShiftRight",
+    "math.bitXor",
+    "math.ceil",
+    "math.floor",
+    "math.isFinite",
+    "math.isInf",
+    "math.isNaN",
+    "math.round",
+    "math.sign",
+    "math.sqrt",
+    "math.trunc",
+];
+
 fn free_variables<'a>(e: &'a IdedExpr, bound: &mut Vec<&'a str>, out: &mut BTreeSet<&'a str>) {
     match &e.expr {
         Expr::Ident(name) => {
@@ -241,7 +266,16 @@ fn free_variables<'a>(e: &'a IdedExpr, bound: &mut Vec<&'a str>, out: &mut BTree
         }
         Expr::Select(select) => free_variables(&select.operand, bound, out),
         Expr::Call(call) => {
-            for operand in call.target.as_deref().into_iter().chain(&call.args) {
+            // `lists.range(n)`, `math.greatest(a, b)`, `strings.quote(s)`: the extensions'
+            // namespaced functions parse as calls on an identifier that is no variable.
+            let namespaced = matches!(
+                call.target.as_deref(),
+                Some(IdedExpr { expr: Expr::Ident(ns), .. })
+                    if !bound.contains(&ns.as_str())
+                        && NAMESPACED_FUNCTIONS.contains(&format!("{ns}.{}", call.func_name).as_str())
+            );
+            let target = call.target.as_deref().filter(|_| !namespaced);
+            for operand in target.into_iter().chain(&call.args) {
                 free_variables(operand, bound, out);
             }
         }
@@ -298,6 +332,18 @@ mod tests {
         assert_eq!(read, ["n", "words"]);
         let e = compile("[1].exists(x, x > y)", &fields(&["n"])).err().unwrap();
         assert!(e.to_string().contains("uses `y`"), "{e}");
+    }
+
+    #[test]
+    fn the_extensions_namespaced_functions_are_not_variables() {
+        let c = compile("lists.range(n).size() + math.abs(n) + strings.quote(s).size()", &fields(&["n", "s"]));
+        let c = c.unwrap();
+        let mut read: Vec<_> = c.inputs.iter().map(|(_, name)| name.as_str()).collect();
+        read.sort();
+        assert_eq!(read, ["n", "s"]);
+        // A field of that name is still read where it is used as one.
+        let c = compile("lists.size() > 0", &fields(&["lists"])).unwrap();
+        assert_eq!(c.inputs.iter().map(|(_, n)| n.as_str()).collect::<Vec<_>>(), ["lists"]);
     }
 
     #[test]
