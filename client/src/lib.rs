@@ -4,7 +4,11 @@
 //! One [`ControlClient`] talks to one runtime. Its HTTP connections come from a
 //! [`reqwest::Client`] that callers with many runtimes (the operator) share, so connections are
 //! pooled and kept alive. Every call has a timeout; a request that waits for a savepoint has a
-//! longer one of its own.
+//! longer one of its own. A runtime the operator deploys serves TLS with a certificate the
+//! operator issued for its job: clients reach it at `https://` and trust that certificate alone
+//! ([`pin`]).
+
+pub mod pin;
 
 use std::time::Duration;
 
@@ -33,9 +37,12 @@ pub enum ClientError {
         #[source]
         source: url::ParseError,
     },
-    /// The base URL is not `http://host:port` (the control API is plain HTTP inside a pod network).
-    #[error("control URL `{0}`: the control API is served on http://host:port")]
+    /// The base URL is not `http://host:port` or `https://host:port`.
+    #[error("control URL `{0}`: the control API is served on http://host:port or https://host:port")]
     UrlScheme(String),
+    /// A certificate to pin could not be read, or TLS could not be set up with it.
+    #[error("control API certificate: {0}")]
+    Certificate(String),
     /// The token given is empty: a request carrying it would look authenticated and not be.
     #[error("the control API token is empty")]
     EmptyToken,
@@ -125,6 +132,18 @@ pub fn http_client() -> Result<reqwest::Client, ClientError> {
         .map_err(ClientError::BuildClient)
 }
 
+/// An HTTP client for control API calls like [`http_client`]'s, whose `https://` connections
+/// trust only the certificates `pins` holds, each at its host.
+pub fn pinned_http_client(pins: pin::Pins) -> Result<reqwest::Client, ClientError> {
+    reqwest::Client::builder()
+        .use_preconfigured_tls(pin::pinned_tls_config(pins)?)
+        .connect_timeout(CONNECT_TIMEOUT)
+        .pool_idle_timeout(Duration::from_secs(30))
+        .no_proxy()
+        .build()
+        .map_err(ClientError::BuildClient)
+}
+
 /// A client of one runtime's control API. Its `Debug` form leaves the token out.
 #[derive(Clone)]
 pub struct ControlClient {
@@ -142,11 +161,24 @@ impl ControlClient {
         Self::with_http(http_client()?, base, token)
     }
 
-    /// A client of the runtime at `base` over a shared connection pool (see [`http_client`]).
+    /// A client of the runtime at `base` (`https://host:port`) that trusts only the certificate
+    /// in `certificate_pem` (the `tls.crt` of the job's token Secret), over a connection pool of
+    /// its own.
+    pub fn pinned(base: &str, token: Option<String>, certificate_pem: &[u8]) -> Result<Self, ClientError> {
+        let pins = pin::Pins::default();
+        let url = if base.contains("://") { base.to_string() } else { format!("https://{base}") };
+        let parsed = url::Url::parse(&url).map_err(|source| ClientError::ParseUrl { url: base.to_string(), source })?;
+        let host = pin::pin_host(&parsed).ok_or_else(|| ClientError::UrlScheme(base.to_string()))?;
+        pins.pin(&host, pin::pem_fingerprint(certificate_pem)?);
+        Self::with_http(pinned_http_client(pins)?, &url, token)
+    }
+
+    /// A client of the runtime at `base` over a shared connection pool (see [`http_client`] and
+    /// [`pinned_http_client`]).
     pub fn with_http(http: reqwest::Client, base: &str, token: Option<String>) -> Result<Self, ClientError> {
         let url = if base.contains("://") { base.to_string() } else { format!("http://{base}") };
         let parsed = url::Url::parse(&url).map_err(|source| ClientError::ParseUrl { url: base.to_string(), source })?;
-        if parsed.scheme() != "http" || parsed.host().is_none() {
+        if !matches!(parsed.scheme(), "http" | "https") || parsed.host().is_none() {
             return Err(ClientError::UrlScheme(base.to_string()));
         }
         if token.as_deref().is_some_and(|t| t.trim().is_empty()) {
@@ -409,7 +441,7 @@ mod tests {
 
     #[test]
     fn refuses_urls_it_cannot_call() {
-        assert!(matches!(ControlClient::new("https://x:1", None), Err(ClientError::UrlScheme(_))));
+        assert!(matches!(ControlClient::new("ftp://x:1", None), Err(ClientError::UrlScheme(_))));
         assert!(matches!(ControlClient::new("http://", None), Err(ClientError::ParseUrl { .. })));
         let c = ControlClient::new("job-control.ns:8081", None).unwrap();
         assert_eq!(c.url("/v1/job").as_str(), "http://job-control.ns:8081/v1/job");

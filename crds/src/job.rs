@@ -463,7 +463,8 @@ pub struct KafkaSourceSpec {
     pub partition_discovery_interval: HumanDuration,
     /// Further librdkafka consumer properties (e.g. `security.protocol`, `sasl.mechanism`).
     /// Values of the form `${env:NAME}` are read from the runtime's environment, so secrets
-    /// come from a Secret and never appear in the job.
+    /// come from a Secret and never appear in the job (in a StreamJob, only the keys of its
+    /// `podTemplate.envFromSecrets` Secrets).
     #[serde(default)]
     pub properties: std::collections::BTreeMap<String, String>,
 }
@@ -837,7 +838,8 @@ pub struct KafkaSinkSpec {
     #[serde(default)]
     pub transactional_id_prefix: Option<String>,
     /// Further librdkafka producer properties; `${env:NAME}` values are read from the
-    /// runtime's environment.
+    /// runtime's environment (in a StreamJob, only the keys of its `podTemplate.envFromSecrets`
+    /// Secrets).
     #[serde(default)]
     pub properties: std::collections::BTreeMap<String, String>,
 }

@@ -447,7 +447,8 @@ pub struct PodOverrides {
     pub image_pull_secrets: Vec<LocalObjectReference>,
     /// Secrets whose keys become environment variables of the runtime container, e.g. Kafka
     /// credentials, which Kafka `properties` reference as `${env:KEY}` so that no secret is
-    /// written in the job.
+    /// written in the job. Only these keys can be referenced so (the storage credentials and
+    /// the rest of the runtime's environment cannot).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env_from_secrets: Vec<LocalObjectReference>,
 }

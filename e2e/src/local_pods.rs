@@ -27,12 +27,21 @@ pub enum LocalPodError {
 pub struct LocalPod {
     child: Child,
     dir: tempfile::TempDir,
-    /// The control API's address (`http://127.0.0.1:<port>`).
+    /// The control API's address: `https://127.x.y.z:<port>` when the pod serves it over TLS
+    /// (as the operator's pods do), else `http://`. Each local pod has a loopback address of its
+    /// own, as each pod has its IP: the operator pins each job's certificate by host.
     pub control_url: String,
     name: String,
     /// The uid of the pod this process stands for: its status is reported to that pod only.
     uid: Option<String>,
     pods: Api<Pod>,
+}
+
+/// A loopback address of its own for a local pod (`127.0.0.0/8` is all loopback on Linux).
+fn loopback_host() -> String {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + std::process::id() * 7;
+    format!("127.{}.{}.{}", 1 + n % 250, (n / 250) % 250, 2 + (n / 62_500) % 250)
 }
 
 /// The `weir-runtime` binary built next to the running test.
@@ -71,17 +80,18 @@ impl LocalPod {
                 mounts.push((m.mount_path.clone(), local));
             }
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let host = loopback_host();
+        let port = std::net::TcpListener::bind((host.as_str(), 0))?.local_addr()?.port();
         let termination_log = dir.path().join("termination-log");
         let args: Vec<String> = container
             .args
             .unwrap_or_default()
             .into_iter()
             .map(|a| {
-                let mut a = a.replace("0.0.0.0:", "127.0.0.1:");
-                if let Some(p) = a.strip_prefix("127.0.0.1:") {
+                let mut a = a;
+                if let Some(p) = a.strip_prefix("0.0.0.0:") {
                     if p.parse::<u16>().is_ok() {
-                        a = format!("127.0.0.1:{port}");
+                        a = format!("{host}:{port}");
                     }
                 }
                 // The longest mount path that prefixes the argument, once.
@@ -107,10 +117,11 @@ impl LocalPod {
             &Patch::Merge(serde_json::json!({ "status": { "phase": "Running" } })),
         )
         .await?;
+        let scheme = if args.iter().any(|a| a == "--tls-cert-file") { "https" } else { "http" };
         Ok(LocalPod {
             child,
             dir,
-            control_url: format!("http://127.0.0.1:{port}"),
+            control_url: format!("{scheme}://{host}:{port}"),
             name,
             uid: pod.metadata.uid.clone(),
             pods,

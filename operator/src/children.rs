@@ -76,6 +76,21 @@ pub fn token_secret_name(job: &str) -> String {
     format!("{job}-control-token")
 }
 
+/// The token Secret's key holding the control API's bearer token.
+pub const TOKEN_KEY: &str = "token";
+/// The token Secret's key holding the certificate (PEM) the runtime serves the control API with,
+/// which the operator issues and then trusts alone at the job's address.
+pub const TLS_CERT_KEY: &str = "tls.crt";
+/// The token Secret's key holding that certificate's private key (PEM).
+pub const TLS_KEY_KEY: &str = "tls.key";
+
+/// The names a job's control API certificate is issued for: its Service's, short and long (the
+/// operator pins the certificate and does not check names; these are for people and tools).
+pub fn control_names(job: &str, ns: &str) -> Vec<String> {
+    let svc = service_name(job);
+    vec![format!("{svc}.{ns}.svc"), format!("{svc}.{ns}.svc.cluster.local")]
+}
+
 /// The job's storage root: `<storage>/<namespace>/<name>`.
 pub fn storage_root(storage: &str, namespace: &str, name: &str) -> String {
     format!("{}/{namespace}/{name}", storage.trim_end_matches('/'))
@@ -284,10 +299,16 @@ pub fn pod(
         "--control-addr".into(),
         format!("0.0.0.0:{CONTROL_PORT}"),
         "--token-file".into(),
-        format!("{TOKEN_DIR}/token"),
+        format!("{TOKEN_DIR}/{TOKEN_KEY}"),
+        "--tls-cert-file".into(),
+        format!("{TOKEN_DIR}/{TLS_CERT_KEY}"),
+        "--tls-key-file".into(),
+        format!("{TOKEN_DIR}/{TLS_KEY_KEY}"),
         "--quiet".into(),
         "--termination-log".into(),
         "/dev/termination-log".into(),
+        "--declared-env-prefix".into(),
+        DECLARED_ENV_PREFIX.into(),
     ]);
     if s.allow_non_restored_state {
         args.push("--allow-non-restored-state".into());
@@ -309,6 +330,9 @@ pub fn pod(
             http_get: Some(HTTPGetAction {
                 path: Some("/healthz".into()),
                 port: IntOrString::Int(CONTROL_PORT),
+                // The control API is served over TLS only (the kubelet does not check the
+                // certificate; the operator does).
+                scheme: Some("HTTPS".into()),
                 ..HTTPGetAction::default()
             }),
             period_seconds: Some(5),
@@ -394,20 +418,31 @@ pub fn pod(
     })
 }
 
+/// The prefix under which the keys of `podTemplate.envFromSecrets` are set a second time: the
+/// runtime (`--declared-env-prefix`) resolves a Kafka property's `${env:NAME}` only from
+/// `<prefix>NAME`, so a job reads the Secrets it declares and nothing else of the runtime's
+/// environment (its storage credentials above all).
+pub const DECLARED_ENV_PREFIX: &str = "WEIR_SECRET_";
+
 /// The Secrets whose keys the runtime container gets as environment variables: the
 /// checkpoint storage credentials, then `podTemplate.envFromSecrets` (Kafka credentials and
-/// the like). A missing Secret keeps the pod from starting (`optional: false`).
+/// the like) as they are and again with [`DECLARED_ENV_PREFIX`]. A missing Secret keeps the
+/// pod from starting (`optional: false`).
 fn env_from_secrets(s: &weir_crds::StreamJobSpec) -> Option<Vec<EnvFromSource>> {
-    let extra = s.pod_template.iter().flat_map(|t| t.env_from_secrets.iter());
+    let from = |name: &str, prefix: Option<&str>| EnvFromSource {
+        prefix: prefix.map(str::to_string),
+        secret_ref: Some(SecretEnvSource { name: name.to_string(), optional: Some(false) }),
+        ..EnvFromSource::default()
+    };
+    let declared: Vec<&str> =
+        s.pod_template.iter().flat_map(|t| t.env_from_secrets.iter()).map(|r| r.name.as_str()).collect();
     let secrets: Vec<EnvFromSource> = s
         .checkpointing
         .credentials_secret
         .iter()
-        .chain(extra)
-        .map(|r| EnvFromSource {
-            secret_ref: Some(SecretEnvSource { name: r.name.clone(), optional: Some(false) }),
-            ..EnvFromSource::default()
-        })
+        .map(|r| from(&r.name, None))
+        .chain(declared.iter().map(|name| from(name, None)))
+        .chain(declared.iter().map(|name| from(name, Some(DECLARED_ENV_PREFIX))))
         .collect();
     (!secrets.is_empty()).then_some(secrets)
 }
@@ -494,9 +529,23 @@ podTemplate: { envFromSecrets: [ { name: kafka-creds } ] }
         let args = c.args.as_ref().unwrap().join(" ");
         assert!(args.contains("--restore s3://bucket/weir/shop/orders/savepoints/sp-1-3"), "{args}");
         assert!(args.contains("--checkpoint-dir s3://bucket/weir/shop/orders"), "{args}");
-        let secrets: Vec<&str> =
-            c.env_from.iter().flatten().map(|e| e.secret_ref.as_ref().unwrap().name.as_str()).collect();
-        assert_eq!(secrets, ["s3-creds", "kafka-creds"], "storage credentials, then podTemplate.envFromSecrets");
+        let secrets: Vec<(&str, Option<&str>)> = c
+            .env_from
+            .iter()
+            .flatten()
+            .map(|e| (e.secret_ref.as_ref().unwrap().name.as_str(), e.prefix.as_deref()))
+            .collect();
+        assert_eq!(
+            secrets,
+            [("s3-creds", None), ("kafka-creds", None), ("kafka-creds", Some(DECLARED_ENV_PREFIX))],
+            "storage credentials, then podTemplate.envFromSecrets, and again as the declared variables"
+        );
+        assert!(args.contains(&format!("--declared-env-prefix {DECLARED_ENV_PREFIX}")), "{args}");
+        // The control API over TLS, with the certificate and key of the job's token Secret.
+        assert!(args.contains("--tls-cert-file /var/run/weir/token/tls.crt"), "{args}");
+        assert!(args.contains("--tls-key-file /var/run/weir/token/tls.key"), "{args}");
+        let probe = c.readiness_probe.as_ref().unwrap().http_get.as_ref().unwrap();
+        assert_eq!(probe.scheme.as_deref(), Some("HTTPS"));
         assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
         let latest = pod(&sj, "abc", &root, None, RestoreMode::Latest).unwrap();
         let fresh = pod(&sj, "abc", &root, None, RestoreMode::Fresh).unwrap();

@@ -109,12 +109,16 @@ pub struct Context {
     pub recorder: Recorder,
     /// Metrics.
     pub metrics: Arc<crate::metrics::OperatorMetrics>,
-    /// Pooled connections to the runtimes' control APIs, shared by every job.
+    /// Pooled connections to the runtimes' control APIs, shared by every job: over TLS, each
+    /// runtime trusted by the certificate pinned for its host in [`Context::pins`].
     pub http: reqwest::Client,
+    /// The certificate each runtime's control API must present, by host: pinned as each job is
+    /// observed, from its token Secret.
+    pub pins: weir_client::pin::Pins,
     /// The runtime pods of every job, kept current by a watch (spec and managed fields dropped).
     pub pods: Store<Pod>,
-    /// Control API tokens by `namespace/name`, read once from each job's Secret.
-    pub tokens: std::sync::Mutex<BTreeMap<String, String>>,
+    /// Control API tokens and certificates by `namespace/name`, read once from each job's Secret.
+    pub tokens: std::sync::Mutex<BTreeMap<String, JobSecret>>,
     /// Runtime notices already reported as events, by `namespace/name`: the run (job id) and
     /// how many of its notices. (Kept in memory: a restarted operator reports a running job's
     /// notices once more.)
@@ -144,6 +148,10 @@ pub enum ReconcileError {
     /// The operating system gave no random bytes for a control token.
     #[error("generating a control token: {0}")]
     Token(#[source] getrandom::Error),
+    /// The control API's certificate could not be issued, or the job's Secret holds one that
+    /// does not parse.
+    #[error("the control API certificate: {0}")]
+    Certificate(String),
     /// Adding or removing the finalizer failed.
     #[error("updating the finalizer: {0}")]
     Finalizer(#[source] kube::Error),
@@ -182,7 +190,7 @@ impl ReconcileError {
             ReconcileError::Storage(_) => "storage",
             ReconcileError::Inputs(_) => "inputs",
             ReconcileError::Finalizer(_) => "finalizer",
-            ReconcileError::Token(_) => "token",
+            ReconcileError::Token(_) | ReconcileError::Certificate(_) => "token",
             ReconcileError::StillStopping(_) => "stopping",
             ReconcileError::NameConflict { .. } => "name-conflict",
             ReconcileError::StorageRefused(_) => "storage-refused",
@@ -273,8 +281,34 @@ fn savepoint_id(path: &str) -> u64 {
 /// The token in a job's token Secret; an empty or blank one is no token (the runtime refuses
 /// to serve with it).
 fn token_of(secret: &Secret) -> Option<String> {
-    let token = secret.data.as_ref()?.get("token").map(|b| String::from_utf8_lossy(&b.0).trim().to_string())?;
+    let token =
+        secret.data.as_ref()?.get(children::TOKEN_KEY).map(|b| String::from_utf8_lossy(&b.0).trim().to_string())?;
     (!token.is_empty()).then_some(token)
+}
+
+/// The token and certificate in a job's token Secret, when both are there and usable.
+fn job_secret_of(secret: &Secret) -> Option<JobSecret> {
+    let data = secret.data.as_ref()?;
+    let cert = data.get(children::TLS_CERT_KEY)?;
+    data.get(children::TLS_KEY_KEY).filter(|k| !k.0.is_empty())?;
+    let fingerprint = weir_client::pin::pem_fingerprint(&cert.0).ok()?;
+    Some(JobSecret { token: token_of(secret)?, fingerprint })
+}
+
+/// A new token, and a new certificate for the job's control API with its private key (PEM):
+/// self-signed (ECDSA P-256), issued for the job's Service names, and trusted by the operator
+/// by its fingerprint alone.
+fn new_job_secret(name: &str, ns: &str) -> Result<(JobSecret, BTreeMap<String, String>), ReconcileError> {
+    let token = random_token()?;
+    let issued = rcgen::generate_simple_self_signed(children::control_names(name, ns))
+        .map_err(|e| ReconcileError::Certificate(e.to_string()))?;
+    let fingerprint = weir_client::pin::fingerprint(issued.cert.der());
+    let data = BTreeMap::from([
+        (children::TOKEN_KEY.to_string(), token.clone()),
+        (children::TLS_CERT_KEY.to_string(), issued.cert.pem()),
+        (children::TLS_KEY_KEY.to_string(), issued.signing_key.serialize_pem()),
+    ]);
+    Ok((JobSecret { token, fingerprint }, data))
 }
 
 /// 192 random bits from the operating system, as hex. Without a random source there is no safe
@@ -548,8 +582,15 @@ async fn observe(sj: &StreamJob, ctx: &Context, job: &JobRef) -> Result<Seen, Re
     let control_url = control_url(sj, &job.ns, &job.name, &listed, &ctx.settings);
     let running = matches!(pods_phase, plan::PodsPhase::Running);
     let operation = job.status.operation.as_ref();
-    let token =
-        if operation.is_some() || running { Some(token(ctx, sj, &job.ns, &job.name, &job.key).await?) } else { None };
+    let token = match operation.is_some() || running {
+        true => {
+            let secret = token(ctx, sj, &job.ns, &job.name, &job.key).await?;
+            // Whatever answers at the job's address must hold the job's certificate.
+            ctx.pins.pin_url(&control_url, secret.fingerprint);
+            Some(secret.token)
+        }
+        false => None,
+    };
     let savepoint = match operation.and_then(|o| o.request_id) {
         None => None,
         Some(id) => {
@@ -748,8 +789,8 @@ async fn apply(
                     unreachable!("the planner is not asked to deploy an invalid job")
                 };
                 // The pod reads its token from this Secret: make sure it exists.
-                let token = ensure_token(client, sj, &job.ns, &job.name).await?;
-                ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).insert(job.key.clone(), token);
+                let secret = ensure_token(client, sj, &job.ns, &job.name).await?;
+                ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).insert(job.key.clone(), secret);
                 // Children are applied with force (the operator owns every field it sets), so
                 // first make sure each name is free or already the job's own: an object someone
                 // else made is never taken over (nor garbage-collected with the job).
@@ -950,14 +991,25 @@ fn control_url(sj: &StreamJob, ns: &str, name: &str, pods: &[Pod], settings: &Se
     }
     let pod_ip = pods.iter().find_map(|p| p.status.as_ref()?.pod_ip.clone());
     match (settings.control_address, pod_ip) {
-        (ControlAddress::PodIp, Some(ip)) if ip.contains(':') => format!("http://[{ip}]:{}", children::CONTROL_PORT),
-        (ControlAddress::PodIp, Some(ip)) => format!("http://{ip}:{}", children::CONTROL_PORT),
-        _ => format!("http://{}.{ns}.svc:{}", children::service_name(name), children::CONTROL_PORT),
+        (ControlAddress::PodIp, Some(ip)) if ip.contains(':') => format!("https://[{ip}]:{}", children::CONTROL_PORT),
+        (ControlAddress::PodIp, Some(ip)) => format!("https://{ip}:{}", children::CONTROL_PORT),
+        _ => format!("https://{}.{ns}.svc:{}", children::service_name(name), children::CONTROL_PORT),
     }
 }
 
-/// The job's control API token: cached, else read from (or created in) its Secret.
-async fn token(ctx: &Context, sj: &StreamJob, ns: &str, name: &str, key: &str) -> Result<String, ReconcileError> {
+/// What a job's token Secret gives the operator: the bearer token, and the fingerprint of the
+/// certificate its runtime serves the control API with.
+#[derive(Clone, Debug)]
+pub struct JobSecret {
+    /// The control API's bearer token.
+    pub token: String,
+    /// SHA-256 of the certificate (DER).
+    pub fingerprint: weir_client::pin::Fingerprint,
+}
+
+/// The job's control API token and certificate: cached, else read from (or created in) its
+/// Secret.
+async fn token(ctx: &Context, sj: &StreamJob, ns: &str, name: &str, key: &str) -> Result<JobSecret, ReconcileError> {
     if let Some(t) = ctx.tokens.lock().unwrap_or_else(|e| e.into_inner()).get(key) {
         return Ok(t.clone());
     }
@@ -1004,7 +1056,14 @@ where
     }
 }
 
-async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &str) -> Result<String, ReconcileError> {
+/// The job's token Secret: read, or created with a new token and certificate (see
+/// [`new_job_secret`]) owned by the job.
+async fn ensure_token(
+    client: &kube::Client,
+    sj: &StreamJob,
+    ns: &str,
+    name: &str,
+) -> Result<JobSecret, ReconcileError> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
     let secret_name = children::token_secret_name(name);
     if let Some(existing) = secrets.get_opt(&secret_name).await? {
@@ -1013,18 +1072,18 @@ async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &st
         if !owned_by(&existing.metadata, sj) {
             return Err(ReconcileError::NameConflict { kind: "Secret", name: secret_name });
         }
-        if let Some(t) = token_of(&existing) {
-            return Ok(t);
+        if let Some(found) = job_secret_of(&existing) {
+            return Ok(found);
         }
-        // The job's own Secret, emptied (by hand, or by whoever may edit Secrets here): a new
-        // token replaces the empty one.
-        let token = random_token()?;
-        let patch = serde_json::json!({ "stringData": { "token": token } });
+        // The job's own Secret, emptied or missing its certificate (by hand, or by whoever may
+        // edit Secrets here): a new token and certificate replace what it holds.
+        let (fresh, data) = new_job_secret(name, ns)?;
+        let patch = serde_json::json!({ "stringData": data });
         secrets.patch(&secret_name, &PatchParams::default(), &Patch::Merge(patch)).await?;
-        return Ok(token);
+        return Ok(fresh);
     }
-    let token = random_token()?;
-    let mut secret = Secret {
+    let (fresh, data) = new_job_secret(name, ns)?;
+    let secret = Secret {
         metadata: kube::api::ObjectMeta {
             name: Some(secret_name.clone()),
             namespace: Some(ns.to_string()),
@@ -1032,17 +1091,17 @@ async fn ensure_token(client: &kube::Client, sj: &StreamJob, ns: &str, name: &st
             owner_references: sj.controller_owner_ref(&()).map(|o| vec![o]),
             ..Default::default()
         },
+        string_data: Some(data),
         ..Secret::default()
     };
-    secret.string_data = Some(BTreeMap::from([("token".to_string(), token.clone())]));
     match secrets.create(&PostParams::default(), &secret).await {
-        Ok(_) => Ok(token),
+        Ok(_) => Ok(fresh),
         Err(kube::Error::Api(e)) if e.code == 409 => {
             let s = secrets.get(&secret_name).await?;
             if !owned_by(&s.metadata, sj) {
                 return Err(ReconcileError::NameConflict { kind: "Secret", name: secret_name });
             }
-            Ok(token_of(&s).unwrap_or(token))
+            Ok(job_secret_of(&s).unwrap_or(fresh))
         }
         Err(e) => Err(e.into()),
     }
@@ -1252,7 +1311,8 @@ pub async fn run_with_metrics(
     settings: Settings,
     metrics: Arc<crate::metrics::OperatorMetrics>,
 ) -> Result<(), ClientError> {
-    let http = weir_client::http_client()?;
+    let pins = weir_client::pin::Pins::default();
+    let http = weir_client::pinned_http_client(pins.clone())?;
     let (jobs, pods): (Api<StreamJob>, Api<Pod>) = match &settings.namespace {
         Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
         None => (Api::all(client.clone()), Api::all(client.clone())),
@@ -1283,6 +1343,7 @@ pub async fn run_with_metrics(
         recorder,
         metrics: metrics.clone(),
         http,
+        pins,
         pods: pod_store,
         tokens: Default::default(),
         notices_reported: Default::default(),

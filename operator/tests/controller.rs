@@ -74,7 +74,12 @@ async fn lifecycle_against_a_real_api_server() {
         .expect("the control API's NetworkPolicy");
     assert_eq!(policy.spec.unwrap().ingress.unwrap()[0].from.as_ref().unwrap().len(), 1, "only the operator's pods");
     let token = Api::<Secret>::namespaced(client.clone(), ns).get("orders-control-token").await.unwrap();
-    assert!(token.data.unwrap()["token"].0.len() >= 32, "a random per-job token");
+    let data = token.data.unwrap();
+    assert!(data["token"].0.len() >= 32, "a random per-job token");
+    // And the control API's certificate, issued for the job's Service, with its key.
+    let cert = String::from_utf8(data["tls.crt"].0.clone()).unwrap();
+    assert!(cert.starts_with("-----BEGIN CERTIFICATE-----"), "{cert}");
+    assert!(String::from_utf8_lossy(&data["tls.key"].0).contains("PRIVATE KEY"));
     let first_hash = pod.metadata.labels.as_ref().unwrap()["weir.dev/spec-hash"].clone();
 
     // Running once the pod runs.

@@ -15,9 +15,10 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use weir_crds::StreamJob;
 use weir_e2e::apiserver::TestApiServer;
+use weir_e2e::local_pods::{runtime_binary, LocalPod};
 
 mod common;
-use common::{degraded, eventually};
+use common::{counter_job, degraded, eventually, point_operator_at};
 
 /// A listener standing for the attacker's endpoint: counts every connection it is offered.
 struct Catcher {
@@ -303,4 +304,111 @@ async fn each_attack_of_a_hostile_tenant_is_refused_or_reported() {
 
     assert_eq!(catcher.connections(), 0, "the attacker's listener was reached; operator log:\n{}", operator.log());
     operator.assert_running();
+}
+
+/// The control API of a runtime deployed by the operator (the real runtime, run as a local
+/// process from the pod the operator made): a runtime given an empty token refuses to start;
+/// it serves TLS with the certificate the operator issued for the job; and slow clients holding
+/// every connection, sending a handshake byte now and then, are cut off while the operator goes
+/// on reading the job's status.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_runtimes_control_api_refuses_an_empty_token_and_outlasts_slow_clients() {
+    use std::io::Write;
+    let binary = runtime_binary();
+    assert!(binary.exists(), "{} missing: cargo test --workspace builds it", binary.display());
+    let ns = "tenant-c";
+    let (_server, client) = TestApiServer::with_namespace(ns).await.expect("API server with the CRD starts");
+    let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let settings = weir_operator::controller::Settings {
+        status_refresh: Duration::from_secs(1),
+        control_url_annotation: true,
+        ..weir_operator::controller::Settings::new(state.path().display().to_string())
+    };
+    let controller = tokio::spawn(weir_operator::controller::run(client.clone(), settings));
+    let jobs: Api<StreamJob> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    // 4,000 records a second: it runs for the whole test.
+    let job = counter_job(2_000_000, out.path(), "  checkpointing: { interval: 1s }");
+    jobs.create(&PostParams::default(), &job).await.unwrap();
+    let pod = eventually("the pod", 30, || async { pods.get_opt("counter-runtime-0").await.unwrap() }).await;
+
+    // The pod's own command, with its token file emptied: refused at start, saying why.
+    let mut args = pod.spec.as_ref().unwrap().containers[0].args.clone().unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let job_file = scratch.path().join("job.yaml");
+    let job_text = Api::<ConfigMap>::namespaced(client.clone(), ns).get("counter-job").await.unwrap().data.unwrap();
+    std::fs::write(&job_file, &job_text["job.yaml"]).unwrap();
+    let empty = scratch.path().join("token");
+    std::fs::write(&empty, "\n").unwrap();
+    let secret = Api::<Secret>::namespaced(client.clone(), ns).get("counter-control-token").await.unwrap();
+    let data = secret.data.unwrap();
+    assert!(data["tls.crt"].0.starts_with(b"-----BEGIN CERTIFICATE-----") && !data["tls.key"].0.is_empty());
+    for key in ["tls.crt", "tls.key"] {
+        std::fs::write(scratch.path().join(key), &data[key].0).unwrap();
+    }
+    let mut set = |flag: &str, value: String| {
+        let at = args.iter().position(|a| a == flag).unwrap_or_else(|| panic!("{flag} in {args:?}")) + 1;
+        args[at] = value;
+    };
+    set("run", job_file.display().to_string());
+    set("--token-file", empty.display().to_string());
+    set("--control-addr", "127.0.0.1:0".into());
+    set("--checkpoint-dir", scratch.path().join("storage").display().to_string());
+    set("--termination-log", scratch.path().join("termination-log").display().to_string());
+    set("--tls-cert-file", scratch.path().join("tls.crt").display().to_string());
+    set("--tls-key-file", scratch.path().join("tls.key").display().to_string());
+    let refused = Command::new(&binary).args(&args).output().unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && said.contains("token is empty"), "{:?}: {said}", refused.status);
+
+    // The runtime as deployed, and the operator reading its status.
+    let mut local = LocalPod::start(&client, &pod, &binary).await.unwrap();
+    point_operator_at(&jobs, "counter", &local.control_url).await;
+    let running = || async {
+        let status = jobs.get("counter").await.unwrap().status?;
+        (status.phase == Some(weir_crds::streamjob::Phase::Running)).then_some(status)
+    };
+    eventually("Running", 30, running).await;
+    let checkpoint = || async {
+        let status = jobs.get("counter").await.unwrap().status?;
+        status.latest_checkpoint.map(|c| c.id)
+    };
+    let first = eventually("a checkpoint in status", 30, checkpoint).await;
+
+    // Served over TLS with the certificate the operator issued: the operator reads the status
+    // through it, pinned to that certificate.
+    assert!(local.control_url.starts_with("https://"), "{}", local.control_url);
+
+    // More slow clients than connection slots, each sending the start of a TLS handshake (a
+    // record header announcing 512 bytes) and then a byte every half second.
+    let addr = local.control_url.split_once("://").unwrap().1.to_string();
+    let slots = 64 + 8;
+    let slow: Vec<std::net::TcpStream> = (0..slots)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(&addr).unwrap();
+            s.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00]).unwrap();
+            s
+        })
+        .collect();
+    let dripping = std::thread::spawn(move || {
+        let mut slow = slow;
+        let mut open = slow.len();
+        let until = std::time::Instant::now() + Duration::from_secs(45);
+        while open > 0 && std::time::Instant::now() < until {
+            open = 0;
+            for s in &mut slow {
+                open += usize::from(s.write_all(&[0]).is_ok());
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        open
+    });
+    // The operator still sees the job move on: a newer checkpoint reaches its status, read
+    // through the control API the slow clients try to hold (once the header timeout cuts them).
+    eventually("a newer checkpoint in status", 60, || async { checkpoint().await.filter(|id| *id > first) }).await;
+    assert_eq!(dripping.join().unwrap(), 0, "every slow connection was cut off");
+    assert!(local.reap().await.unwrap().is_none(), "the runtime is still running; its log:\n{}", local.log());
+    local.kill();
+    controller.abort();
 }

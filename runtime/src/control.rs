@@ -14,12 +14,15 @@
 //! | GET    | `/healthz`                | liveness (no token needed)                 |
 //!
 //! When a token is configured every request but `/healthz` needs `Authorization: Bearer <token>`
-//! (an empty token is refused at start). Every error answer is JSON: `{"error": "..."}`.
+//! (an empty token is refused at start). Every error answer is JSON: `{"error": "..."}`. With a
+//! certificate and key ([`tls_config`]: the operator issues them for each job) the API is served
+//! over TLS only, so the token never crosses the pod network in clear; the operator trusts that
+//! certificate alone (`weir_client::pin`).
 //!
 //! The server is exposed to the pod network, so it holds up against slow and greedy clients:
 //! at most [`MAX_CONNECTIONS`] connections at once, request headers within
 //! [`HEADER_READ_TIMEOUT`] and [`MAX_HEADER_BYTES`], bodies within [`BODY_READ_TIMEOUT`] and
-//! [`MAX_BODY_BYTES`].
+//! [`MAX_BODY_BYTES`]; a TLS handshake, too, within [`HEADER_READ_TIMEOUT`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -68,6 +71,32 @@ pub enum ServeError {
     /// The token is empty: every request would carry the same non-secret.
     #[error("the control API token is empty (the token file holds no token)")]
     EmptyToken,
+    /// The TLS certificate or key could not be read or used.
+    #[error("control API TLS: {0}")]
+    Tls(String),
+}
+
+/// The TLS configuration of a server presenting the certificate chain `cert_pem` with the
+/// private key `key_pem` (both PEM, as in a `kubernetes.io/tls`-style Secret).
+pub fn tls_config(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<rustls::ServerConfig>, ServeError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| ServeError::Tls(format!("the certificate: {e}")))?;
+    if certs.is_empty() {
+        return Err(ServeError::Tls("the certificate file holds no certificate".into()));
+    }
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| ServeError::Tls(format!("the key: {e}")))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ServeError::Tls(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| ServeError::Tls(format!("the certificate and key: {e}")))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
 }
 
 /// What the handlers share.
@@ -109,10 +138,11 @@ impl Drop for ControlServer {
     }
 }
 
-/// Starts serving on `addr` (e.g. `127.0.0.1:8081`, port 0 for any).
+/// Starts serving on `addr` (e.g. `127.0.0.1:8081`, port 0 for any), over TLS with `tls`.
 pub fn serve(
     addr: &str,
     token: Option<String>,
+    tls: Option<Arc<rustls::ServerConfig>>,
     metrics: Arc<JobMetrics>,
     requests: Sender<Request>,
 ) -> Result<ControlServer, ServeError> {
@@ -128,7 +158,7 @@ pub fn serve(
     let task = {
         let _runtime = crate::io().enter();
         let listener = tokio::net::TcpListener::from_std(listener).map_err(listen)?;
-        crate::io().spawn(accept_loop(listener, app, stopped))
+        crate::io().spawn(accept_loop(listener, app, tls.map(tokio_rustls::TlsAcceptor::from), stopped))
     };
     Ok(ControlServer { addr: bound, stop: Some(stop), task: Some(task) })
 }
@@ -139,6 +169,7 @@ pub fn serve(
 async fn accept_loop(
     listener: tokio::net::TcpListener,
     app: Router,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     mut stopped: tokio::sync::oneshot::Receiver<()>,
 ) -> std::io::Result<()> {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
@@ -164,17 +195,16 @@ async fn accept_loop(
                 }
             },
         };
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-        let mut closing = closing.subscribe();
+        let (http, app, tls, closing) = (http.clone(), app.clone(), tls.clone(), closing.subscribe());
         tokio::spawn(async move {
-            let mut connection = std::pin::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => {}
-                _ = closing.changed() => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = connection.await;
-                }
+            match tls {
+                None => serve_connection(http, stream, app, closing).await,
+                // The handshake holds a slot too, so it is bounded like the headers that follow.
+                Some(tls) => match tokio::time::timeout(HEADER_READ_TIMEOUT, tls.accept(stream)).await {
+                    Ok(Ok(stream)) => serve_connection(http, stream, app, closing).await,
+                    Ok(Err(e)) => tracing::debug!(error = %e, "control API: TLS handshake failed"),
+                    Err(_) => tracing::debug!("control API: TLS handshake not done in time"),
+                },
             }
             drop(slot);
         });
@@ -183,6 +213,28 @@ async fn accept_loop(
     // Every open connection holds a slot: all slots back means all connections ended.
     let _ = slots.acquire_many(MAX_CONNECTIONS as u32).await;
     Ok(())
+}
+
+/// Serves one connection's requests until the client closes it, or, once `closing`, until the
+/// request being answered is done.
+async fn serve_connection<S>(
+    http: hyper::server::conn::http1::Builder,
+    stream: S,
+    app: Router,
+    mut closing: tokio::sync::watch::Receiver<bool>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    let mut connection = std::pin::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => {}
+        _ = closing.changed() => {
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
+    }
 }
 
 /// The routes, behind the bearer token when one is set (all but `/healthz`).
@@ -344,7 +396,7 @@ mod tests {
     fn server(token: Option<&str>) -> Result<ControlServer, ServeError> {
         let (requests, _) = crossbeam_channel::unbounded();
         let metrics = Arc::new(JobMetrics::new("control-test", "r1"));
-        serve("127.0.0.1:0", token.map(str::to_string), metrics, requests)
+        serve("127.0.0.1:0", token.map(str::to_string), None, metrics, requests)
     }
 
     #[test]
@@ -422,6 +474,37 @@ mod tests {
         ));
         assert!(too_big.starts_with("HTTP/1.1 413"), "{too_big}");
         assert_eq!(dripping.join().unwrap(), MAX_CONNECTIONS + 8, "every slow connection was closed");
+    }
+
+    /// Over TLS the API answers a client that trusts its certificate, and no one else: not a
+    /// client that pinned another certificate (another job's), not plain HTTP.
+    #[test]
+    fn over_tls_only_a_client_pinning_its_certificate_is_answered() {
+        let names = vec!["job-control.ns.svc".to_string()];
+        let issued = rcgen::generate_simple_self_signed(names.clone()).unwrap();
+        let other = rcgen::generate_simple_self_signed(names).unwrap();
+        let (cert, key) = (issued.cert.pem(), issued.signing_key.serialize_pem());
+        let tls = tls_config(cert.as_bytes(), key.as_bytes()).unwrap();
+        let (requests, _) = crossbeam_channel::unbounded();
+        let metrics = Arc::new(JobMetrics::new("control-test", "r1"));
+        let server = serve("127.0.0.1:0", Some("t0ken".into()), Some(tls), metrics, requests).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let base = format!("https://{}", server.addr);
+        let token = Some("t0ken".to_string());
+        let pinned = weir_client::ControlClient::pinned(&base, token.clone(), cert.as_bytes()).unwrap();
+        assert_eq!(rt.block_on(pinned.job()).unwrap().name, "control-test");
+        let wrong = weir_client::ControlClient::pinned(&base, token.clone(), other.cert.pem().as_bytes()).unwrap();
+        let refused = rt.block_on(wrong.job()).unwrap_err();
+        assert_eq!(refused.status(), None, "the handshake is refused, nothing is answered: {refused}");
+        let plain = weir_client::ControlClient::new(&format!("http://{}", server.addr), token).unwrap();
+        let plain = plain.timeout(Duration::from_secs(5));
+        assert!(rt.block_on(plain.job()).is_err(), "plain HTTP is not served");
+        assert!(matches!(tls_config(b"", key.as_bytes()), Err(ServeError::Tls(_))));
+        assert!(matches!(tls_config(cert.as_bytes(), b"not a key"), Err(ServeError::Tls(_))));
+        assert!(matches!(
+            tls_config(cert.as_bytes(), other.signing_key.serialize_pem().as_bytes()),
+            Err(ServeError::Tls(_))
+        ));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
@@ -29,6 +29,18 @@ pub enum KafkaClientError {
     /// A `${env:NAME}` property names an unset variable (its value is never printed).
     #[error("property `{property}`: environment variable `{variable}` is not set")]
     MissingEnv {
+        /// The librdkafka property.
+        property: String,
+        /// The variable.
+        variable: String,
+    },
+    /// A `${env:NAME}` property names a variable that no Secret the job declares provides
+    /// (with [`only_declared_env`]: the operator's pods).
+    #[error(
+        "property `{property}`: `${{env:{variable}}}` is not a key of a Secret in the job's \
+         podTemplate.envFromSecrets (only those may be referenced)"
+    )]
+    UndeclaredEnv {
         /// The librdkafka property.
         property: String,
         /// The variable.
@@ -140,18 +152,48 @@ pub fn checked_consumer(config: &ClientConfig) -> Result<CheckedConsumer, KafkaC
     config.create_with_context(ErrorCapture::default()).map_err(KafkaClientError::Configure)
 }
 
+/// The prefix under which the declared variables are also set (see [`only_declared_env`]).
+static DECLARED_ENV_PREFIX: OnceLock<String> = OnceLock::new();
+
+/// From now on, `${env:NAME}` reads only the variable `<prefix>NAME`: in the operator's pods
+/// the keys of the Secrets a job names in `podTemplate.envFromSecrets` are set twice, as
+/// themselves and with this prefix, so that a job's Kafka properties reach those and nothing
+/// else of the runtime's environment (the storage credentials, the image's or the cluster's
+/// variables). Without it (a local run) `${env:NAME}` reads `NAME`. Set once; a second call
+/// with another prefix is refused.
+pub fn only_declared_env(prefix: &str) -> Result<(), String> {
+    let set = DECLARED_ENV_PREFIX.get_or_init(|| prefix.to_string());
+    (set == prefix).then_some(()).ok_or_else(|| format!("declared-variable prefix already set to `{set}`"))
+}
+
+/// The value of `${env:variable}` for `property`: `<prefix>variable` when a prefix declares
+/// the variables a job may read, else `variable`, looked up by `lookup`.
+fn env_reference(
+    property: &str,
+    variable: &str,
+    prefix: Option<&str>,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<String, KafkaClientError> {
+    let (property, variable_name) = (property.to_string(), variable.to_string());
+    match prefix {
+        Some(prefix) => lookup(&format!("{prefix}{variable}"))
+            .ok_or(KafkaClientError::UndeclaredEnv { property, variable: variable_name }),
+        None => lookup(variable).ok_or(KafkaClientError::MissingEnv { property, variable: variable_name }),
+    }
+}
+
 /// A client configuration: `bootstrap.servers`, then the job's properties with `${env:NAME}`
-/// values read from the environment.
+/// values read from the environment (only the declared variables, see [`only_declared_env`]).
 pub fn client_config(bootstrap: &str, properties: &BTreeMap<String, String>) -> Result<ClientConfig, KafkaClientError> {
     let mut config = ClientConfig::new();
     config.set("bootstrap.servers", bootstrap);
     // Errors only (librdkafka never logs secrets); they reach ErrorCapture::log. Set here and
     // not through the `log` crate's level, which this process does not configure.
     config.set_log_level(rdkafka::config::RDKafkaLogLevel::Error);
+    let prefix = DECLARED_ENV_PREFIX.get().map(String::as_str);
     for (key, value) in properties {
         let value = match value.strip_prefix("${env:").and_then(|r| r.strip_suffix('}')) {
-            Some(variable) => std::env::var(variable)
-                .map_err(|_| KafkaClientError::MissingEnv { property: key.clone(), variable: variable.to_string() })?,
+            Some(variable) => env_reference(key, variable, prefix, |name| std::env::var(name).ok())?,
             None => value.clone(),
         };
         config.set(key, value);
@@ -434,6 +476,25 @@ mod tests {
         let props = BTreeMap::from([("sasl.password".to_string(), "${env:WEIR_TEST_KAFKA_UNSET}".to_string())]);
         let e = client_config("b:9092", &props).unwrap_err().to_string();
         assert!(e.contains("sasl.password") && e.contains("WEIR_TEST_KAFKA_UNSET"), "{e}");
+    }
+
+    #[test]
+    fn with_a_prefix_only_the_declared_variables_are_read() {
+        let env = BTreeMap::from([
+            ("AWS_SECRET_ACCESS_KEY".to_string(), "storage".to_string()),
+            ("KAFKA_PASSWORD".to_string(), "kafka".to_string()),
+            ("WEIR_SECRET_KAFKA_PASSWORD".to_string(), "kafka".to_string()),
+        ]);
+        let lookup = |name: &str| env.get(name).cloned();
+        let read = |variable, prefix| env_reference("sasl.password", variable, prefix, lookup);
+        assert_eq!(read("KAFKA_PASSWORD", Some("WEIR_SECRET_")).unwrap(), "kafka");
+        // The storage credentials are in the environment, but no declared Secret gives them.
+        let e = read("AWS_SECRET_ACCESS_KEY", Some("WEIR_SECRET_")).unwrap_err().to_string();
+        assert!(e.contains("AWS_SECRET_ACCESS_KEY") && e.contains("envFromSecrets"), "{e}");
+        assert!(!e.contains("storage"), "the value is never printed: {e}");
+        // A local run reads the environment as it is.
+        assert_eq!(read("AWS_SECRET_ACCESS_KEY", None).unwrap(), "storage");
+        assert!(read("UNSET", None).unwrap_err().to_string().contains("is not set"));
     }
 
     #[test]

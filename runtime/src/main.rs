@@ -65,6 +65,18 @@ enum Command {
         /// when it failed.
         #[arg(long, env = "WEIR_TERMINATION_LOG")]
         termination_log: Option<String>,
+        /// `${env:NAME}` in Kafka properties reads only the variable `<PREFIX>NAME` (the
+        /// operator sets the keys of the job's `podTemplate.envFromSecrets` Secrets with this
+        /// prefix too, so that a job reaches those and nothing else of the environment).
+        #[arg(long, value_name = "PREFIX")]
+        declared_env_prefix: Option<String>,
+        /// Serve the control API over TLS with this certificate (PEM; the operator issues one per
+        /// job). Needs --tls-key-file.
+        #[arg(long, requires = "tls_key_file", env = "WEIR_CONTROL_TLS_CERT_FILE")]
+        tls_cert_file: Option<String>,
+        /// The private key (PEM) of --tls-cert-file.
+        #[arg(long, requires = "tls_cert_file", env = "WEIR_CONTROL_TLS_KEY_FILE")]
+        tls_key_file: Option<String>,
     },
     /// Check a job file and print its execution plan.
     Validate {
@@ -84,6 +96,10 @@ enum Command {
         /// File holding the bearer token.
         #[arg(long, env = "WEIR_CONTROL_TOKEN_FILE")]
         token_file: Option<String>,
+        /// The runtime's certificate (PEM, the `tls.crt` of the job's token Secret): the control
+        /// API is reached over TLS and trusted by this certificate alone.
+        #[arg(long, env = "WEIR_CONTROL_TLS_CERT_FILE")]
+        tls_cert_file: Option<String>,
         /// Give up after this many seconds.
         #[arg(long, default_value_t = 120)]
         timeout_secs: u64,
@@ -113,17 +129,40 @@ fn main() -> ExitCode {
             quiet,
             state_files_in_memory_max,
             termination_log,
-        } => run(
-            &job,
-            RunArgs { checkpoint_dir, restore, allow: allow_non_restored_state, fresh, state_files_in_memory_max },
-            control_addr,
-            token_file,
-            quiet,
-            termination_log.as_deref(),
-        ),
+            declared_env_prefix,
+            tls_cert_file,
+            tls_key_file,
+        } => {
+            if let Some(prefix) = declared_env_prefix.filter(|p| !p.is_empty()) {
+                #[cfg(feature = "kafka")]
+                if let Err(e) = weir_runtime::kafka::only_declared_env(&prefix) {
+                    eprintln!("error: --declared-env-prefix: {e}");
+                    return ExitCode::from(2);
+                }
+                // Without the Kafka connectors nothing reads `${env:NAME}`.
+                #[cfg(not(feature = "kafka"))]
+                let _ = prefix;
+            }
+            let tls = match (tls_cert_file, tls_key_file) {
+                (Some(cert), Some(key)) => match read_tls(&cert, &key) {
+                    Ok(tls) => Some(tls),
+                    Err(code) => return code,
+                },
+                _ => None,
+            };
+            run(
+                &job,
+                RunArgs { checkpoint_dir, restore, allow: allow_non_restored_state, fresh, state_files_in_memory_max },
+                control_addr,
+                token_file,
+                quiet,
+                termination_log.as_deref(),
+                tls,
+            )
+        }
         Command::Validate { job } => validate(&job),
-        Command::Savepoint { addr, stop, drain, token_file, timeout_secs } => {
-            savepoint(&addr, stop, drain, token_file, timeout_secs)
+        Command::Savepoint { addr, stop, drain, token_file, tls_cert_file, timeout_secs } => {
+            savepoint(&addr, stop, drain, token_file, tls_cert_file, timeout_secs)
         }
         Command::Checkpoints { dir } => checkpoints(&dir),
     }
@@ -140,6 +179,21 @@ fn read_job(path: &str) -> Result<weir_crds::ValidatedJob, ExitCode> {
     let text = read_text(path)?;
     weir_runtime::load_job(&text).map_err(|e| {
         eprintln!("error: {path} is not a valid job:\n{e}");
+        ExitCode::from(2)
+    })
+}
+
+fn read_tls(cert: &str, key: &str) -> Result<Arc<rustls::ServerConfig>, ExitCode> {
+    let cert = std::fs::read(cert).map_err(|e| {
+        eprintln!("error: cannot read TLS certificate {cert}: {e}");
+        ExitCode::from(2)
+    })?;
+    let key = std::fs::read(key).map_err(|e| {
+        eprintln!("error: cannot read TLS key {key}: {e}");
+        ExitCode::from(2)
+    })?;
+    weir_runtime::control::tls_config(&cert, &key).map_err(|e| {
+        eprintln!("error: {e}");
         ExitCode::from(2)
     })
 }
@@ -185,6 +239,7 @@ fn run(
     token_file: Option<String>,
     quiet: bool,
     termination_log: Option<&str>,
+    tls: Option<Arc<rustls::ServerConfig>>,
 ) -> ExitCode {
     let job = match read_job(path) {
         Ok(j) => j,
@@ -228,7 +283,7 @@ fn run(
     let metrics = Arc::new(JobMetrics::new(&job.spec.name, &job_id));
     let (req_tx, req_rx) = crossbeam_channel::unbounded();
     let server = match &control_addr {
-        Some(addr) => match weir_runtime::control::serve(addr, token, metrics.clone(), req_tx.clone()) {
+        Some(addr) => match weir_runtime::control::serve(addr, token, tls, metrics.clone(), req_tx.clone()) {
             Ok(s) => {
                 tracing::info!(addr = %s.addr, "control API listening");
                 Some(s)
@@ -418,13 +473,27 @@ fn finished_savepoint(s: &weir_crds::control::SavepointStatus) -> Option<ExitCod
     }
 }
 
-fn savepoint(addr: &str, stop: bool, drain: bool, token_file: Option<String>, timeout_secs: u64) -> ExitCode {
+fn savepoint(
+    addr: &str,
+    stop: bool,
+    drain: bool,
+    token_file: Option<String>,
+    tls_cert_file: Option<String>,
+    timeout_secs: u64,
+) -> ExitCode {
     let token = match read_token(token_file) {
         Ok(t) => t,
         Err(code) => return code,
     };
     let timeout = Duration::from_secs(timeout_secs);
-    let client = match weir_client::ControlClient::new(addr, token) {
+    let client = match tls_cert_file {
+        Some(file) => match read_text(&file) {
+            Ok(pem) => weir_client::ControlClient::pinned(addr, token, pem.as_bytes()),
+            Err(code) => return code,
+        },
+        None => weir_client::ControlClient::new(addr, token),
+    };
+    let client = match client {
         Ok(c) => c.wait_timeout(timeout),
         Err(e) => {
             eprintln!("error: {e}");

@@ -749,6 +749,32 @@ fn sasl_credentials_come_from_the_environment_and_never_appear_in_errors() {
     for text in [&e, &status] {
         assert!(!text.contains(wrong) && !text.contains(kafka_broker::SASL_PASSWORD), "a secret leaked: {text}");
     }
+
+    // As the operator runs it: `${env:NAME}` reads only `WEIR_SECRET_NAME`, the keys of the
+    // job's own Secrets. The declared password is found; the storage credentials, although in
+    // the environment, cannot be sent to a broker of the job's choosing.
+    let declared = |name: &str, variable: &str, file: &str| {
+        let (dir, _out, chk) = workdir(name);
+        let job_file = dir.path().join(file);
+        std::fs::write(
+            &job_file,
+            yaml(name).replace("WEIR_TEST_KAFKA_PASSWORD", variable).replace("attempts: 20", "attempts: 0"),
+        )
+        .unwrap();
+        let out = runtime(&job_file, &chk, None)
+            .args(["--declared-env-prefix", "WEIR_SECRET_"])
+            .env("WEIR_SECRET_KAFKA_PASSWORD", kafka_broker::SASL_PASSWORD)
+            .env("AWS_SECRET_ACCESS_KEY", kafka_broker::SASL_PASSWORD)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (ok, stderr) = declared("kafka-sasl-declared", "KAFKA_PASSWORD", "job.yaml");
+    assert!(ok, "the declared variable is read: {stderr}");
+    let (ok, stderr) = declared("kafka-sasl-undeclared", "AWS_SECRET_ACCESS_KEY", "job.yaml");
+    assert!(!ok, "an undeclared variable is refused");
+    assert!(stderr.contains("AWS_SECRET_ACCESS_KEY") && stderr.contains("envFromSecrets"), "{stderr}");
+    assert!(!stderr.contains(kafka_broker::SASL_PASSWORD), "a secret leaked: {stderr}");
 }
 
 #[test]
