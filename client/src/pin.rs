@@ -72,16 +72,6 @@ impl Pins {
         self.0.write().unwrap_or_else(|e| e.into_inner()).remove(host);
     }
 
-    /// How many hosts are pinned.
-    pub fn len(&self) -> usize {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    /// Whether no host is pinned.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn get(&self, host: &str) -> Option<Fingerprint> {
         self.0.read().unwrap_or_else(|e| e.into_inner()).get(host).copied()
     }

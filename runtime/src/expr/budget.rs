@@ -252,22 +252,20 @@ fn rewrite(e: &mut IdedExpr) {
                 *element = call(value.id, CREATED, vec![value]);
             }
         }
-        Expr::Map(m) => m.entries.iter_mut().for_each(|entry| match &mut entry.expr {
-            EntryExpr::MapEntry(me) => {
-                rewrite(&mut me.key);
-                rewrite(&mut me.value);
-            }
-            EntryExpr::StructField(f) => rewrite(&mut f.value),
-        }),
-        Expr::Struct(s) => s.entries.iter_mut().for_each(|entry| match &mut entry.expr {
-            EntryExpr::MapEntry(me) => {
-                rewrite(&mut me.key);
-                rewrite(&mut me.value);
-            }
-            EntryExpr::StructField(f) => rewrite(&mut f.value),
-        }),
+        Expr::Map(m) => m.entries.iter_mut().for_each(|entry| rewrite_entry(&mut entry.expr)),
+        Expr::Struct(s) => s.entries.iter_mut().for_each(|entry| rewrite_entry(&mut entry.expr)),
         Expr::Select(s) => rewrite(&mut s.operand),
         Expr::Ident(_) | Expr::Literal(_) | Expr::Unspecified => {}
+    }
+}
+
+fn rewrite_entry(entry: &mut EntryExpr) {
+    match entry {
+        EntryExpr::MapEntry(me) => {
+            rewrite(&mut me.key);
+            rewrite(&mut me.value);
+        }
+        EntryExpr::StructField(f) => rewrite(&mut f.value),
     }
 }
 
