@@ -151,8 +151,7 @@ async fn b_gitops_upgrade_takes_a_savepoint_and_stays_exactly_once() {
         s.committed(&output(&s.ns)).await.iter().any(|r| r["v"] == "v2").then_some(())
     })
     .await;
-    // `kubectl describe streamjob` tells the upgrade in order (the second deploy is a repeat
-    // of the first event's reason: counted in its series, not a new event).
+    // `kubectl describe streamjob` tells the upgrade in order.
     let reasons = s.event_reasons("counter").await;
     let story = ["Deploying", "SavepointRequested", "SavepointCompleted", "Upgraded"];
     let mut told = reasons.iter();

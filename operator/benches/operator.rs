@@ -127,7 +127,18 @@ async fn main() {
 
     // The real operator binary, as users run it out of cluster.
     let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_weir-operator"))
+    // `WEIR_BENCH_WRAPPER` runs the operator under a profiler (`heaptrack`, `perf record --`).
+    let wrapper: Vec<String> =
+        std::env::var("WEIR_BENCH_WRAPPER").unwrap_or_default().split_whitespace().map(String::from).collect();
+    let mut command = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut c = std::process::Command::new(program);
+            c.args(args).arg(env!("CARGO_BIN_EXE_weir-operator"));
+            c
+        }
+        None => std::process::Command::new(env!("CARGO_BIN_EXE_weir-operator")),
+    };
+    let child = command
         .args([
             "--kubeconfig",
             &server.kubeconfig().display().to_string(),

@@ -8,13 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{self, Action as Requeue, Controller};
-use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::finalizer;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -30,6 +29,7 @@ use crate::observe;
 use crate::plan::{
     self, Action, Desired, EventReason, Observation, Operation, Phase, Plan, PlanState, PlannedEvent, SavepointProgress,
 };
+use crate::runtime_pod::RuntimePod;
 use crate::tenancy::{self, StorageIdentity, StoragePolicy};
 
 /// The field manager of everything the operator applies.
@@ -105,8 +105,8 @@ pub struct Context {
     pub client: kube::Client,
     /// Settings.
     pub settings: Settings,
-    /// Event recorder.
-    pub recorder: Recorder,
+    /// Publishes events about StreamJobs, repeats counted in series.
+    pub events: crate::events::Publisher,
     /// Metrics.
     pub metrics: Arc<crate::metrics::OperatorMetrics>,
     /// Pooled connections to the runtimes' control APIs, shared by every job: over TLS, each
@@ -116,7 +116,7 @@ pub struct Context {
     /// observed, from its token Secret.
     pub pins: weir_client::pin::Pins,
     /// The runtime pods of every job, kept current by a watch (spec and managed fields dropped).
-    pub pods: Store<Pod>,
+    pub pods: Store<RuntimePod>,
     /// Control API tokens and certificates by `namespace/name`, read once from each job's Secret.
     pub tokens: std::sync::Mutex<BTreeMap<String, JobSecret>>,
     /// Runtime notices already reported as events, by `namespace/name`: the run (job id) and
@@ -393,7 +393,7 @@ fn force_delete(sj: &StreamJob) -> bool {
 /// and no storage is read, and a Warning event says so; then the finalizer may go.
 async fn force_stop(sj: &StreamJob, ctx: &Context) -> Result<(), ReconcileError> {
     let job = JobRef::of(sj, ctx)?;
-    let pods: Vec<Pod> = job
+    let pods: Vec<RuntimePod> = job
         .pods(ctx)
         .list(&ListParams::default().labels(&format!("{JOB_LABEL}={}", job.name)))
         .await?
@@ -538,7 +538,7 @@ impl JobRef {
         })
     }
 
-    fn pods(&self, ctx: &Context) -> Api<Pod> {
+    fn pods(&self, ctx: &Context) -> Api<RuntimePod> {
         Api::namespaced(ctx.client.clone(), &self.ns)
     }
 }
@@ -546,7 +546,7 @@ impl JobRef {
 /// What a reconcile saw: the job's pods, the runtime's answers, and the planner's observation.
 struct Seen {
     /// The job's pods (watch cache, confirmed by a live list when empty).
-    pods: Vec<Pod>,
+    pods: Vec<RuntimePod>,
     control_url: String,
     /// The control API token, when the runtime may be running.
     token: Option<String>,
@@ -564,7 +564,7 @@ struct Seen {
 async fn observe(sj: &StreamJob, ctx: &Context, job: &JobRef) -> Result<Seen, ReconcileError> {
     // Only the job's own pods: a pod of another owner carrying the job's label (made by hand,
     // or another job's) is neither watched over nor deleted.
-    let mut listed: Vec<Pod> = ctx
+    let mut listed: Vec<RuntimePod> = ctx
         .pods
         .state_filter(|p| {
             p.metadata.namespace.as_deref() == Some(job.ns.as_str())
@@ -572,7 +572,7 @@ async fn observe(sj: &StreamJob, ctx: &Context, job: &JobRef) -> Result<Seen, Re
                 && owned_by(&p.metadata, sj)
         })
         .iter()
-        .map(|p| Pod::clone(p))
+        .map(|p| RuntimePod::clone(p))
         .collect();
     if listed.is_empty() {
         let all = job.pods(ctx).list(&ListParams::default().labels(&format!("{JOB_LABEL}={}", job.name))).await?;
@@ -627,7 +627,7 @@ fn control(ctx: &Context, url: &str, token: Option<&str>) -> Result<ControlClien
 /// How the savepoint with this request id is doing.
 async fn savepoint_progress(
     ctx: &Context,
-    pods: &[Pod],
+    pods: &[RuntimePod],
     control_url: &str,
     token: Option<&str>,
     id: u64,
@@ -912,14 +912,8 @@ async fn publish_events(sj: &StreamJob, ctx: &Context, job: &JobRef, p: &Plan) {
 }
 
 async fn publish(ctx: &Context, sj: &StreamJob, name: &str, warning: bool, reason: EventReason, message: &str) {
-    let ev = KubeEvent {
-        type_: if warning { EventType::Warning } else { EventType::Normal },
-        reason: reason.as_str().to_string(),
-        note: Some(message.chars().take(1000).collect()),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
-    if let Err(err) = ctx.recorder.publish(&ev, &sj.object_ref(&())).await {
+    let event = crate::events::EventNote { warning, reason: reason.as_str(), note: message };
+    if let Err(err) = ctx.events.publish(event, &sj.object_ref(&())).await {
         tracing::warn!(job = %name, error = %err, "could not record event");
     }
 }
@@ -985,7 +979,7 @@ pub fn failure_conditions(old: &[Condition], reason: EventReason, message: &str,
 
 /// The job's control API base URL: by Service or pod IP, or the annotation's when the operator
 /// runs outside the cluster and says so.
-fn control_url(sj: &StreamJob, ns: &str, name: &str, pods: &[Pod], settings: &Settings) -> String {
+fn control_url(sj: &StreamJob, ns: &str, name: &str, pods: &[RuntimePod], settings: &Settings) -> String {
     if let Some(url) = sj.annotations().get(CONTROL_URL_ANNOTATION).filter(|_| settings.control_url_annotation) {
         return url.clone();
     }
@@ -1168,7 +1162,11 @@ pub async fn write_status(
 /// Deletes the pods that were observed, each with its uid as a precondition: a pod of the
 /// same name created since (a replacement) is never deleted by mistake. A pod already gone, or
 /// replaced, is not an error.
-async fn delete_pods(pods: &Api<Pod>, listed: &[Pod], grace_seconds: Option<i64>) -> Result<(), kube::Error> {
+async fn delete_pods(
+    pods: &Api<RuntimePod>,
+    listed: &[RuntimePod],
+    grace_seconds: Option<i64>,
+) -> Result<(), kube::Error> {
     for pod in listed {
         let dp = DeleteParams {
             grace_period_seconds: grace_seconds.map(|g| g.max(0) as u32),
@@ -1313,26 +1311,19 @@ pub async fn run_with_metrics(
 ) -> Result<(), ClientError> {
     let pins = weir_client::pin::Pins::default();
     let http = weir_client::pinned_http_client(pins.clone())?;
-    let (jobs, pods): (Api<StreamJob>, Api<Pod>) = match &settings.namespace {
+    let (jobs, pods): (Api<StreamJob>, Api<RuntimePod>) = match &settings.namespace {
         Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter { controller: FIELD_MANAGER.into(), instance: std::env::var("POD_NAME").ok() },
-    );
+    let events = crate::events::Publisher::new(client.clone(), FIELD_MANAGER, std::env::var("POD_NAME").ok());
     metrics.ready.store(true, std::sync::atomic::Ordering::Relaxed);
     // One watch of the runtime pods feeds both the cache that reconciles read and the
-    // controller's triggers. Pod specs and managed fields are dropped: only metadata and status
-    // are read, and 1,000 jobs' pods then fit in a few MiB.
-    let (pod_store, writer) = reflector::store::<Pod>();
+    // controller's triggers. Pods are parsed as `RuntimePod` (the metadata and the few status
+    // fields reconciles read) and slimmed further before they are cached.
+    let (pod_store, writer) = reflector::store::<RuntimePod>();
     let pod_events = watcher(pods, watcher::Config::default().labels(JOB_LABEL).any_semantic())
         .default_backoff()
-        .modify(|pod| {
-            pod.spec = None;
-            pod.managed_fields_mut().clear();
-            pod.annotations_mut().clear();
-        })
+        .modify(RuntimePod::slim)
         .reflect(writer)
         // Deletions too: a deleted pod is what an upgrade or relaunch waits for.
         .touched_objects();
@@ -1340,7 +1331,7 @@ pub async fn run_with_metrics(
     let ctx = Arc::new(Context {
         client: client.clone(),
         settings,
-        recorder,
+        events,
         metrics: metrics.clone(),
         http,
         pins,

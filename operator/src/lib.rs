@@ -9,9 +9,11 @@
 
 pub mod children;
 pub mod controller;
+pub mod events;
 pub mod inputs;
 pub mod leader;
 pub mod metrics;
 pub mod observe;
 pub mod plan;
+pub mod runtime_pod;
 pub mod tenancy;

@@ -2,16 +2,16 @@
 //! phase of a job's pods, and the checkpoints in its storage with a verdict on each (so that
 //! a relaunch uses the newest *valid* one even when the runtime is gone).
 
-use k8s_openapi::api::core::v1::Pod;
 use weir_checkpoint::recovery::{self, Verdict};
 use weir_checkpoint::{layout, Storage, StorageError};
 use weir_crds::streamjob::SnapshotRef;
 
 use crate::children::SPEC_HASH_LABEL;
 use crate::plan::{FoundCheckpoint, PodsPhase};
+use crate::runtime_pod::RuntimePod;
 
 /// The phase of a job's runtime pods and the spec hash they were built from.
-pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
+pub fn pods_phase(pods: &[RuntimePod]) -> (PodsPhase, Option<String>) {
     if pods.is_empty() {
         return (PodsPhase::Absent, None);
     }
@@ -22,14 +22,9 @@ pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
     let mut all_running = true;
     let mut all_succeeded = true;
     for p in pods {
-        let status = p.status.clone().unwrap_or_default();
-        let phase = status.phase.as_deref().unwrap_or("Pending");
-        let terminated = status
-            .container_statuses
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|c| c.state.and_then(|s| s.terminated))
-            .find(|t| t.exit_code != 0);
+        let status = p.status.as_ref();
+        let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
+        let terminated = p.terminations().find(|t| t.exit_code != 0);
         if phase == "Failed" || terminated.is_some() {
             // The runtime's termination message says why (e.g. each restore point and its
             // defect when none could be restored), without secrets; bounded for status.
@@ -45,10 +40,10 @@ pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
                     format!(
                         "container exited {}{}{message}",
                         t.exit_code,
-                        t.reason.map(|r| format!(" ({r})")).unwrap_or_default()
+                        t.reason.as_ref().map(|r| format!(" ({r})")).unwrap_or_default()
                     )
                 })
-                .or(status.reason)
+                .or_else(|| status.and_then(|s| s.reason.clone()))
                 .unwrap_or_else(|| "pod failed".into());
             let name = p.metadata.name.clone().unwrap_or_default();
             return (PodsPhase::Failed(format!("{name}: {reason}")), hash);
@@ -67,15 +62,10 @@ pub fn pods_phase(pods: &[Pod]) -> (PodsPhase, Option<String>) {
 }
 
 /// The savepoint a stopped runtime reported in its termination message (`savepoint=<path>`).
-pub fn stopped_with_savepoint(pods: &[Pod]) -> Option<String> {
-    pods.iter()
-        .filter_map(|p| p.status.as_ref()?.container_statuses.as_ref())
-        .flatten()
-        .filter_map(|c| c.state.as_ref()?.terminated.as_ref())
-        .filter(|t| t.exit_code == 0)
-        .find_map(|t| {
-            t.message.as_deref()?.lines().find_map(|l| l.strip_prefix("savepoint=").map(|p| p.trim().to_string()))
-        })
+pub fn stopped_with_savepoint(pods: &[RuntimePod]) -> Option<String> {
+    pods.iter().flat_map(RuntimePod::terminations).filter(|t| t.exit_code == 0).find_map(|t| {
+        t.message.as_deref()?.lines().find_map(|l| l.strip_prefix("savepoint=").map(|p| p.trim().to_string()))
+    })
 }
 
 /// The checkpoints under a job's storage root, newest first, each with its verdict.
@@ -107,18 +97,18 @@ mod tests {
     use std::collections::BTreeMap;
     use weir_checkpoint::metadata::{CheckpointMetadata, SnapshotKind, FORMAT_VERSION};
 
-    fn pod(phase: &str, hash: &str, exit: Option<i32>) -> Pod {
-        let mut p: Pod = serde_yaml::from_str(&format!(
+    fn pod(phase: &str, hash: &str, exit: Option<i32>) -> RuntimePod {
+        let mut p: RuntimePod = serde_yaml::from_str(&format!(
             "metadata: {{ name: p, labels: {{ {SPEC_HASH_LABEL}: {hash} }} }}\nstatus: {{ phase: {phase} }}"
         ))
         .unwrap();
         if let Some(code) = exit {
-            let cs: k8s_openapi::api::core::v1::ContainerStatus = serde_yaml::from_str(&format!(
+            let cs: crate::runtime_pod::RuntimeContainerStatus = serde_yaml::from_str(&format!(
                 "{{ name: runtime, image: x, imageID: x, ready: false, restartCount: 0, \
                      state: {{ terminated: {{ exitCode: {code}, reason: OOMKilled }} }} }}"
             ))
             .unwrap();
-            p.status.as_mut().unwrap().container_statuses = Some(vec![cs]);
+            p.status.as_mut().unwrap().container_statuses = vec![cs];
         }
         p
     }
@@ -136,9 +126,8 @@ mod tests {
     #[test]
     fn a_stopped_runtime_reports_its_savepoint() {
         let mut p = pod("Succeeded", "h1", Some(0));
-        let cs = &mut p.status.as_mut().unwrap().container_statuses.as_mut().unwrap()[0];
-        cs.state.as_mut().unwrap().terminated.as_mut().unwrap().message =
-            Some("savepoint=s3://b/ns/j/savepoints/sp-1-9\n".into());
+        let cs = &mut p.status.as_mut().unwrap().container_statuses[0];
+        cs.state.terminated.as_mut().unwrap().message = Some("savepoint=s3://b/ns/j/savepoints/sp-1-9\n".into());
         assert_eq!(stopped_with_savepoint(&[p]), Some("s3://b/ns/j/savepoints/sp-1-9".into()));
         assert_eq!(stopped_with_savepoint(&[pod("Running", "h1", None)]), None);
     }
