@@ -16,7 +16,7 @@ use weir_crds::control::{CheckpointInfo, CheckpointKind, CheckpointOutcome, JobS
 use weir_crds::job::{RestartStrategyKind, RetentionOnCancel, StateBackendKind};
 use weir_crds::validate::{NodeKind, ValidatedJob};
 
-use crate::faults::{Fault, FaultPlan, Faults};
+use crate::faults::{Fault, FaultPlan, Faults, StopPoint};
 use crate::message::{Barrier, Event, SnapshotTarget, TaskAck, TaskControl};
 use crate::metrics::JobMetrics;
 use crate::operator::{ChainedOperator, Operator, TaskError};
@@ -144,6 +144,9 @@ pub enum JobError {
     /// A newer run of this job claimed a newer epoch: this one stopped without writing more.
     #[error(transparent)]
     Fenced(weir_checkpoint::epoch::EpochError),
+    /// No epoch could be claimed (storage failed, or other starts kept taking the next one).
+    #[error("claiming an epoch: {0}")]
+    Claim(weir_checkpoint::epoch::EpochError),
     /// The job uses a connector this build of the runtime leaves out.
     #[error("{path}: this weir-runtime was built without its `{feature}` feature (rebuild with --features {feature})")]
     MissingFeature {
@@ -280,6 +283,10 @@ pub fn run_job(
             .collect::<Result<_, _>>()?,
         checkpoint_timeout_scale: 1,
     };
+    // The epoch is claimed before the restore point is chosen: from here on the previous run
+    // (if it still runs) is fenced, so nothing it writes while this one lists and loads can
+    // enter the history this one continues.
+    exec.claim_epoch().map_err(JobError::Claim)?;
     let (mut restore, mut restore_reason) = exec.initial_restore()?;
     // Only where the run started from is kept: each attempt drops its state once its tasks
     // hold it (a heap restore's files are about as large as the state they fill).
@@ -361,6 +368,7 @@ pub fn run_job(
                     metrics.set_state(JobState::Failed);
                     return Err(JobError::Fenced(e));
                 }
+                exec.claim_epoch().map_err(JobError::Claim)?;
                 (restore, restore_reason) = exec.failover_restore(initial.as_ref())?;
                 tracing::info!(
                     restarts,
@@ -548,7 +556,9 @@ impl Executor<'_> {
                 (None, "fresh start".to_string())
             }
             Some(RestoreRequest::Latest) => {
-                let selection = crate::io().block_on(newest_valid(&self.storage, 0, &self.keyed_files_in()))?;
+                let history = self.history()?;
+                let selection =
+                    crate::io().block_on(newest_valid(&self.storage, 0, &self.keyed_files_in(), history.as_ref()))?;
                 self.known_corrupt.borrow_mut().extend(selection.skipped.iter().map(|s| s.id));
                 for s in &selection.skipped {
                     tracing::warn!(
@@ -584,14 +594,16 @@ impl Executor<'_> {
     fn failover_restore(&self, initial: Option<&RunRestorePoint>) -> Result<(Option<RestoredState>, String), JobError> {
         let floor = initial.map_or(0, |r| r.checkpoint_id);
         let keyed_in = self.keyed_files_in();
-        let selection = match crate::io().block_on(newest_valid(&self.storage, floor, &keyed_in)) {
+        let history = self.history()?;
+        let history = history.as_ref();
+        let selection = match crate::io().block_on(newest_valid(&self.storage, floor, &keyed_in, history)) {
             Err(RestoreError::NoValidRestorePoint { defects, .. })
                 if floor > 0 && matches!(self.opts.restore, Some(RestoreRequest::Latest)) =>
             {
                 for defect in &defects {
                     tracing::warn!(%defect, "the run's restore point is damaged; looking for an older one");
                 }
-                crate::io().block_on(newest_valid(&self.storage, 0, &keyed_in))?
+                crate::io().block_on(newest_valid(&self.storage, 0, &keyed_in, history))?
             }
             selection => selection?,
         };
@@ -677,7 +689,21 @@ impl Executor<'_> {
         Ok(())
     }
 
-    /// Where a restore point came from, for this run's epoch claim: its id and the epoch that
+    /// Claims the next epoch for an attempt that has yet to choose its restore point.
+    fn claim_epoch(&mut self) -> Result<(), epoch::EpochError> {
+        let holder = self.opts.holder.clone().unwrap_or_else(|| format!("pid {}", std::process::id()));
+        self.epoch = crate::io().block_on(epoch::claim(&self.storage, &holder))?;
+        tracing::info!(epoch = self.epoch, "claimed epoch");
+        Ok(())
+    }
+
+    /// The history this run continues ([`epoch::history_before`] its epoch): restores take
+    /// only checkpoints in it.
+    fn history(&self) -> Result<Option<epoch::Lineage>, JobError> {
+        Ok(crate::io().block_on(epoch::history_before(&self.storage, self.epoch))?)
+    }
+
+    /// Where a restore point came from, for this run's start record: its id and the epoch that
     /// wrote it, when it lives in this job's storage (a savepoint from elsewhere has no
     /// history here).
     fn restored_from(&self, restored: Option<&RestoredState>) -> Option<epoch::RestoredFrom> {
@@ -780,13 +806,15 @@ impl Executor<'_> {
         // protected, so it ends first.
         self.wait_for_retention();
         self.pending_files.clear();
-        let holder = self.opts.holder.clone().unwrap_or_else(|| format!("pid {}", std::process::id()));
-        self.epoch = match crate::io().block_on(epoch::claim(&self.storage, &holder, self.restored_from(restored))) {
-            Ok(e) => e,
-            Err(e) => return AttemptEnd::Failed(format!("claiming an epoch: {e}")),
-        };
+        // The run starts (enters the job's history) only once its restore point is recorded
+        // beside its claim, and only if no newer run has claimed since.
+        match crate::io().block_on(epoch::record_start(&self.storage, self.epoch, self.restored_from(restored))) {
+            Ok(()) => {}
+            Err(e @ epoch::EpochError::Superseded { .. }) => return AttemptEnd::Fenced(e),
+            Err(e) => return AttemptEnd::Failed(format!("recording the start of epoch {}: {e}", self.epoch)),
+        }
         self.metrics.board().epoch = self.epoch;
-        tracing::info!(epoch = self.epoch, "claimed epoch");
+        tracing::info!(epoch = self.epoch, "started epoch");
         self.commits.reset();
         // One listing serves both: ids are never reused, and staged data up to the newest
         // complete restore point may still be needed.
@@ -1100,6 +1128,7 @@ impl Executor<'_> {
                 if let Err(e) = crate::io().block_on(epoch::check(&self.storage, self.epoch)) {
                     return Err(fenced_or_failed(e));
                 }
+                self.faults.stop_at(StopPoint::BeforeMetadata, id);
                 let write = crate::io().block_on(
                     self.storage
                         .put_if_absent(&layout::resolve(&dir, layout::METADATA), bytes::Bytes::from(metadata.encode())),
@@ -1150,6 +1179,7 @@ impl Executor<'_> {
                     if let Err(e) = crate::io().block_on(epoch::check(&self.storage, self.epoch)) {
                         return Err(fenced_or_failed(e));
                     }
+                    self.faults.stop_at(StopPoint::BeforeCommit, id);
                     self.commits.expect(id, acks.values().flat_map(|a| a.pending_commits.iter().cloned()));
                     running.send_all(&TaskControl::Complete(id));
                 }

@@ -1,7 +1,10 @@
 //! The fault-injection test hook. Off unless a [`FaultPlan`] is given (the CLI reads one from
 //! `WEIR_FAULTS`, e.g. `seed=7,panic=0.002,upload=0.05,commit-crash=0.2,max=20`). Every
 //! injected fault is counted in the job's metrics; `upload-delay=<ms>` (slow storage) is not a
-//! fault and is not counted.
+//! fault and is not counted. `stop-before-metadata=<id>` and `stop-before-commit=<id>` are
+//! not random: the process stops itself (SIGSTOP) at that point of checkpoint `<id>`, after
+//! its fence check and before the write it guards, for a test to start a successor and wake it
+//! (SIGCONT) later.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -38,6 +41,12 @@ pub struct FaultPlan {
     pub max_faults: u64,
     /// Every upload of a subtask's keyed state waits this long first, as on a slow store.
     pub upload_delay_ms: u64,
+    /// The process stops itself once checkpoint `id` passed its fence check, before its
+    /// `_metadata` is written.
+    pub stop_before_metadata: Option<u64>,
+    /// The process stops itself once checkpoint `id` passed the fence check of its commit,
+    /// before any sink commits.
+    pub stop_before_commit: Option<u64>,
 }
 
 impl FaultPlan {
@@ -58,13 +67,20 @@ impl FaultPlan {
                 "txn-abort-committed" => plan.abort_after_transaction = num(v)?,
                 "txn-stall" => plan.stall_in_transaction = num(v)?,
                 "max" => plan.max_faults = v.parse().map_err(|_| format!("`{part}`: not an integer"))?,
+                "stop-before-metadata" => {
+                    plan.stop_before_metadata = Some(v.parse().map_err(|_| format!("`{part}`: not a checkpoint id"))?)
+                }
+                "stop-before-commit" => {
+                    plan.stop_before_commit = Some(v.parse().map_err(|_| format!("`{part}`: not a checkpoint id"))?)
+                }
                 "upload-delay" => {
                     plan.upload_delay_ms = v.parse().map_err(|_| format!("`{part}`: not a number of milliseconds"))?
                 }
                 other => {
                     return Err(format!(
                         "unknown fault `{other}` (panic, upload, commit-crash, commit-abort, savepoint, \
-                         txn-abort-open, txn-abort-committed, txn-stall, seed, max)"
+                         txn-abort-open, txn-abort-committed, txn-stall, seed, max, upload-delay, \
+                         stop-before-metadata, stop-before-commit)"
                     ))
                 }
             }
@@ -79,6 +95,16 @@ pub struct Faults {
     plan: Option<Arc<FaultPlan>>,
     draws: Arc<AtomicU64>,
     metrics: Arc<JobMetrics>,
+}
+
+/// Where [`Faults::stop_at`] may stop the process: each right after a fence check, before
+/// the write that check guards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopPoint {
+    /// Before a checkpoint's `_metadata` is written.
+    BeforeMetadata,
+    /// Before the sinks commit a completed checkpoint.
+    BeforeCommit,
 }
 
 /// Kinds of fault.
@@ -117,6 +143,24 @@ impl Faults {
     pub fn upload_delay(&self) -> Option<std::time::Duration> {
         let ms = self.plan.as_ref()?.upload_delay_ms;
         (ms > 0).then(|| std::time::Duration::from_millis(ms))
+    }
+
+    /// Stops this process (SIGSTOP) when the plan says to stop at `point` of checkpoint `id`;
+    /// it goes on when woken (SIGCONT).
+    pub fn stop_at(&self, point: StopPoint, id: u64) {
+        let Some(plan) = &self.plan else { return };
+        let at = match point {
+            StopPoint::BeforeMetadata => plan.stop_before_metadata,
+            StopPoint::BeforeCommit => plan.stop_before_commit,
+        };
+        if at == Some(id) {
+            tracing::warn!(checkpoint = id, ?point, "injected stop: stopping this process until it is woken");
+            // kill(1) rather than raise(3): no unsafe code for a test hook.
+            let pid = std::process::id().to_string();
+            if let Err(e) = std::process::Command::new("kill").args(["-STOP", &pid]).status() {
+                tracing::error!(error = %e, "the injected stop failed: going on");
+            }
+        }
     }
 
     /// Whether `fault` fires now (and counts it when it does).

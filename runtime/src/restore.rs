@@ -1215,11 +1215,18 @@ where
 }
 
 /// The newest restore point (checkpoint or savepoint, by id) at or above `floor` that loads
-/// and verifies (every file's length and CRC-32C), passing over corrupt ones. Storage errors
-/// are retried and then returned: they never make a restore point count as corrupt. When
-/// restore points exist and none is valid, that is an error naming each one and its defect:
-/// a job must never silently start without its state.
-pub async fn newest_valid(storage: &Storage, floor: u64, keyed_in: &KeyedFilesIn) -> Result<Selection, RestoreError> {
+/// and verifies (every file's length and CRC-32C), passing over corrupt ones and, given the
+/// job's `history` ([`weir_checkpoint::epoch::history_before`]), those outside it (written by
+/// a superseded run after its successor had chosen its restore point). Storage errors are
+/// retried and then returned: they never make a restore point count as corrupt. When restore
+/// points exist and none is valid, that is an error naming each one and its defect: a job must
+/// never silently start without its state.
+pub async fn newest_valid(
+    storage: &Storage,
+    floor: u64,
+    keyed_in: &KeyedFilesIn,
+    history: Option<&weir_checkpoint::epoch::Lineage>,
+) -> Result<Selection, RestoreError> {
     let points = retrying("listing restore points", || async { Ok(recovery::restore_points(storage).await?) }).await?;
     let mut selection = Selection::default();
     for point in points.into_iter().filter(|p| p.id >= floor) {
@@ -1227,7 +1234,14 @@ pub async fn newest_valid(storage: &Storage, floor: u64, keyed_in: &KeyedFilesIn
         // size checks: that would double the requests of a restore).
         let found =
             match retrying(&point.dir, || async { Ok(recovery::read_metadata(storage, &point.dir).await?) }).await? {
-                Ok(metadata) => Restorable { dir: point.dir.clone(), metadata },
+                Ok(metadata) => match history.filter(|h| !h.admits(metadata.epoch, point.id)) {
+                    Some(h) => {
+                        let defect = h.refusal(metadata.epoch, point.id);
+                        selection.skipped.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect });
+                        continue;
+                    }
+                    None => Restorable { dir: point.dir.clone(), metadata },
+                },
                 Err(Verdict::Invalid(defect)) => {
                     selection.skipped.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect });
                     continue;
@@ -1687,7 +1701,7 @@ mod tests {
         std::fs::write(&dead_copy, b"copy").unwrap();
         let up_to =
             |bytes| KeyedFilesIn::MemoryUpTo { bytes, dir: local.path().to_path_buf(), parallelism: BTreeMap::new() };
-        let load = |keyed_in| crate::io().block_on(newest_valid(&s, 0, &keyed_in));
+        let load = |keyed_in| crate::io().block_on(newest_valid(&s, 0, &keyed_in, None));
         let within = load(up_to(file.len)).unwrap().restored.unwrap();
         let files = within.keyed_for("counts", (0, 8), 1).unwrap().files;
         assert!(matches!(files.as_slice(), [KeyedFile::Memory { .. }]), "{files:?}");
@@ -1745,7 +1759,7 @@ mod tests {
             dir: local.path().to_path_buf(),
             parallelism: BTreeMap::new(),
         };
-        let load = || crate::io().block_on(newest_valid(&s, 0, &over)).map(|sel| sel.restored.unwrap());
+        let load = || crate::io().block_on(newest_valid(&s, 0, &over, None)).map(|sel| sel.restored.unwrap());
         let streamed_of = |restored: &RestoredState| {
             let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
             let [KeyedFile::Streamed(streamed)] = keyed.files.as_slice() else { panic!("{:?}", keyed.files) };
@@ -1899,7 +1913,7 @@ mod tests {
             refused.contains("increment.kv") && refused.contains("an earlier restore found it damaged (bytes 9..20"),
             "{refused}"
         );
-        let selection = crate::io().block_on(newest_valid(&s, 0, &on_disk)).unwrap();
+        let selection = crate::io().block_on(newest_valid(&s, 0, &on_disk, None)).unwrap();
         assert_eq!(selection.restored.as_ref().map(|r| r.checkpoint_id), Some(1));
         assert!(selection.reason().contains("an earlier restore found it damaged"), "{}", selection.reason());
         assert!(crate::io().block_on(s.get(&layout::resolve(&layout::checkpoint_dir(1), &older.path))).is_ok());
@@ -1927,7 +1941,7 @@ mod tests {
         let local = tempfile::tempdir().unwrap();
         let keyed_in = KeyedFilesIn::LocalDir(local.path().to_path_buf());
         let file = keyed_checkpoint(&s, 1, 10_000).await;
-        let restored = newest_valid(&s, 0, &keyed_in).await.unwrap().restored.unwrap();
+        let restored = newest_valid(&s, 0, &keyed_in, None).await.unwrap().restored.unwrap();
         assert_eq!(restored.bytes, file.len);
         let keyed = restored.keyed_for("counts", (0, 8), 1).unwrap();
         let [KeyedFile::Local(copy)] = keyed.files.as_slice() else { panic!("one local copy: {:?}", keyed.files) };
@@ -1955,7 +1969,7 @@ mod tests {
         let mut data = s.get(&path).await.unwrap().to_vec();
         data[20] ^= 0x01;
         s.put(&path, bytes::Bytes::from(data)).await.unwrap();
-        let err = newest_valid(&s, 0, &keyed_in).await.unwrap_err().to_string();
+        let err = newest_valid(&s, 0, &keyed_in, None).await.unwrap_err().to_string();
         assert!(err.contains("crc32c") && err.contains("counts-1.wst"), "{err}");
         assert_eq!(std::fs::read_dir(local.path()).unwrap().count(), 0, "no partial copy left");
     }
@@ -1986,7 +2000,7 @@ mod tests {
             let (other, _) = other.finish();
             assert_eq!(other.len(), written.len());
             s.put(&path, other).await.unwrap();
-            let selection = newest_valid(s, 0, &keyed_in).await.unwrap();
+            let selection = newest_valid(s, 0, &keyed_in, None).await.unwrap();
             assert_eq!(selection.restored.as_ref().unwrap().checkpoint_id, 1, "{keyed_in:?}");
             assert!(selection.reason().contains("another one"), "{}", selection.reason());
 
@@ -2001,7 +2015,7 @@ mod tests {
             }
             s.put(&layout::resolve(&layout::checkpoint_dir(2), layout::METADATA), old.encode().into()).await.unwrap();
             s.put(&path, written).await.unwrap();
-            let selection = newest_valid(s, 0, &keyed_in).await.unwrap();
+            let selection = newest_valid(s, 0, &keyed_in, None).await.unwrap();
             assert_eq!(selection.restored.as_ref().unwrap().checkpoint_id, 2, "{keyed_in:?}");
             for id in [1, 2] {
                 for f in s.list(&layout::checkpoint_dir(id)).await.unwrap() {
@@ -2018,35 +2032,62 @@ mod tests {
         checkpoint(&s, 2).await;
         *store.failing.lock().unwrap() = Some("chk-2/src".into());
         // It used to fall back to checkpoint 1 (and a restart from 1 rewound output).
-        match newest_valid(&s, 0, &KeyedFilesIn::Memory).await {
+        match newest_valid(&s, 0, &KeyedFilesIn::Memory, None).await {
             Err(RestoreError::Storage(e)) => assert!(e.to_string().contains("connection reset"), "{e}"),
             other => panic!("expected the storage error, got {other:?}"),
         }
         *store.failing.lock().unwrap() = None;
-        assert_eq!(newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap().restored.unwrap().checkpoint_id, 2);
+        assert_eq!(newest_valid(&s, 0, &KeyedFilesIn::Memory, None).await.unwrap().restored.unwrap().checkpoint_id, 2);
+    }
+
+    /// Run 1 wrote checkpoints 1 and 2; run 2 claimed, restored 2 and recorded it; run 1, which
+    /// had passed its fence check before that claim, then published checkpoint 3. Checkpoint 3
+    /// is outside the history: no later restore takes it, and the listing the operator reads
+    /// calls it invalid with the reason.
+    #[tokio::test]
+    async fn a_checkpoint_a_superseded_run_published_late_is_never_restored() {
+        use weir_checkpoint::epoch::{self, RestoredFrom};
+        let (_, s) = store();
+        assert_eq!(epoch::claim_started(&s, "run 1", None).await.unwrap(), 1);
+        checkpoint(&s, 1).await;
+        checkpoint(&s, 2).await;
+        epoch::claim_started(&s, "run 2", Some(RestoredFrom { id: 2, epoch: 1 })).await.unwrap();
+        checkpoint(&s, 3).await;
+        let next = epoch::claim(&s, "run 3").await.unwrap();
+        let history = epoch::history_before(&s, next).await.unwrap().unwrap();
+        let selection = newest_valid(&s, 0, &KeyedFilesIn::Memory, Some(&history)).await.unwrap();
+        assert_eq!(selection.restored.as_ref().unwrap().checkpoint_id, 2);
+        assert_eq!(selection.skipped.len(), 1);
+        assert!(selection.skipped[0].defect.contains("not in the job's history"), "{:?}", selection.skipped);
+        let listed = recovery::list_checkpoints(&s).await.unwrap();
+        let verdicts: Vec<(u64, bool)> = listed.iter().map(|(id, v, _)| (*id, *v == Verdict::Valid)).collect();
+        assert_eq!(verdicts, vec![(3, false), (2, true), (1, true)]);
+        // Without the history (a tool reading any root), checkpoint 3 looks like the newest.
+        let blind = newest_valid(&s, 0, &KeyedFilesIn::Memory, None).await.unwrap();
+        assert_eq!(blind.restored.unwrap().checkpoint_id, 3);
     }
 
     #[tokio::test]
     async fn corruption_falls_back_and_nothing_valid_is_refused_naming_each_defect() {
         let (_, s) = store();
         assert!(
-            newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap().restored.is_none(),
+            newest_valid(&s, 0, &KeyedFilesIn::Memory, None).await.unwrap().restored.is_none(),
             "an empty root is a fresh start"
         );
         s.put("checkpoints/chk-9/src/0-1.state", bytes::Bytes::from_static(b"x")).await.unwrap();
         assert!(
-            newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap().restored.is_none(),
+            newest_valid(&s, 0, &KeyedFilesIn::Memory, None).await.unwrap().restored.is_none(),
             "a checkpoint that never completed is not a defect"
         );
         checkpoint(&s, 1).await;
         checkpoint(&s, 2).await;
         corrupt(&s, 2).await;
-        let selection = newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap();
+        let selection = newest_valid(&s, 0, &KeyedFilesIn::Memory, None).await.unwrap();
         assert_eq!(selection.restored.as_ref().unwrap().checkpoint_id, 1);
         assert_eq!(selection.skipped.iter().map(|k| k.id).collect::<Vec<_>>(), vec![2]);
         assert!(selection.reason().contains("newer restore points are corrupt"), "{}", selection.reason());
         corrupt(&s, 1).await;
-        let err = newest_valid(&s, 0, &KeyedFilesIn::Memory).await.unwrap_err().to_string();
+        let err = newest_valid(&s, 0, &KeyedFilesIn::Memory, None).await.unwrap_err().to_string();
         assert!(
             err.contains("refusing to start without the job's state")
                 && err.contains("chk-2")

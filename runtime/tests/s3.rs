@@ -588,8 +588,8 @@ fn a_frozen_runtime_woken_after_its_replacement_started_is_fenced_on_s3() {
 async fn epochs_are_claimed_create_only_on_s3() {
     server();
     let s = Storage::open(&format!("s3://{BUCKET}/epochs")).unwrap();
-    let a = weir_checkpoint::epoch::claim(&s, "a", None).await.unwrap();
-    let b = weir_checkpoint::epoch::claim(&s, "b", None).await.unwrap();
+    let a = weir_checkpoint::epoch::claim_started(&s, "a", None).await.unwrap();
+    let b = weir_checkpoint::epoch::claim_started(&s, "b", None).await.unwrap();
     assert_eq!((a, b), (1, 2));
     assert!(matches!(
         s.put_if_absent(&weir_checkpoint::layout::epoch_claim(2), Bytes::from_static(b"x")).await,

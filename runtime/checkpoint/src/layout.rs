@@ -69,6 +69,12 @@ pub fn epoch_claim(epoch: u64) -> String {
     format!("{EPOCHS}/{epoch:020}")
 }
 
+/// Where the run of `epoch` records its start ([`crate::epoch::record_start`]): beside its
+/// claim, under a name [`parse_epoch_claim`] does not take for a claim.
+pub fn epoch_start(epoch: u64) -> String {
+    format!("{}.start", epoch_claim(epoch))
+}
+
 /// Parses an epoch claim's name.
 pub fn parse_epoch_claim(name: &str) -> Option<u64> {
     if name.len() != 20 || !name.bytes().all(|b| b.is_ascii_digit()) {

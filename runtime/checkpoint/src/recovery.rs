@@ -108,7 +108,10 @@ pub async fn recorded_damage(storage: &Storage, path: &str) -> String {
     format!("an earlier restore found it damaged ({why})")
 }
 
-/// Every checkpoint directory of a job root, newest first, with its verdict.
+/// Every checkpoint directory of a job root, newest first, with its verdict: a checkpoint
+/// outside the job's history (written by a superseded run after its successor chose its
+/// restore point, [`crate::epoch::history_before`] the next run) is invalid, as a restore
+/// would find it.
 pub async fn list_checkpoints(
     storage: &Storage,
 ) -> Result<Vec<(u64, Verdict, Option<CheckpointMetadata>)>, StorageError> {
@@ -116,9 +119,16 @@ pub async fn list_checkpoints(
         storage.list_dirs(layout::CHECKPOINTS).await?.iter().filter_map(|n| layout::parse_checkpoint_dir(n)).collect();
     ids.sort_unstable_by(|a, b| b.cmp(a));
     let damaged = damaged_files(storage).await?;
+    let next = crate::epoch::newest(storage).await? + 1;
+    let history = crate::epoch::history_before(storage, next).await?;
     let mut out = Vec::new();
     for id in ids {
-        let (verdict, meta) = inspect_with(storage, &layout::checkpoint_dir(id), &damaged).await?;
+        let (mut verdict, meta) = inspect_with(storage, &layout::checkpoint_dir(id), &damaged).await?;
+        if let (Verdict::Valid, Some(m), Some(h)) = (&verdict, &meta, &history) {
+            if !h.admits(m.epoch, id) {
+                verdict = Verdict::Invalid(h.refusal(m.epoch, id));
+            }
+        }
         out.push((id, verdict, meta));
     }
     Ok(out)

@@ -908,7 +908,7 @@ mod tests {
                     None => OutputHistory::Fresh,
                     Some(r) => OutputHistory::Lineage(epoch::lineage(job, r).await.unwrap().unwrap()),
                 };
-                let e = epoch::claim(job, "test", restored).await.unwrap();
+                let e = epoch::claim_started(job, "test", restored).await.unwrap();
                 let docs: Vec<&[u8]> = from.map(|p| vec![p.doc.as_slice()]).unwrap_or_default();
                 recover(
                     out,
