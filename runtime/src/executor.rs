@@ -323,7 +323,16 @@ pub fn run_job(
                 if outcome == JobOutcome::Cancelled
                     && job.spec.checkpointing.retention_on_cancel == RetentionOnCancel::Delete
                 {
-                    crate::io().block_on(exec.storage.delete_dir(layout::CHECKPOINTS))?;
+                    let in_flight_from = exec.next_id;
+                    match crate::io().block_on(retention::delete_on_cancel(&exec.storage, exec.epoch, in_flight_from)) {
+                        Ok(_) => {}
+                        Err(e @ epoch::EpochError::Superseded { .. }) => {
+                            metrics.set_state(JobState::Failed);
+                            return Err(JobError::Fenced(e));
+                        }
+                        Err(epoch::EpochError::Storage(e)) => return Err(JobError::Storage(e)),
+                        Err(e) => return Err(JobError::Claim(e)),
+                    }
                 } else {
                     // Leave storage as retention says, not as the last background pass got to. The
                     // uploaders are gone: a merge nobody adopted is nobody's to adopt.

@@ -36,28 +36,36 @@ fn staged_of(out: &str, epoch: u64, checkpoint: u64) -> usize {
     })
 }
 
-/// The narrowest window of the fence: run A passed its check for checkpoint 4 and stopped
-/// before writing its `_metadata` (`stop-before-metadata=4`, deterministic). Run B started
-/// meanwhile: it restored checkpoint 3, the newest complete one, and discarded what A had
-/// staged for 4; it was killed before completing a checkpoint of its own. A, woken, writes
-/// checkpoint 4's `_metadata` (its check had passed) and is fenced at its commit. Checkpoint 4
-/// is outside the job's history (B restored 3): run C, `--restore latest`, must take 3, not 4,
-/// whose staged output is gone, and the output must be the undisturbed run's, record by record.
-#[test]
-fn a_checkpoint_published_between_a_stale_runs_fence_and_its_write_is_never_restored() {
-    let (_d, out, chk) = common::workdir("phantom");
-    let (out, chk) = (out.to_str().unwrap().to_string(), chk.to_str().unwrap().to_string());
-    let mut p = common::JobParams::new("phantom");
-    p.count = 20_000;
-    let golden = common::golden_output(&p);
-    p.rate = Some(4_000);
-    let dir = tempfile::tempdir().unwrap();
-    let job_file = dir.path().join("job.yaml");
-    std::fs::write(&job_file, common::job_yaml(&p, std::path::Path::new(&out))).unwrap();
-    let storage = weir_checkpoint::Storage::open(&chk).unwrap();
-    let run = |restore: bool, faults: Option<&str>| {
+/// One job file, storage root and output directory, and runtimes started on them.
+struct Scene {
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+    job_file: std::path::PathBuf,
+    out: String,
+    chk: String,
+    storage: weir_checkpoint::Storage,
+    golden: std::collections::BTreeMap<String, Vec<String>>,
+}
+
+impl Scene {
+    /// A job of 20,000 records at 4,000 a second, checkpointed every 100 ms.
+    fn new(name: &str) -> Scene {
+        let (work, out, chk) = common::workdir(name);
+        let (out, chk) = (out.to_str().unwrap().to_string(), chk.to_str().unwrap().to_string());
+        let mut p = common::JobParams::new(name);
+        p.count = 20_000;
+        let golden = common::golden_output(&p);
+        p.rate = Some(4_000);
+        let dir = tempfile::tempdir().unwrap();
+        let job_file = dir.path().join("job.yaml");
+        std::fs::write(&job_file, common::job_yaml(&p, std::path::Path::new(&out))).unwrap();
+        let storage = weir_checkpoint::Storage::open(&chk).unwrap();
+        Scene { _dirs: (work, dir), job_file, out, chk, storage, golden }
+    }
+
+    /// Starts a runtime on the scene (`--restore latest` when `restore`), with `WEIR_FAULTS`.
+    fn run(&self, restore: bool, faults: Option<&str>) -> std::process::Child {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_weir-runtime"));
-        cmd.args(["run", job_file.to_str().unwrap(), "--checkpoint-dir", &chk, "--quiet"]);
+        cmd.args(["run", self.job_file.to_str().unwrap(), "--checkpoint-dir", &self.chk, "--quiet"]);
         if restore {
             cmd.args(["--restore", "latest"]);
         }
@@ -65,39 +73,77 @@ fn a_checkpoint_published_between_a_stale_runs_fence_and_its_write_is_never_rest
             cmd.env("WEIR_FAULTS", f);
         }
         cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap()
-    };
-    let wait_for = |what: &str, cond: &dyn Fn() -> bool| {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !cond() {
-            assert!(Instant::now() < deadline, "timed out waiting for {what}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    };
-    let signal = |sig: &str, pid: u32| {
-        assert!(std::process::Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success())
-    };
-    let newest_epoch = || weir_runtime::io().block_on(weir_checkpoint::epoch::newest(&storage)).unwrap();
+    }
 
-    let mut a = run(false, Some("stop-before-metadata=4"));
+    fn newest_epoch(&self) -> u64 {
+        weir_runtime::io().block_on(weir_checkpoint::epoch::newest(&self.storage)).unwrap()
+    }
+
+    /// The output committed so far, compared with the undisturbed run's, record by record.
+    fn assert_exact(&self, what: &str) {
+        common::assert_same_output(&self.golden, &common::committed_at(&self.out, &["counts", "windows", "ids"]), what);
+    }
+}
+
+fn wait_for(what: &str, cond: &dyn Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn signal(sig: &str, pid: u32) {
+    assert!(std::process::Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success())
+}
+
+/// The process's exit status within two minutes (killed after), and what it wrote to stderr.
+fn finish(mut child: std::process::Child) -> (std::process::ExitStatus, String) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break child.wait().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    (status, err)
+}
+
+/// The narrowest window of the fence: run A passed its check for checkpoint 4 and stopped
+/// before writing its `_metadata` (`stop-before-metadata=4`, deterministic). Run B started
+/// meanwhile: it restored checkpoint 3, the newest complete one, and discarded what A had
+/// staged for 4; it was killed before completing a checkpoint of its own. A, woken, writes
+/// checkpoint 4's `_metadata` (its check had passed) and is fenced at its commit. Checkpoint 4
+/// is outside the job's history (B restored 3): run C, `--restore latest`, must take 3, not 4,
+/// whose staged output is gone (a restore of 4 fails to re-commit it and restarts forever),
+/// and the output must be the undisturbed run's, record by record.
+#[test]
+fn a_checkpoint_published_between_a_stale_runs_fence_and_its_write_is_never_restored() {
+    let scene = Scene::new("phantom");
+    let a = scene.run(false, Some("stop-before-metadata=4"));
     wait_for("A to stop before checkpoint 4's _metadata", &|| stopped(a.id()));
-    assert_eq!(common::newest_complete(&storage), 3);
-    let epoch_a = newest_epoch();
-    assert!(staged_of(&out, epoch_a, 4) > 0, "A staged output for checkpoint 4 before it stopped");
+    assert_eq!(common::newest_complete(&scene.storage), 3);
+    let epoch_a = scene.newest_epoch();
+    assert!(staged_of(&scene.out, epoch_a, 4) > 0, "A staged output for checkpoint 4 before it stopped");
 
     // B never completes a checkpoint (every upload fails), so nothing newer than 4 appears.
-    let mut b = run(true, Some("seed=1,upload=1"));
-    wait_for("B to claim", &|| newest_epoch() > epoch_a);
-    wait_for("B to discard what A staged for 4", &|| staged_of(&out, epoch_a, 4) == 0);
+    let mut b = scene.run(true, Some("seed=1,upload=1"));
+    wait_for("B to claim", &|| scene.newest_epoch() > epoch_a);
+    wait_for("B to discard what A staged for 4", &|| staged_of(&scene.out, epoch_a, 4) == 0);
     let _ = b.kill();
     let _ = b.wait();
 
     signal("-CONT", a.id());
-    let status_a = a.wait().unwrap();
-    let mut err = String::new();
-    std::io::Read::read_to_string(a.stderr.as_mut().unwrap(), &mut err).unwrap();
+    let (status_a, err) = finish(a);
     assert_eq!(status_a.code(), Some(3), "A must exit as fenced: {err}");
     weir_runtime::io().block_on(async {
-        let listed = weir_checkpoint::recovery::list_checkpoints(&storage).await.unwrap();
+        let listed = weir_checkpoint::recovery::list_checkpoints(&scene.storage).await.unwrap();
         let (_, verdict, meta) = listed.iter().find(|(id, _, _)| *id == 4).expect("checkpoint 4 is there");
         assert_eq!(meta.as_ref().map(|m| m.epoch), Some(epoch_a), "A published checkpoint 4 after B claimed");
         use weir_checkpoint::recovery::Verdict;
@@ -105,25 +151,32 @@ fn a_checkpoint_published_between_a_stale_runs_fence_and_its_write_is_never_rest
         assert!(outside, "{verdict:?}");
     });
 
-    // A restore of checkpoint 4 fails to re-commit its staged output and restarts forever.
-    let mut c = run(true, None);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status_c = loop {
-        if let Some(s) = c.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = c.kill();
-            break c.wait().unwrap();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut err = String::new();
-    std::io::Read::read_to_string(c.stderr.as_mut().unwrap(), &mut err).unwrap();
+    let (status_c, err) = finish(scene.run(true, None));
     assert!(status_c.success(), "C failed: {err}");
-    common::assert_same_output(
-        &golden,
-        &common::committed_at(&out, &["counts", "windows", "ids"]),
-        "A stopped between its fence check and its _metadata write, B killed, C restored",
-    );
+    scene.assert_exact("A stopped between its fence check and its _metadata write, B killed, C restored");
+}
+
+/// The other window: run A completed checkpoint 3 (its `_metadata` is written), passed the
+/// fence check of its commit and stopped before any sink committed (`stop-before-commit=3`).
+/// Run B restores checkpoint 3 (A's, in the history), commits what A staged for it and runs
+/// to the end. A, woken, commits too late: what it renames is already published under the
+/// same names, and it is fenced at its next check. The output is the undisturbed run's.
+#[test]
+fn a_commit_released_after_the_successor_recommitted_it_changes_nothing() {
+    let scene = Scene::new("late-commit");
+    let a = scene.run(false, Some("stop-before-commit=3"));
+    wait_for("A to stop before committing checkpoint 3", &|| stopped(a.id()));
+    let epoch_a = scene.newest_epoch();
+    assert_eq!(common::newest_complete(&scene.storage), 3);
+    assert!(staged_of(&scene.out, epoch_a, 3) > 0, "A staged output for checkpoint 3 and has not committed it");
+
+    let (status_b, err) = finish(scene.run(true, None));
+    assert!(status_b.success(), "B failed: {err}");
+    assert_eq!(staged_of(&scene.out, epoch_a, 3), 0, "B committed what A staged for checkpoint 3");
+    scene.assert_exact("B ran to the end while A was stopped before its commit");
+
+    signal("-CONT", a.id());
+    let (status_a, err) = finish(a);
+    assert_eq!(status_a.code(), Some(3), "A must exit as fenced: {err}");
+    scene.assert_exact("A released after B finished");
 }

@@ -1,6 +1,8 @@
 //! Which checkpoints and shared files to delete: a pure plan, and the I/O that carries it out.
 //!
-//! Keep the newest `retained` complete checkpoints (so the newest is never deleted), and also
+//! Keep the newest `retained` complete checkpoints of the job's history (so the newest is never
+//! deleted; a checkpoint a superseded run published outside the history counts as corrupt,
+//! [`mark_outside_history`], so it never displaces one a restore could take), and also
 //! the newest complete checkpoint that shares no keyed-state file with the newest one: the
 //! kept checkpoints of one incremental chain all build on one full image, and if that file is
 //! damaged, recovery needs a checkpoint outside the chain to fall back to. Delete older
@@ -26,6 +28,8 @@ pub struct FoundCheckpoint {
     /// Resolved paths (relative to the job root) of every file its valid metadata references;
     /// `None` when it has no readable metadata (in progress, aborted or corrupt).
     pub references: Option<BTreeSet<String>>,
+    /// The epoch of the run that wrote its metadata (0 when it has none, or predates epochs).
+    pub epoch: u64,
 }
 
 /// Shared files this run wrote ahead of the checkpoint that will list them: a background merge
@@ -170,14 +174,14 @@ pub async fn scan(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageErro
     for name in storage.list_dirs(layout::CHECKPOINTS).await? {
         let Some(id) = layout::parse_checkpoint_dir(&name) else { continue };
         let dir = layout::checkpoint_dir(id);
-        let references = match storage.get(&format!("{dir}/{}", layout::METADATA)).await {
-            Ok(bytes) => CheckpointMetadata::decode(&bytes)
-                .ok()
-                .map(|m| m.files().map(|f| layout::resolve(&dir, &f.path)).collect()),
+        let metadata = match storage.get(&format!("{dir}/{}", layout::METADATA)).await {
+            Ok(bytes) => CheckpointMetadata::decode(&bytes).ok(),
             Err(StorageError::NotFound(_)) => None,
             Err(e) => return Err(e),
         };
-        out.push(FoundCheckpoint { id, references });
+        let epoch = metadata.as_ref().map_or(0, |m| m.epoch);
+        let references = metadata.map(|m| m.files().map(|f| layout::resolve(&dir, &f.path)).collect());
+        out.push(FoundCheckpoint { id, references, epoch });
     }
     out.sort_by_key(|c| c.id);
     Ok(out)
@@ -188,6 +192,14 @@ pub async fn scan(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageErro
 /// retention never deletes an older valid checkpoint while keeping them in its place.
 pub fn mark_corrupt(found: &mut [FoundCheckpoint], corrupt: &BTreeSet<u64>) {
     for c in found.iter_mut().filter(|c| corrupt.contains(&c.id)) {
+        c.references = None;
+    }
+}
+
+/// Takes the checkpoints outside the job's `history` ([`crate::epoch::history_before`] the next
+/// run) as corrupt: never restored, they are neither kept nor a fallback.
+pub fn mark_outside_history(found: &mut [FoundCheckpoint], history: &crate::epoch::Lineage) {
+    for c in found.iter_mut().filter(|c| c.references.is_some() && !history.admits(c.epoch, c.id)) {
         c.references = None;
     }
 }
@@ -205,6 +217,10 @@ pub async fn apply(
 ) -> Result<RetentionPlan, StorageError> {
     let mut found = scan(storage).await?;
     mark_corrupt(&mut found, corrupt);
+    let next = crate::epoch::newest(storage).await? + 1;
+    if let Some(history) = crate::epoch::history_before(storage, next).await? {
+        mark_outside_history(&mut found, &history);
+    }
     let shared = storage.list(&format!("{}/{}", layout::CHECKPOINTS, layout::SHARED)).await?;
     // After the listing: a merge adds its file before uploading it, so every pending file the
     // listing shows is in this snapshot.
@@ -219,12 +235,62 @@ pub async fn apply(
     Ok(plan)
 }
 
+/// What `retentionOnCancel: Delete` deletes for a cancelled run of `epoch` whose checkpoints
+/// from `in_flight_from` on were never started: every checkpoint this run or an earlier one
+/// completed, every incomplete one below `in_flight_from`, and their shared files; never what
+/// a newer run wrote (this one may have been superseded since its last fence check).
+pub fn cancel_plan(
+    found: &[FoundCheckpoint],
+    shared_files: &[String],
+    epoch: u64,
+    in_flight_from: u64,
+) -> RetentionPlan {
+    let delete_checkpoints = found
+        .iter()
+        .filter(|c| match c.references {
+            Some(_) => c.epoch <= epoch,
+            None => c.id < in_flight_from,
+        })
+        .map(|c| c.id)
+        .collect();
+    let delete_shared = shared_files
+        .iter()
+        .filter(|f| {
+            let name = f.rsplit('/').next().unwrap_or("");
+            let written_by = layout::shared_file_epoch(name).or_else(|| layout::staged_merge_epoch(name));
+            written_by.is_none_or(|e| e <= epoch)
+        })
+        .cloned()
+        .collect();
+    RetentionPlan { delete_checkpoints, delete_shared }
+}
+
+/// Carries out [`cancel_plan`] on a job root, once [`crate::epoch::check`] says this run still
+/// holds the newest epoch.
+pub async fn delete_on_cancel(
+    storage: &Storage,
+    epoch: u64,
+    in_flight_from: u64,
+) -> Result<RetentionPlan, crate::epoch::EpochError> {
+    crate::epoch::check(storage, epoch).await?;
+    let found = scan(storage).await?;
+    let shared = storage.list(&format!("{}/{}", layout::CHECKPOINTS, layout::SHARED)).await?;
+    let plan = cancel_plan(&found, &shared, epoch, in_flight_from);
+    for id in &plan.delete_checkpoints {
+        storage.delete_dir(&layout::checkpoint_dir(*id)).await?;
+    }
+    for f in &plan.delete_shared {
+        storage.delete(f).await?;
+    }
+    Ok(plan)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn chk(id: u64, refs: &[&str]) -> FoundCheckpoint {
-        FoundCheckpoint { id, references: Some(refs.iter().map(|s| s.to_string()).collect()) }
+        FoundCheckpoint { id, references: Some(refs.iter().map(|s| s.to_string()).collect()), epoch: 1 }
     }
 
     fn shared(name: &str) -> String {
@@ -251,6 +317,51 @@ mod tests {
         let p = plan(&found, &files, 3, 403, 82, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![399, 400]);
         assert_eq!(p.delete_shared, vec![shared("1-398-81.kv"), shared("1-400-0.kv")]);
+    }
+
+    /// Run 2 restored checkpoint 2 (of run 1) and is still loading it; run 1, superseded but
+    /// not yet stopped, published checkpoint 3 and applies retention (one retained). Counted,
+    /// checkpoint 3 would displace 2 and delete run 2's restore point; outside the history, it
+    /// counts for nothing and 2 stays.
+    #[test]
+    fn a_checkpoint_outside_the_history_never_displaces_the_restore_point_of_the_next_run() {
+        let mut found = vec![chk(1, &[]), chk(2, &[]), chk(3, &[])];
+        let unaware = plan(&found, &[], 1, 4, 1, &BTreeSet::new());
+        assert_eq!(unaware.delete_checkpoints, vec![1, 2], "the failure: run 2's restore point goes");
+        let history = crate::epoch::Lineage { segments: vec![(2, u64::MAX), (1, 2)], floor: 1 };
+        mark_outside_history(&mut found, &history);
+        assert_eq!(found.iter().filter(|c| c.references.is_none()).map(|c| c.id).collect::<Vec<_>>(), vec![3]);
+        let p = plan(&found, &[], 1, 4, 1, &BTreeSet::new());
+        assert_eq!(p.delete_checkpoints, vec![1], "2 is the newest checkpoint of the history");
+    }
+
+    /// Cancelled with `retentionOnCancel: Delete`, run 3 deletes what it and earlier runs
+    /// wrote; run 4 (which superseded it after its last check) keeps its checkpoint, its
+    /// in-flight directory and its shared files.
+    #[test]
+    fn delete_on_cancel_leaves_what_a_newer_run_wrote() {
+        let mut newer = chk(9, &["checkpoints/shared/op/0-9-4.kv"]);
+        newer.epoch = 4;
+        let mut mine = chk(7, &["checkpoints/shared/op/0-7-3.kv"]);
+        mine.epoch = 3;
+        let found = vec![
+            chk(5, &["checkpoints/shared/op/0-5-1.kv"]),
+            FoundCheckpoint { id: 6, references: None, epoch: 0 },
+            mine,
+            FoundCheckpoint { id: 8, references: None, epoch: 0 },
+            newer,
+            FoundCheckpoint { id: 10, references: None, epoch: 0 },
+        ];
+        let files = vec![
+            shared("0-5-1.kv"),
+            shared("0-7-3.kv"),
+            shared("0-9-4.kv"),
+            shared("0-9-4.staged"),
+            shared("0-8-4-merged.kv"),
+        ];
+        let p = cancel_plan(&found, &files, 3, 9);
+        assert_eq!(p.delete_checkpoints, vec![5, 6, 7, 8], "9 is run 4's, 10 is in flight");
+        assert_eq!(p.delete_shared, vec![shared("0-5-1.kv"), shared("0-7-3.kv")]);
     }
 
     /// A checkpoint between the fallback and the newest `retained` stays (it is the next
@@ -302,18 +413,21 @@ mod tests {
 
     #[test]
     fn never_deletes_the_newest_and_skips_incomplete_ones_in_flight() {
-        let found =
-            vec![chk(1, &[]), FoundCheckpoint { id: 2, references: None }, FoundCheckpoint { id: 3, references: None }];
+        let found = vec![
+            chk(1, &[]),
+            FoundCheckpoint { id: 2, references: None, epoch: 0 },
+            FoundCheckpoint { id: 3, references: None, epoch: 0 },
+        ];
         let p = plan(&found, &[], 0, 3, 0, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, Vec::<u64>::new(), "2 is incomplete but newer than the newest complete (1)");
-        let found = vec![FoundCheckpoint { id: 1, references: None }, chk(2, &[]), chk(3, &[])];
+        let found = vec![FoundCheckpoint { id: 1, references: None, epoch: 0 }, chk(2, &[]), chk(3, &[])];
         let p = plan(&found, &[], 1, 4, 0, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![1, 2]);
     }
 
     #[test]
     fn nothing_is_deleted_without_a_complete_checkpoint() {
-        let found = vec![FoundCheckpoint { id: 1, references: None }];
+        let found = vec![FoundCheckpoint { id: 1, references: None, epoch: 0 }];
         assert_eq!(plan(&found, &[shared("0-1-0.kv")], 3, 2, 0, &BTreeSet::new()), RetentionPlan::default());
     }
 
@@ -362,7 +476,11 @@ mod tests {
     fn the_fallback_moves_forward_as_merged_chains_replace_older_ones() {
         let f = |i: u64| format!("checkpoints/shared/op/0-{i}-1.kv");
         let m = |i: u64| format!("checkpoints/shared/op/0-{i}-1-merged.kv");
-        let c = |id: u64, files: &[String]| FoundCheckpoint { id, references: Some(files.iter().cloned().collect()) };
+        let c = |id: u64, files: &[String]| FoundCheckpoint {
+            id,
+            references: Some(files.iter().cloned().collect()),
+            epoch: 1,
+        };
         // 1..=3 build on base 1; 3's chain is merged and adopted at 5 (keeping 4 and 5);
         // 7's chain ([M5, 4..7]) is merged and adopted at 8.
         let mut found = vec![c(1, &[f(1)]), c(2, &[f(1), f(2)]), c(3, &[f(1), f(2), f(3)])];
