@@ -1254,6 +1254,9 @@ pub async fn newest_valid(
                 return Ok(selection);
             }
             Err(RestoreError::Storage(e)) => return Err(RestoreError::Storage(e)),
+            // A local disk that cannot take a copy says nothing about the restore point: it is
+            // not passed over (nor then taken for corrupt by retention), the error is returned.
+            Err(e @ RestoreError::LocalCopy { .. }) => return Err(e),
             Err(e) => selection.skipped.push(Skipped {
                 id: point.id,
                 path: storage.url_of(&point.dir),
@@ -1933,6 +1936,24 @@ mod tests {
         assert!(crate::io().block_on(s.get(&gone)).is_ok(), "nothing else is touched");
         drop((restored, keyed, in_memory, selection));
         assert_eq!(copies(), 0, "copies are deleted with the restored state");
+    }
+
+    /// The local directory cannot take the copies (here it is under a regular file): the
+    /// restore fails with that error instead of passing over a good checkpoint as corrupt.
+    #[tokio::test]
+    async fn a_local_disk_that_refuses_the_copy_does_not_make_a_checkpoint_corrupt() {
+        let (_, s) = store();
+        keyed_checkpoint(&s, 1, 10_000).await;
+        keyed_checkpoint(&s, 2, 10_000).await;
+        let not_a_dir = tempfile::NamedTempFile::new().unwrap();
+        let keyed_in = KeyedFilesIn::LocalDir(not_a_dir.path().join("state"));
+        match newest_valid(&s, 0, &keyed_in, None).await {
+            Err(RestoreError::LocalCopy { dir, .. }) => assert!(dir.contains("state"), "{dir}"),
+            other => panic!("expected the local copy error, got {other:?}"),
+        }
+        let local = tempfile::tempdir().unwrap();
+        let keyed_in = KeyedFilesIn::LocalDir(local.path().to_path_buf());
+        assert_eq!(newest_valid(&s, 0, &keyed_in, None).await.unwrap().restored.unwrap().checkpoint_id, 2);
     }
 
     #[tokio::test]

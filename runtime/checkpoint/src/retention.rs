@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use crate::layout;
-use crate::metadata::CheckpointMetadata;
+use crate::metadata::{CheckpointMetadata, MetadataError};
 use crate::store::{Storage, StorageError};
 
 /// A checkpoint directory as found in storage.
@@ -30,6 +30,9 @@ pub struct FoundCheckpoint {
     pub references: Option<BTreeSet<String>>,
     /// The epoch of the run that wrote its metadata (0 when it has none, or predates epochs).
     pub epoch: u64,
+    /// Its metadata is of a format newer than this Weir reads (written before a downgrade):
+    /// neither it nor any shared file it could list is deleted, for the newer Weir to read.
+    pub newer_format: bool,
 }
 
 /// Shared files this run wrote ahead of the checkpoint that will list them: a background merge
@@ -127,10 +130,13 @@ pub fn plan(
     let oldest_kept = kept.last().map_or(newest.id, |c| c.id);
     let newest_complete = newest.id;
     let kept_ids: BTreeSet<u64> = kept.iter().map(|c| c.id).collect();
+    // Shared files a checkpoint of a newer format could list: those created at or before it.
+    let newer_format_up_to = found.iter().filter(|c| c.newer_format).map(|c| c.id).max();
     let delete_checkpoints: Vec<u64> = found
         .iter()
         .filter(|c| {
             !kept_ids.contains(&c.id)
+                && !c.newer_format
                 && c.id < in_flight_from
                 // Complete ones only below the oldest kept: those between a fallback and the
                 // newest `retained` are the next fallbacks (once the newest chain no longer
@@ -155,9 +161,11 @@ pub fn plan(
         .filter(|f| !referenced.contains(f) && !pending.contains(*f))
         .filter(|f| {
             let name = f.rsplit('/').next().unwrap_or("");
-            let unreferenced_file = layout::shared_file_creator(name)
-                .is_some_and(|creator| creator <= newest_complete && creator < in_flight_from)
-                && layout::shared_file_epoch(name).is_some_and(|e| e <= epoch);
+            let unreferenced_file = layout::shared_file_creator(name).is_some_and(|creator| {
+                creator <= newest_complete
+                    && creator < in_flight_from
+                    && newer_format_up_to.is_none_or(|newer| creator > newer)
+            }) && layout::shared_file_epoch(name).is_some_and(|e| e <= epoch);
             // A merge staged by an earlier run of an older Weir (which renamed merges when it
             // adopted them) was never adopted: its run is gone or fenced.
             let abandoned_merge = layout::staged_merge_epoch(name).is_some_and(|e| e < epoch);
@@ -174,14 +182,16 @@ pub async fn scan(storage: &Storage) -> Result<Vec<FoundCheckpoint>, StorageErro
     for name in storage.list_dirs(layout::CHECKPOINTS).await? {
         let Some(id) = layout::parse_checkpoint_dir(&name) else { continue };
         let dir = layout::checkpoint_dir(id);
-        let metadata = match storage.get(&format!("{dir}/{}", layout::METADATA)).await {
-            Ok(bytes) => CheckpointMetadata::decode(&bytes).ok(),
+        let decoded = match storage.get(&format!("{dir}/{}", layout::METADATA)).await {
+            Ok(bytes) => Some(CheckpointMetadata::decode(&bytes)),
             Err(StorageError::NotFound(_)) => None,
             Err(e) => return Err(e),
         };
+        let newer_format = matches!(decoded, Some(Err(MetadataError::UnsupportedVersion(_))));
+        let metadata = decoded.and_then(Result::ok);
         let epoch = metadata.as_ref().map_or(0, |m| m.epoch);
         let references = metadata.map(|m| m.files().map(|f| layout::resolve(&dir, &f.path)).collect());
-        out.push(FoundCheckpoint { id, references, epoch });
+        out.push(FoundCheckpoint { id, references, epoch, newer_format });
     }
     out.sort_by_key(|c| c.id);
     Ok(out)
@@ -290,7 +300,12 @@ mod tests {
     use super::*;
 
     fn chk(id: u64, refs: &[&str]) -> FoundCheckpoint {
-        FoundCheckpoint { id, references: Some(refs.iter().map(|s| s.to_string()).collect()), epoch: 1 }
+        FoundCheckpoint {
+            id,
+            references: Some(refs.iter().map(|s| s.to_string()).collect()),
+            epoch: 1,
+            newer_format: false,
+        }
     }
 
     fn shared(name: &str) -> String {
@@ -335,6 +350,19 @@ mod tests {
         assert_eq!(p.delete_checkpoints, vec![1], "2 is the newest checkpoint of the history");
     }
 
+    /// After a downgrade, checkpoint 5's metadata is of a newer format: this Weir cannot read
+    /// it, but must not take it for a corrupt one and delete it (nor the shared files it could
+    /// list), so that the newer Weir, back, can restore it.
+    #[test]
+    fn a_checkpoint_of_a_newer_format_and_the_files_it_could_list_are_kept() {
+        let newer = FoundCheckpoint { id: 5, references: None, epoch: 0, newer_format: true };
+        let found = vec![chk(4, &[]), newer, chk(6, &[]), chk(7, &["checkpoints/shared/op/0-7-3.kv"])];
+        let files = vec![shared("0-4-2.kv"), shared("0-5-2.kv"), shared("0-6-3.kv")];
+        let p = plan(&found, &files, 1, 8, 3, &BTreeSet::new());
+        assert_eq!(p.delete_checkpoints, vec![4], "5 stays; 6 is the fallback outside 7's chain");
+        assert_eq!(p.delete_shared, vec![shared("0-6-3.kv")], "files created up to checkpoint 5 stay");
+    }
+
     /// Cancelled with `retentionOnCancel: Delete`, run 3 deletes what it and earlier runs
     /// wrote; run 4 (which superseded it after its last check) keeps its checkpoint, its
     /// in-flight directory and its shared files.
@@ -346,11 +374,11 @@ mod tests {
         mine.epoch = 3;
         let found = vec![
             chk(5, &["checkpoints/shared/op/0-5-1.kv"]),
-            FoundCheckpoint { id: 6, references: None, epoch: 0 },
+            FoundCheckpoint { id: 6, references: None, epoch: 0, newer_format: false },
             mine,
-            FoundCheckpoint { id: 8, references: None, epoch: 0 },
+            FoundCheckpoint { id: 8, references: None, epoch: 0, newer_format: false },
             newer,
-            FoundCheckpoint { id: 10, references: None, epoch: 0 },
+            FoundCheckpoint { id: 10, references: None, epoch: 0, newer_format: false },
         ];
         let files = vec![
             shared("0-5-1.kv"),
@@ -415,19 +443,20 @@ mod tests {
     fn never_deletes_the_newest_and_skips_incomplete_ones_in_flight() {
         let found = vec![
             chk(1, &[]),
-            FoundCheckpoint { id: 2, references: None, epoch: 0 },
-            FoundCheckpoint { id: 3, references: None, epoch: 0 },
+            FoundCheckpoint { id: 2, references: None, epoch: 0, newer_format: false },
+            FoundCheckpoint { id: 3, references: None, epoch: 0, newer_format: false },
         ];
         let p = plan(&found, &[], 0, 3, 0, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, Vec::<u64>::new(), "2 is incomplete but newer than the newest complete (1)");
-        let found = vec![FoundCheckpoint { id: 1, references: None, epoch: 0 }, chk(2, &[]), chk(3, &[])];
+        let found =
+            vec![FoundCheckpoint { id: 1, references: None, epoch: 0, newer_format: false }, chk(2, &[]), chk(3, &[])];
         let p = plan(&found, &[], 1, 4, 0, &BTreeSet::new());
         assert_eq!(p.delete_checkpoints, vec![1, 2]);
     }
 
     #[test]
     fn nothing_is_deleted_without_a_complete_checkpoint() {
-        let found = vec![FoundCheckpoint { id: 1, references: None, epoch: 0 }];
+        let found = vec![FoundCheckpoint { id: 1, references: None, epoch: 0, newer_format: false }];
         assert_eq!(plan(&found, &[shared("0-1-0.kv")], 3, 2, 0, &BTreeSet::new()), RetentionPlan::default());
     }
 
@@ -480,6 +509,7 @@ mod tests {
             id,
             references: Some(files.iter().cloned().collect()),
             epoch: 1,
+            newer_format: false,
         };
         // 1..=3 build on base 1; 3's chain is merged and adopted at 5 (keeping 4 and 5);
         // 7's chain ([M5, 4..7]) is merged and adopted at 8.
