@@ -308,8 +308,10 @@ pub fn needs_checkpoints(desired: &Desired<'_>, current: &PlanState, obs: &Obser
     if spec.state != DesiredState::Running {
         return current.recovery_point.is_none() && !matches!(obs.pods, PodsPhase::Absent | PodsPhase::Running);
     }
-    if current.pending_upgrade.is_some() {
-        return false;
+    if let Some(up) = &current.pending_upgrade {
+        // Only a relaunch of the new pods, failed before they ran, reads them.
+        let new_pods = obs.pods_spec_hash.as_deref() == Some(up.target_spec_hash.as_str());
+        return new_pods && matches!(obs.pods, PodsPhase::Failed(_)) && current.relaunch_count < spec.relaunch.limit;
     }
     match &obs.pods {
         // A deploy that restores the job's own state, checked against its checkpoints.
@@ -392,6 +394,14 @@ pub fn plan(desired: &Desired<'_>, current: &PlanState, obs: &Observation) -> Pl
             p.state.pending_upgrade = None;
             p.state.phase = Some(Phase::Running);
             p.event(false, EventReason::Upgraded, format!("generation {} is running", up.target_generation));
+        } else if let PodsPhase::Failed(reason) = &obs.pods {
+            // The new pods failed before they ran: a relaunch like any other, counted against
+            // `relaunch.limit` and backed off, not a wait for a Running that never comes.
+            relaunch(desired, current, obs, reason, &mut p);
+        } else if matches!(obs.pods, PodsPhase::Succeeded) {
+            // A bounded job that finished before it was seen running.
+            p.state.pending_upgrade = None;
+            p.state.phase = Some(Phase::Finished);
         } else {
             p.requeue_after_ms = Some(WATCH_MS);
         }
@@ -1216,6 +1226,40 @@ mod tests {
         assert!(p.actions.is_empty());
         assert_eq!(p.state.phase, Some(Phase::Degraded));
         assert!(p.degraded.unwrap().contains("120s old, older than relaunch.maxCheckpointAge 1m"));
+    }
+
+    /// The pods of an upgrade (or a relaunch) fail before they ever run: each failure is a
+    /// relaunch counted against the limit, and at the limit the job is Failed (not a wait for
+    /// a Running that never comes).
+    #[test]
+    fn new_pods_that_fail_before_running_are_relaunched_up_to_the_limit() {
+        let mut s = spec();
+        s.relaunch.limit = 2;
+        s.relaunch.backoff = HumanDuration::from_secs(0);
+        let d = desired(&s, "h2");
+        let pending = PendingUpgrade {
+            target_generation: 2,
+            target_spec_hash: "h2".into(),
+            restore_from: Some(snap(7)),
+            restore: Some(RestoreMode::Snapshot),
+        };
+        let mut st = PlanState { pending_upgrade: Some(pending), ..state(Phase::Upgrading) };
+        let failed = obs(PodsPhase::Failed("exit 1".into()), Some("h2"));
+        for attempt in 1..=2 {
+            let p = plan(&d, &st, &failed);
+            assert_eq!(p.actions, vec![Action::DeletePods { grace_seconds: Some(KILL_GRACE_SECONDS) }], "{attempt}");
+            assert_eq!(p.state.relaunch_count, attempt);
+            assert_eq!(p.events[0].reason, EventReason::Relaunching);
+            st = p.state;
+        }
+        let p = plan(&d, &st, &failed);
+        assert_eq!(p.state.phase, Some(Phase::Failed));
+        assert!(p.actions.is_empty());
+        assert!(p.degraded.unwrap().contains("relaunch limit (2) is reached"));
+        // Pods of the new spec that finished before they were seen running: Finished.
+        let st = PlanState { relaunch_count: 0, ..st };
+        let p = plan(&d, &st, &obs(PodsPhase::Succeeded, Some("h2")));
+        assert_eq!((p.state.phase, p.state.pending_upgrade), (Some(Phase::Finished), None));
     }
 
     #[test]
