@@ -576,6 +576,10 @@ impl Executor<'_> {
                         "skipping a restore point that cannot be restored"
                     );
                 }
+                for s in &selection.outside {
+                    let why = &s.defect;
+                    tracing::warn!(path = %s.path, %why, "skipping a restore point outside the job's history");
+                }
                 let reason = selection.reason();
                 (selection.restored, reason)
             }

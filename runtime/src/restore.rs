@@ -1169,6 +1169,9 @@ pub struct Selection {
     pub restored: Option<RestoredState>,
     /// Newer restore points passed over because they are corrupt, newest first.
     pub skipped: Vec<Skipped>,
+    /// Restore points passed over because they are outside the job's history, newest first:
+    /// not defects (a run that starts afresh leaves the older history behind).
+    pub outside: Vec<Skipped>,
 }
 
 impl Selection {
@@ -1237,7 +1240,7 @@ pub async fn newest_valid(
                 Ok(metadata) => match history.filter(|h| !h.admits(metadata.epoch, point.id)) {
                     Some(h) => {
                         let defect = h.refusal(metadata.epoch, point.id);
-                        selection.skipped.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect });
+                        selection.outside.push(Skipped { id: point.id, path: storage.url_of(&point.dir), defect });
                         continue;
                     }
                     None => Restorable { dir: point.dir.clone(), metadata },
@@ -2078,14 +2081,33 @@ mod tests {
         let history = epoch::history_before(&s, next).await.unwrap().unwrap();
         let selection = newest_valid(&s, 0, &KeyedFilesIn::Memory, Some(&history)).await.unwrap();
         assert_eq!(selection.restored.as_ref().unwrap().checkpoint_id, 2);
-        assert_eq!(selection.skipped.len(), 1);
-        assert!(selection.skipped[0].defect.contains("not in the job's history"), "{:?}", selection.skipped);
+        assert_eq!(selection.outside.len(), 1);
+        assert!(selection.outside[0].defect.contains("not in the job's history"), "{:?}", selection.outside);
         let listed = recovery::list_checkpoints(&s).await.unwrap();
         let verdicts: Vec<(u64, bool)> = listed.iter().map(|(id, v, _)| (*id, *v == Verdict::Valid)).collect();
         assert_eq!(verdicts, vec![(3, false), (2, true), (1, true)]);
         // Without the history (a tool reading any root), checkpoint 3 looks like the newest.
         let blind = newest_valid(&s, 0, &KeyedFilesIn::Memory, None).await.unwrap();
         assert_eq!(blind.restored.unwrap().checkpoint_id, 3);
+    }
+
+    /// A stateless upgrade starts afresh (run 2, no restore point) beside run 1's checkpoints;
+    /// a restart of run 2 before its first checkpoint must start afresh again, not restore
+    /// run 1's newest (state the upgrade chose to leave behind), and is no error.
+    #[tokio::test]
+    async fn a_restart_of_a_fresh_start_does_not_reach_back_into_the_older_history() {
+        use weir_checkpoint::epoch;
+        let (_, s) = store();
+        epoch::claim_started(&s, "run 1", None).await.unwrap();
+        checkpoint(&s, 1).await;
+        checkpoint(&s, 2).await;
+        epoch::claim_started(&s, "run 2 (stateless upgrade)", None).await.unwrap();
+        let restart = epoch::claim(&s, "run 2's restart").await.unwrap();
+        let history = epoch::history_before(&s, restart).await.unwrap().unwrap();
+        let selection = newest_valid(&s, 0, &KeyedFilesIn::Memory, Some(&history)).await.unwrap();
+        assert!(selection.restored.is_none(), "run 1's checkpoints are not in run 2's history");
+        assert_eq!(selection.outside.iter().map(|o| o.id).collect::<Vec<_>>(), vec![2, 1]);
+        assert!(selection.outside[0].defect.contains("started the history afresh"), "{:?}", selection.outside);
     }
 
     #[tokio::test]
