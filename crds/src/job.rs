@@ -830,7 +830,8 @@ pub struct KafkaSinkSpec {
     /// `transaction.max.timeout.ms` (checked at start).
     #[serde(default = "default_transaction_timeout")]
     pub transaction_timeout: HumanDuration,
-    /// Compacted topic holding commit markers (exactly-once); created when missing.
+    /// Compacted topic holding commit markers (exactly-once); created when missing. An
+    /// existing one must have one partition and `cleanup.policy=compact` (checked at start).
     #[serde(default = "default_marker_topic")]
     pub marker_topic: String,
     /// Prefix of the transactional ids (`<prefix>-<uid>-<subtask>`) and marker keys; must be

@@ -66,6 +66,14 @@ pub enum KafkaClientError {
         /// The bootstrap servers.
         bootstrap: String,
     },
+    /// The marker topic exists but cannot hold markers safely.
+    #[error("marker topic `{topic}`: {reason}")]
+    UnsafeMarkerTopic {
+        /// The topic.
+        topic: String,
+        /// What is wrong with it, and what to do.
+        reason: String,
+    },
     /// The sink's transaction timeout exceeds what the broker allows.
     #[error(
         "transactionTimeout is {wanted_ms} ms but the broker allows at most {max_ms} ms \
@@ -269,13 +277,51 @@ pub fn ensure_marker_topic(config: &ClientConfig, topic: &str) -> Result<(), Kaf
         .map_err(|source| KafkaClientError::Admin { step: "creating the marker topic", source })?;
     for r in results {
         match r {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Ok(_) => return Ok(()),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
             Err((_, code)) => {
                 return Err(KafkaClientError::Admin {
                     step: "creating the marker topic",
                     source: KafkaError::AdminOp(code),
                 })
             }
+        }
+    }
+    check_marker_topic(&admin, topic)
+}
+
+/// Refuses an existing marker topic that could lose markers or hide them: recovery reads
+/// partition 0 only (markers written to another partition would never be seen, and the
+/// checkpoints they cover would be sent again), and a topic that is not compacted deletes old
+/// markers once its retention passes.
+fn check_marker_topic(admin: &AdminClient<ErrorCapture>, topic: &str) -> Result<(), KafkaClientError> {
+    let unsafe_topic = |reason: String| KafkaClientError::UnsafeMarkerTopic { topic: topic.to_string(), reason };
+    let md = admin
+        .inner()
+        .fetch_metadata(Some(topic), REQUEST_TIMEOUT)
+        .map_err(|source| KafkaClientError::Admin { step: "reading the marker topic", source })?;
+    let partitions = md.topics().iter().find(|t| t.name() == topic).map_or(0, |t| t.partitions().len());
+    if partitions != 1 {
+        return Err(unsafe_topic(format!(
+            "it has {partitions} partitions and must have exactly 1 (recovery reads every marker from one \
+             partition); delete it and let Weir create it, or name another markerTopic"
+        )));
+    }
+    let opts = AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT));
+    let results = crate::io()
+        .block_on(admin.describe_configs([&ResourceSpecifier::Topic(topic)], &opts))
+        .map_err(|source| KafkaClientError::Admin { step: "reading the marker topic's configuration", source })?;
+    for r in results {
+        let r = r.map_err(|code| KafkaClientError::Admin {
+            step: "reading the marker topic's configuration",
+            source: KafkaError::AdminOp(code),
+        })?;
+        let policy = r.get("cleanup.policy").and_then(|e| e.value.clone()).unwrap_or_default();
+        if !policy.split(',').any(|p| p.trim() == "compact") || policy.contains("delete") {
+            return Err(unsafe_topic(format!(
+                "its cleanup.policy is `{policy}` and must be `compact` (with `delete`, markers older than the \
+                 topic's retention are deleted and the checkpoints they cover sent again)"
+            )));
         }
     }
     Ok(())

@@ -162,6 +162,24 @@ fn start_error(yaml: &str, chk: &std::path::Path) -> String {
     e
 }
 
+/// A marker topic someone created before the job is checked, not trusted: with more than one
+/// partition (recovery reads one) or without compaction (old markers expire) it is refused,
+/// naming the fix; one Weir created passes the same check.
+#[test]
+fn an_existing_marker_topic_that_could_lose_markers_is_refused() {
+    let b = broker();
+    let config = weir_runtime::kafka::client_config(&b.bootstrap, &BTreeMap::new()).unwrap();
+    let (partitioned, deleting, fresh) = (topic("markers-3p"), topic("markers-delete"), topic("markers-new"));
+    b.create_topic(&partitioned, 3);
+    b.create_topic(&deleting, 1);
+    let err = weir_runtime::kafka::ensure_marker_topic(&config, &partitioned).unwrap_err().to_string();
+    assert!(err.contains("it has 3 partitions and must have exactly 1"), "{err}");
+    let err = weir_runtime::kafka::ensure_marker_topic(&config, &deleting).unwrap_err().to_string();
+    assert!(err.contains("cleanup.policy is `delete` and must be `compact`"), "{err}");
+    weir_runtime::kafka::ensure_marker_topic(&config, &fresh).expect("created compacted with one partition");
+    weir_runtime::kafka::ensure_marker_topic(&config, &fresh).expect("and accepted once it exists");
+}
+
 #[test]
 fn unknown_topics_unreachable_brokers_and_too_long_transactions_are_refused() {
     let b = broker();
