@@ -286,6 +286,9 @@ pub fn run_job(
     // The epoch is claimed before the restore point is chosen: from here on the previous run
     // (if it still runs) is fenced, so nothing it writes while this one lists and loads can
     // enter the history this one continues.
+    // A start that will be refused (the root holds state and neither a restore nor a fresh
+    // start was asked for) claims nothing: it must not fence a run of the job already going.
+    exec.refuse_existing_state()?;
     exec.claim_epoch().map_err(JobError::Claim)?;
     let (mut restore, mut restore_reason) = exec.initial_restore()?;
     // Only where the run started from is kept: each attempt drops its state once its tasks
@@ -544,26 +547,30 @@ impl Executor<'_> {
         scaled_checkpoint_timeout_ms(&self.job.spec, self.checkpoint_timeout_scale)
     }
 
-    /// What the first attempt restores, and why: the request, or nothing for a fresh start
-    /// (refused when the root already holds restore points, unless `fresh`).
+    /// Refuses a start without `--restore` on a root that already holds restore points,
+    /// unless `fresh`.
+    fn refuse_existing_state(&self) -> Result<(), JobError> {
+        if self.opts.restore.is_some() || self.opts.fresh {
+            return Ok(());
+        }
+        let newest = crate::io().block_on(async {
+            let points = recovery::restore_points(&self.storage).await?;
+            recovery::newest_complete(&self.storage, &points).await
+        })?;
+        match newest {
+            Some(p) => Err(JobError::ExistingState {
+                root: self.storage.url().to_string(),
+                newest: format!("{} (id {})", self.storage.url_of(&p.dir), p.id),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// What the first attempt restores, and why: the request, or nothing for a fresh start.
     fn initial_restore(&mut self) -> Result<(Option<RestoredState>, String), JobError> {
         let started = std::time::Instant::now();
         let (restored, reason) = match &self.opts.restore {
-            None => {
-                if !self.opts.fresh {
-                    let newest = crate::io().block_on(async {
-                        let points = recovery::restore_points(&self.storage).await?;
-                        recovery::newest_complete(&self.storage, &points).await
-                    })?;
-                    if let Some(p) = newest {
-                        return Err(JobError::ExistingState {
-                            root: self.storage.url().to_string(),
-                            newest: format!("{} (id {})", self.storage.url_of(&p.dir), p.id),
-                        });
-                    }
-                }
-                (None, "fresh start".to_string())
-            }
+            None => (None, "fresh start".to_string()),
             Some(RestoreRequest::Latest) => {
                 let history = self.history()?;
                 let selection =

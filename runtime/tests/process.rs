@@ -228,6 +228,9 @@ fn a_second_run_needs_restore_or_fresh_and_never_deletes_earlier_output() {
     };
     let first = run(&[]);
     assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let storage = weir_checkpoint::Storage::open(chk.to_str().unwrap()).unwrap();
+    let epochs = || weir_runtime::io().block_on(storage.list(weir_checkpoint::layout::EPOCHS)).unwrap();
+    let epochs_after_first = epochs();
     let snapshot = |out: &std::path::Path| -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
         let mut files = std::collections::BTreeMap::new();
         for sink in std::fs::read_dir(out).unwrap().flatten() {
@@ -253,6 +256,7 @@ fn a_second_run_needs_restore_or_fresh_and_never_deletes_earlier_output() {
         "{err}"
     );
     assert_eq!(snapshot(&out), after_first, "a refused run touches nothing");
+    assert_eq!(epochs(), epochs_after_first, "nor claims an epoch (which would fence a run going on)");
 
     let fresh = run(&["--fresh"]);
     assert!(fresh.status.success(), "{}", String::from_utf8_lossy(&fresh.stderr));
