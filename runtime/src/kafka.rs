@@ -239,24 +239,36 @@ pub fn broker_transaction_max_timeout(config: &ClientConfig, bootstrap: &str) ->
     let admin: AdminClient<ErrorCapture> =
         config.create_with_context(ErrorCapture::default()).map_err(KafkaClientError::Configure)?;
     let broker = md.brokers().first().map(|b| b.id()).unwrap_or(0);
+    let step = "reading the broker's configuration";
+    match config_value(&admin, ResourceSpecifier::Broker(broker), "transaction.max.timeout.ms", step)? {
+        Some(v) => v.parse().map_err(|_| KafkaClientError::Admin {
+            step: "reading transaction.max.timeout.ms",
+            source: KafkaError::AdminOp(RDKafkaErrorCode::InvalidConfig),
+        }),
+        // Kafka's default, when the broker does not say.
+        None => Ok(900_000),
+    }
+}
+
+/// The value of configuration `key` of a broker or topic, if it has one; `step` names the
+/// request in errors.
+fn config_value(
+    admin: &AdminClient<ErrorCapture>,
+    resource: ResourceSpecifier<'_>,
+    key: &str,
+    step: &'static str,
+) -> Result<Option<String>, KafkaClientError> {
     let opts = AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT));
     let results = crate::io()
-        .block_on(admin.describe_configs([&ResourceSpecifier::Broker(broker)], &opts))
-        .map_err(|source| KafkaClientError::Admin { step: "reading the broker's configuration", source })?;
+        .block_on(admin.describe_configs([&resource], &opts))
+        .map_err(|source| KafkaClientError::Admin { step, source })?;
     for r in results {
-        let r = r.map_err(|code| KafkaClientError::Admin {
-            step: "reading the broker's configuration",
-            source: KafkaError::AdminOp(code),
-        })?;
-        if let Some(v) = r.get("transaction.max.timeout.ms").and_then(|e| e.value.as_deref()) {
-            return v.parse().map_err(|_| KafkaClientError::Admin {
-                step: "reading transaction.max.timeout.ms",
-                source: KafkaError::AdminOp(RDKafkaErrorCode::InvalidConfig),
-            });
+        let r = r.map_err(|code| KafkaClientError::Admin { step, source: KafkaError::AdminOp(code) })?;
+        if let Some(v) = r.get(key).and_then(|e| e.value.clone()) {
+            return Ok(Some(v));
         }
     }
-    // Kafka's default, when the broker does not say.
-    Ok(900_000)
+    Ok(None)
 }
 
 /// Creates the compacted marker topic when it does not exist (one partition: recovery reads
@@ -307,22 +319,13 @@ fn check_marker_topic(admin: &AdminClient<ErrorCapture>, topic: &str) -> Result<
              partition); delete it and let Weir create it, or name another markerTopic"
         )));
     }
-    let opts = AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT));
-    let results = crate::io()
-        .block_on(admin.describe_configs([&ResourceSpecifier::Topic(topic)], &opts))
-        .map_err(|source| KafkaClientError::Admin { step: "reading the marker topic's configuration", source })?;
-    for r in results {
-        let r = r.map_err(|code| KafkaClientError::Admin {
-            step: "reading the marker topic's configuration",
-            source: KafkaError::AdminOp(code),
-        })?;
-        let policy = r.get("cleanup.policy").and_then(|e| e.value.clone()).unwrap_or_default();
-        if !policy.split(',').any(|p| p.trim() == "compact") || policy.contains("delete") {
-            return Err(unsafe_topic(format!(
-                "its cleanup.policy is `{policy}` and must be `compact` (with `delete`, markers older than the \
-                 topic's retention are deleted and the checkpoints they cover sent again)"
-            )));
-        }
+    let step = "reading the marker topic's configuration";
+    let policy = config_value(admin, ResourceSpecifier::Topic(topic), "cleanup.policy", step)?.unwrap_or_default();
+    if !policy.split(',').any(|p| p.trim() == "compact") || policy.contains("delete") {
+        return Err(unsafe_topic(format!(
+            "its cleanup.policy is `{policy}` and must be `compact` (with `delete`, markers older than the \
+             topic's retention are deleted and the checkpoints they cover sent again)"
+        )));
     }
     Ok(())
 }

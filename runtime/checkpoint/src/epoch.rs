@@ -203,6 +203,12 @@ pub async fn newest(storage: &Storage) -> Result<u64, StorageError> {
     Ok(claims.iter().filter_map(|p| p.rsplit('/').next().and_then(layout::parse_epoch_claim)).max().unwrap_or(0))
 }
 
+/// The history the next run would continue (whatever epoch it claims): [`history_before`]
+/// every claim, from one listing of the claims.
+pub async fn current_history(storage: &Storage) -> Result<Option<Lineage>, StorageError> {
+    history_before(storage, u64::MAX).await
+}
+
 /// Claims the next epoch; `holder` (e.g. host and process id) is written into the claim. The
 /// run has not started until [`record_start`] says where from.
 pub async fn claim(storage: &Storage, holder: &str) -> Result<u64, EpochError> {

@@ -119,8 +119,7 @@ pub async fn list_checkpoints(
         storage.list_dirs(layout::CHECKPOINTS).await?.iter().filter_map(|n| layout::parse_checkpoint_dir(n)).collect();
     ids.sort_unstable_by(|a, b| b.cmp(a));
     let damaged = damaged_files(storage).await?;
-    let next = crate::epoch::newest(storage).await? + 1;
-    let history = crate::epoch::history_before(storage, next).await?;
+    let history = crate::epoch::current_history(storage).await?;
     let mut out = Vec::new();
     for id in ids {
         let (mut verdict, meta) = inspect_with(storage, &layout::checkpoint_dir(id), &damaged).await?;

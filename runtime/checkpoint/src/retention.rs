@@ -227,8 +227,7 @@ pub async fn apply(
 ) -> Result<RetentionPlan, StorageError> {
     let mut found = scan(storage).await?;
     mark_corrupt(&mut found, corrupt);
-    let next = crate::epoch::newest(storage).await? + 1;
-    if let Some(history) = crate::epoch::history_before(storage, next).await? {
+    if let Some(history) = crate::epoch::current_history(storage).await? {
         mark_outside_history(&mut found, &history);
     }
     let shared = storage.list(&format!("{}/{}", layout::CHECKPOINTS, layout::SHARED)).await?;
